@@ -1,0 +1,59 @@
+"""attncc: a compiler from an attention DSL to IO-aware fused kernels, loaded as torch ops.
+
+    kern = attncc.compile("examples/causal.attn")          # or DSL source text
+    out = kern(q, k, v)                                     # autograd and torch.compile work
+    out, lse = kern(q, k, v, return_lse=True)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attncc.errors import AttnccError, BuildError, DslError, InputError
+from attncc.frontend.parser import decode_source
+from attncc.passes import Stage, run_pipeline
+from attncc.runtime.kernel import Kernel
+from attncc.runtime.philox import dropout_mask
+from attncc.targets import get_target
+
+__all__ = [
+    "AttnccError", "BuildError", "DslError", "InputError", "Kernel", "compile", "dropout_mask",
+    "include_dir", "lower",
+]  # fmt: skip
+__version__ = "0.1.0"
+
+
+def include_dir() -> str:
+    """Directory of attncc's C++/CUDA headers (pass as -I when compiling emitted sources)."""
+    return str(Path(__file__).resolve().parent / "include")
+
+
+def read_program(path_or_source: str | Path) -> tuple[str, str]:
+    """(source text, display path): a path to an existing file, or DSL text itself."""
+    text = str(path_or_source)
+    if "\n" not in text and (text.endswith(".attn") or isinstance(path_or_source, Path)):
+        path = Path(text)
+        if not path.is_file():
+            raise AttnccError(f"{text}: no such program file")
+        return decode_source(path.read_bytes(), text), text
+    return text, "<string>"
+
+
+def lower(path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None) -> list[Stage]:
+    """Run the pass pipeline; returns the IR after each pass (what `attncc explain` prints)."""
+    source, path = read_program(path_or_source)
+    return run_pipeline(source, path, get_target(target), tiles)
+
+
+def compile(path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None) -> Kernel:  # noqa: A001
+    """Compile a DSL program (a .attn path or its text) into a callable kernel.
+
+    The library for each input dtype is generated, built and cached on first call.
+    """
+    if target != "cpu":
+        get_target(target)  # unknown names get the usual error
+        raise AttnccError(
+            f"target `{target}`: only the cpu backend generates code so far; "
+            "`attncc explain --target` shows the tiling plan for GPU targets"
+        )
+    return Kernel(lower(path_or_source, target, tiles), target)

@@ -1,0 +1,78 @@
+"""The calling convention between the Python runtime and a generated kernel library.
+
+A kernel entry point is ``int attncc_<kernel>(void* const* ptrs, const int64_t* ints,
+const double* reals)``. One `KernelAbi`, built from the IR, lists every slot in order; the
+template unpacks the arrays from that list and the runtime packs them from the same list, so
+the two sides cannot disagree about an index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attncc.codegen.cexpr import scalar_ident, tensor_ident
+from attncc.ir.graph import Graph, fused_node, inputs, runtime_inputs
+
+#: q/k/v-shaped operands: (name, C type). "storage_t" is the q/k/v element type.
+OPERANDS = (
+    ("q", "const storage_t*"), ("k", "const storage_t*"), ("v", "const storage_t*"),
+    ("out", "storage_t*"), ("dout", "const storage_t*"), ("dq", "storage_t*"),
+    ("dk", "storage_t*"), ("dv", "storage_t*"),
+)  # fmt: skip
+#: Per-row statistics and the tile classes.
+ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "const acc_t*"), ("classes", "const uint8_t*"))
+SIZES = ("B", "H", "Hkv", "N", "M", "D")
+CONTROL = ("Br", "Bc", "cls_sb", "cls_sh", "cls_si", "seed", "offset", "threads")
+REALS = ("scale", "dropout")
+_ELEMENT_TYPES = {"float": "acc_t", "int": "int64_t", "bool": "uint8_t"}
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str  # program name
+    ident: str  # C++ member
+    ctype: str  # element type
+    rank: int
+
+
+@dataclass(frozen=True)
+class KernelAbi:
+    tensors: tuple[TensorSlot, ...]  # runtime tensors read by the variant, then layout grids
+    scalars: tuple[tuple[str, str, str], ...]  # (program name, C++ member, C type)
+    grads: tuple[str, ...]  # float tensors that can receive gradients (program names)
+
+    def pointer_slots(self) -> list[tuple[str, str]]:
+        """(member, C type) of every pointer, in order."""
+        slots = [(n, t) for n, t in OPERANDS] + list(ROW_BUFFERS)
+        slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
+        slots += [(f"grad_{self.ident_of(n)}", "acc_t*") for n in self.grads]
+        return slots
+
+    def int_slots(self) -> list[str]:
+        names = list(SIZES)
+        names += [f"st_{n}_{d}" for n, _ in OPERANDS for d in range(4)]
+        names += list(CONTROL)
+        names += [f"st_{t.ident}_{d}" for t in self.tensors for d in range(t.rank)]
+        return names
+
+    def real_slots(self) -> list[str]:
+        return list(REALS) + [ident for _, ident, _ in self.scalars]
+
+    def ident_of(self, name: str) -> str:
+        return next(t.ident for t in self.tensors if t.name == name)
+
+
+def kernel_abi(g: Graph) -> KernelAbi:
+    """The ABI of the fused kernel in `g` (after sparsity analysis)."""
+    _, op = fused_node(g)
+    declared = inputs(g)
+    tensors = [d for d in runtime_inputs(g) if d.role == "tensor"]
+    tensors += [declared[name] for name, _ in op.sparsity.layout_grids] if op.sparsity else []
+    slots = tuple(TensorSlot(d.name, tensor_ident(d.name), _ELEMENT_TYPES[d.dtype], len(d.dims)) for d in tensors)
+    scalars = tuple(
+        (d.name, scalar_ident(d.name), {"float": "acc_t", "int": "int64_t", "bool": "bool"}[d.dtype])
+        for d in runtime_inputs(g)
+        if d.role == "scalar"
+    )
+    grads = tuple(t.name for t in slots if declared[t.name].dtype == "float" and declared[t.name].role == "tensor")
+    return KernelAbi(slots, scalars, grads)

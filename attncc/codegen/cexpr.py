@@ -1,0 +1,97 @@
+"""Expression trees -> C++ expressions for the generated kernels.
+
+Only validated tokens reach the output: variable and tensor names were checked by the
+frontend against the grammar's identifier pattern and the program's declarations, and are
+emitted with a fixed prefix (`u_` scalars, `t_` tensors, `g_` generated grids) so they
+cannot collide with C++ keywords or kernel locals; numbers are re-printed from parsed values.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from attncc.ir import expr as ex
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_C_TYPES = {ex.INT: "int64_t", ex.FLOAT: "acc_t", ex.BOOL: "bool"}
+_BINARY_C = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
+_UNARY_C = {"exp": "std::exp", "log": "std::log", "tanh": "std::tanh", "sqrt": "std::sqrt"}
+
+
+def c_name(name: str) -> str:
+    """The C++ identifier of a program input (scalar `u_`, tensor `t_`, layout grid `g_`)."""
+    ident = "g_" + name[2:] if name.startswith("__layout") else name
+    if not _IDENT.match(ident):
+        raise ValueError(f"refusing to emit non-identifier {name!r}")
+    return ident
+
+
+def tensor_ident(name: str) -> str:
+    ident = c_name(name)
+    return ident if ident.startswith("g_") else "t_" + ident
+
+
+def scalar_ident(name: str) -> str:
+    return "u_" + c_name(name)
+
+
+def c_type(ty: str) -> str:
+    return _C_TYPES[ty]
+
+
+def emit(e: ex.Expr, ctx: str = "x") -> str:
+    """C++ text for `e`; problem-level values are members of the context object `ctx`."""
+    if isinstance(e, ex.Const):
+        return _literal(e)
+    if isinstance(e, ex.Var):
+        if e.name in ex.INDEX_VARS or e.name == ex.SCORE_VAR:
+            return e.name
+        if e.name in ex.SIZE_VARS or e.name == "scale":
+            return f"{ctx}.{e.name}"
+        return f"{ctx}.{scalar_ident(e.name)}"
+    if isinstance(e, ex.Read):
+        t = tensor_ident(e.tensor)
+        offset = " + ".join(f"({emit(i, ctx)}) * {ctx}.st_{t}_{d}" for d, i in enumerate(e.index))
+        value = f"{ctx}.{t}[{offset}]"
+        return f"({value} != 0)" if e.ty == ex.BOOL else value
+    if isinstance(e, ex.Unary):
+        x = emit(e.x, ctx)
+        if e.op == "neg":
+            return f"(-{x})"
+        if e.op == "not":
+            return f"(!{x})"
+        if e.op == "abs":
+            return f"std::abs({x})" if e.ty == ex.INT else f"std::abs(acc_t({x}))"
+        return f"{_UNARY_C[e.op]}(acc_t({x}))"
+    if isinstance(e, ex.Binary):
+        a, b = emit(e.a, ctx), emit(e.b, ctx)
+        if e.op == "div":
+            return f"(acc_t({a}) / acc_t({b}))"
+        if e.op == "floordiv":
+            return f"attncc::floordiv({a}, {b})"
+        if e.op == "mod":
+            return f"attncc::pymod({a}, {b})"
+        if e.op in ("min", "max"):
+            t = c_type(e.ty)
+            return f"std::{e.op}<{t}>({t}({a}), {t}({b}))"
+        if e.ty == ex.FLOAT and e.op in ("add", "sub", "mul"):
+            return f"(acc_t({a}) {_BINARY_C[e.op]} acc_t({b}))"
+        return f"({a} {_BINARY_C[e.op]} {b})"
+    if isinstance(e, ex.Where):
+        t = c_type(e.ty)
+        return f"({emit(e.cond, ctx)} ? {t}({emit(e.a, ctx)}) : {t}({emit(e.b, ctx)}))"
+    raise TypeError(f"cannot emit {e!r}")
+
+
+def _literal(c: ex.Const) -> str:
+    if c.ty == ex.BOOL:
+        return "true" if c.value else "false"
+    if c.ty == ex.INT:
+        return f"int64_t({int(c.value)})"
+    value = float(c.value)
+    if math.isinf(value):
+        return "attncc::kInf" if value > 0 else "(-attncc::kInf)"
+    if math.isnan(value):
+        return "std::numeric_limits<acc_t>::quiet_NaN()"
+    return f"acc_t({value!r})"

@@ -1,0 +1,58 @@
+"""CPU code generator: the fused IR node -> one C++ translation unit per storage dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attncc.codegen import render
+from attncc.codegen.abi import KernelAbi, kernel_abi
+from attncc.codegen.cexpr import emit
+from attncc.ir import expr as ex
+from attncc.ir.graph import Graph, fused_node
+
+#: torch dtype name -> (storage type, accumulator type) in the generated C++.
+STORAGE_TYPES = {
+    "float32": ("float", "float"),
+    "float64": ("double", "double"),
+    "bfloat16": ("attncc::bf16_t", "float"),
+    "float16": ("attncc::fp16_t", "float"),
+}
+
+
+@dataclass(frozen=True)
+class InputGradHook:
+    ident: str
+    offset: str
+    derivative: str
+
+
+def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
+    """C++ source of the forward and backward kernels of `g` for q/k/v of `dtype`."""
+    _, op = fused_node(g)
+    assert op.backward is not None, "derive_backward must run before code generation"
+    abi: KernelAbi = kernel_abi(g)
+    storage, acc = STORAGE_TYPES[dtype]
+    grads = []
+    for grad in op.backward.inputs:
+        ident = abi.ident_of(grad.read.tensor)
+        offset = " + ".join(f"({emit(i)}) * x.st_{ident}_{d}" for d, i in enumerate(grad.read.index)) or "0"
+        grads.append(InputGradHook(ident, offset, emit(grad.derivative)))
+    needs_s0 = ex.SCORE_VAR in ex.free_vars(op.backward.dscore) or any(
+        ex.SCORE_VAR in ex.free_vars(gr.derivative) for gr in op.backward.inputs
+    )
+    return render(
+        "cpu/attention.cpp.jinja",
+        source_name=g.graph["path"].rsplit("/", 1)[-1],
+        variant=g.graph["name"],
+        variant_key=variant_key,
+        storage_type=storage,
+        acc_type=acc,
+        abi=abi,
+        has_score_map=op.score != ex.score(),
+        needs_s0=needs_s0,
+        has_dropout=op.dropout > 0,
+        score=emit(op.score),
+        mask=emit(op.mask) if op.mask is not None else "true",
+        dscore=emit(op.backward.dscore),
+        input_grads=grads,
+    )

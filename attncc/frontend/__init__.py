@@ -1,0 +1,1 @@
+"""Frontend: DSL text -> located syntax tree -> IR graph."""

@@ -1,0 +1,420 @@
+"""Semantic analysis: a located syntax tree -> the unfused IR graph.
+
+This is the check-only front door: every user mistake that can be caught from the text alone
+(unknown names, wrong arity, type errors, masks that read the scores, malformed layouts) is a
+`DslError` with the statement's location here, before any pass runs. Only validated tokens
+survive into the IR: names are looked up in the declared tables and numbers are parsed, so no
+user text reaches generated code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from attncc.errors import DslError, SourceLoc
+from attncc.frontend.parser import Ast, parse
+from attncc.ir import expr as ex
+from attncc.ir.graph import Graph, add_op, new_graph
+from attncc.ir.ops import Dropout, Input, Layout, Mask, Output, ScoreMap, ScoreMatmul, Softmax, ValueMatmul
+
+DTYPES = ("float", "int", "bool")
+MATH_FUNCTIONS = {"abs": 1, "exp": 1, "log": 1, "tanh": 1, "sqrt": 1, "min": 2, "max": 2, "where": 3}
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    # generator -> its integer parameters besides `block` (see passes/sparsity.py for meaning)
+    "local": ("width",),
+    "strided": ("stride",),
+    "fixed": ("stride", "summary"),
+    "butterfly": (),
+    "blocks": (),
+}
+RESERVED = set(ex.INDEX_VARS + ex.SIZE_VARS) | {"q", "k", "v", "scale", "inf", "softmax", "dropout"}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor-valued name: `kind` is q, k, kT, v, scores, probs or out."""
+
+    node: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class ScoreExpr:
+    """An elementwise expression over the scores produced by `node` (the score is Var s)."""
+
+    node: str
+    expr: ex.Expr
+
+
+Value = TensorRef | ScoreExpr | ex.Expr
+
+
+@dataclass
+class _Context:
+    g: Graph
+    path: str
+    names: dict[str, Value] = field(default_factory=dict)
+    scale: ex.Expr | None = None
+    output: str | None = None
+
+
+def lower(tree: Ast, path: str) -> Graph:
+    """Build the unfused graph for a parsed program."""
+    header = tree.children[0]
+    ctx = _Context(new_graph(header.value, path), path)
+    for role in ("q", "k", "v"):
+        node = add_op(ctx.g, Input(role, role, "float", _QKV_DIMS[role]))
+        ctx.names[role] = TensorRef(node, role)
+    for stmt in tree.children[1:]:
+        _STATEMENTS[stmt.kind](ctx, stmt)
+    if ctx.output is None:
+        last = tree.children[-1]
+        raise DslError("program has no `output` statement (e.g. `output o` after `o = p @ v`)", last.loc)
+    scale = ctx.scale if ctx.scale is not None else default_scale()
+    ctx.g.graph["scale"] = scale
+    return ctx.g
+
+
+def parse_program(text: str, path: str = "<string>") -> Graph:
+    """DSL text -> unfused, unverified IR graph (DslError on any mistake)."""
+    return lower(parse(text, path), path)
+
+
+_QKV_DIMS: dict[str, tuple[str, ...]] = {"q": ("B", "H", "N", "D"), "k": ("B", "Hkv", "M", "D"), "v": ("B", "Hkv", "M", "D")}
+
+
+def default_scale() -> ex.Expr:
+    return ex.Binary("div", ex.const(1.0), ex.Unary("sqrt", ex.var("D")))
+
+
+# ----------------------------------------------------------------------------- statements
+def _input(ctx: _Context, stmt: Ast) -> None:
+    name, dtype = stmt.children[0], stmt.children[1]
+    _check_new_name(ctx, name)
+    if dtype.value not in DTYPES:
+        raise DslError(f"unknown input type `{dtype.value}`; expected one of {', '.join(DTYPES)}", dtype.loc)
+    dims: tuple[str | int, ...] = ()
+    role = "scalar"
+    if len(stmt.children) > 2:
+        role = "tensor"
+        dims = tuple(_dim(d) for d in stmt.children[2].children)
+    node = add_op(ctx.g, Input(name.value, role, dtype.value, dims, loc=name.loc))
+    ctx.names[name.value] = TensorRef(node, "tensor") if role == "tensor" else ex.var(name.value, _scalar_type(dtype.value))
+
+
+def _dim(d: Ast) -> str | int:
+    if d.value.isdigit():
+        if int(d.value) < 1:
+            raise DslError("a dimension must be at least 1", d.loc)
+        return int(d.value)
+    if not d.value.isidentifier():
+        raise DslError(f"a dimension is a name or a positive integer, not `{d.value}`", d.loc)
+    return d.value
+
+
+def _scalar_type(dtype: str) -> str:
+    return {"float": ex.FLOAT, "int": ex.INT, "bool": ex.BOOL}[dtype]
+
+
+def _const(ctx: _Context, stmt: Ast) -> None:
+    name, value_ast = stmt.children
+    _check_new_name(ctx, name)
+    value = _scalar(ctx, value_ast, "a constant")
+    folded = ex.fold(value)
+    if not isinstance(folded, ex.Const):
+        raise DslError("a `const` must be computable from numbers alone", value_ast.loc)
+    ctx.names[name.value] = folded
+
+
+def _assign(ctx: _Context, stmt: Ast) -> None:
+    name, value_ast = stmt.children
+    if name.value == "scale":
+        value = _scalar(ctx, value_ast, "the scale")
+        if ex.free_vars(value) - set(ex.SIZE_VARS) or ex.reads(value):
+            raise DslError("the scale may depend only on numbers and the sizes B, H, Hkv, N, M, D", value_ast.loc)
+        ctx.scale = ex.fold(value)
+        return
+    if name.value in RESERVED or (name.value in ctx.names and isinstance(ctx.names[name.value], TensorRef) and ctx.names[name.value].kind == "tensor"):  # type: ignore[union-attr]
+        raise DslError(f"`{name.value}` is reserved or an input and cannot be assigned", name.loc)
+    value = _lower_expr(ctx, value_ast)
+    if isinstance(value, ScoreExpr):
+        value = _materialise(ctx, value, value_ast.loc)
+    ctx.names[name.value] = value
+
+
+def _mask(ctx: _Context, stmt: Ast) -> None:
+    pred_ast = stmt.children[0]
+    pred = _lower_expr(ctx, pred_ast)
+    if isinstance(pred, ScoreExpr):
+        raise DslError(
+            "a mask cannot depend on the scores `s`; use a score expression such as `s = where(cond, s, -inf)`",
+            pred_ast.loc,
+        )
+    if isinstance(pred, TensorRef):
+        raise DslError("a mask is a predicate over b, h, i, j and inputs, not a tensor", pred_ast.loc)
+    if pred.ty != ex.BOOL:
+        raise DslError(f"a mask must be a condition (true keeps the score), got a {pred.ty} expression", pred_ast.loc)
+    _apply_to_scores(ctx, Mask(ex.fold(pred), loc=stmt.loc), stmt.loc, _reads(ctx, pred))
+
+
+def _layout(ctx: _Context, stmt: Ast) -> None:
+    name, *args = stmt.children
+    if name.value not in LAYOUTS:
+        raise DslError(f"unknown layout `{name.value}`; expected one of {', '.join(LAYOUTS)}", name.loc)
+    positional = [a for a in args if a.kind != "keyword"]
+    keywords = {a.value: a for a in args if a.kind == "keyword"}
+    tensor = None
+    if name.value == "blocks":
+        if len(positional) != 1 or positional[0].kind != "name":
+            raise DslError("`blocks(mask, block=...)` takes the block-mask input as its first argument", name.loc)
+        tensor = positional[0].value
+        ref = ctx.names.get(tensor)
+        if not (isinstance(ref, TensorRef) and ref.kind == "tensor"):
+            raise DslError(f"`{tensor}` is not a declared tensor input", positional[0].loc)
+        decl = ctx.g.nodes[ref.node]["op"]
+        if decl.dtype == "float" or len(decl.dims) not in (2, 3, 4):
+            raise DslError(f"`{tensor}` must be a bool or int tensor of rank 2 ([NB, MB]) to 4 ([B, H, NB, MB])", positional[0].loc)
+    elif positional:
+        raise DslError(f"`{name.value}` takes keyword arguments only", positional[0].loc)
+    allowed = ("block", *LAYOUTS[name.value])
+    for key, arg in keywords.items():
+        if key not in allowed:
+            raise DslError(f"`{name.value}` has no parameter `{key}`; expected {', '.join(allowed)}", arg.loc)
+    values: dict[str, int] = {}
+    for key in allowed:
+        if key not in keywords:
+            raise DslError(f"`{name.value}` needs the parameter `{key}=`", name.loc)
+        values[key] = _positive_int(ctx, keywords[key].children[0], key)
+    params = tuple((k, values[k]) for k in LAYOUTS[name.value])
+    reads = {tensor} if tensor else set()
+    _apply_to_scores(ctx, Layout(name.value, values["block"], params, tensor, loc=stmt.loc), stmt.loc, reads)
+
+
+def _output(ctx: _Context, stmt: Ast) -> None:
+    value = ctx.names.get(stmt.value)
+    if not (isinstance(value, TensorRef) and value.kind == "out"):
+        raise DslError(f"`output` takes the result of `p @ v`; `{stmt.value}` is not one", stmt.loc)
+    if ctx.output is not None:
+        raise DslError("a program has exactly one `output`", stmt.loc)
+    ctx.output = add_op(ctx.g, Output(loc=stmt.loc), [value.node])
+
+
+_STATEMENTS = {
+    "input": _input, "const": _const, "assign": _assign, "mask": _mask, "layout": _layout,
+    "output": _output,
+}  # fmt: skip
+
+
+def _check_new_name(ctx: _Context, name: Ast) -> None:
+    if name.value in RESERVED:
+        raise DslError(f"`{name.value}` is a built-in name", name.loc)
+    if name.value in ctx.names:
+        raise DslError(f"`{name.value}` is already defined", name.loc)
+
+
+def _positive_int(ctx: _Context, a: Ast, what: str) -> int:
+    value = ex.fold(_scalar(ctx, a, what))
+    if not (isinstance(value, ex.Const) and value.ty == ex.INT and int(value.value) >= 1):
+        raise DslError(f"`{what}` must be a positive integer constant", a.loc)
+    return int(value.value)
+
+
+def _apply_to_scores(ctx: _Context, op: Mask | Layout, loc: SourceLoc, reads: set[str]) -> None:
+    """Insert `op` after the newest score tensor and rebind every name that referred to it."""
+    scores = [n for n, v in ctx.names.items() if isinstance(v, TensorRef) and v.kind == "scores"]
+    if not scores:
+        raise DslError("no scores to mask yet: write `s = q @ k.T * scale` first", loc)
+    target = ctx.names[scores[-1]]
+    assert isinstance(target, TensorRef)
+    node = add_op(ctx.g, op, [target.node], reads)
+    for n, v in ctx.names.items():
+        if v == target:
+            ctx.names[n] = TensorRef(node, "scores")
+
+
+def _materialise(ctx: _Context, value: ScoreExpr, loc: SourceLoc) -> TensorRef:
+    if value.expr == ex.score():
+        return TensorRef(value.node, "scores")
+    if value.expr.ty != ex.FLOAT and value.expr.ty != ex.INT:
+        raise DslError(f"a score expression must be numeric, got a {value.expr.ty} expression", loc)
+    node = add_op(ctx.g, ScoreMap(ex.fold(value.expr), loc=loc), [value.node], _reads(ctx, value.expr))
+    return TensorRef(node, "scores")
+
+
+def _reads(ctx: _Context, e: ex.Expr) -> set[str]:
+    """Runtime inputs `e` depends on (tensors read and scalar inputs used)."""
+    names = {r.tensor for r in ex.reads(e)}
+    declared = {n for n, v in ctx.names.items() if isinstance(v, ex.Var)}
+    return names | (ex.free_vars(e) & declared)
+
+
+# ----------------------------------------------------------------------------- expressions
+def _scalar(ctx: _Context, a: Ast, what: str) -> ex.Expr:
+    value = _lower_expr(ctx, a)
+    if not isinstance(value, ex.Expr):
+        raise DslError(f"{what} must be a number, not a tensor", a.loc)
+    return value
+
+
+def _lower_expr(ctx: _Context, a: Ast) -> Value:
+    handler = _EXPRESSIONS.get(a.kind)
+    if handler is None:
+        raise DslError(f"unexpected {a.kind} here", a.loc)
+    return handler(ctx, a)
+
+
+def _number(ctx: _Context, a: Ast) -> Value:
+    text = a.value
+    if text.isdigit():
+        return ex.const(int(text))
+    value = float(text)
+    if not math.isfinite(value):
+        raise DslError(f"number `{text}` is out of range", a.loc)
+    return ex.const(value)
+
+
+def _name(ctx: _Context, a: Ast) -> Value:
+    n = a.value
+    if n in ctx.names:
+        value = ctx.names[n]
+        return ScoreExpr(value.node, ex.score()) if isinstance(value, TensorRef) and value.kind == "scores" else value
+    if n in ex.INDEX_VARS or n in ex.SIZE_VARS:
+        return ex.var(n)
+    if n == "scale":
+        return ex.var("scale", ex.FLOAT)
+    if n == "inf":
+        return ex.const(math.inf)
+    known = sorted(set(ctx.names) | set(ex.INDEX_VARS) | set(ex.SIZE_VARS) | {"scale", "inf"})
+    raise DslError(f"unknown name `{n}`; known names are {', '.join(known)}", a.loc)
+
+
+def _attribute(ctx: _Context, a: Ast) -> Value:
+    base = _lower_expr(ctx, a.children[0])
+    if a.value == "T" and isinstance(base, TensorRef) and base.kind == "k":
+        return TensorRef(base.node, "kT")
+    raise DslError(f"unknown attribute `.{a.value}` (only `k.T` is supported)", a.loc)
+
+
+def _index(ctx: _Context, a: Ast) -> Value:
+    base_ast, *index_asts = a.children
+    base = _lower_expr(ctx, base_ast)
+    if not (isinstance(base, TensorRef) and base.kind == "tensor"):
+        raise DslError("only declared tensor inputs can be indexed", base_ast.loc)
+    decl = ctx.g.nodes[base.node]["op"]
+    if len(index_asts) != len(decl.dims):
+        raise DslError(f"`{decl.name}` has {len(decl.dims)} dimensions but is indexed with {len(index_asts)}", a.loc)
+    index = []
+    for i_ast in index_asts:
+        i = _lower_expr(ctx, i_ast)
+        if isinstance(i, (TensorRef, ScoreExpr)) or i.ty != ex.INT:
+            raise DslError("an index must be an integer expression over b, h, i, j and integer inputs", i_ast.loc)
+        index.append(ex.fold(i))
+    return ex.Read(decl.name, tuple(index), _scalar_type(decl.dtype))
+
+
+_UNARY = {"-": "neg", "not": "not"}
+_BINARY = {
+    "+": "add", "-": "sub", "*": "mul", "/": "div", "//": "floordiv", "%": "mod",
+    "<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne", "and": "and", "or": "or",
+}  # fmt: skip
+
+
+def _unary(ctx: _Context, a: Ast) -> Value:
+    operand = _lower_expr(ctx, a.children[0])
+    if a.value == "+":
+        return operand
+    return _elementwise(ctx, a, _UNARY[a.value], [operand])
+
+
+def _binary(ctx: _Context, a: Ast) -> Value:
+    left, right = (_lower_expr(ctx, c) for c in a.children)
+    if a.value == "@":
+        return _matmul(ctx, a, left, right)
+    return _elementwise(ctx, a, _BINARY[a.value], [left, right])
+
+
+def _matmul(ctx: _Context, a: Ast, left: Value, right: Value) -> Value:
+    if isinstance(left, TensorRef) and left.kind == "q" and isinstance(right, TensorRef) and right.kind == "kT":
+        return ScoreExpr(add_op(ctx.g, ScoreMatmul(loc=a.loc), [left.node, right.node]), ex.score())
+    if isinstance(left, TensorRef) and left.kind == "probs" and isinstance(right, TensorRef) and right.kind == "v":
+        return TensorRef(add_op(ctx.g, ValueMatmul(loc=a.loc), [left.node, right.node]), "out")
+    raise DslError("`@` computes the scores `q @ k.T` or the output `p @ v` (p from softmax)", a.loc)
+
+
+def _call(ctx: _Context, a: Ast) -> Value:
+    fn = a.value
+    if any(c.kind == "keyword" for c in a.children):
+        raise DslError(f"`{fn}` takes no keyword arguments", a.loc)
+    args = [_lower_expr(ctx, c) for c in a.children]
+    if fn == "softmax":
+        _arity(a, args, 1)
+        scores = args[0]
+        if isinstance(scores, ScoreExpr):
+            scores = _materialise(ctx, scores, a.children[0].loc)
+        if not (isinstance(scores, TensorRef) and scores.kind == "scores"):
+            raise DslError("softmax takes the scores (from `q @ k.T`)", a.children[0].loc)
+        return TensorRef(add_op(ctx.g, Softmax(loc=a.loc), [scores.node]), "probs")
+    if fn == "dropout":
+        _arity(a, args, 2)
+        probs, rate = args
+        if not (isinstance(probs, TensorRef) and probs.kind == "probs"):
+            raise DslError("dropout takes the probabilities (from `softmax`)", a.children[0].loc)
+        p = ex.fold(rate) if isinstance(rate, ex.Expr) else None
+        if not (isinstance(p, ex.Const) and p.ty in (ex.FLOAT, ex.INT) and 0 <= float(p.value) < 1):
+            raise DslError("the dropout rate must be a constant in [0, 1)", a.children[1].loc)
+        return TensorRef(add_op(ctx.g, Dropout(float(p.value), loc=a.loc), [probs.node]), "probs")
+    if fn in MATH_FUNCTIONS:
+        _arity(a, args, MATH_FUNCTIONS[fn])
+        op = {"where": "where"}.get(fn, fn)
+        return _elementwise(ctx, a, op, args)
+    known = ", ".join(["softmax", "dropout", *MATH_FUNCTIONS])
+    raise DslError(f"unknown function `{fn}`; known functions are {known}", a.loc)
+
+
+def _arity(a: Ast, args: list[Value], n: int) -> None:
+    if len(args) != n:
+        raise DslError(f"`{a.value}` takes {n} argument{'s' if n != 1 else ''}, got {len(args)}", a.loc)
+
+
+def _elementwise(ctx: _Context, a: Ast, op: str, args: list[Value]) -> Value:
+    """Combine scalar and score operands; the result is a ScoreExpr if any operand is one."""
+    nodes = {v.node for v in args if isinstance(v, ScoreExpr)}
+    if any(isinstance(v, TensorRef) for v in args):
+        raise DslError(f"`{a.value or op}` applies to scores and numbers, not to this tensor", a.loc)
+    if len(nodes) > 1:
+        raise DslError("an expression may combine only one score tensor (elementwise over s)", a.loc)
+    exprs = [v.expr if isinstance(v, ScoreExpr) else v for v in args]
+    result = _typed(a, op, exprs)
+    return ScoreExpr(nodes.pop(), result) if nodes else result
+
+
+def _typed(a: Ast, op: str, args: list[ex.Expr]) -> ex.Expr:
+    """Build one node, checking operand types so type errors point at the operator."""
+    tys = [x.ty for x in args]
+    numeric = (ex.INT, ex.FLOAT)
+    if op == "not":
+        if tys[0] != ex.BOOL:
+            raise DslError("`not` needs a condition", a.loc)
+        return ex.Unary("not", args[0])
+    if op in ("and", "or"):
+        if tys != [ex.BOOL, ex.BOOL]:
+            raise DslError(f"`{op}` needs conditions on both sides", a.loc)
+        return ex.Binary(op, *args)
+    if op == "where":
+        if tys[0] != ex.BOOL or tys[1] not in numeric + (ex.BOOL,) or tys[2] != tys[1] and ex.BOOL in tys[1:]:
+            raise DslError("`where(cond, a, b)` needs a condition and two values of the same kind", a.loc)
+        return ex.Where(*args)
+    if any(t not in numeric for t in tys):
+        raise DslError(f"`{a.value}` needs numbers, got a condition", a.loc)
+    if op in ("floordiv", "mod") and tys != [ex.INT, ex.INT]:
+        raise DslError(f"`{a.value}` is integer division; both sides must be integers", a.loc)
+    if op in ex.UNARY_OPS:
+        return ex.Unary(op, args[0])
+    return ex.Binary(op, *args)
+
+
+_EXPRESSIONS = {
+    "number": _number, "name": _name, "attribute": _attribute, "index": _index,
+    "unary": _unary, "binary": _binary, "call": _call,
+}  # fmt: skip

@@ -1,0 +1,225 @@
+"""Parse DSL text into a located syntax tree.
+
+The grammar lives in `attn.lark`. Parsing is LALR with the tree built bottom-up inside the
+parser (no recursion), so pathological input (thousands of nested parentheses, megabytes of
+operators, binary garbage) ends in a `DslError` with a location, never a RecursionError, a
+hang or a traceback.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from lark import Lark, Token, Transformer
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from attncc.errors import DslError, SourceLoc
+
+#: Deepest expression nesting accepted; real programs use fewer than ten levels.
+MAX_DEPTH = 64
+#: Largest program accepted, in characters.
+MAX_SOURCE_CHARS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Ast:
+    """A syntax-tree node: `kind` names the construct, `value` holds a token's text."""
+
+    kind: str
+    loc: SourceLoc
+    value: str = ""
+    children: tuple[Ast, ...] = field(default=())
+    depth: int = 1
+
+
+@cache
+def _parser() -> tuple[Lark, _Builder]:
+    """The LALR parser with the tree builder run inside it, so no step recurses per level."""
+    builder = _Builder()
+    grammar = (Path(__file__).with_name("attn.lark")).read_text()
+    return Lark(grammar, parser="lalr", maybe_placeholders=False, transformer=builder), builder
+
+
+_PARSE_LOCK = threading.Lock()
+
+
+class _Builder(Transformer):
+    """Builds `Ast` nodes while LALR reduces; tracks and limits nesting depth."""
+
+    src: _Source  # set for each parse, under _PARSE_LOCK
+
+    def _leaf(self, kind: str, tok: Token) -> Ast:
+        return Ast(kind, self.src.loc(tok.line, tok.column), str(tok))
+
+    def _node(self, kind: str, loc: SourceLoc, kids: list[Ast], value: str = "") -> Ast:
+        depth = 1 + max((k.depth for k in kids), default=0)
+        if depth > MAX_DEPTH:
+            raise DslError(f"expression nested too deeply (more than {MAX_DEPTH} levels)", loc)
+        return Ast(kind, loc, value, tuple(kids), depth)
+
+    def _as_ast(self, item: Ast | Token, kind: str = "ident") -> Ast:
+        return item if isinstance(item, Ast) else self._leaf(kind, item)
+
+    # statements -------------------------------------------------------------------------
+    def start(self, items: list[Ast]) -> Ast:
+        return Ast("program", items[0].loc if items else self.src.loc(1, 1), "", tuple(items))
+
+    def header(self, items: list[Token]) -> Ast:
+        return self._leaf("header", items[0])
+
+    def input_decl(self, items: list[Token | Ast]) -> Ast:
+        name, dtype = self._as_ast(items[0]), self._as_ast(items[1])
+        kids = [name, dtype] + ([items[2]] if len(items) > 2 else [])  # type: ignore[list-item]
+        return self._node("input", name.loc, kids)
+
+    def shape(self, items: list[Token]) -> Ast:
+        dims = [self._leaf("dim", t) for t in items]
+        return self._node("shape", dims[0].loc, dims)
+
+    def const_decl(self, items: list[Token | Ast]) -> Ast:
+        name = self._as_ast(items[0])
+        return self._node("const", name.loc, [name, items[1]])  # type: ignore[list-item]
+
+    def assign(self, items: list[Token | Ast]) -> Ast:
+        name = self._as_ast(items[0])
+        return self._node("assign", name.loc, [name, items[1]])  # type: ignore[list-item]
+
+    def mask_stmt(self, items: list[Ast]) -> Ast:
+        return self._node("mask", items[0].loc, items)
+
+    def layout_stmt(self, items: list[Token | Ast]) -> Ast:
+        name = self._as_ast(items[0])
+        args = [self._as_ast(a) for a in items[1:]]
+        return self._node("layout", name.loc, [name, *args])
+
+    def output_stmt(self, items: list[Token]) -> Ast:
+        return self._leaf("output", items[0])
+
+    def keyword(self, items: list[Token | Ast]) -> Ast:
+        name = self._as_ast(items[0])
+        return self._node("keyword", name.loc, [items[1]], str(name.value))  # type: ignore[list-item]
+
+    # expressions ------------------------------------------------------------------------
+    def binary(self, items: list[Ast | Token]) -> Ast:
+        left, op, right = items
+        assert isinstance(op, Token) and isinstance(left, Ast) and isinstance(right, Ast)
+        return self._node("binary", self.src.loc(op.line, op.column), [left, right], str(op))
+
+    def unary(self, items: list[Ast | Token]) -> Ast:
+        op, operand = items
+        assert isinstance(op, Token) and isinstance(operand, Ast)
+        return self._node("unary", self.src.loc(op.line, op.column), [operand], str(op))
+
+    def index(self, items: list[Ast]) -> Ast:
+        return self._node("index", items[0].loc, items)
+
+    def attribute(self, items: list[Ast | Token]) -> Ast:
+        base, attr = items
+        assert isinstance(base, Ast) and isinstance(attr, Token)
+        return self._node("attribute", base.loc, [base], str(attr))
+
+    def call(self, items: list[Ast | Token]) -> Ast:
+        fn = items[0]
+        assert isinstance(fn, Token)
+        args = [a for a in items[1:] if isinstance(a, Ast)]
+        return self._node("call", self.src.loc(fn.line, fn.column), args, str(fn))
+
+    def number(self, items: list[Token]) -> Ast:
+        return self._leaf("number", items[0])
+
+    def name(self, items: list[Token]) -> Ast:
+        return self._leaf("name", items[0])
+
+
+class _Source:
+    def __init__(self, text: str, path: str) -> None:
+        self.text = text
+        self.path = path
+        self.lines = text.splitlines() or [""]
+
+    def loc(self, line: int, column: int) -> SourceLoc:
+        src = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
+        return SourceLoc(self.path, line, column, src[:200])
+
+
+def decode_source(data: bytes, path: str) -> str:
+    """UTF-8 text of a program file, or a DslError naming the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DslError(
+            f"not a text file: byte 0x{data[exc.start]:02x} is not valid UTF-8",
+            SourceLoc(path, line, column),
+        ) from None
+
+
+def parse(text: str, path: str = "<string>") -> Ast:
+    """Parse a program; raises DslError (with file:line:col and a caret) on any bad input."""
+    src = _Source(text, path)
+    if len(text) > MAX_SOURCE_CHARS:
+        raise DslError(f"program too large ({len(text)} characters, limit {MAX_SOURCE_CHARS})", src.loc(1, 1))
+    if not text.strip():
+        raise DslError("empty program: expected `attention NAME` on the first line", src.loc(1, 1))
+    _check_bracket_depth(src)
+    try:
+        lark, builder = _parser()
+        with _PARSE_LOCK:
+            builder.src = src
+            result = lark.parse(text)
+    except UnexpectedCharacters as exc:
+        char = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        shown = repr(char) if char.isprintable() else f"character U+{ord(char):04X}" if char else "end"
+        raise DslError(f"unexpected {shown}", src.loc(exc.line, exc.column)) from None
+    except UnexpectedToken as exc:
+        tok = exc.token
+        what = "end of line" if tok.type == "_NL" else "end of file" if tok.type == "$END" else f"`{tok}`"
+        raise DslError(f"unexpected {what}{_expected(exc.expected)}", src.loc(tok.line, tok.column)) from None
+    except UnexpectedEOF as exc:
+        last = len(src.lines)
+        raise DslError(f"unexpected end of file{_expected(exc.expected)}", src.loc(last, len(src.lines[-1]) + 1)) from None
+    except UnexpectedInput as exc:  # any other lark error still has a position
+        raise DslError("syntax error", src.loc(getattr(exc, "line", 1), getattr(exc, "column", 1))) from None
+    except DslError:
+        raise
+    except Exception as exc:  # lark wraps callback errors in VisitError
+        inner = getattr(exc, "orig_exc", None)
+        if isinstance(inner, DslError):
+            raise inner from None
+        raise
+    assert isinstance(result, Ast)
+    return result
+
+
+_TOKEN_NAMES = {
+    "NAME": "a name", "NUMBER": "a number", "LPAR": "`(`", "RPAR": "`)`", "LSQB": "`[`",
+    "RSQB": "`]`", "COMMA": "`,`", "EQUAL": "`=`", "COLON": "`:`", "_NL": "end of line",
+    "ADD": "`+`/`-`", "MUL": "an operator", "CMP": "a comparison", "DOT": "`.`",
+}  # fmt: skip
+
+
+def _expected(expected: set[str] | frozenset[str]) -> str:
+    names = sorted({_TOKEN_NAMES.get(t, t.lower()) for t in expected if not t.startswith("__")})
+    if not names or len(names) > 6:
+        return ""
+    return "; expected " + ", ".join(names)
+
+
+def _check_bracket_depth(src: _Source) -> None:
+    """Reject absurd nesting before the parser sees it (bounded work, clean error)."""
+    level = 0
+    line, column = 1, 0
+    for ch in src.text:
+        column += 1
+        if ch == "\n":
+            line, column = line + 1, 0
+        elif ch in "([":
+            level += 1
+            if level > MAX_DEPTH:
+                raise DslError(f"brackets nested too deeply (more than {MAX_DEPTH} levels)", src.loc(line, column))
+        elif ch in ")]":
+            level = max(level - 1, 0)

@@ -1,0 +1,280 @@
+// attncc CPU primitives: the small, separately tested building blocks every generated CPU
+// kernel calls. Plain C++17 with GCC vector extensions; no torch headers, so a variant's
+// translation unit compiles in seconds.
+//
+// The including file defines ATTNCC_ACC_T (float or double) and ATTNCC_STORAGE_T (the
+// q/k/v element type: float, double, attncc::bf16_t or attncc::fp16_t).
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+namespace attncc {
+
+// ---------------------------------------------------------------------------------- types
+struct bf16_t { uint16_t bits; };
+struct fp16_t { uint16_t bits; };
+
+using acc_t = ATTNCC_ACC_T;
+using storage_t = ATTNCC_STORAGE_T;
+typedef acc_t vec_t __attribute__((vector_size(64)));
+constexpr int VL = 64 / sizeof(acc_t);  // lanes per vector
+constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+
+inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+inline float to_acc_float(bf16_t x) { return bits_to_float(uint32_t(x.bits) << 16); }
+
+inline float to_acc_float(fp16_t x) {
+  const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
+  uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
+  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));  // inf/nan
+  if (exponent == 0) {
+    if (mantissa == 0) return bits_to_float(sign);
+    // subnormal: value = mantissa * 2^-24
+    float value = float(mantissa) * 5.9604644775390625e-08f;
+    return sign ? -value : value;
+  }
+  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+// Round to nearest even, as torch does.
+inline bf16_t from_float_bf16(float f) {
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{uint16_t((u >> 16) | 0x40)};  // quiet nan
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16_t{uint16_t(u >> 16)};
+}
+
+inline fp16_t from_float_fp16(float f) {
+  uint32_t u = float_to_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return fp16_t{uint16_t(sign | 0x7e00u)};
+  if (u >= 0x477ff000u) return fp16_t{uint16_t(sign | 0x7c00u)};  // rounds to >= 65520: inf
+  if (u < 0x38800000u) {  // below the smallest normal: round in the subnormal grid
+    const float scaled = bits_to_float(u) * 16777216.0f;  // exact: times 2^24
+    return fp16_t{uint16_t(sign | uint16_t(std::nearbyint(scaled)))};
+  }
+  const uint32_t rounded = u + 0xfffu + ((u >> 13) & 1u);
+  return fp16_t{uint16_t(sign | ((rounded - 0x38000000u) >> 13))};
+}
+
+inline acc_t to_acc(float x) { return x; }
+inline acc_t to_acc(double x) { return acc_t(x); }
+inline acc_t to_acc(bf16_t x) { return to_acc_float(x); }
+inline acc_t to_acc(fp16_t x) { return to_acc_float(x); }
+
+template <typename T> inline T from_acc(acc_t x);
+template <> inline float from_acc<float>(acc_t x) { return float(x); }
+template <> inline double from_acc<double>(acc_t x) { return double(x); }
+template <> inline bf16_t from_acc<bf16_t>(acc_t x) { return from_float_bf16(float(x)); }
+template <> inline fp16_t from_acc<fp16_t>(acc_t x) { return from_float_fp16(float(x)); }
+
+// ---------------------------------------------------------------------------------- scalars
+inline int64_t floordiv(int64_t a, int64_t b) {
+  int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+inline int64_t pymod(int64_t a, int64_t b) {
+  int64_t r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+inline double pymod(double a, double b) { double r = std::fmod(a, b); return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
+
+// ---------------------------------------------------------------------------------- buffers
+// A 64-byte aligned scratch array owned by one thread.
+struct Scratch {
+  acc_t* data = nullptr;
+  explicit Scratch(size_t n) {
+    size_t bytes = ((n * sizeof(acc_t) + 63) / 64) * 64;
+    data = static_cast<acc_t*>(std::aligned_alloc(64, bytes ? bytes : 64));
+    std::memset(data, 0, bytes);
+  }
+  ~Scratch() { std::free(data); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// rows x cols of src (row stride `stride`, unit column stride) -> dst[r * ld + c], zero padded
+// to pad_rows x pad_cols, converted to acc_t.
+template <typename T>
+inline void load_tile(acc_t* dst, int64_t ld, const T* src, int64_t row_stride, int64_t col_stride,
+                      int rows, int cols, int pad_rows, int pad_cols, acc_t scale = acc_t(1)) {
+  for (int r = 0; r < pad_rows; ++r) {
+    acc_t* d = dst + r * ld;
+    if (r < rows) {
+      const T* s = src + r * row_stride;
+      for (int c = 0; c < cols; ++c) d[c] = to_acc(s[c * col_stride]) * scale;
+      for (int c = cols; c < pad_cols; ++c) d[c] = 0;
+    } else {
+      for (int c = 0; c < pad_cols; ++c) d[c] = 0;
+    }
+  }
+}
+
+// Same, transposed: dst[c * ld + r] = src[r, c].
+template <typename T>
+inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t row_stride, int64_t col_stride,
+                                 int rows, int cols, int pad_rows, int pad_cols) {
+  for (int c = 0; c < pad_cols; ++c)
+    for (int r = 0; r < pad_rows; ++r) dst[c * ld + r] = 0;
+  for (int r = 0; r < rows; ++r) {
+    const T* s = src + r * row_stride;
+    for (int c = 0; c < cols; ++c) dst[c * ld + r] = to_acc(s[c * col_stride]);
+  }
+}
+
+inline void transpose(acc_t* dst, int64_t ld_dst, const acc_t* src, int64_t ld_src, int rows, int cols) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+}
+
+// ---------------------------------------------------------------------------------- vectors
+inline vec_t vload(const acc_t* p) { vec_t v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(acc_t* p, vec_t v) { std::memcpy(p, &v, sizeof v); }
+inline vec_t vbroadcast(acc_t x) { return vec_t{} + x; }
+
+// C[R x Cn] (+)= A[R x K] . B[K x Cn]; R a multiple of 4, Cn a multiple of VL; row-major with
+// leading dimensions lda, ldb, ldc. Register-blocked 4 rows x 2 vectors (8 accumulators).
+template <bool Accumulate>
+inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
+                 const acc_t* __restrict B, int64_t ldb, int R, int Cn, int K) {
+  for (int r = 0; r < R; r += 4) {
+    const acc_t* a0 = A + (r + 0) * lda;
+    const acc_t* a1 = A + (r + 1) * lda;
+    const acc_t* a2 = A + (r + 2) * lda;
+    const acc_t* a3 = A + (r + 3) * lda;
+    int c = 0;
+    for (; c + 2 * VL <= Cn; c += 2 * VL) {
+      vec_t acc[4][2];
+      for (int x = 0; x < 4; ++x)
+        for (int y = 0; y < 2; ++y)
+          acc[x][y] = Accumulate ? vload(C + (r + x) * ldc + c + y * VL) : vec_t{};
+      for (int k = 0; k < K; ++k) {
+        const vec_t b0 = vload(B + k * ldb + c), b1 = vload(B + k * ldb + c + VL);
+        const vec_t x0 = vbroadcast(a0[k]), x1 = vbroadcast(a1[k]), x2 = vbroadcast(a2[k]), x3 = vbroadcast(a3[k]);
+        acc[0][0] += x0 * b0; acc[0][1] += x0 * b1;
+        acc[1][0] += x1 * b0; acc[1][1] += x1 * b1;
+        acc[2][0] += x2 * b0; acc[2][1] += x2 * b1;
+        acc[3][0] += x3 * b0; acc[3][1] += x3 * b1;
+      }
+      for (int x = 0; x < 4; ++x)
+        for (int y = 0; y < 2; ++y) vstore(C + (r + x) * ldc + c + y * VL, acc[x][y]);
+    }
+    for (; c < Cn; c += VL) {
+      vec_t acc[4];
+      for (int x = 0; x < 4; ++x) acc[x] = Accumulate ? vload(C + (r + x) * ldc + c) : vec_t{};
+      for (int k = 0; k < K; ++k) {
+        const vec_t b0 = vload(B + k * ldb + c);
+        acc[0] += vbroadcast(a0[k]) * b0;
+        acc[1] += vbroadcast(a1[k]) * b0;
+        acc[2] += vbroadcast(a2[k]) * b0;
+        acc[3] += vbroadcast(a3[k]) * b0;
+      }
+      for (int x = 0; x < 4; ++x) vstore(C + (r + x) * ldc + c, acc[x]);
+    }
+  }
+}
+
+// exp over a vector: Cody-Waite range reduction and a degree-6 polynomial for 2^f (relative
+// error < 2e-7 in float); exact 0 for -inf and for inputs below the underflow threshold.
+inline vec_t vexp(vec_t x) {
+  if constexpr (sizeof(acc_t) == 8) {
+    vec_t r;
+    for (int l = 0; l < VL; ++l) r[l] = std::exp(x[l]);
+    return r;
+  } else {
+    typedef int32_t ivec_t __attribute__((vector_size(64)));
+    const vec_t lo = vbroadcast(-87.3365f), hi = vbroadcast(88.7228f);
+    const ivec_t underflow = x < lo;
+    vec_t xc = x < lo ? lo : x;
+    xc = xc > hi ? hi : xc;
+    const vec_t t = xc * 1.44269504088896341f;
+    vec_t n = t + 12582912.0f;  // round to nearest integer (1.5 * 2^23 trick)
+    n = n - 12582912.0f;
+    const vec_t f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2, two parts
+    vec_t p = vbroadcast(1.9875691500e-4f);
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * f * f + f + 1.0f;
+    const ivec_t ni = __builtin_convertvector(n, ivec_t);
+    ivec_t bits;
+    std::memcpy(&bits, &p, sizeof bits);
+    bits += (ni << 23);
+    vec_t r;
+    std::memcpy(&r, &bits, sizeof r);
+    return underflow ? vec_t{} : r;
+  }
+}
+
+inline acc_t row_max(const acc_t* x, int n) {
+  vec_t m = vbroadcast(-kInf);
+  for (int c = 0; c < n; c += VL) { vec_t v = vload(x + c); m = v > m ? v : m; }
+  acc_t r = -kInf;
+  for (int l = 0; l < VL; ++l) r = std::max(r, acc_t(m[l]));
+  return r;
+}
+
+// x[c] = exp(x[c] - shift) in place; returns the row sum. n a multiple of VL.
+inline acc_t exp_shift_sum(acc_t* x, int n, acc_t shift) {
+  vec_t sum{};
+  const vec_t s = vbroadcast(shift);
+  for (int c = 0; c < n; c += VL) { vec_t v = vexp(vload(x + c) - s); vstore(x + c, v); sum += v; }
+  acc_t r = 0;
+  for (int l = 0; l < VL; ++l) r += sum[l];
+  return r;
+}
+
+inline void scale_row(acc_t* x, int n, acc_t a) {
+  const vec_t s = vbroadcast(a);
+  for (int c = 0; c < n; c += VL) vstore(x + c, vload(x + c) * s);
+}
+
+// ---------------------------------------------------------------------------------- atomics
+inline void atomic_add(acc_t* target, acc_t value) {
+  acc_t expected, desired;
+  __atomic_load(target, &expected, __ATOMIC_RELAXED);
+  do { desired = expected + value; } while (!__atomic_compare_exchange(target, &expected, &desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+}
+
+// ---------------------------------------------------------------------------------- philox
+// Philox4x32-10 (Salmon et al., SC'11). Dropout counter for score (b, h, i, j):
+//   counter = (j / 4, i, b * H + h, offset), key = (seed low 32 bits, seed high 32 bits),
+//   element j keeps iff output word (j % 4) < keep_threshold = floor((1 - p) * 2^32).
+struct Philox4 { uint32_t x[4]; };
+
+inline Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = uint64_t(0xD2511F53u) * c0, p1 = uint64_t(0xCD9E8D57u) * c2;
+    const uint32_t hi0 = uint32_t(p0 >> 32), lo0 = uint32_t(p0), hi1 = uint32_t(p1 >> 32), lo1 = uint32_t(p1);
+    c0 = hi1 ^ c1 ^ k0; c1 = lo1; c2 = hi0 ^ c3 ^ k1; c3 = lo0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// Keep flags for columns j0 .. j0 + n - 1 of row i (j0 a multiple of 4); out[c] = 1 keeps.
+inline void dropout_keep_row(uint8_t* out, int n, uint64_t seed, uint64_t offset, int64_t bh, int64_t i, int64_t j0,
+                             uint32_t threshold) {
+  for (int c = 0; c < n; c += 4) {
+    const Philox4 r = philox4x32_10(uint32_t((j0 + c) >> 2), uint32_t(i), uint32_t(bh), uint32_t(offset),
+                                    uint32_t(seed), uint32_t(seed >> 32));
+    for (int w = 0; w < 4 && c + w < n; ++w) out[c + w] = r.x[w] < threshold;
+  }
+}
+
+}  // namespace attncc

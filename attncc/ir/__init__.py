@@ -1,0 +1,1 @@
+"""The IR: scalar expressions (`expr`), graph ops (`ops`), the graph with verifier and printer."""

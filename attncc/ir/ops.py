@@ -1,0 +1,156 @@
+"""Operation nodes of the IR graph.
+
+Each op is a frozen dataclass hung on a networkx node as the attribute ``op``. Source
+locations ride along (excluded from equality) so every later error can point at the DSL line
+that produced the node. The unfused graph has one node per DSL statement; `fuse_attention`
+replaces the chain with one `FusedAttention` node that later passes annotate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from attncc.errors import SourceLoc
+from attncc.ir.expr import Expr, const
+
+if TYPE_CHECKING:
+    from attncc.passes.backward import BackwardExprs
+    from attncc.passes.cost import CostModel
+    from attncc.passes.sparsity import SparsityInfo
+    from attncc.passes.tiling import TilingTable
+
+
+@dataclass(frozen=True)
+class Op:
+    """Base of graph operations."""
+
+    loc: SourceLoc | None = field(default=None, compare=False, repr=False, kw_only=True)
+
+    def describe(self) -> str:
+        return type(self).__name__.lower()
+
+
+@dataclass(frozen=True)
+class Input(Op):
+    """A program input. role: "q", "k", "v" (the attention operands), "tensor" or "scalar"
+    (passed by the caller), or "generated" (a layout grid the runtime builds)."""
+
+    name: str
+    role: str
+    dtype: str  # "float" | "int" | "bool"
+    dims: tuple[str | int, ...] = ()
+
+    def describe(self) -> str:
+        shape = f"[{', '.join(map(str, self.dims))}]" if self.dims or self.role != "scalar" else ""
+        return f"input {self.name}: {self.role} {self.dtype}{shape}"
+
+
+@dataclass(frozen=True)
+class ScoreMatmul(Op):
+    """S = scale * (q @ k.T): operands (q, k). The frontend leaves scale at 1; canonicalisation
+    moves a constant factor of the first score map here."""
+
+    scale: Expr = field(default_factory=lambda: const(1.0))
+
+    def describe(self) -> str:
+        return "matmul q @ k.T" + (f" * {self.scale}" if self.scale != const(1.0) else "")
+
+
+@dataclass(frozen=True)
+class ScoreMap(Op):
+    """Elementwise map of the scores: the new score is `expr` with `s` the old score."""
+
+    expr: Expr
+
+    def describe(self) -> str:
+        return f"map s -> {self.expr}"
+
+
+@dataclass(frozen=True)
+class Mask(Op):
+    """Scores where `predicate` is false become -inf."""
+
+    predicate: Expr
+
+    def describe(self) -> str:
+        return f"mask {self.predicate}"
+
+
+@dataclass(frozen=True)
+class Layout(Op):
+    """A block-sparse layout: key block jb is visible to query block ib iff the layout allows.
+
+    kind: local | strided | fixed | butterfly | blocks; block: the layout's block size in
+    elements; params: the generator's integer parameters; tensor: the runtime block mask
+    (kind "blocks" only).
+    """
+
+    kind: str
+    block: int
+    params: tuple[tuple[str, int], ...] = ()
+    tensor: str | None = None
+
+    def describe(self) -> str:
+        args = [f"block={self.block}", *(f"{k}={v}" for k, v in self.params)]
+        if self.tensor:
+            args.insert(0, self.tensor)
+        return f"layout {self.kind}({', '.join(args)})"
+
+
+@dataclass(frozen=True)
+class Softmax(Op):
+    """Row softmax over the key axis."""
+
+
+@dataclass(frozen=True)
+class Dropout(Op):
+    """Zero each probability with probability p, scale survivors by 1/(1-p)."""
+
+    p: float
+
+    def describe(self) -> str:
+        return f"dropout p={self.p}"
+
+
+@dataclass(frozen=True)
+class ValueMatmul(Op):
+    """O = P @ v: operands (P, v)."""
+
+    def describe(self) -> str:
+        return "matmul p @ v"
+
+
+@dataclass(frozen=True)
+class Output(Op):
+    """The program's result."""
+
+
+@dataclass(frozen=True)
+class FusedAttention(Op):
+    """The whole chain scores -> map -> mask -> softmax -> dropout -> @ v as one kernel.
+
+    scale: expression (over the sizes and constants) multiplying q.k; score: the score
+    expression over `s` (the scaled product); mask: the predicate (masks and layouts together,
+    after sparsity analysis) or None; layouts: block-sparse layouts.
+    Later passes fill the analysis fields; the verifier checks each is present once its pass ran.
+    """
+
+    scale: Expr
+    score: Expr
+    mask: Expr | None
+    layouts: tuple[Layout, ...]
+    dropout: float
+    sparsity: SparsityInfo | None = None
+    backward: BackwardExprs | None = None
+    tiling: TilingTable | None = None
+    cost: CostModel | None = None
+
+    def describe(self) -> str:
+        parts = [f"scale={self.scale}", f"score={self.score}"]
+        if self.mask is not None:
+            parts.append(f"mask={self.mask}")
+        parts.extend(layout.describe() for layout in self.layouts)
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
+        return "fused_attention " + ", ".join(parts)

@@ -1,0 +1,47 @@
+"""The compiler pipeline: one function lists every pass in order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attncc.frontend.lower import parse_program
+from attncc.ir.graph import Graph, print_graph, verify
+from attncc.passes.backward import derive_backward
+from attncc.passes.canonicalize import canonicalize
+from attncc.passes.cost import cost
+from attncc.passes.fuse import fuse_attention
+from attncc.passes.sparsity import analyse_sparsity
+from attncc.passes.tiling import tile
+from attncc.targets import Target
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The IR after one pass, for `attncc explain`."""
+
+    name: str
+    graph: Graph
+
+    def text(self) -> str:
+        return f"// after {self.name}\n{print_graph(self.graph)}"
+
+
+def run_pipeline(source: str, path: str, target: Target, tiles: tuple[int, int] | None = None) -> list[Stage]:
+    """parse -> build graph -> verify -> canonicalize -> fuse -> sparsity -> backward -> tile -> cost.
+
+    Each pass is a pure function Graph -> Graph and the verifier runs after every one, so a
+    broken invariant is reported at the pass that broke it. Code generation, build and load
+    follow in `attncc.compile` (codegen/, runtime/).
+    """
+    stages = [Stage("parse", verify(parse_program(source, path), "parse"))]
+
+    def step(name: str, fn) -> None:  # noqa: ANN001 - a pass
+        stages.append(Stage(name, verify(fn(stages[-1].graph), name)))
+
+    step("canonicalize", canonicalize)  # one score map, masks after it, scale on the matmul
+    step("fuse_attention", fuse_attention)  # needs the canonical chain
+    step("analyse_sparsity", analyse_sparsity)  # folds layouts into the mask predicate
+    step("derive_backward", derive_backward)  # differentiates the final score expression
+    step("tile", lambda g: tile(g, target, tiles))  # Br, Bc per head dim from the target
+    step("cost", cost)  # IO model of the fused node and the unfused chain
+    return stages

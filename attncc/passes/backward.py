@@ -1,0 +1,58 @@
+"""Backward derivation: the symbolic derivatives the backward kernels need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from attncc.ir import expr as ex
+from attncc.ir.graph import Graph, clone, fused_node, inputs
+
+
+@dataclass(frozen=True)
+class InputGradient:
+    """d score / d tensor[index] for one read of a learnable float tensor.
+
+    `per_tile`: the index depends only on b and h (and constants), so a kernel may sum the
+    contribution over a tile and add it once.
+    """
+
+    read: ex.Read
+    derivative: ex.Expr
+    per_tile: bool
+
+
+@dataclass(frozen=True)
+class BackwardExprs:
+    """dS0 = dS * dscore (chain rule through the score map), plus input gradients."""
+
+    dscore: ex.Expr
+    inputs: tuple[InputGradient, ...]
+
+    def describe(self) -> str:
+        text = f"dS0 = dS * ({self.dscore})"
+        for grad in self.inputs:
+            text += f"; d{grad.read} += dS * ({grad.derivative})"
+        return text
+
+
+def derive_backward(g: Graph) -> Graph:
+    """Attach `BackwardExprs` to the fused node.
+
+    With S0 = scale * q k^T and S = f(S0), softmax backward gives dS; the pass derives
+    f'(S0) symbolically so that dS0 = dS * f'(S0), dq = scale * dS0 k, dk = scale * dS0^T q.
+    For every read x[idx] of a float tensor input in f, it derives df/dx[idx], so the kernel
+    accumulates dx[idx] += dS * df/dx[idx] (gradients of learnable biases, ALiBi slopes...).
+    Guarantees: derivatives are folded and reference only what f references.
+    """
+    g = clone(g)
+    node, op = fused_node(g)
+    declared = inputs(g)
+    grads = []
+    for r in ex.reads(op.score):
+        if declared[r.tensor].dtype != "float":
+            continue
+        per_tile = all(ex.free_vars(i) <= {"b", "h", *ex.SIZE_VARS} and not ex.reads(i) for i in r.index)
+        grads.append(InputGradient(r, ex.diff(op.score, r), per_tile))
+    exprs = BackwardExprs(ex.diff(op.score, ex.score()), tuple(grads))
+    g.nodes[node]["op"] = replace(op, backward=exprs)
+    return g

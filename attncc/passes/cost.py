@@ -1,0 +1,82 @@
+"""IO cost model: predicted slow-memory bytes and FLOPs, fused kernel vs unfused graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from attncc.ir import expr as ex
+from attncc.ir.graph import Graph, clone, fused_node
+
+
+@dataclass(frozen=True)
+class IOReport:
+    fused_fwd_bytes: float
+    fused_bwd_bytes: float
+    unfused_fwd_bytes: float
+    unfused_bwd_bytes: float
+    fused_fwd_flops: float
+    fused_bwd_flops: float
+    unfused_fwd_flops: float
+    unfused_bwd_flops: float
+
+    def describe(self) -> str:
+        mb = 1e6
+        return (
+            f"forward: fused {self.fused_fwd_bytes / mb:.1f} MB vs unfused {self.unfused_fwd_bytes / mb:.1f} MB "
+            f"({self.unfused_fwd_bytes / self.fused_fwd_bytes:.1f}x less traffic), {self.fused_fwd_flops / 1e9:.2f} GFLOP; "
+            f"backward: fused {self.fused_bwd_bytes / mb:.1f} MB vs unfused {self.unfused_bwd_bytes / mb:.1f} MB, "
+            f"{self.fused_bwd_flops / 1e9:.2f} GFLOP"
+        )
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The variant's facts the cost depends on; `predict` evaluates it for one problem."""
+
+    score_ops: int  # elementwise ops in the score map (each a read+write pass when unfused)
+    masked: bool
+    dropout: bool
+
+    def predict(self, B: int, H: int, N: int, M: int, D: int, elt: int, br: int, bc: int, density: float = 1.0) -> IOReport:
+        """Bytes moved to/from slow memory and FLOPs.
+
+        elt: bytes per q/k/v element; density: fraction of non-empty tiles. Fused: Q, O, lse
+        once; K and V once per visible (q tile, kv tile) pair (Algorithm 1's inner loop).
+        Unfused: every op reads and writes its N x M operand (scores in fp32).
+        """
+        bh, nm = B * H, N * M
+        ti, tj = -(-N // br), -(-M // bc)
+        visible = ti * tj * density
+        fused_fwd = bh * (2 * N * D * elt + 4 * N + visible * 2 * bc * D * elt)
+        # dK/dV pass: K, V once per kv tile, Q/dO/lse/D per visible pair; dQ pass: the mirror.
+        fused_bwd = bh * (
+            2 * M * D * elt * 2 + visible * br * (2 * D * elt + 8)
+            + N * (3 * D * elt + 8) + visible * 2 * bc * D * elt
+        )
+        s = 4 * nm
+        passes_fwd = 2 + (2 * self.score_ops) + (3 if self.masked else 0) + 2 + (3 if self.dropout else 0)
+        unfused_fwd = bh * ((N + M) * D * elt + s * passes_fwd + s + M * D * elt + N * D * elt)
+        passes_bwd = 1 + 1 + 3 + (2 * self.score_ops) + (2 if self.masked else 0) + (2 if self.dropout else 0) + 2
+        unfused_bwd = bh * (s * passes_bwd + 4 * (N + M) * D * elt)
+        mm = 2.0 * bh * nm * D
+        return IOReport(
+            fused_fwd, fused_bwd, unfused_fwd, unfused_bwd,
+            2 * mm * density, 7 * mm * density, 2 * mm, 4 * mm,
+        )  # fmt: skip
+
+
+def _count_ops(e: ex.Expr) -> int:
+    return sum(isinstance(n, (ex.Unary, ex.Binary, ex.Where)) for n in ex.walk(e))
+
+
+def cost(g: Graph) -> Graph:
+    """Attach a `CostModel` to the fused node.
+
+    Guarantees: `FusedAttention.cost.predict(...)` gives fused and unfused bytes and FLOPs for
+    the forward and backward passes of this variant at any problem size.
+    """
+    g = clone(g)
+    node, op = fused_node(g)
+    model = CostModel(score_ops=_count_ops(op.score), masked=op.mask is not None, dropout=op.dropout > 0)
+    g.nodes[node]["op"] = replace(op, cost=model)
+    return g

@@ -1,0 +1,427 @@
+"""Sparsity analysis: classify every (Br x Bc) tile as empty, partial or full.
+
+The static pass (`analyse_sparsity`) folds masks and block-sparse layouts into one predicate
+and records what the classification depends on. The classification itself needs the problem
+sizes (and, for masks over runtime tensors, their values), so `classify_tiles` runs at call
+time: it evaluates the predicate once per tile over *intervals* (the tile's range of i and j,
+the batch index b and head h as points, ranges of tensor values from range-min/max queries),
+never per element, and never materialises N x M. Interval reasoning is sound (a tile called
+empty has no visible element, a tile called full has no masked element) and exact for a
+single comparison of expressions that are monotone in i and j, such as causal, window, prefix
+and padding masks; tiles it cannot decide are partial and get the per-element predicate.
+
+Layouts become reads of a block grid: layout kind L with block size s contributes the
+conjunct ``__layoutK[i // s, j // s]`` where the grid is generated at call time (size
+ceil(N/s) x ceil(M/s)), so kernels and reference treat layouts like any other mask input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from attncc.errors import InputError
+from attncc.ir import expr as ex
+from attncc.ir.graph import Graph, add_op, clone, fused_node, input_node, inputs
+from attncc.ir.ops import Input, Layout
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SparsityInfo:
+    """What tile classification needs: the combined predicate and its dependencies."""
+
+    predicate: ex.Expr | None
+    layout_grids: tuple[tuple[str, Layout], ...]
+    varies_with_batch: bool
+    varies_with_head: bool
+    runtime_inputs: tuple[str, ...]
+
+    def describe(self) -> str:
+        if self.predicate is None:
+            return "dense: every tile full"
+        dims = [d for d, on in (("b", self.varies_with_batch), ("h", self.varies_with_head)) if on]
+        per = f"per {', '.join(dims)} and tile" if dims else "per tile"
+        needs = f"; reads {', '.join(self.runtime_inputs)} at call time" if self.runtime_inputs else ""
+        return f"predicate {self.predicate}: classified {per}{needs}"
+
+
+def analyse_sparsity(g: Graph) -> Graph:
+    """Attach `SparsityInfo` to the fused node.
+
+    Guarantees afterwards: `FusedAttention.mask` is the whole visibility predicate (masks and
+    layouts), so kernels evaluate one expression on partial tiles, and `sparsity` says which
+    of b, h and which runtime inputs the tile classes depend on.
+    """
+    g = clone(g)
+    node, op = fused_node(g)
+    terms: list[ex.Expr] = [op.mask] if op.mask is not None else []
+    grids: list[tuple[str, Layout]] = []
+    declared = inputs(g)
+    for k, layout in enumerate(op.layouts):
+        terms.append(_layout_term(k, layout, declared, grids))
+    for name, layout in grids:
+        add_op(g, Input(name, "generated", "bool", (f"ceil(N/{layout.block})", f"ceil(M/{layout.block})"), loc=layout.loc))
+        g.add_edge(input_node(g, name), node, operand=None)
+    predicate = None
+    for term in terms:
+        predicate = term if predicate is None else ex.Binary("and", predicate, term)
+    predicate = ex.fold(predicate) if predicate is not None else None
+    if predicate is not None and isinstance(predicate, ex.Const):
+        predicate = None if predicate.value else predicate
+    names = sorted({r.tensor for r in ex.reads(predicate)} | (ex.free_vars(predicate) & set(declared))) if predicate is not None else []
+    used = ex.free_vars(predicate) if predicate is not None else set()
+    info = SparsityInfo(
+        predicate=predicate,
+        layout_grids=tuple(grids),
+        varies_with_batch="b" in used or any(_read_varies(r, "b", grids) for r in _reads(predicate)),
+        varies_with_head="h" in used or any(_read_varies(r, "h", grids) for r in _reads(predicate)),
+        runtime_inputs=tuple(n for n in names if not n.startswith("__layout")),
+    )
+    g.nodes[node]["op"] = replace(op, mask=predicate, sparsity=info)
+    return g
+
+
+def _reads(e: ex.Expr | None) -> list[ex.Read]:
+    return ex.reads(e) if e is not None else []
+
+
+def _read_varies(r: ex.Read, var: str, grids: list[tuple[str, Layout]]) -> bool:
+    return any(var in ex.free_vars(i) for i in r.index)
+
+
+def _layout_term(k: int, layout: Layout, declared: Mapping, grids: list[tuple[str, Layout]]) -> ex.Expr:
+    s = ex.const(layout.block)
+    ib, jb = ex.Binary("floordiv", ex.var("i"), s), ex.Binary("floordiv", ex.var("j"), s)
+    if layout.kind == "blocks":
+        assert layout.tensor is not None
+        decl = declared[layout.tensor]
+        lead = {2: (), 3: (ex.var("h"),), 4: (ex.var("b"), ex.var("h"))}[len(decl.dims)]
+        read = ex.Read(layout.tensor, (*lead, ib, jb), ex.BOOL if decl.dtype == "bool" else ex.INT)
+        return read if read.ty == ex.BOOL else ex.Binary("ne", read, ex.const(0))
+    name = f"__layout{k}"
+    grids.append((name, layout))
+    return ex.Read(name, (ib, jb), ex.BOOL)
+
+
+def layout_grid(layout: Layout, n: int, m: int) -> torch.Tensor:
+    """The [ceil(n/block), ceil(m/block)] bool grid of a generated layout."""
+    nb, mb = -(-n // layout.block), -(-m // layout.block)
+    ib = torch.arange(nb).view(-1, 1)
+    jb = torch.arange(mb).view(1, -1)
+    p = dict(layout.params)
+    dist = ib - jb
+    if layout.kind == "local":
+        return dist.abs() <= p["width"]
+    if layout.kind == "strided":
+        return (dist.abs() < p["stride"]) | (torch.remainder(dist, p["stride"]) == 0)
+    if layout.kind == "fixed":
+        stride, summary = p["stride"], p["summary"]
+        return (ib // stride == jb // stride) | (torch.remainder(jb, stride) >= stride - summary)
+    if layout.kind == "butterfly":
+        x = ib ^ jb
+        return (x & (x - 1)) == 0  # 0 or a power of two
+    raise ValueError(f"layout {layout.kind} has no generator")
+
+
+# ----------------------------------------------------------------------------- intervals
+@dataclass
+class Interval:
+    """Per-tile lower and upper bounds (float64 tensors, broadcastable to [B, H, Ti, Tj])."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+@dataclass
+class Truth:
+    """Per-tile: can the predicate be true somewhere / false somewhere in the tile."""
+
+    may_true: torch.Tensor
+    may_false: torch.Tensor
+
+
+Abstract = Interval | Truth
+
+
+def _point(x: torch.Tensor | float) -> Interval:
+    t = torch.as_tensor(x, dtype=torch.float64)
+    return Interval(t, t)
+
+
+def _as_truth(v: Abstract) -> Truth:
+    if isinstance(v, Truth):
+        return v
+    return Truth(v.hi != 0, (v.lo <= 0) & (v.hi >= 0))
+
+
+def _as_interval(v: Abstract) -> Interval:
+    if isinstance(v, Interval):
+        return v
+    return Interval((~v.may_false).double(), v.may_true.double())
+
+
+def _clean(lo: torch.Tensor, hi: torch.Tensor) -> Interval:
+    bad = torch.isnan(lo) | torch.isnan(hi)
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    return Interval(torch.where(bad, -inf, lo), torch.where(bad, inf, hi))
+
+
+def _mul(a: Interval, b: Interval) -> Interval:
+    prods = torch.stack(torch.broadcast_tensors(a.lo * b.lo, a.lo * b.hi, a.hi * b.lo, a.hi * b.hi))
+    return _clean(prods.amin(0), prods.amax(0))
+
+
+def _div(a: Interval, b: Interval, floor: bool) -> Interval:
+    spans_zero = (b.lo <= 0) & (b.hi >= 0)
+    safe_lo = torch.where(spans_zero, torch.ones_like(b.lo), b.lo)
+    safe_hi = torch.where(spans_zero, torch.ones_like(b.hi), b.hi)
+    quots = torch.stack(torch.broadcast_tensors(a.lo / safe_lo, a.lo / safe_hi, a.hi / safe_lo, a.hi / safe_hi))
+    lo, hi = quots.amin(0), quots.amax(0)
+    if floor:
+        lo, hi = torch.floor(lo), torch.floor(hi)
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    return _clean(torch.where(spans_zero, -inf, lo), torch.where(spans_zero, inf, hi))
+
+
+def _mod(a: Interval, b: Interval) -> Interval:
+    """Python modulo; exact when b is a positive constant and a stays within one period."""
+    const_pos = (b.lo == b.hi) & (b.lo > 0)
+    c = torch.where(const_pos, b.lo, torch.ones_like(b.lo))
+    same_period = torch.floor(a.lo / c) == torch.floor(a.hi / c)
+    finite = torch.isfinite(a.lo) & torch.isfinite(a.hi)
+    exact = const_pos & same_period & finite
+    lo = torch.where(exact, torch.remainder(torch.nan_to_num(a.lo), c), torch.zeros_like(c))
+    hi = torch.where(exact, torch.remainder(torch.nan_to_num(a.hi), c), c - 1)
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    bound = torch.maximum(b.lo.abs(), b.hi.abs())
+    return Interval(torch.where(const_pos, lo, -bound), torch.where(const_pos, hi, torch.where(torch.isfinite(bound), bound, inf)))
+
+
+def _compare(op: str, a: Interval, b: Interval) -> Truth:
+    if op == "lt":
+        return Truth(a.lo < b.hi, a.hi >= b.lo)
+    if op == "le":
+        return Truth(a.lo <= b.hi, a.hi > b.lo)
+    if op == "gt":
+        return _compare("lt", b, a)
+    if op == "ge":
+        return _compare("le", b, a)
+    overlap = (a.lo <= b.hi) & (b.lo <= a.hi)
+    all_equal = (a.lo == a.hi) & (b.lo == b.hi) & (a.lo == b.lo)
+    if op == "eq":
+        return Truth(overlap, ~all_equal)
+    return Truth(~all_equal, overlap)  # ne
+
+
+_MONOTONE = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}
+
+ReadFn = "Callable[[ex.Read, list[Interval]], Interval]"
+
+
+class IntervalEvaluator:
+    """Abstract interpretation of an expression over per-tile intervals."""
+
+    def __init__(self, env: Mapping[str, Interval], read) -> None:  # noqa: ANN001 - callable
+        self.env = env
+        self.read = read
+        self.memo: dict[ex.Expr, Abstract] = {}
+
+    def __call__(self, e: ex.Expr) -> Abstract:
+        if e not in self.memo:
+            self.memo[e] = self._eval(e)
+        return self.memo[e]
+
+    def _eval(self, e: ex.Expr) -> Abstract:
+        if isinstance(e, ex.Const):
+            return _point(float(e.value)) if e.ty != ex.BOOL else Truth(torch.tensor(bool(e.value)), torch.tensor(not e.value))
+        if isinstance(e, ex.Var):
+            value = self.env[e.name]
+            return _as_truth(value) if e.ty == ex.BOOL else value
+        if isinstance(e, ex.Read):
+            value = self.read(e, [_as_interval(self(i)) for i in e.index])
+            return _as_truth(value) if e.ty == ex.BOOL else value
+        if isinstance(e, ex.Unary):
+            return self._unary(e.op, self(e.x))
+        if isinstance(e, ex.Binary):
+            return self._binary(e.op, self(e.a), self(e.b))
+        if isinstance(e, ex.Where):
+            c = _as_truth(self(e.cond))
+            only_a, only_b = c.may_true & ~c.may_false, c.may_false & ~c.may_true
+            a, b = self(e.a), self(e.b)
+            if e.ty == ex.BOOL:
+                ta, tb = _as_truth(a), _as_truth(b)
+                return Truth((c.may_true & ta.may_true) | (c.may_false & tb.may_true), (c.may_true & ta.may_false) | (c.may_false & tb.may_false))
+            ia, ib = _as_interval(a), _as_interval(b)
+            lo = torch.where(only_a, ia.lo, torch.where(only_b, ib.lo, torch.minimum(ia.lo, ib.lo)))
+            hi = torch.where(only_a, ia.hi, torch.where(only_b, ib.hi, torch.maximum(ia.hi, ib.hi)))
+            return Interval(lo, hi)
+        raise TypeError(e)
+
+    def _unary(self, op: str, v: Abstract) -> Abstract:
+        if op == "not":
+            t = _as_truth(v)
+            return Truth(t.may_false, t.may_true)
+        x = _as_interval(v)
+        if op == "neg":
+            return Interval(-x.hi, -x.lo)
+        if op == "abs":
+            lo = torch.where(x.lo >= 0, x.lo, torch.where(x.hi <= 0, -x.hi, torch.zeros_like(x.lo)))
+            return Interval(lo, torch.maximum(x.lo.abs(), x.hi.abs()))
+        fn = _MONOTONE[op]
+        return _clean(fn(x.lo), fn(x.hi))
+
+    def _binary(self, op: str, va: Abstract, vb: Abstract) -> Abstract:
+        if op in ("and", "or"):
+            a, b = _as_truth(va), _as_truth(vb)
+            if op == "and":
+                return Truth(a.may_true & b.may_true, a.may_false | b.may_false)
+            return Truth(a.may_true | b.may_true, a.may_false & b.may_false)
+        a, b = _as_interval(va), _as_interval(vb)
+        if op in ex.COMPARE_OPS:
+            return _compare(op, a, b)
+        if op == "add":
+            return _clean(a.lo + b.lo, a.hi + b.hi)
+        if op == "sub":
+            return _clean(a.lo - b.hi, a.hi - b.lo)
+        if op == "mul":
+            return _mul(a, b)
+        if op in ("div", "floordiv"):
+            return _div(a, b, floor=op == "floordiv")
+        if op == "mod":
+            return _mod(a, b)
+        if op == "min":
+            return Interval(torch.minimum(a.lo, b.lo), torch.minimum(a.hi, b.hi))
+        return Interval(torch.maximum(a.lo, b.lo), torch.maximum(a.hi, b.hi))  # max
+
+
+# ----------------------------------------------------------------------------- range queries
+def _range_extreme(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, largest: bool) -> torch.Tensor:
+    """min (or max) of x[g..., lo:hi+1, rest...] per grid point g, by a sparse table.
+
+    x: [g0, g1, g2, g3, L, *rest] (grid axes may be 1); lo, hi: integer tensors broadcastable
+    to the grid [G0, G1, G2, G3]. Returns [G0, G1, G2, G3, *rest]. Cost O(|x| log L).
+    """
+    length = x.shape[4]
+    levels = [x]
+    span = 1
+    while span * 2 <= length:
+        prev = levels[-1]
+        shifted = prev.narrow(4, span, prev.shape[4] - span)
+        merged = torch.maximum(prev.narrow(4, 0, shifted.shape[4]), shifted) if largest else torch.minimum(prev.narrow(4, 0, shifted.shape[4]), shifted)
+        levels.append(merged)
+        span *= 2
+    table = torch.stack([torch.nn.functional.pad(t, [0, 0] * (t.dim() - 5) + [0, length - t.shape[4]]) for t in levels])
+    lo = lo.clamp(0, length - 1)
+    hi = torch.maximum(hi.clamp(0, length - 1), lo)
+    count = hi - lo + 1
+    level = torch.floor(torch.log2(count.double())).long().clamp(max=len(levels) - 1)
+    grid = torch.broadcast_shapes(x.shape[:4], lo.shape)
+    idx = [torch.arange(s).view([-1 if a == d else 1 for a in range(4)]) if x.shape[d] > 1 else torch.zeros(1, dtype=torch.long).view(1, 1, 1, 1) for d, s in enumerate(grid)]
+    first = table[(level, *idx, lo)]
+    second = table[(level, *idx, hi - (1 << level) + 1)]
+    return torch.maximum(first, second) if largest else torch.minimum(first, second)
+
+
+def _read_tensor_interval(t: torch.Tensor, index: list[Interval]) -> Interval:
+    """Bounds of t over the index box given per grid point."""
+    x = t.double().reshape((1, 1, 1, 1, *t.shape))
+    lo_x, hi_x = x, x
+    for iv in index:
+        lo_i, hi_i = iv.lo.long(), iv.hi.long()
+        if lo_i.dim() < 4:
+            lo_i = lo_i.reshape((1,) * (4 - lo_i.dim()) + tuple(lo_i.shape))
+            hi_i = hi_i.reshape((1,) * (4 - hi_i.dim()) + tuple(hi_i.shape))
+        lo_x = _range_extreme(lo_x, lo_i, hi_i, largest=False)
+        hi_x = _range_extreme(hi_x, lo_i, hi_i, largest=True)
+    return Interval(lo_x, hi_x)
+
+
+# ----------------------------------------------------------------------------- call time
+@dataclass(frozen=True)
+class Problem:
+    """Sizes of one call."""
+
+    B: int
+    H: int
+    Hkv: int
+    N: int
+    M: int
+    D: int
+
+    def size_env(self) -> dict[str, Interval]:
+        return {name: _point(float(getattr(self, name))) for name in ex.SIZE_VARS}
+
+
+def runtime_tensors(info: SparsityInfo, problem: Problem, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The call's tensors plus the generated layout grids."""
+    out = dict(tensors)
+    for name, layout in info.layout_grids:
+        out[name] = layout_grid(layout, problem.N, problem.M)
+    return out
+
+
+def classify_tiles(
+    info: SparsityInfo,
+    problem: Problem,
+    scalars: Mapping[str, float],
+    tensors: Mapping[str, torch.Tensor],
+    block_rows: int,
+    block_cols: int,
+) -> torch.Tensor:
+    """uint8 [B or 1, H or 1, ceil(N/Br), ceil(M/Bc)] of EMPTY / PARTIAL / FULL."""
+    ti, tj = -(-problem.N // block_rows), -(-problem.M // block_cols)
+    if info.predicate is None:
+        return torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8)
+    rows = torch.arange(ti, dtype=torch.float64).view(1, 1, -1, 1) * block_rows
+    cols = torch.arange(tj, dtype=torch.float64).view(1, 1, 1, -1) * block_cols
+    env = problem.size_env()
+    env.update({name: _point(float(v)) for name, v in scalars.items()})
+    env["b"] = _point(torch.arange(problem.B if info.varies_with_batch else 1, dtype=torch.float64).view(-1, 1, 1, 1))
+    env["h"] = _point(torch.arange(problem.H if info.varies_with_head else 1, dtype=torch.float64).view(1, -1, 1, 1))
+    env["i"] = Interval(rows, torch.clamp(rows + block_rows - 1, max=problem.N - 1))
+    env["j"] = Interval(cols, torch.clamp(cols + block_cols - 1, max=problem.M - 1))
+    truth = _as_truth(IntervalEvaluator(env, _reader(tensors))(info.predicate))
+    cls = torch.where(~truth.may_true, EMPTY, torch.where(~truth.may_false, FULL, PARTIAL)).to(torch.uint8)
+    shape = (problem.B if info.varies_with_batch else 1, problem.H if info.varies_with_head else 1, ti, tj)
+    return cls.expand(shape).contiguous()
+
+
+def _reader(tensors: Mapping[str, torch.Tensor]):  # noqa: ANN202
+    def read(r: ex.Read, index: list[Interval]) -> Interval:
+        return _read_tensor_interval(tensors[r.tensor], index)
+
+    return read
+
+
+def check_read_bounds(predicate_and_score: list[ex.Expr], problem: Problem, scalars: Mapping[str, float], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise InputError if any tensor read can index outside its tensor for these sizes.
+
+    Bounds come from the same interval evaluation over the whole problem (b in [0, B), ...),
+    so a read proven in range needs no check inside the kernel.
+    """
+    env = problem.size_env()
+    env.update({name: _point(float(v)) for name, v in scalars.items()})
+    for name, size in (("b", problem.B), ("h", problem.H), ("i", problem.N), ("j", problem.M)):
+        env[name] = Interval(torch.tensor(0.0, dtype=torch.float64), torch.tensor(float(size - 1), dtype=torch.float64))
+    env["s"] = Interval(torch.tensor(-math.inf, dtype=torch.float64), torch.tensor(math.inf, dtype=torch.float64))
+    env["scale"] = env["s"]
+    reader = _reader(tensors)
+    evaluator = IntervalEvaluator(env, reader)
+    for e in predicate_and_score:
+        for r in ex.reads(e):
+            t = tensors[r.tensor]
+            for dim, index in enumerate(r.index):
+                iv = _as_interval(evaluator(index))
+                lo, hi = float(iv.lo.min()), float(iv.hi.max())
+                if lo < 0 or hi > t.shape[dim] - 1:
+                    shown = r.tensor if not r.tensor.startswith("__layout") else "a layout grid"
+                    raise InputError(
+                        f"{shown}[{', '.join(map(str, r.index))}]: index {dim} ({index}) ranges over "
+                        f"[{lo:.0f}, {hi:.0f}] for N={problem.N}, M={problem.M}, B={problem.B}, H={problem.H}, "
+                        f"but {shown} has size {t.shape[dim]} in dimension {dim}"
+                    )

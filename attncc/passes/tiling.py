@@ -1,0 +1,146 @@
+"""Tiling: block sizes Br x Bc, threads and on-chip bytes per head dimension and target.
+
+Algorithm 1 of the FlashAttention paper sets Bc = ceil(M / 4d), Br = min(Bc, d) for an
+on-chip memory of M elements. The head dimension is only known at call time, so the pass
+computes a plan for every head dimension up to 256 (rounded up to 16) and the runtime picks
+the row. Each plan starts from the paper's formula and is refined for the target's real
+limits; `TilePlan.reason` says which refinement applied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from attncc.ir.graph import Graph, clone, fused_node
+from attncc.targets import Target
+
+HEAD_DIM_STEP = 16
+MAX_HEAD_DIM = 256
+
+# CPU micro-kernel shape (templates/cpu/attention.cpp.jinja): 4 rows x 2 vectors of fp32.
+CPU_ROW_BLOCK = 4
+CPU_COL_MULTIPLE = 32
+# Above this the per-tile S rows stop fitting L1 alongside a K^T column panel; measured best
+# on a 48 KiB-L1 machine (bench/tile_sweep.py).
+CPU_MAX_BC = 128
+CPU_MAX_BR = 64
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Tiles for one (padded) head dimension."""
+
+    head_dim: int
+    block_rows: int  # Br
+    block_cols: int  # Bc
+    paper_block_rows: int
+    paper_block_cols: int
+    threads: int  # per block (GPU) or vector lanes used per row (CPU)
+    warps: int
+    stages: int
+    onchip_bytes: int
+    registers_per_thread: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class TilingTable:
+    target: str
+    plans: tuple[TilePlan, ...]
+
+    def for_head_dim(self, d: int) -> TilePlan:
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {d} outside [1, {MAX_HEAD_DIM}]")
+        return self.plans[math.ceil(d / HEAD_DIM_STEP) - 1]
+
+    def describe(self, d: int = 64) -> str:
+        p = self.for_head_dim(d)
+        return (
+            f"{self.target} d={p.head_dim}: Br={p.block_rows} Bc={p.block_cols} (paper {p.paper_block_rows}x"
+            f"{p.paper_block_cols}), {p.warps} warps/{p.threads} threads, {p.stages} stage(s), "
+            f"on-chip {p.onchip_bytes} B; {p.reason}"
+        )
+
+
+def paper_blocks(onchip_elements: int, d: int) -> tuple[int, int]:
+    """(Br, Bc) from Algorithm 1: Bc = ceil(M / 4d), Br = min(Bc, d)."""
+    bc = math.ceil(onchip_elements / (4 * d))
+    return min(bc, d), bc
+
+
+def tile(g: Graph, target: Target, override: tuple[int, int] | None = None) -> Graph:
+    """Attach a `TilingTable` for `target` to the fused node.
+
+    Guarantees: for every head dim, Br and Bc are positive multiples of the kernel's row and
+    column granularity and the plan's on-chip bytes fit the target (`onchip_bytes`); on GPUs
+    the register estimate is at most the per-thread limit. `override` = (Br, Bc) replaces the
+    choice (validated the same way).
+    """
+    g = clone(g)
+    node, op = fused_node(g)
+    planner = plan_cpu if target.kind == "cpu" else plan_gpu
+    plans = tuple(planner(target, d, override) for d in range(HEAD_DIM_STEP, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
+    g.nodes[node]["op"] = replace(op, tiling=TilingTable(target.name, plans))
+    return g
+
+
+def cpu_onchip_bytes(br: int, bc: int, d: int) -> int:
+    """fp32 working set of one task: Q, O tiles (Br x d), K^T, V (d x Bc), S (Br x Bc)."""
+    return 4 * (2 * br * d + 2 * bc * d + br * bc)
+
+
+def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
+    elements = target.onchip_bytes // 4
+    paper_br, paper_bc = paper_blocks(elements, d)
+    if override is not None:
+        br, bc = override
+        reason = "override"
+        if br % CPU_ROW_BLOCK or bc % CPU_COL_MULTIPLE or br <= 0 or bc <= 0:
+            raise ValueError(f"CPU tiles must be Br % {CPU_ROW_BLOCK} == 0 and Bc % {CPU_COL_MULTIPLE} == 0, got {override}")
+    else:
+        bc = max(CPU_COL_MULTIPLE, min(CPU_MAX_BC, paper_bc // CPU_COL_MULTIPLE * CPU_COL_MULTIPLE))
+        br = max(CPU_ROW_BLOCK, min(CPU_MAX_BR, paper_br // CPU_ROW_BLOCK * CPU_ROW_BLOCK))
+        reason = f"paper's Bc/Br rounded to the micro-kernel ({CPU_ROW_BLOCK} x {CPU_COL_MULTIPLE}) and capped at {CPU_MAX_BR} x {CPU_MAX_BC} for L1"
+        while cpu_onchip_bytes(br, bc, d) > target.onchip_bytes and bc > CPU_COL_MULTIPLE:
+            bc -= CPU_COL_MULTIPLE
+    onchip = cpu_onchip_bytes(br, bc, d)
+    if onchip > target.onchip_bytes:
+        raise ValueError(f"tiles {br}x{bc} need {onchip} B, more than the target's {target.onchip_bytes} B")
+    return TilePlan(d, br, bc, paper_br, paper_bc, target.vector_bytes // 4, 0, 1, onchip, 0, reason)
+
+
+def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
+    """fp16/bf16 shared memory: the Q tile plus `stages` buffers of K and V tiles."""
+    return 2 * (br * d + stages * 2 * bc * d)
+
+
+def gpu_registers(br: int, bc: int, d: int, warps: int) -> int:
+    """Per-thread fp32 accumulators (S and O fragments) plus a fixed allowance for addressing."""
+    return (br * bc + br * d) // (warps * 32) + br * d // (warps * 32 * 2) + 40
+
+
+def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
+    mma_m = target.mma_shape[0]
+    elements = target.onchip_bytes // 2
+    paper_br, paper_bc = paper_blocks(elements, d)
+    if override is not None:
+        br, bc = override
+        reason = "override"
+    else:
+        br = 128 if d <= 128 else 64
+        bc = max(16, min(paper_bc // 16 * 16, 128 if d <= 64 else 64))
+        reason = "Br from warps x mma M, Bc from the paper capped for registers"
+    warps = max(1, br // mma_m // 2) if br >= 64 else max(1, br // mma_m)
+    stages = 2
+    while gpu_shared_bytes(br, bc, d, stages) > target.onchip_bytes and stages > 1:
+        stages -= 1
+    while (gpu_shared_bytes(br, bc, d, stages) > target.onchip_bytes or gpu_registers(br, bc, d, warps) > target.max_registers_per_thread) and bc > 16 and override is None:
+        bc -= 16
+    while gpu_registers(br, bc, d, warps) > target.max_registers_per_thread and override is None and warps * 32 * 2 <= target.max_threads_per_block and warps < br // mma_m:
+        warps *= 2
+    smem = gpu_shared_bytes(br, bc, d, stages)
+    regs = gpu_registers(br, bc, d, warps)
+    if smem > target.onchip_bytes or regs > target.max_registers_per_thread:
+        raise ValueError(f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers; {target.name} has {target.onchip_bytes} B / {target.max_registers_per_thread}")
+    return TilePlan(d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, stages, smem, regs, reason)

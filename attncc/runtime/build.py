@@ -1,0 +1,126 @@
+"""JIT build of generated C++ with ninja, and an on-disk cache with a contract.
+
+Contract: `build_library(source, name)` returns the path of a shared library compiled from
+exactly `source` with `FLAGS`, or raises `BuildError` carrying the compiler output and the
+command to reproduce it. The cache directory is keyed by a hash of the source, the package's
+headers, the flags, the compiler version, the CPU and torch's version; several processes
+building the same variant take a file lock, re-check the cache inside it, and build once.
+Sources are rewritten only when they change, so ninja's own up-to-date check holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from attncc.errors import BuildError
+
+INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"
+FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing", "-fno-math-errno")
+_LOADED: dict[Path, ctypes.CDLL] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ATTNCC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "attncc")
+    return Path(root)
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise BuildError("no C++ compiler found: install g++ or set CXX")
+    return cxx
+
+
+@cache
+def _toolchain_fingerprint() -> str:
+    version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=False).stdout
+    try:
+        cpu_flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        cpu_flags = ""
+    headers = "".join(p.read_text() for p in sorted(INCLUDE_DIR.rglob("*.h")))
+    return "\n".join([version, cpu_flags, headers, " ".join(FLAGS), torch.__version__])
+
+
+def cache_key(source: str) -> str:
+    return hashlib.sha256((_toolchain_fingerprint() + "\n" + source).encode()).hexdigest()[:20]
+
+
+@contextmanager
+def _file_lock(path: Path):  # noqa: ANN202 - context manager
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _ninja() -> str:
+    try:
+        import ninja  # the PyPI package ships the binary
+
+        return os.path.join(ninja.BIN_DIR, "ninja")
+    except ImportError:
+        found = shutil.which("ninja")
+        if not found:
+            raise BuildError("ninja not found: pip install ninja") from None
+        return found
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+def build_library(source: str, name: str) -> Path:
+    """Compile `source` (once per cache key) and return the shared library's path."""
+    directory = cache_dir() / f"{name}-{cache_key(source)}"
+    library = directory / "kernel.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    with _file_lock(directory / ".lock"):
+        if library.exists():
+            return library
+        _write_if_changed(directory / "kernel.cpp", source)
+        flags = " ".join(FLAGS)
+        ninja_file = (
+            "ninja_required_version = 1.3\n"
+            f"cxx = {compiler()}\n"
+            f"rule cxx_shared\n"
+            f"  command = $cxx {flags} -I{INCLUDE_DIR} $in -o $out.tmp && mv $out.tmp $out\n"
+            "  description = attncc: compiling $out\n"
+            "build kernel.so: cxx_shared kernel.cpp\n"
+            "default kernel.so\n"
+        )
+        _write_if_changed(directory / "build.ninja", ninja_file)
+        cmd = [_ninja(), "-C", str(directory)]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0 or not library.exists():
+            raise BuildError(
+                f"building {name} failed (reproduce: {' '.join(cmd)}):\n{result.stdout[-4000:]}{result.stderr[-4000:]}"
+            )
+    return library
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """dlopen a built kernel library once per process."""
+    with _LOAD_LOCK:
+        if path not in _LOADED:
+            _LOADED[path] = ctypes.CDLL(str(path))
+        return _LOADED[path]

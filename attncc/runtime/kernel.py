@@ -1,0 +1,354 @@
+"""Compiled kernels as PyTorch ops: validation, call-time planning, autograd, torch.compile.
+
+`Kernel.__call__` validates every argument (naming it, with expected and actual shape, dtype
+or device) and calls the custom op ``attncc::attention``. The op's implementation classifies
+the tiles, builds the variant's library for the input dtype on first use (cached on disk)
+and runs it; the registered autograd formula calls ``attncc::attention_backward``. Both ops
+have fake implementations, so kernels work under `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from attncc.codegen.abi import OPERANDS, KernelAbi, kernel_abi
+from attncc.codegen.cpu import STORAGE_TYPES, generate_cpu
+from attncc.errors import InputError
+from attncc.ir import expr as ex
+from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
+from attncc.ir.ops import FusedAttention, Input
+from attncc.passes import Stage
+from attncc.passes.sparsity import Problem, check_read_bounds, classify_tiles, runtime_tensors
+from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
+from attncc.runtime.build import build_library, load_library
+from attncc.runtime.reference import evaluate, reference_attention
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_REGISTRY: dict[str, Kernel] = {}
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Everything fixed for one call besides the tensors' data."""
+
+    problem: Problem
+    tiles: TilePlan
+    scale: float
+
+
+class Kernel:
+    """A compiled attention variant. Call it like `kern(q, k, v, **runtime_inputs)`."""
+
+    def __init__(self, stages: list[Stage], target: str) -> None:
+        self.stages = stages
+        self.graph: Graph = stages[-1].graph
+        _, self.op = fused_node(self.graph)
+        self.name: str = self.graph.graph["name"]
+        self.target = target
+        self.abi: KernelAbi = kernel_abi(self.graph)
+        self.inputs: list[Input] = runtime_inputs(self.graph)
+        text = print_graph(self.graph) + repr(self.op) + target
+        self.key = f"{self.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        self._libraries: dict[str, ctypes.CDLL] = {}
+        self._lock = threading.Lock()
+        _REGISTRY[self.key] = self
+
+    # ------------------------------------------------------------------ public API
+    def __repr__(self) -> str:
+        return f"<attncc.Kernel {self.name} target={self.target}>"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        return_lse: bool = False,
+        scale: float | None = None,
+        train: bool = True,
+        seed: int | None = None,
+        **runtime: object,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [B, H, N, D], k, v [B, Hkv, M, D] with this variant.
+
+        scale overrides the program's scale; train=False disables dropout; seed fixes the
+        dropout bits (default: drawn from torch's generator, so torch.manual_seed applies);
+        runtime inputs are passed by their declared names. Returns out (and lse [B, H, N] in
+        float32, float64 for float64 inputs, when return_lse).
+        """
+        self.validate(q, k, v, runtime)
+        tensors = [self._tensor_arg(d.name, runtime[d.name]) for d in self.inputs if d.role == "tensor"]
+        scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+        dropout = self.op.dropout if train else 0.0
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
+        scale_value = float(scale) if scale is not None else self.default_scale(q, k)
+        out, lse = torch.ops.attncc.attention(self.key, q, k, v, tensors, scalars, scale_value, dropout, seed)
+        return (out, lse) if return_lse else out
+
+    def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
+        sizes = _sizes(q, k)
+        return float(evaluate(self.op.scale, sizes, {}))
+
+    def reference(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, train: bool = True,
+        seed: int = 0, **runtime: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float64 eager result (out, lse) of the same IR, for tests and `attncc check`."""
+        self.validate(q, k, v, runtime)
+        scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
+        tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
+        problem = _problem(q, k)
+        tensors = runtime_tensors(self.op.sparsity, problem, tensors)  # type: ignore[arg-type]
+        scale_value = float(scale) if scale is not None else self.default_scale(q, k)
+        dropout = self.op.dropout if train else 0.0
+        return reference_attention(self.op, q, k, v, scale_value, scalars, tensors, seed, 0, dropout)  # type: ignore[arg-type]
+
+    def tile_classes(self, q: torch.Tensor, k: torch.Tensor, **runtime: object) -> torch.Tensor:
+        """The [B|1, H|1, Ti, Tj] tile classes (0 empty, 1 partial, 2 full) for these inputs."""
+        plan = self.plan(q, k, None)
+        tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
+        scalars = {d.name: float(runtime[d.name]) for d in self.inputs if d.role == "scalar"}  # type: ignore[arg-type]
+        all_tensors = runtime_tensors(self.op.sparsity, plan.problem, tensors)  # type: ignore[arg-type]
+        return classify_tiles(self.op.sparsity, plan.problem, scalars, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols)  # type: ignore[arg-type]
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> CallPlan:
+        problem = _problem(q, k)
+        assert self.op.tiling is not None
+        tiles = self.op.tiling.for_head_dim(problem.D)
+        return CallPlan(problem, tiles, scale if scale is not None else self.default_scale(q, k))
+
+    def source(self, dtype: str = "float32") -> str:
+        return generate_cpu(self.graph, dtype, self.key)
+
+    def library(self, dtype: str) -> ctypes.CDLL:
+        """The compiled library for q/k/v of `dtype` (built once, then from the disk cache)."""
+        with self._lock:
+            if dtype not in self._libraries:
+                path = build_library(self.source(dtype), f"{self.name}-{dtype}")
+                self._libraries[dtype] = load_library(path)
+            return self._libraries[dtype]
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: Mapping[str, object]) -> None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise InputError(f"{name}: expected 4 dimensions [B, {'H' if name == 'q' else 'Hkv'}, {'N' if name == 'q' else 'M'}, D], got shape {tuple(t.shape)}")
+            if t.dtype not in _DTYPES:
+                raise InputError(f"{name}: expected dtype float32, float64, bfloat16 or float16, got {t.dtype}")
+            if t.device.type != "cpu":
+                raise InputError(f"{name}: the `{self.target}` target runs on cpu tensors, got device {t.device}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise InputError(f"q, k, v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        B, H, N, D = q.shape
+        if k.shape[0] != B:
+            raise InputError(f"k: expected batch size {B} (from q), got shape {tuple(k.shape)}")
+        if k.shape[3] != D:
+            raise InputError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
+        if v.shape != k.shape:
+            raise InputError(f"v: expected shape {tuple(k.shape)} (that of k), got {tuple(v.shape)}")
+        Hkv = k.shape[1]
+        if Hkv == 0 or H % Hkv != 0:
+            raise InputError(f"k: query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
+        if not 1 <= D <= MAX_HEAD_DIM:
+            raise InputError(f"q: head dim D={D} must be in [1, {MAX_HEAD_DIM}]")
+        expected = {d.name for d in self.inputs}
+        unknown = sorted(set(runtime) - expected)
+        if unknown:
+            raise InputError(f"unknown runtime input(s) {', '.join(unknown)}; {self.name} takes {_names(self.inputs)}")
+        sizes = _sizes(q, k)
+        bound: dict[str, int] = {}
+        for decl in self.inputs:
+            if decl.name not in runtime:
+                raise InputError(f"missing runtime input `{decl.name}` ({_declared(decl)}); {self.name} takes {_names(self.inputs)}")
+            self._validate_input(decl, runtime[decl.name], sizes, bound)
+
+    def _validate_input(self, decl: Input, value: object, sizes: dict[str, int], bound: dict[str, int]) -> None:
+        if decl.role == "scalar":
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise InputError(f"{decl.name}: expected a scalar ({decl.dtype}), got a tensor of shape {tuple(value.shape)}")
+                value = value.item()
+            ok = isinstance(value, (bool, int, float)) and (decl.dtype == "float" or float(value).is_integer())  # type: ignore[arg-type]
+            if not ok or (decl.dtype == "float" and not math.isfinite(float(value))):  # type: ignore[arg-type]
+                raise InputError(f"{decl.name}: expected a {decl.dtype} scalar, got {value!r}")
+            return
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
+        if value.device.type != "cpu":
+            raise InputError(f"{decl.name}: expected a cpu tensor, got device {value.device}")
+        kinds = {"float": value.is_floating_point(), "int": not value.is_floating_point() and value.dtype != torch.bool and not value.is_complex(), "bool": value.dtype == torch.bool}
+        if not kinds[decl.dtype] and not (decl.dtype == "bool" and kinds["int"]):
+            raise InputError(f"{decl.name}: expected a {decl.dtype} tensor, got dtype {value.dtype}")
+        if value.dim() != len(decl.dims):
+            raise InputError(f"{decl.name}: expected shape {_declared(decl)}, got {tuple(value.shape)}")
+        for axis, (dim, actual) in enumerate(zip(decl.dims, value.shape)):
+            want = dim if isinstance(dim, int) else sizes.get(dim, bound.get(dim))
+            if want is not None and want != actual:
+                raise InputError(f"{decl.name}: expected shape {_declared(decl)} with {dim}={want}, got {tuple(value.shape)} (dimension {axis})")
+            if isinstance(dim, str):
+                bound[dim] = actual
+
+    def _tensor_arg(self, name: str, value: object) -> torch.Tensor:
+        assert isinstance(value, torch.Tensor)
+        return value
+
+    # ------------------------------------------------------------------ op implementations
+    def forward_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = _DTYPES[q.dtype]
+        plan = self.plan(q, k, scale)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+        call = self._prepare(plan, q.dtype, tensors, scalars)
+        if out.numel() == 0:
+            return out, lse
+        ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+        self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed)
+        return out, lse
+
+    def backward_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int, grad_inputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        dtype = _DTYPES[q.dtype]
+        plan = self.plan(q, k, scale)
+        acc = acc_dtype(q.dtype)
+        dq, dk, dv = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
+        call = self._prepare(plan, q.dtype, tensors, scalars)
+        tensor_decls = [d for d in self.inputs if d.role == "tensor"]
+        grads: dict[str, torch.Tensor] = {}
+        for decl, t, wanted in zip(tensor_decls, tensors, grad_inputs):
+            if wanted and decl.name in self.abi.grads:
+                grads[decl.name] = torch.zeros(t.shape, dtype=acc)
+        if q.numel() and k.numel():
+            delta = (dout.to(acc) * out.to(acc)).sum(-1).contiguous()
+            ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse.contiguous(), "dout": dout, "delta": delta, "dq": dq, "dk": dk, "dv": dv}
+            ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
+            self._launch(dtype, "attncc_backward_dkdv", plan, call, ptrs, dropout, seed)
+            self._launch(dtype, "attncc_backward_dq", plan, call, ptrs, dropout, seed)
+        else:
+            dq.zero_(), dk.zero_(), dv.zero_()
+        grad_list = [grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)]
+        return dq, dk, dv, grad_list
+
+    def _prepare(self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]) -> dict[str, object]:
+        """Kernel-ready runtime tensors (converted, contiguous), layout grids and tile classes."""
+        acc = acc_dtype(dtype)
+        names = [d for d in self.inputs if d.role == "tensor"]
+        given = {d.name: t for d, t in zip(names, tensors)}
+        scalar_map = {d.name: s for d, s in zip([d for d in self.inputs if d.role == "scalar"], scalars)}
+        info = self.op.sparsity
+        assert info is not None
+        problem = plan.problem
+        all_tensors = runtime_tensors(info, problem, given)
+        exprs = [self.op.score] + ([self.op.mask] if self.op.mask is not None else [])
+        if problem.N and problem.M:
+            check_read_bounds(exprs, problem, scalar_map, all_tensors)
+            classes = classify_tiles(info, problem, scalar_map, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols)
+        else:
+            classes = torch.zeros((1, 1, 0, 0), dtype=torch.uint8)
+        kernel_tensors = {}
+        for slot in self.abi.tensors:
+            t = all_tensors[slot.name].detach()
+            t = t.to(acc) if slot.ctype == "acc_t" else t.to(torch.int64) if slot.ctype == "int64_t" else t.to(torch.uint8)
+            kernel_tensors[slot.ident] = t.contiguous()
+        return {"classes": classes, "tensors": kernel_tensors, "scalars": scalar_map}
+
+    def _launch(self, dtype: str, entry: str, plan: CallPlan, call: dict[str, object], ptrs: dict[str, torch.Tensor], dropout: float, seed: int) -> None:
+        lib = self.library(dtype)
+        classes: torch.Tensor = call["classes"]  # type: ignore[assignment]
+        tensors: dict[str, torch.Tensor] = call["tensors"]  # type: ignore[assignment]
+        keep_alive = [classes, *tensors.values(), *ptrs.values()]
+        all_ptrs = dict(ptrs, classes=classes, **tensors)
+        pointer_values = [all_ptrs[name].data_ptr() if name in all_ptrs else None for name, _ in self.abi.pointer_slots()]
+        p = plan.problem
+        ints: dict[str, int] = {"B": p.B, "H": p.H, "Hkv": p.Hkv, "N": p.N, "M": p.M, "D": p.D}
+        for name, _ in OPERANDS:
+            strides = ptrs[name].stride() if name in ptrs else (0, 0, 0, 0)
+            ints.update({f"st_{name}_{d}": strides[d] for d in range(4)})
+        cls_strides = [classes.stride(d) if classes.shape[d] > 1 else 0 for d in range(3)]
+        ints.update(Br=plan.tiles.block_rows, Bc=plan.tiles.block_cols, cls_sb=cls_strides[0], cls_sh=cls_strides[1], cls_si=cls_strides[2])
+        ints.update(seed=seed & (2**63 - 1), offset=0, threads=max(1, torch.get_num_threads()))
+        for slot in self.abi.tensors:
+            t = tensors[slot.ident]
+            ints.update({f"st_{slot.ident}_{d}": t.stride(d) for d in range(slot.rank)})
+        reals = [plan.scale, dropout] + [float(call["scalars"][name]) for name, _, _ in self.abi.scalars]  # type: ignore[index]
+        int_values = [ints[name] for name in self.abi.int_slots()]
+        fn = getattr(lib, entry)
+        fn.restype = ctypes.c_int
+        status = fn(
+            (ctypes.c_void_p * len(pointer_values))(*pointer_values),
+            (ctypes.c_int64 * len(int_values))(*int_values),
+            (ctypes.c_double * len(reals))(*reals),
+        )
+        del keep_alive
+        if status != 0:
+            raise RuntimeError(f"attncc kernel {entry} of {self.name} failed with status {status}")
+
+
+def _sizes(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:
+    B, H, N, D = q.shape
+    return {"B": B, "H": H, "Hkv": k.shape[1], "N": N, "M": k.shape[2], "D": D}
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor) -> Problem:
+    return Problem(**_sizes(q, k))
+
+
+def _declared(decl: Input) -> str:
+    return f"{decl.dtype}[{', '.join(map(str, decl.dims))}]" if decl.role == "tensor" else decl.dtype
+
+
+def _names(inputs: list[Input]) -> str:
+    return ", ".join(f"{d.name}: {_declared(d)}" for d in inputs) or "no runtime inputs"
+
+
+# ---------------------------------------------------------------------- custom ops
+@torch.library.custom_op("attncc::attention", mutates_args=())
+def attention_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _REGISTRY[key].forward_impl(q, k, v, tensors, scalars, scale, dropout, seed)
+
+
+@attention_op.register_fake
+def _attention_fake(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("attncc::attention_backward", mutates_args=())
+def attention_backward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int, grad_inputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    return _REGISTRY[key].backward_impl(q, k, v, out, lse, dout.contiguous(), tensors, scalars, scale, dropout, seed, grad_inputs)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int, grad_inputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    grads = [t.new_empty(t.shape) if wanted else t.new_empty(0) for t, wanted in zip(tensors, grad_inputs)]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
+    key, q, k, v, tensors, scalars, scale, dropout, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.key, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed = key, scalars, scale, dropout, seed
+    ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    dq, dk, dv, grads = torch.ops.attncc.attention_backward(ctx.key, q, k, v, out, lse, dout, tensors, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed, ctx.grad_inputs)
+    tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
+    return None, dq, dk, dv, tensor_grads, [None] * len(ctx.scalars), None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,124 @@
+"""The eager reference: the fused IR node interpreted with torch ops in float64.
+
+It materialises the N x M score matrix, so it is only for tests and `attncc check`; being
+derived from the same IR node as the kernels, the two cannot drift. Autograd through it
+gives the reference gradients for q, k, v and learnable inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from attncc.ir import expr as ex
+from attncc.ir.ops import FusedAttention
+from attncc.runtime.philox import dropout_mask
+
+Value = torch.Tensor | float | int | bool
+
+_BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul,
+    "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+    "and": torch.logical_and, "or": torch.logical_or,
+}  # fmt: skip
+_UNARY = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}
+
+
+def _t(x: Value) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    dtype = torch.bool if isinstance(x, bool) else torch.int64 if isinstance(x, int) else torch.float64
+    return torch.tensor(x, dtype=dtype)
+
+
+def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Evaluate `e` elementwise with torch broadcasting (ints int64, floats float64)."""
+    if isinstance(e, ex.Const):
+        return _t(e.value)
+    if isinstance(e, ex.Var):
+        return _t(env[e.name])
+    if isinstance(e, ex.Read):
+        index = tuple(evaluate(i, env, tensors).long() for i in e.index)
+        t = tensors[e.tensor]
+        return t[index] != 0 if e.ty == ex.BOOL and t.dtype != torch.bool else t[index]
+    if isinstance(e, ex.Unary):
+        x = evaluate(e.x, env, tensors)
+        if e.op == "neg":
+            return -x
+        if e.op == "not":
+            return torch.logical_not(x)
+        if e.op == "abs":
+            return x.abs()
+        return _UNARY[e.op](x.double())
+    if isinstance(e, ex.Binary):
+        a, b = evaluate(e.a, env, tensors), evaluate(e.b, env, tensors)
+        if e.op == "div":
+            return a.double() / b.double()
+        if e.op == "floordiv":
+            return torch.div(a, b, rounding_mode="floor")
+        if e.op == "mod":
+            return torch.remainder(a, b)
+        if e.op == "min":
+            return torch.minimum(*torch.broadcast_tensors(*_promote(a, b)))
+        if e.op == "max":
+            return torch.maximum(*torch.broadcast_tensors(*_promote(a, b)))
+        return _BINARY[e.op](a, b)
+    if isinstance(e, ex.Where):
+        c = evaluate(e.cond, env, tensors)
+        a, b = _promote(evaluate(e.a, env, tensors), evaluate(e.b, env, tensors))
+        return torch.where(c, a, b)
+    raise TypeError(e)
+
+
+def _promote(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
+
+
+def index_env(B: int, H: int, N: int, M: int) -> dict[str, torch.Tensor]:
+    return {
+        "b": torch.arange(B).view(-1, 1, 1, 1),
+        "h": torch.arange(H).view(1, -1, 1, 1),
+        "i": torch.arange(N).view(1, 1, -1, 1),
+        "j": torch.arange(M).view(1, 1, 1, -1),
+    }
+
+
+def reference_attention(
+    op: FusedAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    scalars: Mapping[str, float | int | bool],
+    tensors: Mapping[str, torch.Tensor],
+    seed: int = 0,
+    offset: int = 0,
+    dropout: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in float64; differentiable w.r.t. q, k, v and float tensors in `tensors`."""
+    B, H, N, D = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    q, k, v = q.double(), k.double(), v.double()
+    if H != Hkv:
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    tensors = {n: (t.double() if t.is_floating_point() else t) for n, t in tensors.items()}
+    env: dict[str, Value] = dict(index_env(B, H, N, M))
+    env.update(B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, scale=scale)
+    env.update(scalars)
+    env["s"] = scale * (q @ k.transpose(-1, -2))
+    s = evaluate(op.score, env, tensors).double().expand(B, H, N, M)
+    if op.mask is not None:
+        visible = evaluate(op.mask, env, tensors).expand(B, H, N, M)
+        s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    dead = torch.isneginf(lse)
+    p = torch.exp(s - torch.where(dead, 0.0, lse).unsqueeze(-1)).masked_fill(dead.unsqueeze(-1), 0.0)
+    rate = op.dropout if dropout is None else dropout
+    if rate > 0:
+        keep = dropout_mask(seed, offset, B, H, N, M, rate)
+        p = p * keep / (1.0 - rate)
+    return p @ v, lse
