@@ -18,12 +18,14 @@ from attncc.targets import Target
 HEAD_DIM_STEP = 16
 MAX_HEAD_DIM = 256
 
-# CPU micro-kernel shape (templates/cpu/attention.cpp.jinja): 4 rows x 2 vectors of fp32.
+# CPU micro-kernel shape (include/attncc/cpu/primitives.h `gemm`): 4 rows x 2 vectors of fp32.
 CPU_ROW_BLOCK = 4
 CPU_COL_MULTIPLE = 32
-# Above this the per-tile S rows stop fitting L1 alongside a K^T column panel; measured best
-# on a 48 KiB-L1 machine (bench/tile_sweep.py).
-CPU_MAX_BC = 128
+# The micro-kernel streams the K^T panel (d x Bc fp32) once per 4 query rows, so the panel
+# must stay in L1: Bc <= L1_FRACTION * L1 / (4 d). Measured on a 48 KiB-L1 machine, d=64, N=2048
+# (bench/bench_cpu.py --sweep): Bc=128 210 GFLOP/s, Bc=256 (64 KiB panel) 77 GFLOP/s.
+CPU_L1_FRACTION = 0.75
+# Rows per task: more rows reuse each K/V tile more, but fewer tasks balance worse over cores.
 CPU_MAX_BR = 64
 
 
@@ -56,10 +58,13 @@ class TilingTable:
 
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
+        if p.warps == 0:
+            layout = f"{p.threads} fp32 lanes per vector, one task per (b, h, query tile)"
+        else:
+            layout = f"{p.warps} warps ({p.threads} threads), {p.stages} K/V stage(s), ~{p.registers_per_thread} registers/thread"
         return (
-            f"{self.target} d={p.head_dim}: Br={p.block_rows} Bc={p.block_cols} (paper {p.paper_block_rows}x"
-            f"{p.paper_block_cols}), {p.warps} warps/{p.threads} threads, {p.stages} stage(s), "
-            f"on-chip {p.onchip_bytes} B; {p.reason}"
+            f"{self.target} d={p.head_dim}: Br={p.block_rows} Bc={p.block_cols} (paper: Br={p.paper_block_rows} "
+            f"Bc={p.paper_block_cols}); {layout}; on-chip {p.onchip_bytes} B; {p.reason}"
         )
 
 
@@ -99,9 +104,13 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
         if br % CPU_ROW_BLOCK or bc % CPU_COL_MULTIPLE or br <= 0 or bc <= 0:
             raise ValueError(f"CPU tiles must be Br % {CPU_ROW_BLOCK} == 0 and Bc % {CPU_COL_MULTIPLE} == 0, got {override}")
     else:
-        bc = max(CPU_COL_MULTIPLE, min(CPU_MAX_BC, paper_bc // CPU_COL_MULTIPLE * CPU_COL_MULTIPLE))
-        br = max(CPU_ROW_BLOCK, min(CPU_MAX_BR, paper_br // CPU_ROW_BLOCK * CPU_ROW_BLOCK))
-        reason = f"paper's Bc/Br rounded to the micro-kernel ({CPU_ROW_BLOCK} x {CPU_COL_MULTIPLE}) and capped at {CPU_MAX_BR} x {CPU_MAX_BC} for L1"
+        l1_bc = int(CPU_L1_FRACTION * target.l1_bytes) // (4 * d)
+        bc = max(CPU_COL_MULTIPLE, min(paper_bc, l1_bc) // CPU_COL_MULTIPLE * CPU_COL_MULTIPLE)
+        br = max(CPU_ROW_BLOCK, min(CPU_MAX_BR, paper_br) // CPU_ROW_BLOCK * CPU_ROW_BLOCK)
+        reason = (
+            f"paper's blocks with M = L2; Bc cut so the K^T panel fits {CPU_L1_FRACTION:.0%} of L1, Br capped at "
+            f"{CPU_MAX_BR}, both rounded to the {CPU_ROW_BLOCK} x {CPU_COL_MULTIPLE} micro-kernel"
+        )
         while cpu_onchip_bytes(br, bc, d) > target.onchip_bytes and bc > CPU_COL_MULTIPLE:
             bc -= CPU_COL_MULTIPLE
     onchip = cpu_onchip_bytes(br, bc, d)
@@ -117,7 +126,7 @@ def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
 
 def gpu_registers(br: int, bc: int, d: int, warps: int) -> int:
     """Per-thread fp32 accumulators (S and O fragments) plus a fixed allowance for addressing."""
-    return (br * bc + br * d) // (warps * 32) + br * d // (warps * 32 * 2) + 40
+    return (br * bc + br * d) // (warps * 32) + 32
 
 
 def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:

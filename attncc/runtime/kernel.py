@@ -88,7 +88,7 @@ class Kernel:
         float32, float64 for float64 inputs, when return_lse).
         """
         self.validate(q, k, v, runtime)
-        tensors = [self._tensor_arg(d.name, runtime[d.name]) for d in self.inputs if d.role == "tensor"]
+        tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
         dropout = self.op.dropout if train else 0.0
         if seed is None:
@@ -103,9 +103,9 @@ class Kernel:
 
     def reference(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, train: bool = True,
-        seed: int = 0, **runtime: object,
+        seed: int = 0, dtype: torch.dtype = torch.float64, **runtime: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float64 eager result (out, lse) of the same IR, for tests and `attncc check`."""
+        """The eager result (out, lse) of the same IR (float64 unless `dtype`), for tests and `attncc check`."""
         self.validate(q, k, v, runtime)
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
@@ -113,7 +113,7 @@ class Kernel:
         tensors = runtime_tensors(self.op.sparsity, problem, tensors)  # type: ignore[arg-type]
         scale_value = float(scale) if scale is not None else self.default_scale(q, k)
         dropout = self.op.dropout if train else 0.0
-        return reference_attention(self.op, q, k, v, scale_value, scalars, tensors, seed, 0, dropout)  # type: ignore[arg-type]
+        return reference_attention(self.op, q, k, v, scale_value, scalars, tensors, seed, 0, dropout, dtype)  # type: ignore[arg-type]
 
     def tile_classes(self, q: torch.Tensor, k: torch.Tensor, **runtime: object) -> torch.Tensor:
         """The [B|1, H|1, Ti, Tj] tile classes (0 empty, 1 partial, 2 full) for these inputs."""
@@ -201,10 +201,6 @@ class Kernel:
                 raise InputError(f"{decl.name}: expected shape {_declared(decl)} with {dim}={want}, got {tuple(value.shape)} (dimension {axis})")
             if isinstance(dim, str):
                 bound[dim] = actual
-
-    def _tensor_arg(self, name: str, value: object) -> torch.Tensor:
-        assert isinstance(value, torch.Tensor)
-        return value
 
     # ------------------------------------------------------------------ op implementations
     def forward_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

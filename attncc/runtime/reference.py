@@ -97,11 +97,16 @@ def reference_attention(
     seed: int = 0,
     offset: int = 0,
     dropout: float | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) in float64; differentiable w.r.t. q, k, v and float tensors in `tensors`."""
+    """(out, lse), differentiable w.r.t. q, k, v and float tensors in `tensors`.
+
+    Computed in float64 by default; `dtype` = bfloat16/float16 gives the eager low-precision
+    result that tests use as the yardstick for low-precision kernels' error.
+    """
     B, H, N, D = q.shape
     Hkv, M = k.shape[1], k.shape[2]
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if H != Hkv:
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
@@ -110,13 +115,14 @@ def reference_attention(
     env.update(B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, scale=scale)
     env.update(scalars)
     env["s"] = scale * (q @ k.transpose(-1, -2))
-    s = evaluate(op.score, env, tensors).double().expand(B, H, N, M)
+    s = evaluate(op.score, env, tensors).to(dtype).expand(B, H, N, M)
     if op.mask is not None:
         visible = evaluate(op.mask, env, tensors).expand(B, H, N, M)
         s = s.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     dead = torch.isneginf(lse)
     p = torch.exp(s - torch.where(dead, 0.0, lse).unsqueeze(-1)).masked_fill(dead.unsqueeze(-1), 0.0)
+    p = p.to(dtype)
     rate = op.dropout if dropout is None else dropout
     if rate > 0:
         keep = dropout_mask(seed, offset, B, H, N, M, rate)
