@@ -123,7 +123,7 @@ def _const(ctx: _Context, stmt: Ast) -> None:
     value = _scalar(ctx, value_ast, "a constant")
     folded = ex.fold(value)
     if not isinstance(folded, ex.Const):
-        raise DslError("a `const` must be computable from numbers alone", value_ast.loc)
+        raise DslError("a `const` must be computable from numbers alone", value_ast.start)
     ctx.names[name.value] = folded
 
 
@@ -132,7 +132,7 @@ def _assign(ctx: _Context, stmt: Ast) -> None:
     if name.value == "scale":
         value = _scalar(ctx, value_ast, "the scale")
         if ex.free_vars(value) - set(ex.SIZE_VARS) or ex.reads(value):
-            raise DslError("the scale may depend only on numbers and the sizes B, H, Hkv, N, M, D", value_ast.loc)
+            raise DslError("the scale may depend only on numbers and the sizes B, H, Hkv, N, M, D", value_ast.start)
         ctx.scale = ex.fold(value)
         return
     if name.value in RESERVED or (name.value in ctx.names and isinstance(ctx.names[name.value], TensorRef) and ctx.names[name.value].kind == "tensor"):  # type: ignore[union-attr]
@@ -149,12 +149,12 @@ def _mask(ctx: _Context, stmt: Ast) -> None:
     if isinstance(pred, ScoreExpr):
         raise DslError(
             "a mask cannot depend on the scores `s`; use a score expression such as `s = where(cond, s, -inf)`",
-            pred_ast.loc,
+            pred_ast.start,
         )
     if isinstance(pred, TensorRef):
-        raise DslError("a mask is a predicate over b, h, i, j and inputs, not a tensor", pred_ast.loc)
+        raise DslError("a mask is a predicate over b, h, i, j and inputs, not a tensor", pred_ast.start)
     if pred.ty != ex.BOOL:
-        raise DslError(f"a mask must be a condition (true keeps the score), got a {pred.ty} expression", pred_ast.loc)
+        raise DslError(f"a mask must be a condition (true keeps the score), got a {pred.ty} expression", pred_ast.start)
     _apply_to_scores(ctx, Mask(ex.fold(pred), loc=stmt.loc), stmt.loc, _reads(ctx, pred))
 
 
@@ -216,7 +216,7 @@ def _check_new_name(ctx: _Context, name: Ast) -> None:
 def _positive_int(ctx: _Context, a: Ast, what: str) -> int:
     value = ex.fold(_scalar(ctx, a, what))
     if not (isinstance(value, ex.Const) and value.ty == ex.INT and int(value.value) >= 1):
-        raise DslError(f"`{what}` must be a positive integer constant", a.loc)
+        raise DslError(f"`{what}` must be a positive integer constant", a.start)
     return int(value.value)
 
 
@@ -253,7 +253,7 @@ def _reads(ctx: _Context, e: ex.Expr) -> set[str]:
 def _scalar(ctx: _Context, a: Ast, what: str) -> ex.Expr:
     value = _lower_expr(ctx, a)
     if not isinstance(value, ex.Expr):
-        raise DslError(f"{what} must be a number, not a tensor", a.loc)
+        raise DslError(f"{what} must be a number, not a tensor", a.start)
     return value
 
 
@@ -308,7 +308,7 @@ def _index(ctx: _Context, a: Ast) -> Value:
     for i_ast in index_asts:
         i = _lower_expr(ctx, i_ast)
         if isinstance(i, (TensorRef, ScoreExpr)) or i.ty != ex.INT:
-            raise DslError("an index must be an integer expression over b, h, i, j and integer inputs", i_ast.loc)
+            raise DslError("an index must be an integer expression over b, h, i, j and integer inputs", i_ast.start)
         index.append(ex.fold(i))
     return ex.Read(decl.name, tuple(index), _scalar_type(decl.dtype))
 
@@ -362,7 +362,7 @@ def _call(ctx: _Context, a: Ast) -> Value:
             raise DslError("dropout takes the probabilities (from `softmax`)", a.children[0].loc)
         p = ex.fold(rate) if isinstance(rate, ex.Expr) else None
         if not (isinstance(p, ex.Const) and p.ty in (ex.FLOAT, ex.INT) and 0 <= float(p.value) < 1):
-            raise DslError("the dropout rate must be a constant in [0, 1)", a.children[1].loc)
+            raise DslError("the dropout rate must be a constant in [0, 1)", a.children[1].start)
         return TensorRef(add_op(ctx.g, Dropout(float(p.value), loc=a.loc), [probs.node]), "probs")
     if fn in MATH_FUNCTIONS:
         _arity(a, args, MATH_FUNCTIONS[fn])

@@ -8,6 +8,7 @@ hang or a traceback.
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from functools import cache
@@ -33,6 +34,11 @@ class Ast:
     value: str = ""
     children: tuple[Ast, ...] = field(default=())
     depth: int = 1
+    first: SourceLoc | None = None  # where the construct's text begins (binary: its left operand)
+
+    @property
+    def start(self) -> SourceLoc:
+        return self.first or self.loc
 
 
 @cache
@@ -54,11 +60,11 @@ class _Builder(Transformer):
     def _leaf(self, kind: str, tok: Token) -> Ast:
         return Ast(kind, self.src.loc(tok.line, tok.column), str(tok))
 
-    def _node(self, kind: str, loc: SourceLoc, kids: list[Ast], value: str = "") -> Ast:
+    def _node(self, kind: str, loc: SourceLoc, kids: list[Ast], value: str = "", first: SourceLoc | None = None) -> Ast:
         depth = 1 + max((k.depth for k in kids), default=0)
         if depth > MAX_DEPTH:
             raise DslError(f"expression nested too deeply (more than {MAX_DEPTH} levels)", loc)
-        return Ast(kind, loc, value, tuple(kids), depth)
+        return Ast(kind, loc, value, tuple(kids), depth, first)
 
     def _as_ast(self, item: Ast | Token, kind: str = "ident") -> Ast:
         return item if isinstance(item, Ast) else self._leaf(kind, item)
@@ -88,7 +94,7 @@ class _Builder(Transformer):
         return self._node("assign", name.loc, [name, items[1]])  # type: ignore[list-item]
 
     def mask_stmt(self, items: list[Ast]) -> Ast:
-        return self._node("mask", items[0].loc, items)
+        return self._node("mask", items[0].start, items)
 
     def layout_stmt(self, items: list[Token | Ast]) -> Ast:
         name = self._as_ast(items[0])
@@ -106,7 +112,7 @@ class _Builder(Transformer):
     def binary(self, items: list[Ast | Token]) -> Ast:
         left, op, right = items
         assert isinstance(op, Token) and isinstance(left, Ast) and isinstance(right, Ast)
-        return self._node("binary", self.src.loc(op.line, op.column), [left, right], str(op))
+        return self._node("binary", self.src.loc(op.line, op.column), [left, right], str(op), left.start)
 
     def unary(self, items: list[Ast | Token]) -> Ast:
         op, operand = items
@@ -163,7 +169,7 @@ def parse(text: str, path: str = "<string>") -> Ast:
     src = _Source(text, path)
     if len(text) > MAX_SOURCE_CHARS:
         raise DslError(f"program too large ({len(text)} characters, limit {MAX_SOURCE_CHARS})", src.loc(1, 1))
-    if not text.strip():
+    if not re.sub(r"#[^\n]*", "", text).strip():
         raise DslError("empty program: expected `attention NAME` on the first line", src.loc(1, 1))
     _check_bracket_depth(src)
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, clone, fused_node
 from attncc.targets import Target
 
@@ -27,6 +28,10 @@ CPU_COL_MULTIPLE = 32
 CPU_L1_FRACTION = 0.75
 # Rows per task: more rows reuse each K/V tile more, but fewer tasks balance worse over cores.
 CPU_MAX_BR = 64
+
+
+class NoFit(Exception):
+    """No tiling of this head dimension fits the target (internal to the pass)."""
 
 
 @dataclass(frozen=True)
@@ -48,13 +53,18 @@ class TilePlan:
 
 @dataclass(frozen=True)
 class TilingTable:
+    """Plans per head dim (rounded up to 16); None where no tiling fits the target."""
+
     target: str
-    plans: tuple[TilePlan, ...]
+    plans: tuple[TilePlan | None, ...]
 
     def for_head_dim(self, d: int) -> TilePlan:
         if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim {d} outside [1, {MAX_HEAD_DIM}]")
-        return self.plans[math.ceil(d / HEAD_DIM_STEP) - 1]
+            raise AttnccError(f"head dim {d} outside [1, {MAX_HEAD_DIM}]")
+        plan = self.plans[math.ceil(d / HEAD_DIM_STEP) - 1]
+        if plan is None:
+            raise AttnccError(f"head dim {d}: no tiling fits the on-chip memory of target {self.target}")
+        return plan
 
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
@@ -85,7 +95,16 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None) -> G
     g = clone(g)
     node, op = fused_node(g)
     planner = plan_cpu if target.kind == "cpu" else plan_gpu
-    plans = tuple(planner(target, d, override) for d in range(HEAD_DIM_STEP, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
+
+    def plan_or_none(d: int) -> TilePlan | None:
+        try:
+            return planner(target, d, override)
+        except NoFit:
+            return None
+
+    plans = tuple(plan_or_none(d) for d in range(HEAD_DIM_STEP, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
+    if all(p is None for p in plans):
+        raise AttnccError(f"no tiling fits target {target.name}" + (f" with tiles {override}" if override else ""))
     g.nodes[node]["op"] = replace(op, tiling=TilingTable(target.name, plans))
     return g
 
@@ -102,7 +121,7 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
         br, bc = override
         reason = "override"
         if br % CPU_ROW_BLOCK or bc % CPU_COL_MULTIPLE or br <= 0 or bc <= 0:
-            raise ValueError(f"CPU tiles must be Br % {CPU_ROW_BLOCK} == 0 and Bc % {CPU_COL_MULTIPLE} == 0, got {override}")
+            raise AttnccError(f"CPU tiles must be positive with Br % {CPU_ROW_BLOCK} == 0 and Bc % {CPU_COL_MULTIPLE} == 0, got {override}")
     else:
         l1_bc = int(CPU_L1_FRACTION * target.l1_bytes) // (4 * d)
         bc = max(CPU_COL_MULTIPLE, min(paper_bc, l1_bc) // CPU_COL_MULTIPLE * CPU_COL_MULTIPLE)
@@ -115,7 +134,7 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             bc -= CPU_COL_MULTIPLE
     onchip = cpu_onchip_bytes(br, bc, d)
     if onchip > target.onchip_bytes:
-        raise ValueError(f"tiles {br}x{bc} need {onchip} B, more than the target's {target.onchip_bytes} B")
+        raise NoFit(f"tiles {br}x{bc} need {onchip} B, more than the target's {target.onchip_bytes} B")
     return TilePlan(d, br, bc, paper_br, paper_bc, target.vector_bytes // 4, 0, 1, onchip, 0, reason)
 
 
@@ -151,5 +170,5 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     smem = gpu_shared_bytes(br, bc, d, stages)
     regs = gpu_registers(br, bc, d, warps)
     if smem > target.onchip_bytes or regs > target.max_registers_per_thread:
-        raise ValueError(f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers; {target.name} has {target.onchip_bytes} B / {target.max_registers_per_thread}")
+        raise NoFit(f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers; {target.name} has {target.onchip_bytes} B / {target.max_registers_per_thread}")
     return TilePlan(d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, stages, smem, regs, reason)

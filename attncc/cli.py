@@ -1,0 +1,210 @@
+"""The `attncc` command line: compile, explain, check and examples.
+
+Every user mistake (a DSL error, a missing file, bad input) is printed as one clean message
+and exits with status 1; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import attncc
+from attncc.errors import AttnccError
+from attncc.ir.graph import fused_node
+from attncc.ir.ops import FusedAttention
+from attncc.passes.sparsity import EMPTY, FULL
+from attncc.runtime.check import check
+from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _shape(text: str) -> Shape:
+    try:
+        values = [int(x) for x in text.split(",")]
+        return Shape(*values)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError("expected B,H,Hkv,N,M,D such as 1,8,8,2048,2048,64") from None
+
+
+def _fused(kern_or_stages: attncc.Kernel | list) -> FusedAttention:
+    graph = kern_or_stages.graph if isinstance(kern_or_stages, attncc.Kernel) else kern_or_stages[-1].graph
+    return fused_node(graph)[1]
+
+
+def plan_text(op: FusedAttention, shape: Shape, elt: int = 4) -> str:
+    """Tiles, threads, on-chip bytes and predicted traffic at `shape` (dense tile count)."""
+    assert op.tiling is not None and op.cost is not None and op.sparsity is not None
+    tiles = op.tiling.for_head_dim(shape.D)
+    report = op.cost.predict(shape.B, shape.H, shape.N, shape.M, shape.D, elt, tiles.block_rows, tiles.block_cols)
+    return "\n".join(
+        [
+            f"  tiles   {op.tiling.describe(shape.D)}",
+            f"  mask    {op.sparsity.describe()}",
+            f"  grads   {op.backward.describe() if op.backward else '-'}",
+            f"  traffic at {shape} (fp32, dense): {report.describe()}",
+        ]
+    )
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    stages = attncc.lower(args.file, args.target)
+    op = _fused(stages)
+    print(f"{args.file}: variant `{stages[-1].graph.graph['name']}` for {args.target}")
+    print(plan_text(op, args.shape))
+    if args.target != "cpu":
+        print("  (code generation for GPU targets is not implemented yet; plan only)")
+        return 0
+    kern = attncc.Kernel(stages, args.target)
+    out_dir = Path(args.output) if args.output else None
+    for dtype in args.dtype:
+        source = kern.source(dtype)
+        if out_dir:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{kern.name}_{dtype}.cpp").write_text(source)
+        start = time.perf_counter()
+        kern.library(dtype)
+        print(f"  built   {dtype} in {time.perf_counter() - start:.2f} s (cache: {attncc.runtime.build.cache_dir()})")
+    if out_dir:
+        print(f"  sources written to {out_dir}/ (compile with -I {attncc.include_dir()})")
+    return 0
+
+
+def tile_map(classes: torch.Tensor, limit: int = 48) -> str:
+    """Tile classes of (b=0, h=0) as text: '#' full, '+' partial, '.' empty."""
+    grid = classes[0, 0]
+    chars = {EMPTY: ".", FULL: "#"}
+    rows = ["".join(chars.get(int(c), "+") for c in row[:limit]) for row in grid[:limit]]
+    return "\n".join("    " + r for r in rows)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    stages = attncc.lower(args.file, args.target)
+    for stage in stages:
+        print(stage.text())
+        print()
+    op = _fused(stages)
+    shape = args.shape
+    print("// plan")
+    print(plan_text(op, shape))
+    kern = attncc.Kernel(stages, "cpu") if args.target == "cpu" else attncc.Kernel(attncc.lower(args.file, "cpu"), "cpu")
+    shape = adapt(shape, kern)
+    q, k, _, runtime = make_inputs(kern, shape, requires_grad=False)
+    classes = kern.tile_classes(q, k, **runtime)
+    counts = {name: int((classes == value).sum()) for name, value in (("empty", 0), ("partial", 1), ("full", 2))}
+    tiles = kern.plan(q, k, None).tiles
+    print(f"// tile classes at {shape} with Br={tiles.block_rows} Bc={tiles.block_cols} (b=0, h=0; # full, + partial, . empty)")
+    print(tile_map(classes))
+    total = sum(counts.values())
+    print(f"    {counts['full']} full, {counts['partial']} partial, {counts['empty']} empty of {total} tiles")
+    assert op.cost is not None
+    density = (counts["full"] + counts["partial"]) / max(total, 1)
+    report = op.cost.predict(shape.B, shape.H, shape.N, shape.M, shape.D, 4, tiles.block_rows, tiles.block_cols, density)
+    print(f"// IO at {shape}, density {density:.2f}: {report.describe()}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.target != "cpu":
+        raise AttnccError(f"`check --target {args.target}`: only the cpu backend can run so far")
+    kern = attncc.compile(args.file, args.target)
+    shapes = [args.shape] if args.shape_given else AWKWARD_SHAPES
+    failures = 0
+    for shape in shapes:
+        for dtype in args.dtype:
+            result = check(kern, adapt(shape, kern), DTYPES[dtype], backward=not args.forward_only)
+            print(result.describe())
+            failures += not result.ok
+    print(f"{args.file}: {'all ok' if not failures else f'{failures} mismatch(es)'}")
+    return 1 if failures else 0
+
+
+def _median_ms(fn, repeats: int = 5) -> float:  # noqa: ANN001 - a thunk
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def cmd_examples(args: argparse.Namespace) -> int:
+    """Compile every example for the CPU, check it against eager PyTorch, print plan and timing."""
+    files = sorted(Path(args.directory).glob("*.attn"))
+    if not files:
+        raise AttnccError(f"{args.directory}: no .attn programs")
+    failures = 0
+    for path in files:
+        start = time.perf_counter()
+        kern = attncc.compile(path)
+        kern.library("float32")
+        build_s = time.perf_counter() - start
+        shape = adapt(Shape(2, 4, 2, 200, 200, 64), kern)
+        result = check(kern, shape, torch.float32)
+        failures += not result.ok
+        bench = adapt(Shape(1, 8, 8, 1024, 1024, 64), kern)
+        q, k, v, runtime = make_inputs(kern, bench, requires_grad=False)
+        ms = _median_ms(lambda: kern(q, k, v, **runtime))  # noqa: B023 - called immediately
+        print(f"== {path.name}: build/load {build_s:.2f} s, forward {ms:.1f} ms at {bench}")
+        print(plan_text(_fused(kern), bench))
+        print(f"  check   {result.describe()}")
+    print(f"{len(files)} examples, {failures} mismatch(es)")
+    return 1 if failures else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attncc", description="Compile attention variants to fused kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    default_shape = Shape(1, 8, 8, 2048, 2048, 64)
+
+    p = sub.add_parser("compile", help="emit sources, build, print the plan")
+    p.add_argument("file")
+    p.add_argument("--target", default="cpu")
+    p.add_argument("-o", "--output", help="write the generated sources here")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=list(DTYPES))
+    p.add_argument("--shape", type=_shape, default=default_shape, help="B,H,Hkv,N,M,D for the traffic estimate")
+    p.set_defaults(fn=cmd_compile)
+
+    p = sub.add_parser("explain", help="IR after each pass, tile classes, IO report")
+    p.add_argument("file")
+    p.add_argument("--target", default="cpu")
+    p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64))
+    p.set_defaults(fn=cmd_explain)
+
+    p = sub.add_parser("check", help="compare forward and backward against eager float64")
+    p.add_argument("file")
+    p.add_argument("--target", default="cpu")
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--shape", type=_shape, default=None, help="one shape B,H,Hkv,N,M,D instead of the awkward set")
+    p.add_argument("--forward-only", action="store_true")
+    p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("examples", help="compile, check and time every example")
+    p.add_argument("directory", nargs="?", default=str(EXAMPLES_DIR))
+    p.set_defaults(fn=cmd_examples)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.shape_given = getattr(args, "shape", None) is not None
+    if getattr(args, "shape", None) is None:
+        args.shape = AWKWARD_SHAPES[0]
+    try:
+        return args.fn(args)
+    except AttnccError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The DSL frontend: parsing, semantic errors with file:line:col and a caret, bad input."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+import attncc
+from attncc.errors import DslError
+from attncc.frontend.lower import parse_program
+from attncc.ir.graph import print_graph, verify
+from tests.conftest import EXAMPLES, ROOT
+
+GOOD = """attention t
+input slopes: float[H]
+s = q @ k.T * scale
+s = s - slopes[h] * abs(i - j)
+mask j <= i
+p = softmax(s)
+o = p @ v
+output o
+"""
+
+
+def error_of(source: str, path: str = "prog.attn") -> DslError:
+    with pytest.raises(DslError) as info:
+        attncc.lower(source if "\n" in source else source + "\n")
+    return info.value
+
+
+def test_every_example_parses_and_verifies() -> None:
+    for name in EXAMPLES:
+        path = ROOT / "examples" / f"{name}.attn"
+        verify(parse_program(path.read_text(), str(path)))
+
+
+def test_graph_printer_lists_statements_in_order() -> None:
+    text = print_graph(parse_program(GOOD, "t.attn"))
+    assert text.splitlines() == [
+        "graph t {",
+        "  %0 = input q: q float[B, H, N, D]",
+        "  %1 = input k: k float[B, Hkv, M, D]",
+        "  %2 = input v: v float[B, Hkv, M, D]",
+        "  %3 = input slopes: tensor float[H]",
+        "  %4 = matmul q @ k.T (%0, %1)",
+        "  %5 = map s -> s * scale (%4)",
+        "  %6 = map s -> s - slopes[h] * abs(i - j) (%5)",
+        "  %7 = mask j <= i (%6)",
+        "  %8 = softmax (%7)",
+        "  %9 = matmul p @ v (%8, %2)",
+        "  %10 = output (%9)",
+        "}",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "line", "column", "message"),
+    [
+        ("attention t\ns = q @ k.T * scael\n", 2, 15, "unknown name `scael`"),
+        ("attention t\ns = q @ k.T\np = softmax(s, s)\n", 3, 5, "`softmax` takes 1 argument, got 2"),
+        ("attention t\ns = q @ k.T\np = sofmax(s)\n", 3, 5, "unknown function `sofmax`"),
+        ("attention t\ns = q @ k.T\nmask s > 0\n", 3, 6, "cannot depend on the scores"),
+        ("attention t\ns = q @ k.T\nmask i + j\n", 3, 6, "a mask must be a condition"),
+        ("attention t\ns = q @ k.T\no = s @ v\noutput o\n", 3, 7, "`@` computes the scores"),
+        ("attention t\ns = q @ k.T\np = softmax(s)\np = dropout(p, 1.5)\n", 4, 16, "dropout rate must be a constant in [0, 1)"),
+        ("attention t\ninput x: float[H]\ns = q @ k.T\ns = s + x[h, i]\n", 4, 9, "`x` has 1 dimensions but is indexed with 2"),
+        ("attention t\ninput x: float[H]\ns = q @ k.T\ns = s + x[s]\n", 4, 11, "an index must be an integer"),
+        ("attention t\ninput x: complex[H]\n", 2, 10, "unknown input type `complex`"),
+        ("attention t\ns = q @ k.T\nlayout spiral(block=64)\n", 3, 8, "unknown layout `spiral`"),
+        ("attention t\ns = q @ k.T\nlayout local(block=64)\n", 3, 8, "needs the parameter `width=`"),
+        ("attention t\ns = q @ k.T\nlayout local(block=0, width=1)\n", 3, 20, "`block` must be a positive integer"),
+        ("attention t\ns = q @ k.T\np = softmax(s)\no = p @ v\n", 4, 1, "no `output` statement"),
+        ("attention t\ns = q @ k.T\np = softmax(s)\no = p @ v\noutput p\n", 5, 8, "is not one"),
+        ("attention t\ns = q @ k.T\ns = s % 2.0\n", 3, 7, "integer division"),
+        ("attention t\nmask i < j\n", 2, 6, "no scores to mask yet"),
+        ("attention t\ns = q @ k.T\nq = s\n", 3, 1, "reserved"),
+    ],
+)
+def test_semantic_errors_name_the_place(source: str, line: int, column: int, message: str) -> None:
+    err = error_of(source)
+    assert err.loc is not None
+    assert (err.loc.line, err.loc.column) == (line, column), err.render()
+    assert message in err.message
+    rendered = err.render().splitlines()
+    assert rendered[0].startswith(f"<string>:{line}:{column}: error: ")
+    assert rendered[1].strip() == source.splitlines()[line - 1].strip()
+    assert rendered[2].index("^") - 2 == column - 1  # caret under the column
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("attention t\ns = q @ k.T\np = softmax(s)\nx = softmax(s)\no = p @ v\noutput o\n", "used only once"),
+        ("attention t\ns = q @ k.T\ns2 = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n", "not part of the attention chain"),
+        ("attention t\ns = q @ k.T\np = softmax(s)\np = dropout(p, 0.1)\np = dropout(p, 0.1)\no = p @ v\noutput o\n", "only one dropout"),
+    ],
+)
+def test_unfusable_programs_say_what_and_where(source: str, message: str) -> None:
+    err = error_of(source)
+    assert message in err.message
+    assert err.loc is not None and err.loc.line > 1
+
+
+def test_syntax_error_expected_tokens() -> None:
+    err = error_of("attention t\ns = q @ @ k\n")
+    assert (err.loc.line, err.loc.column) == (2, 9)
+    assert "unexpected `@`" in err.message and "expected" in err.message
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("", "empty program"),
+        ("   \n\n# only a comment\n", "empty program"),
+        ("attention t\ns = " + "(" * 5000 + "s" + ")" * 5000 + "\n", "nested too deeply"),
+        ("attention t\ns = " + " + ".join(["s"] * 20000) + "\n", "nested too deeply"),
+        ("attention t\ns = " + "-" * 5000 + "s\n", "nested too deeply"),
+        ("\x00\x01\x02\xff garbage", "unexpected"),
+        ("attention t\ns = q @ k.T \x07\n", "unexpected character U+0007"),
+    ],
+)
+def test_pathological_input_is_a_clean_error_and_fast(source: str, message: str) -> None:
+    start = time.perf_counter()
+    with pytest.raises(DslError) as info:
+        attncc.lower(source + ("\n" if "\n" not in source else ""))
+    assert message in str(info.value)
+    assert time.perf_counter() - start < 5
+
+
+def test_binary_file_reports_the_bad_byte(tmp_path) -> None:
+    path = tmp_path / "bin.attn"
+    path.write_bytes(b"attention t\ns = q @ k.T\n\xff\xfe\x00")
+    with pytest.raises(DslError) as info:
+        attncc.lower(str(path))
+    assert "byte 0xff is not valid UTF-8" in str(info.value)
+    assert str(info.value).startswith(f"{path}:3:1:")
+
+
+def _mutate(rng: random.Random, text: str) -> str:
+    tokens = ["(", ")", "[", "]", "@", "*", "//", "softmax", "mask", "layout", "\n", "=", ",", "and", "not", "1e999", "-", "k.T", "#", "\x00", "é"]
+    chars = list(text)
+    for _ in range(rng.randint(1, 6)):
+        kind = rng.random()
+        pos = rng.randrange(len(chars) + 1)
+        if kind < 0.4 and chars:
+            del chars[min(pos, len(chars) - 1)]
+        elif kind < 0.8:
+            chars[pos:pos] = list(rng.choice(tokens))
+        else:
+            chars[pos:pos] = [chr(rng.randrange(0, 0x250))]
+    return "".join(chars)
+
+
+def test_fuzzed_programs_parse_or_fail_cleanly() -> None:
+    """Mutated examples either compile to a verified IR or raise DslError; nothing else."""
+    rng = random.Random(1234)
+    sources = [(ROOT / "examples" / f"{n}.attn").read_text() for n in EXAMPLES]
+    outcomes = {"ok": 0, "error": 0}
+    start = time.perf_counter()
+    for _ in range(1500):
+        text = _mutate(rng, rng.choice(sources))
+        try:
+            attncc.lower(text if "\n" in text else text + "\n")
+            outcomes["ok"] += 1
+        except DslError as err:
+            assert err.loc is None or err.loc.line >= 1
+            outcomes["error"] += 1
+    assert outcomes["ok"] > 0 and outcomes["error"] > 0
+    assert time.perf_counter() - start < 120
+
+
+def test_cli_reports_dsl_errors_without_traceback(tmp_path) -> None:
+    bad = tmp_path / "bad.attn"
+    bad.write_text("attention t\ns = q @ k.T * scael\n")
+    for args in (["check", str(bad)], ["compile", str(bad)], ["explain", str(bad)], ["check", str(tmp_path / "missing.attn")]):
+        proc = subprocess.run([sys.executable, "-m", "attncc.cli", *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1
+        assert "Traceback" not in proc.stderr
+        assert "error" in proc.stderr or "no such program" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "attncc.cli", "check", str(bad)], capture_output=True, text=True, timeout=120)
+    assert f"{bad}:2:15: error: unknown name `scael`" in proc.stderr
+    assert proc.stderr.splitlines()[-1].strip() == "^"

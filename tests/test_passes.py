@@ -1,0 +1,186 @@
+"""Pass tests in the style of lit: a small program, the pass, the expected IR text."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from attncc.errors import AttnccError, IRVerificationError
+from attncc.frontend.lower import parse_program
+from attncc.ir import expr as ex
+from attncc.ir.graph import fused_node, print_graph, verify
+from attncc.passes import run_pipeline
+from attncc.passes.backward import derive_backward
+from attncc.passes.canonicalize import canonicalize
+from attncc.passes.cost import cost
+from attncc.passes.fuse import fuse_attention
+from attncc.passes.sparsity import analyse_sparsity
+from attncc.passes.tiling import MAX_HEAD_DIM, gpu_registers, paper_blocks, tile
+from attncc.targets import GPUS, Target, cpu, get_target
+
+
+def program(body: str) -> str:
+    return "attention t\n" + body + "\np = softmax(s)\no = p @ v\noutput o\n"
+
+
+def body_lines(text: str) -> list[str]:
+    """The graph printout without the header, the q/k/v inputs and the closing brace."""
+    return [line.strip() for line in text.splitlines()[4:-1]]
+
+
+SOFTCAP_ALIBI = program(
+    "input slopes: float[H]\n"
+    "s = q @ k.T * scale\n"
+    "mask j <= i\n"
+    "s = 30.0 * tanh(s / 30.0)\n"
+    "s = s - slopes[h] * (i - j)"
+)
+
+
+def test_canonicalize_composes_maps_moves_masks_and_folds_the_scale() -> None:
+    g = verify(canonicalize(parse_program(SOFTCAP_ALIBI, "t.attn")))
+    assert body_lines(print_graph(g)) == [
+        "%3 = input slopes: tensor float[H]",
+        "%4 = matmul q @ k.T * 1.0 / sqrt(D) (%0, %1)",
+        "%12 = map s -> 30.0 * tanh(s / 30.0) - slopes[h] * (i - j) (%4)",
+        "%13 = mask j <= i (%12)",
+        "%9 = softmax (%13)",
+        "%10 = matmul p @ v (%9, %2)",
+        "%11 = output (%10)",
+    ]
+
+
+def test_canonicalize_drops_identity_map_and_uses_program_scale() -> None:
+    g = canonicalize(parse_program(program("scale = 0.125\ns = q @ k.T * scale"), "t.attn"))
+    lines = body_lines(print_graph(g))
+    assert lines[0] == "%3 = matmul q @ k.T * 0.125 (%0, %1)"
+    assert not any("map" in line for line in lines)
+
+
+def test_constant_folding() -> None:
+    g = canonicalize(parse_program(program("const w = 2 * 64\ns = q @ k.T\ns = s + (1 + 2) * 0.5\nmask i - j < w + 0"), "t.attn"))
+    lines = body_lines(print_graph(g))
+    assert "map s -> s + 1.5" in lines[1]
+    assert "mask i - j < 128" in lines[2]
+
+
+def test_fuse_makes_one_node() -> None:
+    g = verify(fuse_attention(canonicalize(parse_program(SOFTCAP_ALIBI, "t.attn"))))
+    lines = body_lines(print_graph(g))
+    assert lines == [
+        "%3 = input slopes: tensor float[H]",
+        "%14 = fused_attention scale=1.0 / sqrt(D), score=30.0 * tanh(s / 30.0) - slopes[h] * (i - j), mask=j <= i (%0, %1, %2)",
+        "%15 = output (%14)",
+    ]
+    assert sorted(g.predecessors("%14")) == ["%0", "%1", "%2", "%3"]
+
+
+def test_sparsity_folds_layouts_into_the_predicate() -> None:
+    src = program("input bm: bool[NB, MB]\ns = q @ k.T * scale\nmask j <= i\nlayout butterfly(block=32)\nlayout blocks(bm, block=64)")
+    g = verify(analyse_sparsity(fuse_attention(canonicalize(parse_program(src, "t.attn")))))
+    _, op = fused_node(g)
+    assert str(op.mask) == "j <= i and __layout0[i // 32, j // 32] and bm[i // 64, j // 64]"
+    assert op.sparsity.runtime_inputs == ("bm",)
+    assert not op.sparsity.varies_with_batch and not op.sparsity.varies_with_head
+    assert "input __layout0: generated bool[ceil(N/32), ceil(M/32)]" in print_graph(g)
+
+
+def test_backward_derives_score_and_input_gradients() -> None:
+    g = derive_backward(analyse_sparsity(fuse_attention(canonicalize(parse_program(SOFTCAP_ALIBI, "t.attn")))))
+    _, op = fused_node(g)
+    assert str(op.backward.dscore) == "30.0 * ((1.0 - tanh(s / 30.0) * tanh(s / 30.0)) * 0.03333333333333333)"
+    (grad,) = op.backward.inputs
+    assert str(grad.read) == "slopes[h]" and grad.per_tile
+    assert str(grad.derivative) == "-(1.0 * (i - j))"
+
+
+def test_symbolic_derivatives_match_finite_differences() -> None:
+    s = ex.score()
+    cases = [
+        ex.Unary("exp", ex.Binary("mul", s, ex.const(0.5))),
+        ex.Binary("div", s, ex.Binary("add", ex.Unary("abs", s), ex.const(1.0))),
+        ex.Binary("max", s, ex.Binary("mul", s, s)),
+        ex.Where(ex.Binary("gt", s, ex.const(0.0)), ex.Unary("sqrt", s), ex.Unary("log", ex.Binary("add", ex.Unary("neg", s), ex.const(2.0)))),
+        ex.Binary("min", ex.Unary("tanh", s), ex.const(0.3)),
+    ]
+    from attncc.runtime.reference import evaluate
+
+    for e in cases:
+        d = ex.diff(e, s)
+        for x in (-1.3, -0.2, 0.4, 1.7):
+            h = 1e-6
+            numeric = (float(evaluate(e, {"s": x + h}, {})) - float(evaluate(e, {"s": x - h}, {}))) / (2 * h)
+            assert math.isclose(float(evaluate(d, {"s": x}, {})), numeric, rel_tol=1e-5, abs_tol=1e-6), (str(e), x)
+
+
+def test_tiling_matches_the_paper_when_no_limit_binds() -> None:
+    assert paper_blocks(12288, 64) == (48, 48)  # M = 48 KiB of fp32: Bc = ceil(M/4d), Br = min(Bc, d)
+    assert paper_blocks(100_000, 64) == (64, 391)
+    big_l1 = Target("big", "cpu", onchip_bytes=1 << 30, l1_bytes=1 << 30)
+    small = Target("small", "cpu", onchip_bytes=16 * 1024, l1_bytes=1 << 30)
+    g = tile(fuse_attention(canonicalize(parse_program(program("s = q @ k.T"), "t.attn"))), small)
+    table = fused_node(g)[1].tiling
+    plan = table.for_head_dim(16)
+    with pytest.raises(AttnccError, match="no tiling fits"):
+        table.for_head_dim(256)
+    # M = 4096 fp32: paper Bc = 64, Br = 16, both already multiples of the micro-kernel.
+    assert (plan.paper_block_rows, plan.paper_block_cols) == (16, 64)
+    assert (plan.block_rows, plan.block_cols) == (16, 64)
+    assert fused_node(tile(g, big_l1))[1].tiling.for_head_dim(64).block_rows == 64
+
+
+@pytest.mark.parametrize("target_name", ["cpu", *GPUS])
+def test_every_plan_fits_its_target(target_name: str) -> None:
+    target = get_target(target_name)
+    stages = run_pipeline(program("s = q @ k.T * scale\nmask j <= i"), "t.attn", target)
+    table = fused_node(stages[-1].graph)[1].tiling
+    for d in range(1, MAX_HEAD_DIM + 1):
+        p = table.for_head_dim(d)
+        assert p.head_dim >= d and p.onchip_bytes <= target.onchip_bytes
+        if target.kind == "cpu":
+            assert p.block_rows % 4 == 0 and p.block_cols % 32 == 0
+            assert 4 * p.head_dim * p.block_cols <= target.l1_bytes  # K^T panel stays in L1
+        else:
+            assert p.block_rows % target.mma_shape[0] == 0 and p.block_cols % 16 == 0
+            assert gpu_registers(p.block_rows, p.block_cols, p.head_dim, p.warps) <= target.max_registers_per_thread
+            assert p.threads <= target.max_threads_per_block
+
+
+def test_cpu_target_reads_the_machine() -> None:
+    t = cpu()
+    assert t.l1_bytes >= 16 * 1024 and t.onchip_bytes >= t.l1_bytes
+
+
+def test_cost_model_fused_moves_less_than_unfused() -> None:
+    stages = run_pipeline(program("s = q @ k.T * scale\nmask j <= i"), "t.attn", cpu())
+    model = fused_node(stages[-1].graph)[1].cost
+    dense = model.predict(1, 8, 4096, 4096, 64, 4, 64, 128)
+    half = model.predict(1, 8, 4096, 4096, 64, 4, 64, 128, density=0.5)
+    assert dense.fused_fwd_bytes < dense.unfused_fwd_bytes / 3
+    # Algorithm 1: Q, O once; K and V once per query tile (N / Br = 64 of them)
+    assert dense.fused_fwd_bytes == pytest.approx(8 * (2 * 4096 * 64 * 4 + 4 * 4096 + 64 * 32 * 2 * 128 * 64 * 4))
+    assert dense.fused_bwd_bytes < dense.unfused_bwd_bytes
+    assert half.fused_fwd_flops == pytest.approx(dense.fused_fwd_flops / 2)
+    assert dense.fused_fwd_flops == pytest.approx(4 * 8 * 4096 * 4096 * 64)
+    # unfused traffic is dominated by N x M fp32 passes: at least 4 reads/writes of S
+    assert dense.unfused_fwd_bytes >= 4 * 4 * 8 * 4096 * 4096
+
+
+def test_verifier_names_the_broken_node() -> None:
+    g = fuse_attention(canonicalize(parse_program(program("s = q @ k.T"), "t.attn")))
+    node, op = fused_node(g)
+    g.nodes[node]["op"] = replace(op, mask=ex.Binary("lt", ex.var("i"), ex.var("window")))
+    with pytest.raises(IRVerificationError, match=rf"node {node} \(fused_attention.*unknown variable window"):
+        verify(g, "test")
+    g.nodes[node]["op"] = replace(op, score=ex.Binary("lt", ex.var("i"), ex.var("j")))
+    with pytest.raises(IRVerificationError, match="score expression: has type bool"):
+        verify(g, "test")
+
+
+def test_pipeline_runs_the_verifier_after_each_pass() -> None:
+    stages = run_pipeline(SOFTCAP_ALIBI, "t.attn", cpu())
+    assert [s.name for s in stages] == ["parse", "canonicalize", "fuse_attention", "analyse_sparsity", "derive_backward", "tile", "cost"]
+    op = fused_node(stages[-1].graph)[1]
+    assert op.sparsity and op.backward and op.tiling and op.cost
