@@ -189,37 +189,40 @@ inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, in
 
 // exp over a vector: Cody-Waite range reduction and a degree-6 polynomial for 2^f (relative
 // error < 2e-7 in float); exact 0 for -inf and for inputs below the underflow threshold.
-inline vec_t vexp(vec_t x) {
-  if constexpr (sizeof(acc_t) == 8) {
-    vec_t r;
-    for (int l = 0; l < VL; ++l) r[l] = std::exp(x[l]);
-    return r;
-  } else {
-    typedef int32_t ivec_t __attribute__((vector_size(64)));
-    const vec_t lo = vbroadcast(-87.3365f), hi = vbroadcast(88.7228f);
-    const ivec_t underflow = x < lo;
-    vec_t xc = x < lo ? lo : x;
-    xc = xc > hi ? hi : xc;
-    const vec_t t = xc * 1.44269504088896341f;
-    vec_t n = t + 12582912.0f;  // round to nearest integer (1.5 * 2^23 trick)
-    n = n - 12582912.0f;
-    const vec_t f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2, two parts
-    vec_t p = vbroadcast(1.9875691500e-4f);
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * f * f + f + 1.0f;
-    const ivec_t ni = __builtin_convertvector(n, ivec_t);
-    ivec_t bits;
-    std::memcpy(&bits, &p, sizeof bits);
-    bits += (ni << 23);
-    vec_t r;
-    std::memcpy(&r, &bits, sizeof r);
-    return underflow ? vec_t{} : r;
-  }
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef double v8d __attribute__((vector_size(64)));
+
+inline v16f vexp_impl(v16f x) {
+  const v16f lo = v16f{} - 87.3365f, hi = v16f{} + 88.7228f;
+  const v16i underflow = x < lo;
+  v16f xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const v16f t = xc * 1.44269504088896341f;
+  const v16f n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  const v16f f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2 in two parts
+  v16f p = v16f{} + 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  v16i bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += __builtin_convertvector(n, v16i) << 23;  // times 2^n
+  v16f r;
+  std::memcpy(&r, &bits, sizeof r);
+  return underflow ? v16f{} : r;
 }
+
+inline v8d vexp_impl(v8d x) {  // double builds (gradcheck): exact libm exp per lane
+  v8d r;
+  for (int l = 0; l < 8; ++l) r[l] = std::exp(x[l]);
+  return r;
+}
+
+inline vec_t vexp(vec_t x) { return vexp_impl(x); }
 
 inline acc_t row_max(const acc_t* x, int n) {
   vec_t m = vbroadcast(-kInf);

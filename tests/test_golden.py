@@ -1,0 +1,181 @@
+"""Golden tests: every example, forward and backward, against the float64 eager reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attncc
+from attncc.runtime.check import check
+from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
+from tests.conftest import EXAMPLES, kernel
+
+LOW_PRECISION_SHAPES = (AWKWARD_SHAPES[1], AWKWARD_SHAPES[4])
+
+
+@pytest.mark.parametrize("shape", AWKWARD_SHAPES, ids=str)
+def test_fp32_forward_backward(example: attncc.Kernel, shape: Shape) -> None:
+    result = check(example, adapt(shape, example), torch.float32)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", LOW_PRECISION_SHAPES, ids=str)
+def test_low_precision_within_eager_error(example: attncc.Kernel, shape: Shape, dtype: torch.dtype) -> None:
+    result = check(example, adapt(shape, example), dtype)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_gradcheck_float64(name: str) -> None:
+    kern = kernel(name)
+    shape = adapt(Shape(1, 2, 1, 5, 7, 3), kern)
+    q, k, v, runtime = make_inputs(kern, shape, torch.float64, seed=3)
+    names = [n for n, t in runtime.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    for n in names:
+        runtime[n] = runtime[n].detach().double().requires_grad_()
+    fixed = {n: t for n, t in runtime.items() if n not in names}
+
+    def fn(q, k, v, *learnable):
+        return kern(q, k, v, seed=11, **fixed, **dict(zip(names, learnable)))
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, *[runtime[n] for n in names]), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf() -> None:
+    kern = kernel("padding")
+    q, k, v, _ = make_inputs(kern, Shape(3, 2, 1, 20, 40, 16))
+    lengths = torch.tensor([0, 7, 40])
+    out, lse = kern(q, k, v, return_lse=True, lengths=lengths)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[1:]).all()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
+    assert torch.equal(k.grad[0], torch.zeros_like(k.grad[0]))
+    assert torch.equal(k.grad[1, :, 7:], torch.zeros_like(k.grad[1, :, 7:]))  # padded keys get no gradient
+
+
+def test_cross_attention_with_more_queries_than_keys_and_causal_offsets() -> None:
+    kern = kernel("causal")
+    result = check(kern, Shape(1, 2, 2, 300, 50, 32))
+    assert result.ok, result.describe()  # rows i >= 50 see every key; row 0 sees one
+
+
+def test_strided_and_noncontiguous_inputs() -> None:
+    kern = kernel("alibi")
+    gen = torch.Generator().manual_seed(0)
+    B, H, N, D = 2, 4, 67, 40
+    q = torch.randn(B, N, H, D, generator=gen).transpose(1, 2)  # [B, H, N, D] view of BNHD
+    k = torch.randn(B, H, 2 * N, D, generator=gen)[:, :, ::2]  # stride 2 along keys
+    v = torch.randn(B, H, D, N, generator=gen).transpose(2, 3)  # unit stride along keys, not D
+    slopes = torch.rand(H, generator=gen)
+    out = kern(q, k, v, slopes=slopes)
+    ref = kern(q.contiguous(), k.contiguous(), v.contiguous(), slopes=slopes)
+    assert torch.allclose(out, ref, atol=1e-6, rtol=0)
+    ref64, _ = kern.reference(q, k, v, slopes=slopes)
+    assert (out.double() - ref64).abs().max() < 2e-5
+
+
+def test_runtime_scale_and_lse() -> None:
+    kern = kernel("vanilla")
+    q, k, v, _ = make_inputs(kern, Shape(1, 2, 2, 33, 45, 24), requires_grad=False)
+    out, lse = kern(q, k, v, return_lse=True, scale=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3)
+    assert (out.double() - ref).abs().max() < 1e-5
+    ref_lse = torch.logsumexp(0.3 * q.double() @ k.double().transpose(-1, -2), -1)
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+    assert lse.dtype == torch.float32
+
+
+def test_matches_sdpa_causal_and_gqa() -> None:
+    kern = kernel("gqa")
+    q, k, v, _ = make_inputs(kern, Shape(2, 8, 2, 130, 130, 64), requires_grad=False)
+    out = kern(q, k, v)
+    kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+    assert (out - ref).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------- dropout
+def test_dropout_mask_is_the_kernels_mask() -> None:
+    """With v = identity the output is P after dropout: zero exactly where the mask drops."""
+    kern = kernel("gpt2")
+    B, H, N = 2, 3, 48
+    q = torch.randn(B, H, N, N)
+    k = torch.randn(B, H, N, N)
+    v = torch.eye(N).expand(B, H, N, N).contiguous()
+    seed = 1234
+    probs = kern(q, k, v, seed=seed)
+    keep = attncc.dropout_mask(seed, 0, B, H, N, N, 0.1)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    assert torch.equal(probs[..., causal] != 0, keep[..., causal])
+    assert torch.equal(probs[..., ~causal], torch.zeros_like(probs[..., ~causal]))
+
+
+def test_dropout_keep_rate_within_binomial_bounds() -> None:
+    for p in (0.1, 0.5, 0.9):
+        keep = attncc.dropout_mask(99, 0, 2, 4, 256, 256, p)
+        n = keep.numel()
+        sigma = (n * p * (1 - p)) ** 0.5
+        assert abs(keep.sum().item() - n * (1 - p)) < 5 * sigma
+        # rows and columns are not correlated with the counter layout: check per-(j % 4) lanes
+        for lane in range(4):
+            lane_keep = keep[..., lane::4]
+            m = lane_keep.numel()
+            assert abs(lane_keep.sum().item() - m * (1 - p)) < 5 * (m * p * (1 - p)) ** 0.5
+
+
+def test_dropout_is_reproducible_and_train_false_disables_it() -> None:
+    kern = kernel("gpt2")
+    q, k, v, _ = make_inputs(kern, Shape(1, 2, 2, 40, 40, 16), requires_grad=False)
+    assert torch.equal(kern(q, k, v, seed=5), kern(q, k, v, seed=5))
+    assert not torch.equal(kern(q, k, v, seed=5), kern(q, k, v, seed=6))
+    torch.manual_seed(0)
+    a = kern(q, k, v)
+    torch.manual_seed(0)
+    assert torch.equal(a, kern(q, k, v))
+    no_dropout = kern(q, k, v, train=False)
+    assert torch.allclose(no_dropout, kernel("causal")(q, k, v), atol=1e-6)
+
+
+def test_dropout_backward_matches_the_explicit_mask() -> None:
+    kern = kernel("gpt2")
+    q, k, v, _ = make_inputs(kern, Shape(1, 2, 1, 50, 60, 32), seed=4)
+    out = kern(q, k, v, seed=77)
+    keep = attncc.dropout_mask(77, 0, 1, 2, 50, 60, 0.1)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = (qd @ kd.transpose(-1, -2).repeat_interleave(2, 1)) / 32**0.5
+    s = s.masked_fill(~torch.ones(50, 60, dtype=torch.bool).tril(), float("-inf"))
+    ref = (torch.softmax(s, -1) * keep / 0.9) @ vd.repeat_interleave(2, 1)
+    g = torch.randn_like(ref)
+    out.backward(g.float())
+    ref.backward(g)
+    for got, want in ((out.detach(), ref.detach()), (q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        assert (got.double() - want).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------------------- torch integration
+def test_custom_op_passes_opcheck() -> None:
+    kern = kernel("alibi")
+    q, k, v, rt = make_inputs(kern, Shape(1, 2, 1, 9, 11, 8))
+    args = (kern.key, q, k, v, [rt["slopes"]], [], 0.3, 0.0, 0)
+    torch.library.opcheck(torch.ops.attncc.attention.default, args)
+
+
+def test_torch_compile_forward_and_backward() -> None:
+    kern = kernel("relative_bias")
+    q, k, v, rt = make_inputs(kern, Shape(1, 2, 2, 33, 33, 16))
+    bias = rt["bias"]
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def loss_fn(q, k, v, bias):
+        return (kern(q, k, v, bias=bias) ** 2).sum()
+
+    loss = loss_fn(q, k, v, bias)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v, bias)]
+    for t in (q, k, v, bias):
+        t.grad = None
+    (kern(q, k, v, bias=bias) ** 2).sum().backward()
+    for got, t in zip(grads, (q, k, v, bias)):
+        assert torch.allclose(got, t.grad, atol=1e-5)
