@@ -1,8 +1,8 @@
 """attncc: a compiler from an attention DSL to IO-aware fused kernels, loaded as torch ops.
 
-    kern = attncc.compile("examples/causal.attn")          # or DSL source text
-    out = kern(q, k, v)                                     # autograd and torch.compile work
-    out, lse = kern(q, k, v, return_lse=True)
+kern = attncc.compile("examples/causal.attn")          # or DSL source text
+out = kern(q, k, v)                                     # autograd and torch.compile work
+out, lse = kern(q, k, v, return_lse=True)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def lower(path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int
     return run_pipeline(source, path, get_target(target), tiles)
 
 
-def compile(path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None) -> Kernel:  # noqa: A001
+def compile(path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None) -> Kernel:
     """Compile a DSL program (a .attn path or its text) into a callable kernel.
 
     The library for each input dtype is generated, built and cached on first call.

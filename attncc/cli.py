@@ -93,19 +93,25 @@ def cmd_explain(args: argparse.Namespace) -> int:
     shape = args.shape
     print("// plan")
     print(plan_text(op, shape))
-    kern = attncc.Kernel(stages, "cpu") if args.target == "cpu" else attncc.Kernel(attncc.lower(args.file, "cpu"), "cpu")
+    kern = (
+        attncc.Kernel(stages, "cpu") if args.target == "cpu" else attncc.Kernel(attncc.lower(args.file, "cpu"), "cpu")
+    )
     shape = adapt(shape, kern)
     q, k, _, runtime = make_inputs(kern, shape, requires_grad=False)
     classes = kern.tile_classes(q, k, **runtime)
     counts = {name: int((classes == value).sum()) for name, value in (("empty", 0), ("partial", 1), ("full", 2))}
     tiles = kern.plan(q, k, None).tiles
-    print(f"// tile classes at {shape} with Br={tiles.block_rows} Bc={tiles.block_cols} (b=0, h=0; # full, + partial, . empty)")
+    print(
+        f"// tile classes at {shape} with Br={tiles.block_rows} Bc={tiles.block_cols} (b=0, h=0; # full, + partial, . empty)"
+    )
     print(tile_map(classes))
     total = sum(counts.values())
     print(f"    {counts['full']} full, {counts['partial']} partial, {counts['empty']} empty of {total} tiles")
     assert op.cost is not None
     density = (counts["full"] + counts["partial"]) / max(total, 1)
-    report = op.cost.predict(shape.B, shape.H, shape.N, shape.M, shape.D, 4, tiles.block_rows, tiles.block_cols, density)
+    report = op.cost.predict(
+        shape.B, shape.H, shape.N, shape.M, shape.D, 4, tiles.block_rows, tiles.block_cols, density
+    )
     print(f"// IO at {shape}, density {density:.2f}: {report.describe()}")
     return 0
 

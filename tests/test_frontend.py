@@ -66,8 +66,18 @@ def test_graph_printer_lists_statements_in_order() -> None:
         ("attention t\ns = q @ k.T\nmask s > 0\n", 3, 6, "cannot depend on the scores"),
         ("attention t\ns = q @ k.T\nmask i + j\n", 3, 6, "a mask must be a condition"),
         ("attention t\ns = q @ k.T\no = s @ v\noutput o\n", 3, 7, "`@` computes the scores"),
-        ("attention t\ns = q @ k.T\np = softmax(s)\np = dropout(p, 1.5)\n", 4, 16, "dropout rate must be a constant in [0, 1)"),
-        ("attention t\ninput x: float[H]\ns = q @ k.T\ns = s + x[h, i]\n", 4, 9, "`x` has 1 dimensions but is indexed with 2"),
+        (
+            "attention t\ns = q @ k.T\np = softmax(s)\np = dropout(p, 1.5)\n",
+            4,
+            16,
+            "dropout rate must be a constant in [0, 1)",
+        ),
+        (
+            "attention t\ninput x: float[H]\ns = q @ k.T\ns = s + x[h, i]\n",
+            4,
+            9,
+            "`x` has 1 dimensions but is indexed with 2",
+        ),
         ("attention t\ninput x: float[H]\ns = q @ k.T\ns = s + x[s]\n", 4, 11, "an index must be an integer"),
         ("attention t\ninput x: complex[H]\n", 2, 10, "unknown input type `complex`"),
         ("attention t\ns = q @ k.T\nlayout spiral(block=64)\n", 3, 8, "unknown layout `spiral`"),
@@ -95,8 +105,14 @@ def test_semantic_errors_name_the_place(source: str, line: int, column: int, mes
     ("source", "message"),
     [
         ("attention t\ns = q @ k.T\np = softmax(s)\nx = softmax(s)\no = p @ v\noutput o\n", "used only once"),
-        ("attention t\ns = q @ k.T\ns2 = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n", "not part of the attention chain"),
-        ("attention t\ns = q @ k.T\np = softmax(s)\np = dropout(p, 0.1)\np = dropout(p, 0.1)\no = p @ v\noutput o\n", "only one dropout"),
+        (
+            "attention t\ns = q @ k.T\ns2 = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n",
+            "not part of the attention chain",
+        ),
+        (
+            "attention t\ns = q @ k.T\np = softmax(s)\np = dropout(p, 0.1)\np = dropout(p, 0.1)\no = p @ v\noutput o\n",
+            "only one dropout",
+        ),
     ],
 )
 def test_unfusable_programs_say_what_and_where(source: str, message: str) -> None:
@@ -141,7 +157,29 @@ def test_binary_file_reports_the_bad_byte(tmp_path) -> None:
 
 
 def _mutate(rng: random.Random, text: str) -> str:
-    tokens = ["(", ")", "[", "]", "@", "*", "//", "softmax", "mask", "layout", "\n", "=", ",", "and", "not", "1e999", "-", "k.T", "#", "\x00", "é"]
+    tokens = [
+        "(",
+        ")",
+        "[",
+        "]",
+        "@",
+        "*",
+        "//",
+        "softmax",
+        "mask",
+        "layout",
+        "\n",
+        "=",
+        ",",
+        "and",
+        "not",
+        "1e999",
+        "-",
+        "k.T",
+        "#",
+        "\x00",
+        "é",
+    ]
     chars = list(text)
     for _ in range(rng.randint(1, 6)):
         kind = rng.random()
@@ -176,11 +214,18 @@ def test_fuzzed_programs_parse_or_fail_cleanly() -> None:
 def test_cli_reports_dsl_errors_without_traceback(tmp_path) -> None:
     bad = tmp_path / "bad.attn"
     bad.write_text("attention t\ns = q @ k.T * scael\n")
-    for args in (["check", str(bad)], ["compile", str(bad)], ["explain", str(bad)], ["check", str(tmp_path / "missing.attn")]):
+    for args in (
+        ["check", str(bad)],
+        ["compile", str(bad)],
+        ["explain", str(bad)],
+        ["check", str(tmp_path / "missing.attn")],
+    ):
         proc = subprocess.run([sys.executable, "-m", "attncc.cli", *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1
         assert "Traceback" not in proc.stderr
         assert "error" in proc.stderr or "no such program" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "attncc.cli", "check", str(bad)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attncc.cli", "check", str(bad)], capture_output=True, text=True, timeout=120
+    )
     assert f"{bad}:2:15: error: unknown name `scael`" in proc.stderr
     assert proc.stderr.splitlines()[-1].strip() == "^"

@@ -14,7 +14,6 @@ from attncc.ir.graph import fused_node, print_graph, verify
 from attncc.passes import run_pipeline
 from attncc.passes.backward import derive_backward
 from attncc.passes.canonicalize import canonicalize
-from attncc.passes.cost import cost
 from attncc.passes.fuse import fuse_attention
 from attncc.passes.sparsity import analyse_sparsity
 from attncc.passes.tiling import MAX_HEAD_DIM, gpu_registers, paper_blocks, tile
@@ -31,11 +30,7 @@ def body_lines(text: str) -> list[str]:
 
 
 SOFTCAP_ALIBI = program(
-    "input slopes: float[H]\n"
-    "s = q @ k.T * scale\n"
-    "mask j <= i\n"
-    "s = 30.0 * tanh(s / 30.0)\n"
-    "s = s - slopes[h] * (i - j)"
+    "input slopes: float[H]\ns = q @ k.T * scale\nmask j <= i\ns = 30.0 * tanh(s / 30.0)\ns = s - slopes[h] * (i - j)"
 )
 
 
@@ -60,7 +55,9 @@ def test_canonicalize_drops_identity_map_and_uses_program_scale() -> None:
 
 
 def test_constant_folding() -> None:
-    g = canonicalize(parse_program(program("const w = 2 * 64\ns = q @ k.T\ns = s + (1 + 2) * 0.5\nmask i - j < w + 0"), "t.attn"))
+    g = canonicalize(
+        parse_program(program("const w = 2 * 64\ns = q @ k.T\ns = s + (1 + 2) * 0.5\nmask i - j < w + 0"), "t.attn")
+    )
     lines = body_lines(print_graph(g))
     assert "map s -> s + 1.5" in lines[1]
     assert "mask i - j < 128" in lines[2]
@@ -78,7 +75,9 @@ def test_fuse_makes_one_node() -> None:
 
 
 def test_sparsity_folds_layouts_into_the_predicate() -> None:
-    src = program("input bm: bool[NB, MB]\ns = q @ k.T * scale\nmask j <= i\nlayout butterfly(block=32)\nlayout blocks(bm, block=64)")
+    src = program(
+        "input bm: bool[NB, MB]\ns = q @ k.T * scale\nmask j <= i\nlayout butterfly(block=32)\nlayout blocks(bm, block=64)"
+    )
     g = verify(analyse_sparsity(fuse_attention(canonicalize(parse_program(src, "t.attn")))))
     _, op = fused_node(g)
     assert str(op.mask) == "j <= i and __layout0[i // 32, j // 32] and bm[i // 64, j // 64]"
@@ -102,7 +101,11 @@ def test_symbolic_derivatives_match_finite_differences() -> None:
         ex.Unary("exp", ex.Binary("mul", s, ex.const(0.5))),
         ex.Binary("div", s, ex.Binary("add", ex.Unary("abs", s), ex.const(1.0))),
         ex.Binary("max", s, ex.Binary("mul", s, s)),
-        ex.Where(ex.Binary("gt", s, ex.const(0.0)), ex.Unary("sqrt", s), ex.Unary("log", ex.Binary("add", ex.Unary("neg", s), ex.const(2.0)))),
+        ex.Where(
+            ex.Binary("gt", s, ex.const(0.0)),
+            ex.Unary("sqrt", s),
+            ex.Unary("log", ex.Binary("add", ex.Unary("neg", s), ex.const(2.0))),
+        ),
         ex.Binary("min", ex.Unary("tanh", s), ex.const(0.3)),
     ]
     from attncc.runtime.reference import evaluate
@@ -181,6 +184,14 @@ def test_verifier_names_the_broken_node() -> None:
 
 def test_pipeline_runs_the_verifier_after_each_pass() -> None:
     stages = run_pipeline(SOFTCAP_ALIBI, "t.attn", cpu())
-    assert [s.name for s in stages] == ["parse", "canonicalize", "fuse_attention", "analyse_sparsity", "derive_backward", "tile", "cost"]
+    assert [s.name for s in stages] == [
+        "parse",
+        "canonicalize",
+        "fuse_attention",
+        "analyse_sparsity",
+        "derive_backward",
+        "tile",
+        "cost",
+    ]
     op = fused_node(stages[-1].graph)[1]
     assert op.sparsity and op.backward and op.tiling and op.cost

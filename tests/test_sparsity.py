@@ -23,7 +23,9 @@ def brute_classes(pred: ex.Expr, problem: Problem, tensors: dict, scalars: dict,
     for a in range(ti):
         for c in range(tj):
             tile = vis[:, :, a * br : (a + 1) * br, c * bc : (c + 1) * bc].reshape(problem.B, problem.H, -1)
-            out[:, :, a, c] = torch.where(~tile.any(-1), EMPTY, torch.where(tile.all(-1), FULL, PARTIAL)).to(torch.uint8)
+            out[:, :, a, c] = torch.where(~tile.any(-1), EMPTY, torch.where(tile.all(-1), FULL, PARTIAL)).to(
+                torch.uint8
+            )
     return out
 
 
@@ -32,7 +34,7 @@ def info_for(pred: ex.Expr) -> SparsityInfo:
     return SparsityInfo(pred, (), "b" in used, "h" in used, tuple(sorted({r.tensor for r in ex.reads(pred)})))
 
 
-I, J, B_, H_ = ex.var("i"), ex.var("j"), ex.var("b"), ex.var("h")
+VI, VJ, B_, H_ = ex.var("i"), ex.var("j"), ex.var("b"), ex.var("h")
 
 
 def c(v: int) -> ex.Expr:
@@ -45,7 +47,20 @@ def bin_(op: str, a: ex.Expr, b: ex.Expr) -> ex.Expr:
 
 def random_int_expr(rng: random.Random, depth: int) -> ex.Expr:
     if depth == 0 or rng.random() < 0.3:
-        return rng.choice([I, J, I, J, B_, H_, c(rng.randint(-40, 120)), ex.Read("lengths", (B_,), ex.INT), ex.Read("doc", (B_, I), ex.INT), ex.Read("doc", (B_, J), ex.INT)])
+        return rng.choice(
+            [
+                VI,
+                VJ,
+                VI,
+                VJ,
+                B_,
+                H_,
+                c(rng.randint(-40, 120)),
+                ex.Read("lengths", (B_,), ex.INT),
+                ex.Read("doc", (B_, VI), ex.INT),
+                ex.Read("doc", (B_, VJ), ex.INT),
+            ]
+        )
     kind = rng.choice(["add", "sub", "mul_c", "floordiv", "mod", "min", "max", "abs"])
     a = random_int_expr(rng, depth - 1)
     if kind == "mul_c":
@@ -92,11 +107,11 @@ def test_random_predicates_are_classified_soundly(seed: int) -> None:
 
 
 AFFINE = [
-    bin_("le", J, I),  # causal
-    bin_("lt", bin_("sub", I, J), c(37)),  # window
-    bin_("ge", bin_("add", J, c(5)), bin_("mul", I, c(2))),
-    bin_("lt", J, ex.Read("lengths", (B_,), ex.INT)),  # key padding
-    bin_("gt", bin_("sub", bin_("mul", J, c(3)), I), bin_("mul", H_, c(20))),
+    bin_("le", VJ, VI),  # causal
+    bin_("lt", bin_("sub", VI, VJ), c(37)),  # window
+    bin_("ge", bin_("add", VJ, c(5)), bin_("mul", VI, c(2))),
+    bin_("lt", VJ, ex.Read("lengths", (B_,), ex.INT)),  # key padding
+    bin_("gt", bin_("sub", bin_("mul", VJ, c(3)), VI), bin_("mul", H_, c(20))),
 ]
 
 
@@ -113,7 +128,9 @@ def test_single_comparisons_are_classified_exactly(pred: ex.Expr) -> None:
 
 
 def test_document_mask_is_exact_for_sorted_ids() -> None:
-    pred = bin_("and", bin_("eq", ex.Read("doc", (B_, I), ex.INT), ex.Read("doc", (B_, J), ex.INT)), bin_("le", J, I))
+    pred = bin_(
+        "and", bin_("eq", ex.Read("doc", (B_, VI), ex.INT), ex.Read("doc", (B_, VJ), ex.INT)), bin_("le", VJ, VI)
+    )
     gen = torch.Generator().manual_seed(3)
     problem = Problem(2, 1, 1, 512, 512, 64)
     doc = torch.randint(0, 6, (2, 512), generator=gen).sort(-1).values
@@ -125,12 +142,20 @@ def test_document_mask_is_exact_for_sorted_ids() -> None:
     assert (got == EMPTY).sum() >= (want == EMPTY).sum() * 0.9
 
 
-@pytest.mark.parametrize("kind,params", [("local", (("width", 2),)), ("strided", (("stride", 3),)), ("fixed", (("stride", 4), ("summary", 1))), ("butterfly", ())])
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("local", (("width", 2),)),
+        ("strided", (("stride", 3),)),
+        ("fixed", (("stride", 4), ("summary", 1))),
+        ("butterfly", ()),
+    ],
+)
 def test_layouts_are_classified_exactly_when_tiles_align(kind: str, params: tuple) -> None:
     layout = Layout(kind, 32, params)
     for n, m in ((512, 512), (300, 200), (1, 33)):
         grid = layout_grid(layout, n, m)
-        pred = ex.Read("__layout0", (bin_("floordiv", I, c(32)), bin_("floordiv", J, c(32))), ex.BOOL)
+        pred = ex.Read("__layout0", (bin_("floordiv", VI, c(32)), bin_("floordiv", VJ, c(32))), ex.BOOL)
         problem = Problem(1, 1, 1, n, m, 64)
         got = classify_tiles(info_for(pred), problem, {}, {"__layout0": grid}, 32, 32)
         want = brute_classes(pred, problem, {"__layout0": grid}, {}, 32, 32)
@@ -151,7 +176,7 @@ def test_butterfly_grid_is_the_flat_butterfly() -> None:
 
 def test_classification_never_materialises_n_by_m() -> None:
     """At N = M = 65536 the N x M bool mask would be 4 GiB; classification stays small."""
-    pred = bin_("and", bin_("le", J, I), bin_("lt", bin_("sub", I, J), c(1024)))
+    pred = bin_("and", bin_("le", VJ, VI), bin_("lt", bin_("sub", VI, VJ), c(1024)))
     problem = Problem(1, 1, 1, 65536, 65536, 64)
     got = classify_tiles(info_for(pred), problem, {}, {}, 64, 128)
     assert got.shape == (1, 1, 1024, 512)

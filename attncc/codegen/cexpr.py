@@ -15,7 +15,19 @@ from attncc.ir import expr as ex
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _C_TYPES = {ex.INT: "int64_t", ex.FLOAT: "acc_t", ex.BOOL: "bool"}
-_BINARY_C = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
+_BINARY_C = {
+    "add": "+",
+    "sub": "-",
+    "mul": "*",
+    "lt": "<",
+    "le": "<=",
+    "gt": ">",
+    "ge": ">=",
+    "eq": "==",
+    "ne": "!=",
+    "and": "&&",
+    "or": "||",
+}
 _UNARY_C = {"exp": "std::exp", "log": "std::log", "tanh": "std::tanh", "sqrt": "std::sqrt"}
 
 

@@ -81,7 +81,11 @@ def parse_program(text: str, path: str = "<string>") -> Graph:
     return lower(parse(text, path), path)
 
 
-_QKV_DIMS: dict[str, tuple[str, ...]] = {"q": ("B", "H", "N", "D"), "k": ("B", "Hkv", "M", "D"), "v": ("B", "Hkv", "M", "D")}
+_QKV_DIMS: dict[str, tuple[str, ...]] = {
+    "q": ("B", "H", "N", "D"),
+    "k": ("B", "Hkv", "M", "D"),
+    "v": ("B", "Hkv", "M", "D"),
+}
 
 
 def default_scale() -> ex.Expr:
@@ -100,7 +104,9 @@ def _input(ctx: _Context, stmt: Ast) -> None:
         role = "tensor"
         dims = tuple(_dim(d) for d in stmt.children[2].children)
     node = add_op(ctx.g, Input(name.value, role, dtype.value, dims, loc=name.loc))
-    ctx.names[name.value] = TensorRef(node, "tensor") if role == "tensor" else ex.var(name.value, _scalar_type(dtype.value))
+    ctx.names[name.value] = (
+        TensorRef(node, "tensor") if role == "tensor" else ex.var(name.value, _scalar_type(dtype.value))
+    )
 
 
 def _dim(d: Ast) -> str | int:
@@ -135,7 +141,11 @@ def _assign(ctx: _Context, stmt: Ast) -> None:
             raise DslError("the scale may depend only on numbers and the sizes B, H, Hkv, N, M, D", value_ast.start)
         ctx.scale = ex.fold(value)
         return
-    if name.value in RESERVED or (name.value in ctx.names and isinstance(ctx.names[name.value], TensorRef) and ctx.names[name.value].kind == "tensor"):  # type: ignore[union-attr]
+    if name.value in RESERVED or (
+        name.value in ctx.names
+        and isinstance(ctx.names[name.value], TensorRef)
+        and ctx.names[name.value].kind == "tensor"
+    ):  # type: ignore[union-attr]
         raise DslError(f"`{name.value}` is reserved or an input and cannot be assigned", name.loc)
     value = _lower_expr(ctx, value_ast)
     if isinstance(value, ScoreExpr):
@@ -174,7 +184,9 @@ def _layout(ctx: _Context, stmt: Ast) -> None:
             raise DslError(f"`{tensor}` is not a declared tensor input", positional[0].loc)
         decl = ctx.g.nodes[ref.node]["op"]
         if decl.dtype == "float" or len(decl.dims) not in (2, 3, 4):
-            raise DslError(f"`{tensor}` must be a bool or int tensor of rank 2 ([NB, MB]) to 4 ([B, H, NB, MB])", positional[0].loc)
+            raise DslError(
+                f"`{tensor}` must be a bool or int tensor of rank 2 ([NB, MB]) to 4 ([B, H, NB, MB])", positional[0].loc
+            )
     elif positional:
         raise DslError(f"`{name.value}` takes keyword arguments only", positional[0].loc)
     allowed = ("block", *LAYOUTS[name.value])
@@ -402,7 +414,7 @@ def _typed(a: Ast, op: str, args: list[ex.Expr]) -> ex.Expr:
             raise DslError(f"`{op}` needs conditions on both sides", a.loc)
         return ex.Binary(op, *args)
     if op == "where":
-        if tys[0] != ex.BOOL or tys[1] not in numeric + (ex.BOOL,) or tys[2] != tys[1] and ex.BOOL in tys[1:]:
+        if tys[0] != ex.BOOL or tys[1] not in (*numeric, ex.BOOL) or (tys[2] != tys[1] and ex.BOOL in tys[1:]):
             raise DslError("`where(cond, a, b)` needs a condition and two values of the same kind", a.loc)
         return ex.Where(*args)
     if any(t not in numeric for t in tys):

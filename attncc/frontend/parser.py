@@ -187,7 +187,9 @@ def parse(text: str, path: str = "<string>") -> Ast:
         raise DslError(f"unexpected {what}{_expected(exc.expected)}", src.loc(tok.line, tok.column)) from None
     except UnexpectedEOF as exc:
         last = len(src.lines)
-        raise DslError(f"unexpected end of file{_expected(exc.expected)}", src.loc(last, len(src.lines[-1]) + 1)) from None
+        raise DslError(
+            f"unexpected end of file{_expected(exc.expected)}", src.loc(last, len(src.lines[-1]) + 1)
+        ) from None
     except UnexpectedInput as exc:  # any other lark error still has a position
         raise DslError("syntax error", src.loc(getattr(exc, "line", 1), getattr(exc, "column", 1))) from None
     except DslError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from attncc.ir import expr as ex
-from attncc.ir.graph import Graph, add_op, clone, nodes_of, op_of, operands
+from attncc.ir.graph import Graph, add_op, clone, nodes_of, op_of
 from attncc.ir.ops import Layout, Mask, ScoreMap, ScoreMatmul
 
 
@@ -95,5 +95,7 @@ def _has_score_leaf(e: ex.Expr) -> bool:
     if e == ex.score():
         return True
     if isinstance(e, ex.Binary) and e.op in ("mul", "div"):
-        return (_has_score_leaf(e.a) and _is_static(e.b)) or (e.op == "mul" and _has_score_leaf(e.b) and _is_static(e.a))
+        return (_has_score_leaf(e.a) and _is_static(e.b)) or (
+            e.op == "mul" and _has_score_leaf(e.b) and _is_static(e.a)
+        )
     return False

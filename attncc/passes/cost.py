@@ -37,7 +37,9 @@ class CostModel:
     masked: bool
     dropout: bool
 
-    def predict(self, B: int, H: int, N: int, M: int, D: int, elt: int, br: int, bc: int, density: float = 1.0) -> IOReport:
+    def predict(
+        self, B: int, H: int, N: int, M: int, D: int, elt: int, br: int, bc: int, density: float = 1.0
+    ) -> IOReport:
         """Bytes moved to/from slow memory and FLOPs.
 
         elt: bytes per q/k/v element; density: fraction of non-empty tiles. Fused: Q, O, lse
@@ -50,8 +52,7 @@ class CostModel:
         fused_fwd = bh * (2 * N * D * elt + 4 * N + visible * 2 * bc * D * elt)
         # dK/dV pass: K, V once per kv tile, Q/dO/lse/D per visible pair; dQ pass: the mirror.
         fused_bwd = bh * (
-            2 * M * D * elt * 2 + visible * br * (2 * D * elt + 8)
-            + N * (3 * D * elt + 8) + visible * 2 * bc * D * elt
+            2 * M * D * elt * 2 + visible * br * (2 * D * elt + 8) + N * (3 * D * elt + 8) + visible * 2 * bc * D * elt
         )
         s = 4 * nm
         passes_fwd = 2 + (2 * self.score_ops) + (3 if self.masked else 0) + 2 + (3 if self.dropout else 0)

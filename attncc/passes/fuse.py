@@ -11,7 +11,6 @@ from attncc.ir.ops import (
     Input,
     Layout,
     Mask,
-    Op,
     Output,
     ScoreMap,
     ScoreMatmul,
@@ -94,7 +93,6 @@ def fuse_attention(g: Graph) -> Graph:
     node = add_op(g, fused, [q, k, v], names)
     add_op(g, Output(loc=pv_op.loc), [node])
     return g
-
 
 
 def _fail(g: Graph, node: str, message: str) -> None:

@@ -65,7 +65,9 @@ def analyse_sparsity(g: Graph) -> Graph:
     for k, layout in enumerate(op.layouts):
         terms.append(_layout_term(k, layout, declared, grids))
     for name, layout in grids:
-        add_op(g, Input(name, "generated", "bool", (f"ceil(N/{layout.block})", f"ceil(M/{layout.block})"), loc=layout.loc))
+        add_op(
+            g, Input(name, "generated", "bool", (f"ceil(N/{layout.block})", f"ceil(M/{layout.block})"), loc=layout.loc)
+        )
         g.add_edge(input_node(g, name), node, operand=None)
     predicate = None
     for term in terms:
@@ -73,7 +75,11 @@ def analyse_sparsity(g: Graph) -> Graph:
     predicate = ex.fold(predicate) if predicate is not None else None
     if predicate is not None and isinstance(predicate, ex.Const):
         predicate = None if predicate.value else predicate
-    names = sorted({r.tensor for r in ex.reads(predicate)} | (ex.free_vars(predicate) & set(declared))) if predicate is not None else []
+    names = (
+        sorted({r.tensor for r in ex.reads(predicate)} | (ex.free_vars(predicate) & set(declared)))
+        if predicate is not None
+        else []
+    )
     used = ex.free_vars(predicate) if predicate is not None else set()
     info = SparsityInfo(
         predicate=predicate,
@@ -199,7 +205,9 @@ def _mod(a: Interval, b: Interval) -> Interval:
     hi = torch.where(exact, torch.remainder(torch.nan_to_num(a.hi), c), c - 1)
     inf = torch.tensor(math.inf, dtype=torch.float64)
     bound = torch.maximum(b.lo.abs(), b.hi.abs())
-    return Interval(torch.where(const_pos, lo, -bound), torch.where(const_pos, hi, torch.where(torch.isfinite(bound), bound, inf)))
+    return Interval(
+        torch.where(const_pos, lo, -bound), torch.where(const_pos, hi, torch.where(torch.isfinite(bound), bound, inf))
+    )
 
 
 def _compare(op: str, a: Interval, b: Interval) -> Truth:
@@ -238,7 +246,11 @@ class IntervalEvaluator:
 
     def _eval(self, e: ex.Expr) -> Abstract:
         if isinstance(e, ex.Const):
-            return _point(float(e.value)) if e.ty != ex.BOOL else Truth(torch.tensor(bool(e.value)), torch.tensor(not e.value))
+            return (
+                _point(float(e.value))
+                if e.ty != ex.BOOL
+                else Truth(torch.tensor(bool(e.value)), torch.tensor(not e.value))
+            )
         if isinstance(e, ex.Var):
             value = self.env[e.name]
             return _as_truth(value) if e.ty == ex.BOOL else value
@@ -255,7 +267,10 @@ class IntervalEvaluator:
             a, b = self(e.a), self(e.b)
             if e.ty == ex.BOOL:
                 ta, tb = _as_truth(a), _as_truth(b)
-                return Truth((c.may_true & ta.may_true) | (c.may_false & tb.may_true), (c.may_true & ta.may_false) | (c.may_false & tb.may_false))
+                return Truth(
+                    (c.may_true & ta.may_true) | (c.may_false & tb.may_true),
+                    (c.may_true & ta.may_false) | (c.may_false & tb.may_false),
+                )
             ia, ib = _as_interval(a), _as_interval(b)
             lo = torch.where(only_a, ia.lo, torch.where(only_b, ib.lo, torch.minimum(ia.lo, ib.lo)))
             hi = torch.where(only_a, ia.hi, torch.where(only_b, ib.hi, torch.maximum(ia.hi, ib.hi)))
@@ -312,7 +327,11 @@ def _range_extreme(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, largest:
     while span * 2 <= length:
         prev = levels[-1]
         shifted = prev.narrow(4, span, prev.shape[4] - span)
-        merged = torch.maximum(prev.narrow(4, 0, shifted.shape[4]), shifted) if largest else torch.minimum(prev.narrow(4, 0, shifted.shape[4]), shifted)
+        merged = (
+            torch.maximum(prev.narrow(4, 0, shifted.shape[4]), shifted)
+            if largest
+            else torch.minimum(prev.narrow(4, 0, shifted.shape[4]), shifted)
+        )
         levels.append(merged)
         span *= 2
     table = torch.stack([torch.nn.functional.pad(t, [0, 0] * (t.dim() - 5) + [0, length - t.shape[4]]) for t in levels])
@@ -321,7 +340,12 @@ def _range_extreme(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, largest:
     count = hi - lo + 1
     level = torch.floor(torch.log2(count.double())).long().clamp(max=len(levels) - 1)
     grid = torch.broadcast_shapes(x.shape[:4], lo.shape)
-    idx = [torch.arange(s).view([-1 if a == d else 1 for a in range(4)]) if x.shape[d] > 1 else torch.zeros(1, dtype=torch.long).view(1, 1, 1, 1) for d, s in enumerate(grid)]
+    idx = [
+        torch.arange(s).view([-1 if a == d else 1 for a in range(4)])
+        if x.shape[d] > 1
+        else torch.zeros(1, dtype=torch.long).view(1, 1, 1, 1)
+        for d, s in enumerate(grid)
+    ]
     first = table[(level, *idx, lo)]
     second = table[(level, *idx, hi - (1 << level) + 1)]
     return torch.maximum(first, second) if largest else torch.minimum(first, second)
@@ -357,7 +381,9 @@ class Problem:
         return {name: _point(float(getattr(self, name))) for name in ex.SIZE_VARS}
 
 
-def runtime_tensors(info: SparsityInfo, problem: Problem, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def runtime_tensors(
+    info: SparsityInfo, problem: Problem, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The call's tensors plus the generated layout grids."""
     out = dict(tensors)
     for name, layout in info.layout_grids:
@@ -398,7 +424,12 @@ def _reader(tensors: Mapping[str, torch.Tensor]):  # noqa: ANN202
     return read
 
 
-def check_read_bounds(predicate_and_score: list[ex.Expr], problem: Problem, scalars: Mapping[str, float], tensors: Mapping[str, torch.Tensor]) -> None:
+def check_read_bounds(
+    predicate_and_score: list[ex.Expr],
+    problem: Problem,
+    scalars: Mapping[str, float],
+    tensors: Mapping[str, torch.Tensor],
+) -> None:
     """Raise InputError if any tensor read can index outside its tensor for these sizes.
 
     Bounds come from the same interval evaluation over the whole problem (b in [0, B), ...),

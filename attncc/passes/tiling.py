@@ -121,7 +121,9 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
         br, bc = override
         reason = "override"
         if br % CPU_ROW_BLOCK or bc % CPU_COL_MULTIPLE or br <= 0 or bc <= 0:
-            raise AttnccError(f"CPU tiles must be positive with Br % {CPU_ROW_BLOCK} == 0 and Bc % {CPU_COL_MULTIPLE} == 0, got {override}")
+            raise AttnccError(
+                f"CPU tiles must be positive with Br % {CPU_ROW_BLOCK} == 0 and Bc % {CPU_COL_MULTIPLE} == 0, got {override}"
+            )
     else:
         l1_bc = int(CPU_L1_FRACTION * target.l1_bytes) // (4 * d)
         bc = max(CPU_COL_MULTIPLE, min(paper_bc, l1_bc) // CPU_COL_MULTIPLE * CPU_COL_MULTIPLE)
@@ -163,12 +165,26 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     stages = 2
     while gpu_shared_bytes(br, bc, d, stages) > target.onchip_bytes and stages > 1:
         stages -= 1
-    while (gpu_shared_bytes(br, bc, d, stages) > target.onchip_bytes or gpu_registers(br, bc, d, warps) > target.max_registers_per_thread) and bc > 16 and override is None:
+    while (
+        (
+            gpu_shared_bytes(br, bc, d, stages) > target.onchip_bytes
+            or gpu_registers(br, bc, d, warps) > target.max_registers_per_thread
+        )
+        and bc > 16
+        and override is None
+    ):
         bc -= 16
-    while gpu_registers(br, bc, d, warps) > target.max_registers_per_thread and override is None and warps * 32 * 2 <= target.max_threads_per_block and warps < br // mma_m:
+    while (
+        gpu_registers(br, bc, d, warps) > target.max_registers_per_thread
+        and override is None
+        and warps * 32 * 2 <= target.max_threads_per_block
+        and warps < br // mma_m
+    ):
         warps *= 2
     smem = gpu_shared_bytes(br, bc, d, stages)
     regs = gpu_registers(br, bc, d, warps)
     if smem > target.onchip_bytes or regs > target.max_registers_per_thread:
-        raise NoFit(f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers; {target.name} has {target.onchip_bytes} B / {target.max_registers_per_thread}")
+        raise NoFit(
+            f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers; {target.name} has {target.onchip_bytes} B / {target.max_registers_per_thread}"
+        )
     return TilePlan(d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, stages, smem, regs, reason)

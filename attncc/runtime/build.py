@@ -26,7 +26,16 @@ import torch
 from attncc.errors import BuildError
 
 INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"
-FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing", "-fno-math-errno")
+FLAGS = (
+    "-std=c++17",
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-fno-strict-aliasing",
+    "-fno-math-errno",
+)
 _LOADED: dict[Path, ctypes.CDLL] = {}
 _LOAD_LOCK = threading.Lock()
 

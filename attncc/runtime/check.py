@@ -47,7 +47,9 @@ def _error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / max(1.0, ref[finite].abs().max().item())
 
 
-def check(kern: Kernel, shape: Shape, dtype: torch.dtype = torch.float32, backward: bool = True, seed: int = 0) -> CheckResult:
+def check(
+    kern: Kernel, shape: Shape, dtype: torch.dtype = torch.float32, backward: bool = True, seed: int = 0
+) -> CheckResult:
     """Forward (out, lse) and backward (q, k, v and learnable inputs) against float64 eager."""
     q, k, v, runtime = make_inputs(kern, shape, dtype, seed)
     learnable = [n for n, t in runtime.items() if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -74,7 +74,9 @@ def make_inputs(
             else:
                 dims.append(4)
         if decl.dtype == "float":
-            runtime[decl.name] = (torch.randn(*dims, generator=gen, dtype=torch.float64) * 0.5).float().requires_grad_(requires_grad)
+            runtime[decl.name] = (
+                (torch.randn(*dims, generator=gen, dtype=torch.float64) * 0.5).float().requires_grad_(requires_grad)
+            )
         elif decl.dtype == "bool":
             runtime[decl.name] = torch.rand(*dims, generator=gen) < 0.6
         elif decl.dims and decl.dims[-1] in ("N", "M"):  # per-position ids: sorted segments

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from attncc.codegen.abi import OPERANDS, KernelAbi, kernel_abi
-from attncc.codegen.cpu import STORAGE_TYPES, generate_cpu
+from attncc.codegen.cpu import generate_cpu
 from attncc.errors import InputError
-from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
-from attncc.ir.ops import FusedAttention, Input
+from attncc.ir.ops import Input
 from attncc.passes import Stage
 from attncc.passes.sparsity import Problem, check_read_bounds, classify_tiles, runtime_tensors
 from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
@@ -102,8 +101,16 @@ class Kernel:
         return float(evaluate(self.op.scale, sizes, {}))
 
     def reference(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, train: bool = True,
-        seed: int = 0, dtype: torch.dtype = torch.float64, **runtime: object,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        train: bool = True,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float64,
+        **runtime: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager result (out, lse) of the same IR (float64 unless `dtype`), for tests and `attncc check`."""
         self.validate(q, k, v, runtime)
@@ -121,7 +128,9 @@ class Kernel:
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
         scalars = {d.name: float(runtime[d.name]) for d in self.inputs if d.role == "scalar"}  # type: ignore[arg-type]
         all_tensors = runtime_tensors(self.op.sparsity, plan.problem, tensors)  # type: ignore[arg-type]
-        return classify_tiles(self.op.sparsity, plan.problem, scalars, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols)  # type: ignore[arg-type]
+        return classify_tiles(
+            self.op.sparsity, plan.problem, scalars, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols
+        )  # type: ignore[arg-type]
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> CallPlan:
         problem = _problem(q, k)
@@ -146,14 +155,16 @@ class Kernel:
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 4:
-                raise InputError(f"{name}: expected 4 dimensions [B, {'H' if name == 'q' else 'Hkv'}, {'N' if name == 'q' else 'M'}, D], got shape {tuple(t.shape)}")
+                raise InputError(
+                    f"{name}: expected 4 dimensions [B, {'H' if name == 'q' else 'Hkv'}, {'N' if name == 'q' else 'M'}, D], got shape {tuple(t.shape)}"
+                )
             if t.dtype not in _DTYPES:
                 raise InputError(f"{name}: expected dtype float32, float64, bfloat16 or float16, got {t.dtype}")
             if t.device.type != "cpu":
                 raise InputError(f"{name}: the `{self.target}` target runs on cpu tensors, got device {t.device}")
         if not (q.dtype == k.dtype == v.dtype):
             raise InputError(f"q, k, v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-        B, H, N, D = q.shape
+        B, H, _N, D = q.shape
         if k.shape[0] != B:
             raise InputError(f"k: expected batch size {B} (from q), got shape {tuple(k.shape)}")
         if k.shape[3] != D:
@@ -173,14 +184,18 @@ class Kernel:
         bound: dict[str, int] = {}
         for decl in self.inputs:
             if decl.name not in runtime:
-                raise InputError(f"missing runtime input `{decl.name}` ({_declared(decl)}); {self.name} takes {_names(self.inputs)}")
+                raise InputError(
+                    f"missing runtime input `{decl.name}` ({_declared(decl)}); {self.name} takes {_names(self.inputs)}"
+                )
             self._validate_input(decl, runtime[decl.name], sizes, bound)
 
     def _validate_input(self, decl: Input, value: object, sizes: dict[str, int], bound: dict[str, int]) -> None:
         if decl.role == "scalar":
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
-                    raise InputError(f"{decl.name}: expected a scalar ({decl.dtype}), got a tensor of shape {tuple(value.shape)}")
+                    raise InputError(
+                        f"{decl.name}: expected a scalar ({decl.dtype}), got a tensor of shape {tuple(value.shape)}"
+                    )
                 value = value.item()
             ok = isinstance(value, (bool, int, float)) and (decl.dtype == "float" or float(value).is_integer())  # type: ignore[arg-type]
             if not ok or (decl.dtype == "float" and not math.isfinite(float(value))):  # type: ignore[arg-type]
@@ -190,7 +205,11 @@ class Kernel:
             raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
         if value.device.type != "cpu":
             raise InputError(f"{decl.name}: expected a cpu tensor, got device {value.device}")
-        kinds = {"float": value.is_floating_point(), "int": not value.is_floating_point() and value.dtype != torch.bool and not value.is_complex(), "bool": value.dtype == torch.bool}
+        kinds = {
+            "float": value.is_floating_point(),
+            "int": not value.is_floating_point() and value.dtype != torch.bool and not value.is_complex(),
+            "bool": value.dtype == torch.bool,
+        }
         if not kinds[decl.dtype] and not (decl.dtype == "bool" and kinds["int"]):
             raise InputError(f"{decl.name}: expected a {decl.dtype} tensor, got dtype {value.dtype}")
         if value.dim() != len(decl.dims):
@@ -198,12 +217,24 @@ class Kernel:
         for axis, (dim, actual) in enumerate(zip(decl.dims, value.shape)):
             want = dim if isinstance(dim, int) else sizes.get(dim, bound.get(dim))
             if want is not None and want != actual:
-                raise InputError(f"{decl.name}: expected shape {_declared(decl)} with {dim}={want}, got {tuple(value.shape)} (dimension {axis})")
+                raise InputError(
+                    f"{decl.name}: expected shape {_declared(decl)} with {dim}={want}, got {tuple(value.shape)} (dimension {axis})"
+                )
             if isinstance(dim, str):
                 bound[dim] = actual
 
     # ------------------------------------------------------------------ op implementations
-    def forward_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_impl(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        scale: float,
+        dropout: float,
+        seed: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _DTYPES[q.dtype]
         plan = self.plan(q, k, scale)
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -215,11 +246,29 @@ class Kernel:
         self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed)
         return out, lse
 
-    def backward_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int, grad_inputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def backward_impl(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        scale: float,
+        dropout: float,
+        seed: int,
+        grad_inputs: list[bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         dtype = _DTYPES[q.dtype]
         plan = self.plan(q, k, scale)
         acc = acc_dtype(q.dtype)
-        dq, dk, dv = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
+        dq, dk, dv = (
+            torch.empty(q.shape, dtype=q.dtype),
+            torch.empty(k.shape, dtype=k.dtype),
+            torch.empty(v.shape, dtype=v.dtype),
+        )
         call = self._prepare(plan, q.dtype, tensors, scalars)
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
         grads: dict[str, torch.Tensor] = {}
@@ -228,16 +277,31 @@ class Kernel:
                 grads[decl.name] = torch.zeros(t.shape, dtype=acc)
         if q.numel() and k.numel():
             delta = (dout.to(acc) * out.to(acc)).sum(-1).contiguous()
-            ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse.contiguous(), "dout": dout, "delta": delta, "dq": dq, "dk": dk, "dv": dv}
+            ptrs = {
+                "q": q,
+                "k": k,
+                "v": v,
+                "out": out,
+                "lse": lse.contiguous(),
+                "dout": dout,
+                "delta": delta,
+                "dq": dq,
+                "dk": dk,
+                "dv": dv,
+            }
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             self._launch(dtype, "attncc_backward_dkdv", plan, call, ptrs, dropout, seed)
             self._launch(dtype, "attncc_backward_dq", plan, call, ptrs, dropout, seed)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
-        grad_list = [grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)]
+        grad_list = [
+            grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)
+        ]
         return dq, dk, dv, grad_list
 
-    def _prepare(self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]) -> dict[str, object]:
+    def _prepare(
+        self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]
+    ) -> dict[str, object]:
         """Kernel-ready runtime tensors (converted, contiguous), layout grids and tile classes."""
         acc = acc_dtype(dtype)
         names = [d for d in self.inputs if d.role == "tensor"]
@@ -250,30 +314,55 @@ class Kernel:
         exprs = [self.op.score] + ([self.op.mask] if self.op.mask is not None else [])
         if problem.N and problem.M:
             check_read_bounds(exprs, problem, scalar_map, all_tensors)
-            classes = classify_tiles(info, problem, scalar_map, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols)
+            classes = classify_tiles(
+                info, problem, scalar_map, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols
+            )
         else:
             classes = torch.zeros((1, 1, 0, 0), dtype=torch.uint8)
         kernel_tensors = {}
         for slot in self.abi.tensors:
             t = all_tensors[slot.name].detach()
-            t = t.to(acc) if slot.ctype == "acc_t" else t.to(torch.int64) if slot.ctype == "int64_t" else t.to(torch.uint8)
+            t = (
+                t.to(acc)
+                if slot.ctype == "acc_t"
+                else t.to(torch.int64)
+                if slot.ctype == "int64_t"
+                else t.to(torch.uint8)
+            )
             kernel_tensors[slot.ident] = t.contiguous()
         return {"classes": classes, "tensors": kernel_tensors, "scalars": scalar_map}
 
-    def _launch(self, dtype: str, entry: str, plan: CallPlan, call: dict[str, object], ptrs: dict[str, torch.Tensor], dropout: float, seed: int) -> None:
+    def _launch(
+        self,
+        dtype: str,
+        entry: str,
+        plan: CallPlan,
+        call: dict[str, object],
+        ptrs: dict[str, torch.Tensor],
+        dropout: float,
+        seed: int,
+    ) -> None:
         lib = self.library(dtype)
         classes: torch.Tensor = call["classes"]  # type: ignore[assignment]
         tensors: dict[str, torch.Tensor] = call["tensors"]  # type: ignore[assignment]
         keep_alive = [classes, *tensors.values(), *ptrs.values()]
         all_ptrs = dict(ptrs, classes=classes, **tensors)
-        pointer_values = [all_ptrs[name].data_ptr() if name in all_ptrs else None for name, _ in self.abi.pointer_slots()]
+        pointer_values = [
+            all_ptrs[name].data_ptr() if name in all_ptrs else None for name, _ in self.abi.pointer_slots()
+        ]
         p = plan.problem
         ints: dict[str, int] = {"B": p.B, "H": p.H, "Hkv": p.Hkv, "N": p.N, "M": p.M, "D": p.D}
         for name, _ in OPERANDS:
             strides = ptrs[name].stride() if name in ptrs else (0, 0, 0, 0)
             ints.update({f"st_{name}_{d}": strides[d] for d in range(4)})
         cls_strides = [classes.stride(d) if classes.shape[d] > 1 else 0 for d in range(3)]
-        ints.update(Br=plan.tiles.block_rows, Bc=plan.tiles.block_cols, cls_sb=cls_strides[0], cls_sh=cls_strides[1], cls_si=cls_strides[2])
+        ints.update(
+            Br=plan.tiles.block_rows,
+            Bc=plan.tiles.block_cols,
+            cls_sb=cls_strides[0],
+            cls_sh=cls_strides[1],
+            cls_si=cls_strides[2],
+        )
         ints.update(seed=seed & (2**63 - 1), offset=0, threads=max(1, torch.get_num_threads()))
         for slot in self.abi.tensors:
             t = tensors[slot.ident]
@@ -311,22 +400,72 @@ def _names(inputs: list[Input]) -> str:
 
 # ---------------------------------------------------------------------- custom ops
 @torch.library.custom_op("attncc::attention", mutates_args=())
-def attention_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_op(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float,
+    dropout: float,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _REGISTRY[key].forward_impl(q, k, v, tensors, scalars, scale, dropout, seed)
 
 
 @attention_op.register_fake
-def _attention_fake(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_fake(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float,
+    dropout: float,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("attncc::attention_backward", mutates_args=())
-def attention_backward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int, grad_inputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return _REGISTRY[key].backward_impl(q, k, v, out, lse, dout.contiguous(), tensors, scalars, scale, dropout, seed, grad_inputs)
+def attention_backward_op(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float,
+    dropout: float,
+    seed: int,
+    grad_inputs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    return _REGISTRY[key].backward_impl(
+        q, k, v, out, lse, dout.contiguous(), tensors, scalars, scale, dropout, seed, grad_inputs
+    )
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float], scale: float, dropout: float, seed: int, grad_inputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _attention_backward_fake(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float,
+    dropout: float,
+    seed: int,
+    grad_inputs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     grads = [t.new_empty(t.shape) if wanted else t.new_empty(0) for t, wanted in zip(tensors, grad_inputs)]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
 
@@ -342,7 +481,9 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 -
 
 def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    dq, dk, dv, grads = torch.ops.attncc.attention_backward(ctx.key, q, k, v, out, lse, dout, tensors, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed, ctx.grad_inputs)
+    dq, dk, dv, grads = torch.ops.attncc.attention_backward(
+        ctx.key, q, k, v, out, lse, dout, tensors, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed, ctx.grad_inputs
+    )
     tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
     return None, dq, dk, dv, tensor_grads, [None] * len(ctx.scalars), None, None, None
 

@@ -1,0 +1,279 @@
+"""Runtime: input validation, the build cache, the CLI and the C++ primitives one by one."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import InputError
+from attncc.runtime.build import build_library, load_library
+from attncc.runtime.inputs import Shape, make_inputs
+from attncc.runtime.philox import philox4x32_10
+from tests.conftest import ROOT, kernel
+
+
+def qkv(B=2, H=4, Hkv=2, N=10, M=12, D=16, dtype=torch.float32):
+    return (
+        torch.randn(B, H, N, D, dtype=dtype),
+        torch.randn(B, Hkv, M, D, dtype=dtype),
+        torch.randn(B, Hkv, M, D, dtype=dtype),
+    )
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda q, k, v: (q[0], k, v), r"q: expected 4 dimensions \[B, H, N, D\], got shape \(4, 10, 16\)"),
+        (lambda q, k, v: (q.int(), k, v), "q: expected dtype float32, float64, bfloat16 or float16, got torch.int32"),
+        (lambda q, k, v: (q, k.double(), v), "q, k, v must have one dtype"),
+        (lambda q, k, v: (q, k[:1], v[:1]), r"k: expected batch size 2 \(from q\), got shape \(1, 2, 12, 16\)"),
+        (lambda q, k, v: (q, k[..., :8], v[..., :8]), r"k: expected head dim 16 \(from q\)"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), r"v: expected shape \(2, 2, 12, 16\) \(that of k\), got \(2, 2, 5, 16\)"),
+        (lambda q, k, v: (q[:, :3], k, v), "query heads H=3 must be a multiple of key/value heads Hkv=2"),
+        (lambda q, k, v: (q, k, v.to("meta")), "v: the `cpu` target runs on cpu tensors, got device meta"),
+        (
+            lambda q, k, v: (torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300)),
+            r"head dim D=300 must be in \[1, 256\]",
+        ),
+    ],
+)
+def test_tensor_errors_name_argument_expected_and_actual(mutate, message: str) -> None:
+    kern = kernel("vanilla")
+    with pytest.raises(InputError, match=message):
+        kern(*mutate(*qkv()))
+
+
+def test_runtime_input_errors() -> None:
+    kern = kernel("alibi")
+    q, k, v = qkv()
+    with pytest.raises(
+        InputError, match=r"missing runtime input `slopes` \(float\[H\]\); alibi takes slopes: float\[H\]"
+    ):
+        kern(q, k, v)
+    with pytest.raises(InputError, match=r"slopes: expected shape float\[H\] with H=4, got \(3,\)"):
+        kern(q, k, v, slopes=torch.rand(3))
+    with pytest.raises(InputError, match=r"slopes: expected a float tensor, got dtype torch\.int64"):
+        kern(q, k, v, slopes=torch.ones(4, dtype=torch.long))
+    with pytest.raises(InputError, match=r"unknown runtime input\(s\) slope;"):
+        kern(q, k, v, slopes=torch.rand(4), slope=1.0)
+    with pytest.raises(InputError, match=r"doc\[b, j\]: index 1 \(j\) ranges over \[0, 11\].*size 10"):
+        kernel("document")(q, k, v, doc=torch.zeros(2, 10, dtype=torch.long))
+
+
+def test_out_of_range_block_mask_is_reported() -> None:
+    kern = kernel("local_blocks")
+    q, k, v = qkv(N=130, M=130)
+    with pytest.raises(InputError, match=r"block_mask.*index 1 \(i // 64\) ranges over \[0, 2\].*size 2"):
+        kern(q, k, v, block_mask=torch.ones(4, 2, 3, dtype=torch.bool))
+
+
+def test_empty_problems() -> None:
+    kern = kernel("causal")
+    q, k, v = qkv(N=0)
+    assert kern(q, k, v).shape == (2, 4, 0, 16)
+    q, k, v = qkv(M=0)
+    out, lse = kern(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_include_dir_has_the_headers() -> None:
+    assert (Path(attncc.include_dir()) / "attncc" / "cpu" / "primitives.h").is_file()
+
+
+# ---------------------------------------------------------------------------- build cache
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch, attncc
+    start = time.perf_counter()
+    kern = attncc.compile(sys.argv[1])
+    q = torch.randn(1, 2, 8, 16)
+    kern(q, q, q)
+    print(f"{time.perf_counter() - start:.3f}")
+    """
+)
+
+
+def _run(env: dict, program: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(program)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_concurrent_builds_succeed_once_and_reload_from_disk(tmp_path) -> None:
+    program = tmp_path / "unique.attn"
+    program.write_text(
+        "attention unique_cache_test\ns = q @ k.T * scale\ns = s * 0.5 + 0.25\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    procs = [_run(env, program) for _ in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    (build_dir,) = list((tmp_path / "cache").iterdir())
+    log = (build_dir / ".ninja_log").read_text().splitlines()
+    assert sum("kernel.so" in line for line in log) == 1  # built exactly once
+    stamp = (build_dir / "kernel.so").stat().st_mtime_ns
+    p = _run(env, program)
+    _out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert (build_dir / "kernel.so").stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+def test_generated_source_changes_with_the_program() -> None:
+    a, b = kernel("causal").source(), kernel("sliding_window").source()
+    assert a != b and "(j <= i)" in a and "int64_t(256)" in b
+    assert "torch" not in a.split("#include", 1)[1]  # no torch headers in the translation unit
+
+
+def test_dsl_names_reach_cpp_only_as_prefixed_identifiers() -> None:
+    kern = attncc.compile(
+        "attention evil\ninput system: float[H]\ninput n: int\ns = q @ k.T * scale\ns = s + system[h]\nmask i - j < n\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    src = kern.source()
+    assert "x.t_system[" in src and "x.u_n" in src
+    assert " system(" not in src
+
+
+# ---------------------------------------------------------------------------- CLI
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "attncc.cli", *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
+
+
+def test_cli_compile_writes_sources_that_build_standalone(tmp_path) -> None:
+    proc = cli("compile", "examples/alibi.attn", "--target", "cpu", "-o", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "Br=64 Bc=128" in proc.stdout and "on-chip" in proc.stdout and "less traffic" in proc.stdout
+    source = tmp_path / "alibi_float32.cpp"
+    result = subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-O1",
+            "-fopenmp",
+            "-fPIC",
+            "-shared",
+            "-I",
+            attncc.include_dir(),
+            str(source),
+            "-o",
+            str(tmp_path / "a.so"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_cli_compile_gpu_target_prints_plan() -> None:
+    proc = cli("compile", "examples/causal.attn", "--target", "sm80")
+    assert proc.returncode == 0 and "sm80 d=64" in proc.stdout and "warps" in proc.stdout
+
+
+def test_cli_explain_shows_passes_tiles_and_io() -> None:
+    proc = cli("explain", "examples/sliding_window.attn", "--shape", "1,1,1,1024,1024,64")
+    assert proc.returncode == 0, proc.stderr
+    for needle in ("// after parse", "// after fuse_attention", "// after cost", "tile classes", "#", "IO at", "fused"):
+        assert needle in proc.stdout
+
+
+def test_cli_check_passes_and_fails(tmp_path) -> None:
+    proc = cli("check", "examples/softcap.attn", "--shape", "1,2,1,33,40,24", "--dtype", "float32")
+    assert proc.returncode == 0 and "all ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------- primitives
+HARNESS = """
+#define ATTNCC_ACC_T float
+#define ATTNCC_STORAGE_T float
+#include "attncc/cpu/primitives.h"
+using namespace attncc;
+extern "C" void to_bf16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_bf16(x[i]).bits; }
+extern "C" void to_fp16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_fp16(x[i]).bits; }
+extern "C" void from_fp16(const uint16_t* x, float* y, int n) { for (int i = 0; i < n; ++i) y[i] = to_acc_float(fp16_t{x[i]}); }
+extern "C" void vector_exp(const float* x, float* y, int n) { for (int i = 0; i < n; i += VL) vstore(y + i, vexp(vload(x + i))); }
+extern "C" void matmul(float* c, const float* a, const float* b, int r, int n, int k) { gemm<false>(c, n, a, k, b, n, r, n, k); }
+extern "C" void philox(const uint32_t* ctr, uint32_t k0, uint32_t k1, uint32_t* out) {
+  Philox4 p = philox4x32_10(ctr[0], ctr[1], ctr[2], ctr[3], k0, k1);
+  for (int i = 0; i < 4; ++i) out[i] = p.x[i];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def harness() -> ctypes.CDLL:
+    return load_library(build_library(HARNESS, "primitives-test"))
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def test_half_conversions_round_like_torch(harness) -> None:
+    x = torch.cat(
+        [
+            torch.randn(100000) * 10 ** torch.randint(-8, 6, (100000,)).float(),
+            torch.tensor([0.0, -0.0, 65504.0, 65520.0, 1e-8, 6e-8, float("inf"), -float("inf")]),
+        ]
+    )
+    for fn, dtype in ((harness.to_bf16, torch.bfloat16), (harness.to_fp16, torch.float16)):
+        y = torch.empty(x.shape, dtype=torch.int16)
+        fn(ptr(x), ptr(y), x.numel())
+        assert torch.equal(y, x.to(dtype).view(torch.int16))
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    back = torch.empty(bits.shape)
+    harness.from_fp16(ptr(bits), ptr(back), bits.numel())
+    want = bits.view(torch.float16).float()
+    assert torch.equal(back.isnan(), want.isnan()) and torch.equal(back[~want.isnan()], want[~want.isnan()])
+
+
+def test_vector_exp_accuracy(harness) -> None:
+    x = torch.cat([torch.linspace(-100, 0, 16000), torch.tensor([-float("inf")] * 16 + [-87.0] * 16)])
+    y = torch.empty_like(x)
+    harness.vector_exp(ptr(x), ptr(y), x.numel())
+    ref = torch.exp(x.double())
+    rel = ((y.double() - ref).abs() / ref.clamp_min(1e-300))[ref > 1e-37]
+    assert rel.max() < 3e-7
+    assert torch.equal(y[ref == 0], torch.zeros_like(y[ref == 0]))
+
+
+def test_gemm_matches_matmul(harness) -> None:
+    for r, n, k in ((4, 16, 1), (8, 48, 37), (64, 128, 64), (12, 80, 256)):
+        a, b = torch.randn(r, k), torch.randn(k, n)
+        c = torch.empty(r, n)
+        harness.matmul(ptr(c), ptr(a), ptr(b), r, n, k)
+        assert torch.allclose(c, a @ b, atol=1e-4)
+
+
+def test_philox_cpp_matches_torch(harness) -> None:
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        ctr = torch.randint(0, 2**32, (4,), generator=rng, dtype=torch.int64)
+        key = [int(x) for x in torch.randint(0, 2**32, (2,), generator=rng)]
+        out = torch.empty(4, dtype=torch.int32)
+        c32 = torch.tensor(
+            [int(x) - (1 << 32) if x >= 1 << 31 else int(x) for x in ctr], dtype=torch.int32
+        )  # same bits
+        harness.philox(ptr(c32), ctypes.c_uint32(key[0]), ctypes.c_uint32(key[1]), ptr(out))
+        want = philox4x32_10(tuple(ctr), (key[0], key[1]))
+        assert [int(x) & 0xFFFFFFFF for x in out] == [int(w) for w in want]
+
+
+def test_cold_build_is_seconds(tmp_path, monkeypatch) -> None:
+    """Not a benchmark: a guard that no heavy header sneaks into the translation unit."""
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    start = time.perf_counter()
+    attncc.compile(ROOT / "examples" / "document.attn").library("float32")
+    assert time.perf_counter() - start < 30
+    q, k, v, rt = make_inputs(kernel("document"), Shape(1, 1, 1, 8, 8, 16))
+    assert kernel("document")(q, k, v, **rt).shape == q.shape
