@@ -277,3 +277,10 @@ def test_cold_build_is_seconds(tmp_path, monkeypatch) -> None:
     assert time.perf_counter() - start < 30
     q, k, v, rt = make_inputs(kernel("document"), Shape(1, 1, 1, 8, 8, 16))
     assert kernel("document")(q, k, v, **rt).shape == q.shape
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = next(line for line in ci if line.startswith("pip install"))
+    assert f"\n{command}\n" in readme
