@@ -88,12 +88,18 @@ def dense_cases(results: list, args, flex) -> None:
     q, k, v = (torch.randn(B, H, N, D, generator=gen) for _ in range(3))
     vanilla, causal = attncc.compile(EX / "vanilla.attn"), attncc.compile(EX / "causal.attn")
     r = args.repeats
-    anchors = {"sdpa": median_s(lambda: F.scaled_dot_product_attention(q, k, v), r), "eager": median_s(lambda: eager(q, k, v), r)}
+    anchors = {
+        "sdpa": median_s(lambda: F.scaled_dot_product_attention(q, k, v), r),
+        "eager": median_s(lambda: eager(q, k, v), r),
+    }
     if flex:
         anchors["flex"] = median_s(flex(q, k, v), r)
     row(results, f"dense fwd fp32 B={B} H={H} N={N} D={D}", median_s(lambda: vanilla(q, k, v), r), anchors)
     causal_mask = torch.ones(N, N, dtype=torch.bool).tril()
-    anchors = {"sdpa": median_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), r), "eager": median_s(lambda: eager(q, k, v, causal_mask), r)}
+    anchors = {
+        "sdpa": median_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), r),
+        "eager": median_s(lambda: eager(q, k, v, causal_mask), r),
+    }
     if flex:
         anchors["flex"] = median_s(flex(q, k, v, lambda b, h, i, j: j <= i), r)
     row(results, f"causal fwd fp32 N={N}", median_s(lambda: causal(q, k, v), r), anchors)
@@ -104,7 +110,9 @@ def dense_cases(results: list, args, flex) -> None:
     }
     row(results, f"dense fwd+bwd fp32 N={N}", median_s(fwd_bwd(vanilla, qg, kg, vg), r), anchors)
     anchors = {
-        "sdpa": median_s(fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), qg, kg, vg), r),
+        "sdpa": median_s(
+            fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), qg, kg, vg), r
+        ),
         "eager": median_s(fwd_bwd(lambda a, b, c: eager(a, b, c, causal_mask), qg, kg, vg), r),
     }
     row(results, f"causal fwd+bwd fp32 N={N}", median_s(fwd_bwd(causal, qg, kg, vg), r), anchors)
@@ -120,7 +128,12 @@ def sparse_cases(results: list, args, flex) -> None:
     r = max(3, args.repeats // 2)
     vanilla = attncc.compile(EX / "vanilla.attn")
     dense_s = median_s(lambda: vanilla(q, k, v), r)
-    row(results, f"dense fwd fp32 N={N} (baseline for sparsity)", dense_s, {"sdpa": median_s(lambda: F.scaled_dot_product_attention(q, k, v), r)})
+    row(
+        results,
+        f"dense fwd fp32 N={N} (baseline for sparsity)",
+        dense_s,
+        {"sdpa": median_s(lambda: F.scaled_dot_product_attention(q, k, v), r)},
+    )
     window = attncc.compile(EX / "sliding_window.attn")
     classes = window.tile_classes(q, k)
     density = (classes != 0).float().mean().item()
@@ -131,11 +144,23 @@ def sparse_cases(results: list, args, flex) -> None:
     if flex:
         anchors["flex"] = median_s(flex(q, k, v, lambda b, h, i, j: (j <= i) & (i - j < 256)), r)
     t = median_s(lambda: window(q, k, v), r)
-    row(results, f"sliding window 256 fwd N={N}", t, anchors, f"tiles {density:.3f} of dense, time {t / dense_s:.3f} of dense")
+    row(
+        results,
+        f"sliding window 256 fwd N={N}",
+        t,
+        anchors,
+        f"tiles {density:.3f} of dense, time {t / dense_s:.3f} of dense",
+    )
     butterfly = attncc.compile(EX / "blocksparse_butterfly.attn")
     density = (butterfly.tile_classes(q, k) != 0).float().mean().item()
     t = median_s(lambda: butterfly(q, k, v), r)
-    row(results, f"butterfly block-sparse fwd N={N}", t, {}, f"tiles {density:.3f} of dense, time {t / dense_s:.3f} of dense")
+    row(
+        results,
+        f"butterfly block-sparse fwd N={N}",
+        t,
+        {},
+        f"tiles {density:.3f} of dense, time {t / dense_s:.3f} of dense",
+    )
 
 
 MEMORY_SCRIPT = textwrap.dedent(
@@ -169,7 +194,12 @@ MEMORY_SCRIPT = textwrap.dedent(
 def memory_cases(results: list, args) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for which, n in (("attncc", 8192), ("sdpa", 8192), ("attncc", 4096), ("eager", 4096)):
-        proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, which, str(n), str(EX / "causal.attn")], capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", MEMORY_SCRIPT, which, str(n), str(EX / "causal.attn")],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         mb = float(proc.stdout.strip() or "nan")
         grads = 3 * 8 * n * 64 * 4 / 2**20
         line = f"peak extra memory causal fwd+bwd {which:6s} N={n}: {mb:8.1f} MiB (q/k/v grads alone {grads:.0f} MiB; one N x N fp32 {8 * n * n * 4 / 2**20:.0f} MiB)"
@@ -182,9 +212,13 @@ def build_cases(results: list) -> None:
         env = dict(os.environ, ATTNCC_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
         script = "import sys, time, attncc\nt = time.perf_counter()\nk = attncc.compile(sys.argv[1])\nk.library('float32')\nprint(time.perf_counter() - t)"
         for label in ("cold build", "cached load (new process)"):
-            proc = subprocess.run([sys.executable, "-c", script, str(EX / "alibi.attn")], capture_output=True, text=True, env=env)
+            proc = subprocess.run(
+                [sys.executable, "-c", script, str(EX / "alibi.attn")], capture_output=True, text=True, env=env
+            )
             seconds = float(proc.stdout.strip() or "nan")
-            print(f"{label:28s} alibi fp32: {seconds:.2f} s (compile + pipeline, excluding Python start-up)", flush=True)
+            print(
+                f"{label:28s} alibi fp32: {seconds:.2f} s (compile + pipeline, excluding Python start-up)", flush=True
+            )
             results.append({"case": label, "seconds": seconds})
 
 
@@ -196,7 +230,10 @@ def sweep(args) -> None:
         for bc in (32, 64, 128, 256):
             kern = attncc.compile(EX / "vanilla.attn", tiles=(br, bc))
             t = median_s(lambda kern=kern: kern(q, k, v), args.repeats)
-            print(f"d={D} Br={br:3d} Bc={bc:3d}: {t * 1e3:7.1f} ms  sdpa/attncc {sdpa / t:.2f}  {4 * B * H * N * N * D / t / 1e9:.0f} GFLOP/s", flush=True)
+            print(
+                f"d={D} Br={br:3d} Bc={bc:3d}: {t * 1e3:7.1f} ms  sdpa/attncc {sdpa / t:.2f}  {4 * B * H * N * N * D / t / 1e9:.0f} GFLOP/s",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -204,7 +241,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--long-n", type=int, default=8192)
     parser.add_argument("--no-flex", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, N=4096 for the sparse cases, no memory runs")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repeats, N=4096 for the sparse cases, no memory runs"
+    )
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-d", type=int, default=64)
     parser.add_argument("--json", type=Path, help="write raw results here")
@@ -215,7 +254,9 @@ def main() -> None:
         return
     if args.quick:
         args.repeats, args.long_n = 3, 4096
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; ratios are anchor/attncc (>1: attncc faster)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; ratios are anchor/attncc (>1: attncc faster)"
+    )
     flex = None
     if not args.no_flex:
         try:
@@ -229,7 +270,12 @@ def main() -> None:
         memory_cases(results, args)
     build_cases(results)
     if args.json:
-        meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version()}
+        meta = {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 
