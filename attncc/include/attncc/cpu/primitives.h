@@ -16,6 +16,8 @@
 #include <limits>
 #include <memory>
 
+#include "attncc/philox.h"
+
 namespace attncc {
 
 // ---------------------------------------------------------------------------------- types
@@ -254,28 +256,12 @@ inline void atomic_add(acc_t* target, acc_t value) {
   do { desired = expected + value; } while (!__atomic_compare_exchange(target, &expected, &desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
 }
 
-// ---------------------------------------------------------------------------------- philox
-// Philox4x32-10 (Salmon et al., SC'11). Dropout counter for score (b, h, i, j):
-//   counter = (j / 4, i, b * H + h, offset), key = (seed low 32 bits, seed high 32 bits),
-//   element j keeps iff output word (j % 4) < keep_threshold = floor((1 - p) * 2^32).
-struct Philox4 { uint32_t x[4]; };
-
-inline Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
-  for (int round = 0; round < 10; ++round) {
-    const uint64_t p0 = uint64_t(0xD2511F53u) * c0, p1 = uint64_t(0xCD9E8D57u) * c2;
-    const uint32_t hi0 = uint32_t(p0 >> 32), lo0 = uint32_t(p0), hi1 = uint32_t(p1 >> 32), lo1 = uint32_t(p1);
-    c0 = hi1 ^ c1 ^ k0; c1 = lo1; c2 = hi0 ^ c3 ^ k1; c3 = lo0;
-    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
-  }
-  return Philox4{{c0, c1, c2, c3}};
-}
-
+// ---------------------------------------------------------------------------------- dropout
 // Keep flags for columns j0 .. j0 + n - 1 of row i (j0 a multiple of 4); out[c] = 1 keeps.
 inline void dropout_keep_row(uint8_t* out, int n, uint64_t seed, uint64_t offset, int64_t bh, int64_t i, int64_t j0,
                              uint32_t threshold) {
   for (int c = 0; c < n; c += 4) {
-    const Philox4 r = philox4x32_10(uint32_t((j0 + c) >> 2), uint32_t(i), uint32_t(bh), uint32_t(offset),
-                                    uint32_t(seed), uint32_t(seed >> 32));
+    const Philox4 r = dropout_words(seed, offset, bh, i, j0 + c);
     for (int w = 0; w < 4 && c + w < n; ++w) out[c + w] = r.x[w] < threshold;
   }
 }

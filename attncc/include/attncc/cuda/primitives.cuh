@@ -1,0 +1,280 @@
+// attncc CUDA device primitives: the only architecture-specific code generated kernels call.
+//
+// Compiled by nvcc (sm_80+) these are PTX instructions: mma.sync m16n8k16, ldmatrix (.trans),
+// cp.async, warp shuffles, ex2. Compiled by the host C++ compiler with ATTNCC_EMULATE defined
+// they run on attncc's CUDA emulator (emulator.h), so the exact same kernel text is tested on
+// machines without a GPU. Fragment layouts follow the PTX ISA "Matrix Fragments for
+// mma.m16n8k16" (g = lane >> 2, t = lane % 4).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(ATTNCC_EMULATE)
+#include <cmath>
+#include "attncc/cuda/emulator.h"
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define threadIdx (attncc_emu::thread_idx())
+#define blockIdx (attncc_emu::tls_block->block_idx)
+#define blockDim (attncc_emu::tls_block->block_dim)
+#define gridDim (attncc_emu::tls_block->grid_dim)
+using attncc_emu::dim3;
+typedef void* cudaStream_t;
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace attncc {
+
+// ------------------------------------------------------------------------------ types
+#if defined(ATTNCC_EMULATE)
+struct f16 { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+
+inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+inline float to_float(bf16 x) { return bits_to_float(uint32_t(x.bits) << 16); }
+inline float to_float(f16 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
+  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    const float value = float(mantissa) * 5.9604644775390625e-08f;
+    return sign ? -value : value;
+  }
+  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+inline float to_float(float x) { return x; }
+
+template <typename T> inline T from_float(float f);
+template <> inline bf16 from_float<bf16>(float f) {  // round to nearest even
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{uint16_t(u >> 16)};
+}
+template <> inline f16 from_float<f16>(float f) {
+  uint32_t u = float_to_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return f16{uint16_t(sign | 0x7e00u)};
+  if (u >= 0x477ff000u) return f16{uint16_t(sign | 0x7c00u)};
+  if (u < 0x38800000u) return f16{uint16_t(sign | uint16_t(std::nearbyint(bits_to_float(u) * 16777216.0f)))};
+  const uint32_t rounded = u + 0xfffu + ((u >> 13) & 1u);
+  return f16{uint16_t(sign | ((rounded - 0x38000000u) >> 13))};
+}
+template <> inline float from_float<float>(float f) { return f; }
+inline uint16_t bits_of(f16 x) { return x.bits; }
+inline uint16_t bits_of(bf16 x) { return x.bits; }
+#else
+using f16 = __half;
+using bf16 = __nv_bfloat16;
+__device__ __forceinline__ float to_float(f16 x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+template <typename T> __device__ __forceinline__ T from_float(float f);
+template <> __device__ __forceinline__ f16 from_float<f16>(float f) { return __float2half_rn(f); }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float f) { return __float2bfloat16_rn(f); }
+template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
+__device__ __forceinline__ uint16_t bits_of(f16 x) { return __half_as_ushort(x); }
+__device__ __forceinline__ uint16_t bits_of(bf16 x) { return __bfloat16_as_ushort(x); }
+#endif
+
+// Two floats rounded to T and packed low-first into one 32-bit register (an mma operand pair).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return uint32_t(bits_of(from_float<T>(lo))) | (uint32_t(bits_of(from_float<T>(hi))) << 16);
+}
+
+// ------------------------------------------------------------------------------ threads
+__device__ __forceinline__ int thread_id() { return int(threadIdx.x); }
+__device__ __forceinline__ int lane_id() { return int(threadIdx.x) & 31; }
+__device__ __forceinline__ int warp_id() { return int(threadIdx.x) >> 5; }
+
+#if defined(ATTNCC_EMULATE)
+template <typename T> inline T* shared_memory() { return reinterpret_cast<T*>(attncc_emu::tls_block->smem); }
+inline void block_sync() { attncc_emu::syncthreads(); }
+#else
+template <typename T> __device__ __forceinline__ T* shared_memory() {
+  extern __shared__ __align__(16) unsigned char attncc_shared[];
+  return reinterpret_cast<T*>(attncc_shared);
+}
+__device__ __forceinline__ void block_sync() { __syncthreads(); }
+#endif
+
+// ------------------------------------------------------------------------------ emulated collectives
+#if defined(ATTNCC_EMULATE)
+namespace emu_ops {
+enum Op { kShflXor = 1, kMmaF16, kMmaBf16, kLdmatrix, kLdmatrixTrans };
+
+template <typename T>
+inline void mma_compute(attncc_emu::WarpSlot& s, unsigned) {
+  float A[16][16], B[16][8], C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t h = uint16_t(s.in[l][i / 2] >> (16 * (i & 1)));
+      A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >= 4)] = to_float(T{h});
+    }
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t h = uint16_t(s.in[l][4 + i / 2] >> (16 * (i & 1)));
+      B[2 * t + (i & 1) + 8 * (i >= 2)][g] = to_float(T{h});
+    }
+    for (int i = 0; i < 4; ++i) C[g + 8 * (i >= 2)][2 * t + (i & 1)] = bits_to_float(s.in[l][6 + i]);
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i >= 2), col = 2 * t + (i & 1);
+      float acc = C[row][col];
+      for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+      s.out[l][i] = float_to_bits(acc);
+    }
+  }
+}
+
+template <bool Trans>
+inline void ldmatrix_compute(attncc_emu::WarpSlot& s, unsigned) {
+  for (int l = 0; l < 32; ++l) {
+    if (reinterpret_cast<uintptr_t>(s.addr[l]) % 16 != 0) {
+      attncc_emu::fail("ldmatrix: lane " + std::to_string(l) + " row address is not 16-byte aligned");
+    }
+  }
+  for (int l = 0; l < 32; ++l) {
+    for (int m = 0; m < 4; ++m) {
+      uint16_t lo, hi;
+      if (!Trans) {
+        const uint16_t* row = static_cast<const uint16_t*>(s.addr[8 * m + (l >> 2)]);
+        lo = row[2 * (l & 3)];
+        hi = row[2 * (l & 3) + 1];
+      } else {
+        lo = static_cast<const uint16_t*>(s.addr[8 * m + 2 * (l & 3)])[l >> 2];
+        hi = static_cast<const uint16_t*>(s.addr[8 * m + 2 * (l & 3) + 1])[l >> 2];
+      }
+      s.out[l][m] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+  }
+}
+
+inline void shfl_xor_compute(attncc_emu::WarpSlot& s, unsigned) {
+  for (int l = 0; l < 32; ++l) s.out[l][0] = s.in[l ^ int(s.in[l][1])][0];
+}
+}  // namespace emu_ops
+#endif
+
+// ------------------------------------------------------------------------------ warp primitives
+// Butterfly exchange over the full warp: lane l gets lane (l ^ lane_mask)'s value.
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
+#if defined(ATTNCC_EMULATE)
+  uint32_t in[2] = {float_to_bits(v), uint32_t(lane_mask)}, out;
+  attncc_emu::warp_collective(emu_ops::kShflXor, 0xffffffffu, in, 2, nullptr, &out, 1, emu_ops::shfl_xor_compute);
+  return bits_to_float(out);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#endif
+}
+
+// c[0..3] += A (16x16, 4 regs) . B (16x8, 2 regs): fp16/bf16 inputs, fp32 accumulation.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(ATTNCC_EMULATE)
+  uint32_t in[10] = {a[0], a[1], a[2], a[3], b[0], b[1], float_to_bits(c[0]), float_to_bits(c[1]), float_to_bits(c[2]), float_to_bits(c[3])};
+  uint32_t out[4];
+  const int op = sizeof(T) == 2 && std::is_same<T, bf16>::value ? emu_ops::kMmaBf16 : emu_ops::kMmaF16;
+  attncc_emu::warp_collective(op, 0xffffffffu, in, 10, nullptr, out, 4, op == emu_ops::kMmaBf16 ? emu_ops::mma_compute<bf16> : emu_ops::mma_compute<f16>);
+  for (int i = 0; i < 4; ++i) c[i] = bits_to_float(out[i]);
+#else
+  if constexpr (std::is_same<T, bf16>::value) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#endif
+}
+
+// Four 8x8 b16 matrices from shared memory; lanes 8m..8m+7 give the row addresses of matrix m.
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row_address) {
+#if defined(ATTNCC_EMULATE)
+  attncc_emu::warp_collective(Trans ? emu_ops::kLdmatrixTrans : emu_ops::kLdmatrix, 0xffffffffu, nullptr, 0, row_address, r, 4,
+                              emu_ops::ldmatrix_compute<Trans>);
+#else
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(row_address));
+  if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+  }
+#endif
+}
+
+// ------------------------------------------------------------------------------ async copies
+// 16 bytes global -> shared without registers; lands at cp_async_wait.
+__device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global_src) {
+#if defined(ATTNCC_EMULATE)
+  attncc_emu::cp_async(shared_dst, global_src, 16);
+#else
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global_src));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(ATTNCC_EMULATE)
+  attncc_emu::cp_async_commit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Wait until at most `Pending` committed groups are still in flight.
+template <int Pending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(ATTNCC_EMULATE)
+  attncc_emu::cp_async_wait(Pending);
+#else
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+#endif
+}
+
+// ------------------------------------------------------------------------------ math
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(ATTNCC_EMULATE)
+  return std::exp2(x);
+#else
+  return exp2f(x);
+#endif
+}
+
+__device__ __forceinline__ void atomic_add(float* address, float value) {
+#if defined(ATTNCC_EMULATE)
+  *address += value;  // fibers of a block never run concurrently; blocks run one by one
+#else
+  atomicAdd(address, value);
+#endif
+}
+
+}  // namespace attncc
+
+#if defined(ATTNCC_EMULATE)
+#define ATTNCC_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  attncc_emu::launch(grid, block, smem, [&]() { kernel(__VA_ARGS__); })
+#else
+#define ATTNCC_LAUNCH(kernel, grid, block, smem, stream, ...)                                        \
+  do {                                                                                               \
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));            \
+    kernel<<<grid, block, smem, static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__);                   \
+  } while (0)
+#endif
