@@ -45,15 +45,25 @@ def lower(path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int
     return run_pipeline(source, path, get_target(target), tiles)
 
 
-def compile(path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None) -> Kernel:
+def compile(
+    path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None, emulate: bool = False
+) -> Kernel:
     """Compile a DSL program (a .attn path or its text) into a callable kernel.
 
-    The library for each input dtype is generated, built and cached on first call.
+    target "cpu" builds C++ kernels; a GPU target (sm80, sm86, sm90) with emulate=True runs the
+    generated CUDA forward kernel on the host CUDA emulator (CPU tensors). The library for each
+    input dtype is generated, built and cached on first call.
     """
-    if target != "cpu":
-        get_target(target)  # unknown names get the usual error
+    kind = get_target(target).kind
+    if kind == "cpu":
+        return Kernel(lower(path_or_source, target, tiles), target)
+    if target == "sm75":
+        raise AttnccError("target sm75: the CUDA kernels use mma.m16n8k16 and cp.async, which need sm80 or newer")
+    if not emulate:
         raise AttnccError(
-            f"target `{target}`: only the cpu backend generates code so far; "
-            "`attncc explain --target` shows the tiling plan for GPU targets"
+            f"target `{target}`: running CUDA kernels on a GPU is not wired up yet; "
+            "use emulate=True (CPU tensors, host CUDA emulator) or `attncc compile --target` to emit sources"
         )
-    return Kernel(lower(path_or_source, target, tiles), target)
+    from attncc.runtime.emulate import EmulatedKernel
+
+    return EmulatedKernel(lower(path_or_source, target, tiles), target)

@@ -26,12 +26,11 @@ class InputGradHook:
     derivative: str
 
 
-def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
-    """C++ source of the forward and backward kernels of `g` for q/k/v of `dtype`."""
+def hook_values(g: Graph) -> dict[str, object]:
+    """The variant's hooks as C++ expressions, for templates/common/variant.jinja."""
     _, op = fused_node(g)
     assert op.backward is not None, "derive_backward must run before code generation"
     abi: KernelAbi = kernel_abi(g)
-    storage, acc = STORAGE_TYPES[dtype]
     grads = []
     for grad in op.backward.inputs:
         ident = abi.ident_of(grad.read.tensor)
@@ -40,6 +39,20 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
     needs_s0 = ex.SCORE_VAR in ex.free_vars(op.backward.dscore) or any(
         ex.SCORE_VAR in ex.free_vars(gr.derivative) for gr in op.backward.inputs
     )
+    return {
+        "has_score_map": op.score != ex.score(),
+        "needs_s0": needs_s0,
+        "score": emit(op.score),
+        "mask": emit(op.mask) if op.mask is not None else "true",
+        "dscore": emit(op.backward.dscore),
+        "input_grads": grads,
+    }
+
+
+def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
+    """C++ source of the forward and backward kernels of `g` for q/k/v of `dtype`."""
+    _, op = fused_node(g)
+    storage, acc = STORAGE_TYPES[dtype]
     return render(
         "cpu/attention.cpp.jinja",
         source_name=g.graph["path"].rsplit("/", 1)[-1],
@@ -47,12 +60,7 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         variant_key=variant_key,
         storage_type=storage,
         acc_type=acc,
-        abi=abi,
-        has_score_map=op.score != ex.score(),
-        needs_s0=needs_s0,
+        abi=kernel_abi(g),
         has_dropout=op.dropout > 0,
-        score=emit(op.score),
-        mask=emit(op.mask) if op.mask is not None else "true",
-        dscore=emit(op.backward.dscore),
-        input_grads=grads,
+        **hook_values(g),
     )

@@ -141,50 +141,43 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
 
 
 def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
-    """fp16/bf16 shared memory: the Q tile plus `stages` buffers of K and V tiles."""
-    return 2 * (br * d + stages * 2 * bc * d)
+    """fp16/bf16 shared memory of templates/cuda/attention.cu.jinja: the Q tile plus `stages`
+    buffers of K and V tiles, rows padded by 8 halves (16 bytes) against bank conflicts."""
+    return 2 * (br + stages * 2 * bc) * (d + 8)
 
 
 def gpu_registers(br: int, bc: int, d: int, warps: int) -> int:
-    """Per-thread fp32 accumulators (S and O fragments) plus a fixed allowance for addressing."""
-    return (br * bc + br * d) // (warps * 32) + 32
+    """Per-thread registers of the kernel's live state: the S fragment (16 x Bc fp32 per warp),
+    the O accumulator (16 x d fp32), the Q fragments (16 x d halves), plus ~40 for addressing,
+    statistics and loop state."""
+    del br, warps  # each warp owns 16 rows whatever the block size
+    return bc // 2 + d // 2 + d // 4 + 40
+
+
+GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
 
 
 def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
-    mma_m = target.mma_shape[0]
+    """Br = 16 x warps (4 warps); Bc from the paper's formula capped so the per-thread state
+    fits the register file without spills; stages of K/V as shared memory allows."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
+    warps = 4
     if override is not None:
         br, bc = override
         reason = "override"
+        if br % GPU_ROWS_PER_WARP or bc % 16:
+            raise AttnccError(f"GPU tiles need Br % 16 == 0 and Bc % 16 == 0, got {override}")
+        warps = br // GPU_ROWS_PER_WARP
     else:
-        br = 128 if d <= 128 else 64
-        bc = max(16, min(paper_bc // 16 * 16, 128 if d <= 64 else 64))
-        reason = "Br from warps x mma M, Bc from the paper capped for registers"
-    warps = max(1, br // mma_m // 2) if br >= 64 else max(1, br // mma_m)
-    stages = 2
-    while gpu_shared_bytes(br, bc, d, stages) > target.onchip_bytes and stages > 1:
-        stages -= 1
-    while (
-        (
-            gpu_shared_bytes(br, bc, d, stages) > target.onchip_bytes
-            or gpu_registers(br, bc, d, warps) > target.max_registers_per_thread
-        )
-        and bc > 16
-        and override is None
-    ):
-        bc -= 16
-    while (
-        gpu_registers(br, bc, d, warps) > target.max_registers_per_thread
-        and override is None
-        and warps * 32 * 2 <= target.max_threads_per_block
-        and warps < br // mma_m
-    ):
-        warps *= 2
+        br = GPU_ROWS_PER_WARP * warps
+        bc = max(16, min(paper_bc // 16 * 16, 64))
+        while gpu_registers(br, bc, d, warps) > target.max_registers_per_thread - 32 and bc > 16:
+            bc -= 16
+        reason = "Br = 16 rows x 4 warps; Bc from the paper, capped at 64 and cut to keep registers below the limit"
+    stages = 1  # the forward template single-buffers K/V (cp.async, one group per tile)
     smem = gpu_shared_bytes(br, bc, d, stages)
     regs = gpu_registers(br, bc, d, warps)
     if smem > target.onchip_bytes or regs > target.max_registers_per_thread:
-        raise NoFit(
-            f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers; {target.name} has {target.onchip_bytes} B / {target.max_registers_per_thread}"
-        )
+        raise NoFit(f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers")
     return TilePlan(d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, stages, smem, regs, reason)

@@ -96,9 +96,15 @@ def _write_if_changed(path: Path, text: str) -> None:
         tmp.replace(path)
 
 
-def build_library(source: str, name: str) -> Path:
-    """Compile `source` (once per cache key) and return the shared library's path."""
-    directory = cache_dir() / f"{name}-{cache_key(source)}"
+def build_library(source: str, name: str, includes: dict[str, str] | None = None) -> Path:
+    """Compile `source` (once per cache key) and return the shared library's path.
+
+    `includes` are further files written beside it (name -> text) that the source includes,
+    e.g. the exact generated `.cu` text that the CUDA emulator wraps.
+    """
+    includes = includes or {}
+    key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items()))
+    directory = cache_dir() / f"{name}-{cache_key(key_text)}"
     library = directory / "kernel.so"
     if library.exists():
         return library
@@ -107,12 +113,14 @@ def build_library(source: str, name: str) -> Path:
         if library.exists():
             return library
         _write_if_changed(directory / "kernel.cpp", source)
+        for file_name, text in includes.items():
+            _write_if_changed(directory / file_name, text)
         flags = " ".join(FLAGS)
         ninja_file = (
             "ninja_required_version = 1.3\n"
             f"cxx = {compiler()}\n"
             f"rule cxx_shared\n"
-            f"  command = $cxx {flags} -I{INCLUDE_DIR} $in -o $out.tmp && mv $out.tmp $out\n"
+            f"  command = $cxx {flags} -I{INCLUDE_DIR} -I. $in -o $out.tmp && mv $out.tmp $out\n"
             "  description = attncc: compiling $out\n"
             "build kernel.so: cxx_shared kernel.cpp\n"
             "default kernel.so\n"

@@ -342,10 +342,21 @@ class Kernel:
         dropout: float,
         seed: int,
     ) -> None:
-        lib = self.library(dtype)
+        fn = getattr(self.library(dtype), entry)
+        fn.restype = ctypes.c_int
+        status = fn(*self.pack(plan, call, ptrs, dropout, seed))
+        if status != 0:
+            raise RuntimeError(f"attncc kernel {entry} of {self.name} failed with status {status}")
+
+    def pack(
+        self, plan: CallPlan, call: dict[str, object], ptrs: dict[str, torch.Tensor], dropout: float, seed: int
+    ) -> tuple:
+        """The (pointers, ints, reals) arrays of the kernel ABI for one call.
+
+        The caller keeps `call` and `ptrs` alive until the kernel returns.
+        """
         classes: torch.Tensor = call["classes"]  # type: ignore[assignment]
         tensors: dict[str, torch.Tensor] = call["tensors"]  # type: ignore[assignment]
-        keep_alive = [classes, *tensors.values(), *ptrs.values()]
         all_ptrs = dict(ptrs, classes=classes, **tensors)
         pointer_values = [
             all_ptrs[name].data_ptr() if name in all_ptrs else None for name, _ in self.abi.pointer_slots()
@@ -369,16 +380,11 @@ class Kernel:
             ints.update({f"st_{slot.ident}_{d}": t.stride(d) for d in range(slot.rank)})
         reals = [plan.scale, dropout] + [float(call["scalars"][name]) for name, _, _ in self.abi.scalars]  # type: ignore[index]
         int_values = [ints[name] for name in self.abi.int_slots()]
-        fn = getattr(lib, entry)
-        fn.restype = ctypes.c_int
-        status = fn(
+        return (
             (ctypes.c_void_p * len(pointer_values))(*pointer_values),
             (ctypes.c_int64 * len(int_values))(*int_values),
             (ctypes.c_double * len(reals))(*reals),
         )
-        del keep_alive
-        if status != 0:
-            raise RuntimeError(f"attncc kernel {entry} of {self.name} failed with status {status}")
 
 
 def _sizes(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:

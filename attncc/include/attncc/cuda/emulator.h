@@ -183,7 +183,19 @@ inline void syncthreads() {
 // lane to arrive, and fills `out` for every lane of the mask.
 using Compute = void (*)(WarpSlot& slot, unsigned mask);
 
-inline const char* op_name(int op);
+// The collective operations the device primitives issue (attncc/cuda/primitives.cuh).
+enum CollectiveOp { kShflXor = 1, kMmaF16, kMmaBf16, kLdmatrix, kLdmatrixTrans };
+
+inline const char* op_name(int op) {
+  switch (op) {
+    case kShflXor: return "shfl.xor";
+    case kMmaF16: return "mma.m16n8k16.f16";
+    case kMmaBf16: return "mma.m16n8k16.bf16";
+    case kLdmatrix: return "ldmatrix.x4";
+    case kLdmatrixTrans: return "ldmatrix.x4.trans";
+    default: return "no operation";
+  }
+}
 
 inline void warp_collective(int op, unsigned mask, const uint32_t* in, int n_in, const void* addr, uint32_t* out,
                             int n_out, Compute compute) {

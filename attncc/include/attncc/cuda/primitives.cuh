@@ -113,7 +113,7 @@ __device__ __forceinline__ void block_sync() { __syncthreads(); }
 // ------------------------------------------------------------------------------ emulated collectives
 #if defined(ATTNCC_EMULATE)
 namespace emu_ops {
-enum Op { kShflXor = 1, kMmaF16, kMmaBf16, kLdmatrix, kLdmatrixTrans };
+using namespace attncc_emu;  // the CollectiveOp ids
 
 template <typename T>
 inline void mma_compute(attncc_emu::WarpSlot& s, unsigned) {

@@ -1,0 +1,57 @@
+"""CUDA code generator: the fused IR node -> one .cu translation unit per (dtype, head dim).
+
+The same text compiles with nvcc for a GPU and, wrapped by `emulation_wrapper`, with the host
+compiler on attncc's CUDA emulator.
+"""
+
+from __future__ import annotations
+
+from attncc.codegen import render
+from attncc.codegen.abi import kernel_abi
+from attncc.codegen.cpu import hook_values
+from attncc.errors import AttnccError
+from attncc.ir.graph import Graph, fused_node
+from attncc.passes.tiling import TilePlan
+
+#: torch dtype name -> the storage type in generated CUDA.
+CUDA_STORAGE_TYPES = {"float16": "attncc::f16", "bfloat16": "attncc::bf16"}
+
+
+def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> str:
+    """CUDA source of the forward kernel of `g` for q/k/v of `dtype`, with `plan`'s tiles."""
+    if dtype not in CUDA_STORAGE_TYPES:
+        raise AttnccError(f"CUDA kernels take float16 or bfloat16, not {dtype} (fp32 inputs are converted to bfloat16)")
+    _, op = fused_node(g)
+    return render(
+        "cuda/attention.cu.jinja",
+        source_name=g.graph["path"].rsplit("/", 1)[-1],
+        variant_name=g.graph["name"],
+        arch=arch,
+        storage_type=CUDA_STORAGE_TYPES[dtype],
+        head_dim=plan.head_dim,
+        block_rows=plan.block_rows,
+        block_cols=plan.block_cols,
+        abi=kernel_abi(g),
+        has_dropout=op.dropout > 0,
+        **hook_values(g),
+    )
+
+
+EMULATION_WRAPPER = """// Runs kernel.cu, the exact generated CUDA text, on attncc's host CUDA emulator.
+#define ATTNCC_EMULATE 1
+#include <string>
+#include "kernel.cu"
+
+static std::string last_error;
+
+extern "C" int attncc_emulated_forward(void* const* ptrs, const int64_t* ints, const double* reals, int schedule) {
+  attncc_emu::current_schedule() = attncc_emu::Schedule(schedule);
+  try {
+    return attncc_forward(ptrs, ints, reals, nullptr);
+  } catch (const attncc_emu::EmulationError& e) {
+    last_error = e.what();
+    return 3;
+  }
+}
+extern "C" const char* attncc_emulator_error() { return last_error.c_str(); }
+"""
