@@ -28,7 +28,8 @@ _BINARY_C = {
     "and": "&&",
     "or": "||",
 }
-_UNARY_C = {"exp": "std::exp", "log": "std::log", "tanh": "std::tanh", "sqrt": "std::sqrt"}
+# Backend-neutral helpers defined in both attncc/cpu/primitives.h and attncc/cuda/primitives.cuh.
+_UNARY_C = {"exp": "attncc::math_exp", "log": "attncc::math_log", "tanh": "attncc::math_tanh", "sqrt": "attncc::math_sqrt"}
 
 
 def c_name(name: str) -> str:
@@ -74,7 +75,7 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
         if e.op == "not":
             return f"(!{x})"
         if e.op == "abs":
-            return f"std::abs({x})" if e.ty == ex.INT else f"std::abs(acc_t({x}))"
+            return f"attncc::math_abs({x})" if e.ty == ex.INT else f"attncc::math_abs(acc_t({x}))"
         return f"{_UNARY_C[e.op]}(acc_t({x}))"
     if isinstance(e, ex.Binary):
         a, b = emit(e.a, ctx), emit(e.b, ctx)
@@ -86,7 +87,7 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
             return f"attncc::pymod({a}, {b})"
         if e.op in ("min", "max"):
             t = c_type(e.ty)
-            return f"std::{e.op}<{t}>({t}({a}), {t}({b}))"
+            return f"attncc::{e.op}_of<{t}>({t}({a}), {t}({b}))"
         if e.ty == ex.FLOAT and e.op in ("add", "sub", "mul"):
             return f"(acc_t({a}) {_BINARY_C[e.op]} acc_t({b}))"
         return f"({a} {_BINARY_C[e.op]} {b})"

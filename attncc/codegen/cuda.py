@@ -15,6 +15,10 @@ from attncc.passes.tiling import TilePlan
 
 #: torch dtype name -> the storage type in generated CUDA.
 CUDA_STORAGE_TYPES = {"float16": "attncc::f16", "bfloat16": "attncc::bf16"}
+#: Above this head dim the Q fragments (d/4 registers per thread) are re-read from shared
+#: memory for every key tile instead of held in registers: at d=256 holding them pushed ptxas
+#: to 255 registers with spills (padding.attn: 116 B spill stores).
+Q_IN_REGISTERS_MAX_HEAD_DIM = 128
 
 
 def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> str:
@@ -33,6 +37,7 @@ def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> s
         block_cols=plan.block_cols,
         abi=kernel_abi(g),
         has_dropout=op.dropout > 0,
+        q_in_registers=plan.head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
         **hook_values(g),
     )
 

@@ -90,6 +90,15 @@ inline int64_t pymod(int64_t a, int64_t b) {
   int64_t r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
+// Math used by generated expressions (the CUDA header defines the same names for devices).
+template <typename T> inline T min_of(T a, T b) { return a < b ? a : b; }
+template <typename T> inline T max_of(T a, T b) { return a < b ? b : a; }
+inline int64_t math_abs(int64_t x) { return x < 0 ? -x : x; }
+inline acc_t math_abs(acc_t x) { return std::abs(x); }
+inline acc_t math_exp(acc_t x) { return std::exp(x); }
+inline acc_t math_log(acc_t x) { return std::log(x); }
+inline acc_t math_tanh(acc_t x) { return std::tanh(x); }
+inline acc_t math_sqrt(acc_t x) { return std::sqrt(x); }
 inline double pymod(double a, double b) { double r = std::fmod(a, b); return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
 
 // ---------------------------------------------------------------------------------- buffers

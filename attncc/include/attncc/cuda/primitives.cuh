@@ -250,6 +250,24 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ------------------------------------------------------------------------------ math
+// Used by generated expressions (the CPU header defines the same names).
+template <typename T> __device__ __forceinline__ T min_of(T a, T b) { return a < b ? a : b; }
+template <typename T> __device__ __forceinline__ T max_of(T a, T b) { return a < b ? b : a; }
+__device__ __forceinline__ int64_t math_abs(int64_t x) { return x < 0 ? -x : x; }
+__device__ __forceinline__ float math_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ float math_exp(float x) { return expf(x); }
+__device__ __forceinline__ float math_log(float x) { return logf(x); }
+__device__ __forceinline__ float math_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ float math_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ int64_t floordiv(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ int64_t pymod(int64_t a, int64_t b) {
+  const int64_t r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
 #if defined(ATTNCC_EMULATE)
   return std::exp2(x);

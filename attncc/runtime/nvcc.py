@@ -1,0 +1,89 @@
+"""nvcc: find it, compile generated CUDA to cubin/PTX, read the ptxas resource report."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from attncc.errors import BuildError
+
+INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"
+NVCC_FLAGS = ("-std=c++17", "-O3", "--use_fast_math")
+
+
+def find_nvcc() -> str:
+    """nvcc from $CUDA_HOME, then PATH, then the nvidia-cuda-nvcc wheel; a clear error if none."""
+    looked = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home:
+            candidate = Path(home) / "bin" / "nvcc"
+            looked.append(str(candidate))
+            if candidate.is_file():
+                return str(candidate)
+    found = shutil.which("nvcc")
+    looked.append("PATH")
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc") if importlib.util.find_spec("nvidia") else None
+    if spec and spec.submodule_search_locations:
+        candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "nvcc"
+        looked.append(str(candidate))
+        if candidate.is_file():
+            return str(candidate)
+    raise BuildError(
+        "nvcc not found (looked in " + ", ".join(looked) + "); install the CUDA toolkit and set CUDA_HOME, "
+        "or `pip install 'attncc[cuda]'` for the nvidia-cuda-nvcc wheel"
+    )
+
+
+@dataclass(frozen=True)
+class PtxasReport:
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    ptx: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.arch}: {self.registers} registers, {self.spill_stores} B spill stores, "
+            f"{self.spill_loads} B spill loads, {self.stack_bytes} B stack"
+        )
+
+
+def compile_cuda(source: str, arch: str, keep_dir: Path | None = None) -> PtxasReport:
+    """nvcc -cubin -Xptxas -v (and -ptx) for `arch` (e.g. "sm80"); BuildError with the command."""
+    nvcc = find_nvcc()
+    sm = "sm_" + arch.removeprefix("sm")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = keep_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        cu = work / "kernel.cu"
+        cu.write_text(source)
+        base = [nvcc, f"-arch={sm}", *NVCC_FLAGS, f"-I{INCLUDE_DIR}"]
+        cubin = [*base, "-cubin", "-Xptxas", "-v", str(cu), "-o", str(work / "kernel.cubin")]
+        result = subprocess.run(cubin, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise BuildError(f"nvcc failed (reproduce: {' '.join(cubin)}):\n{result.stderr[-4000:]}")
+        ptx_cmd = [*base, "-ptx", str(cu), "-o", str(work / "kernel.ptx")]
+        ptx = subprocess.run(ptx_cmd, capture_output=True, text=True, check=False)
+        if ptx.returncode != 0:
+            raise BuildError(f"nvcc -ptx failed (reproduce: {' '.join(ptx_cmd)}):\n{ptx.stderr[-4000:]}")
+        return parse_ptxas(result.stderr, arch, (work / "kernel.ptx").read_text())
+
+
+def parse_ptxas(report: str, arch: str, ptx: str = "") -> PtxasReport:
+    """The resources of the kernel entry in a `-Xptxas -v` report."""
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if not registers or not spills:
+        raise BuildError(f"unexpected ptxas report:\n{report[-2000:]}")
+    return PtxasReport(arch, int(registers.group(1)), int(spills.group(2)), int(spills.group(3)), int(spills.group(1)), ptx)
