@@ -59,25 +59,33 @@ class PtxasReport:
         )
 
 
+def find_ptxas(nvcc: str) -> str:
+    candidate = Path(nvcc).resolve().parent / "ptxas"
+    return str(candidate) if candidate.is_file() else shutil.which("ptxas") or "ptxas"
+
+
 def compile_cuda(source: str, arch: str, keep_dir: Path | None = None) -> PtxasReport:
-    """nvcc -cubin -Xptxas -v (and -ptx) for `arch` (e.g. "sm80"); BuildError with the command."""
+    """nvcc -ptx, then ptxas -v for `arch` (e.g. "sm80"): the PTX and the resource report.
+
+    The front end runs once; ptxas produces the cubin and the register/spill report. A failure
+    raises BuildError with the command that reproduces it.
+    """
     nvcc = find_nvcc()
     sm = "sm_" + arch.removeprefix("sm")
     with tempfile.TemporaryDirectory() as tmp:
         work = keep_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        cu = work / "kernel.cu"
+        cu, ptx_path = work / "kernel.cu", work / "kernel.ptx"
         cu.write_text(source)
-        base = [nvcc, f"-arch={sm}", *NVCC_FLAGS, f"-I{INCLUDE_DIR}"]
-        cubin = [*base, "-cubin", "-Xptxas", "-v", str(cu), "-o", str(work / "kernel.cubin")]
-        result = subprocess.run(cubin, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise BuildError(f"nvcc failed (reproduce: {' '.join(cubin)}):\n{result.stderr[-4000:]}")
-        ptx_cmd = [*base, "-ptx", str(cu), "-o", str(work / "kernel.ptx")]
-        ptx = subprocess.run(ptx_cmd, capture_output=True, text=True, check=False)
-        if ptx.returncode != 0:
-            raise BuildError(f"nvcc -ptx failed (reproduce: {' '.join(ptx_cmd)}):\n{ptx.stderr[-4000:]}")
-        return parse_ptxas(result.stderr, arch, (work / "kernel.ptx").read_text())
+        steps = [
+            [nvcc, f"-arch={sm}", *NVCC_FLAGS, f"-I{INCLUDE_DIR}", "-ptx", str(cu), "-o", str(ptx_path)],
+            [find_ptxas(nvcc), f"-arch={sm}", "-v", str(ptx_path), "-o", str(work / "kernel.cubin")],
+        ]
+        for cmd in steps:
+            result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise BuildError(f"{Path(cmd[0]).name} failed (reproduce: {' '.join(cmd)}):\n{result.stderr[-4000:]}")
+        return parse_ptxas(result.stdout + result.stderr, arch, ptx_path.read_text())
 
 
 def parse_ptxas(report: str, arch: str, ptx: str = "") -> PtxasReport:

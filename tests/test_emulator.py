@@ -1,0 +1,200 @@
+"""The CUDA emulator and the device primitives, one by one, against host references.
+
+Each test kernel is CUDA text compiled with ATTNCC_EMULATE; the same primitives header is
+what nvcc compiles for a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from attncc.runtime.build import build_library, load_library
+
+HARNESS = r"""
+#define ATTNCC_EMULATE 1
+#include <string>
+#include "attncc/cuda/primitives.cuh"
+using namespace attncc;
+
+static std::string error_text;
+template <typename F> int run(int schedule, F launch) {
+  attncc_emu::current_schedule() = attncc_emu::Schedule(schedule);
+  try { launch(); return 0; } catch (const attncc_emu::EmulationError& e) { error_text = e.what(); return 1; }
+}
+extern "C" const char* last_error() { return error_text.c_str(); }
+
+// A (16x16) and B^T (8x16) row-major halves -> C (16x8) fp32 through ldmatrix + mma.
+template <typename T>
+__global__ void mma_kernel(const T* a, const T* bt, float* c) {
+  T* sa = shared_memory<T>();
+  T* sb = sa + 16 * 16;
+  for (int e = thread_id(); e < 16 * 16; e += 32) sa[e] = a[e];
+  for (int e = thread_id(); e < 8 * 16; e += 32) sb[e] = bt[e];
+  block_sync();
+  const int lane = lane_id();
+  uint32_t af[4], bf[4];
+  ldmatrix_x4<false>(af, sa + ((lane & 7) + ((lane >> 3) & 1) * 8) * 16 + (lane >> 4) * 8);
+  // B^T rows are keys: matrices 0, 1 = columns 0-7 / 8-15 of the 8 rows (2, 3 repeat them)
+  ldmatrix_x4<false>(bf, sb + (lane & 7) * 16 + ((lane >> 3) & 1) * 8);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  mma_m16n8k16<T>(acc, af, bf);
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) c[(g + 8 * (i >> 1)) * 8 + 2 * t + (i & 1)] = acc[i];
+}
+extern "C" int mma_f16(const f16* a, const f16* bt, float* c, int s) { return run(s, [&] { ATTNCC_LAUNCH(mma_kernel<f16>, dim3(1), dim3(32), 16 * 24 * 2, nullptr, a, bt, c); }); }
+extern "C" int mma_bf16(const bf16* a, const bf16* bt, float* c, int s) { return run(s, [&] { ATTNCC_LAUNCH(mma_kernel<bf16>, dim3(1), dim3(32), 16 * 24 * 2, nullptr, a, bt, c); }); }
+
+// ldmatrix .trans of a 16x16 matrix: register m of lane l = elements [2(l%4)][l/4], [2(l%4)+1][l/4] of matrix m.
+__global__ void ldmatrix_trans_kernel(const f16* src, uint32_t* out) {
+  f16* sm = shared_memory<f16>();
+  for (int e = thread_id(); e < 256; e += 32) sm[e] = src[e];
+  block_sync();
+  const int lane = lane_id();
+  uint32_t r[4];
+  ldmatrix_x4<true>(r, sm + ((lane & 7) + ((lane >> 3) & 1) * 8) * 16 + (lane >> 4) * 8);
+  for (int m = 0; m < 4; ++m) out[lane * 4 + m] = r[m];
+}
+extern "C" int ldmatrix_trans(const f16* src, uint32_t* out, int s) { return run(s, [&] { ATTNCC_LAUNCH(ldmatrix_trans_kernel, dim3(1), dim3(32), 512, nullptr, src, out); }); }
+
+__global__ void shuffle_kernel(const float* in, float* out) {
+  const int lane = lane_id();
+  for (int k = 0; k < 5; ++k) out[k * 32 + lane] = shfl_xor(in[lane], 1 << k);
+}
+extern "C" int shuffles(const float* in, float* out, int s) { return run(s, [&] { ATTNCC_LAUNCH(shuffle_kernel, dim3(1), dim3(32), 0, nullptr, in, out); }); }
+
+// Thread 0 of each warp writes its warp's slot; lane 5 of the next warp reads it. With the
+// barrier the result is deterministic; without it, it depends on the schedule.
+template <bool kBarrier>
+__global__ void neighbour_kernel(float* out) {
+  float* sm = shared_memory<float>();
+  const int warp = warp_id(), lane = lane_id();
+  if (lane == 0) sm[warp] = float(warp + 1);
+  if (kBarrier) block_sync();
+  if (lane == 5) out[warp] = sm[(warp + 1) % 4];
+}
+extern "C" int neighbours(float* out, int barrier, int s) {
+  return run(s, [&] {
+    if (barrier) ATTNCC_LAUNCH(neighbour_kernel<true>, dim3(2), dim3(128), 16, nullptr, out);
+    else ATTNCC_LAUNCH(neighbour_kernel<false>, dim3(2), dim3(128), 16, nullptr, out);
+  });
+}
+
+__global__ void divergent_barrier_kernel() { if (thread_id() < 64) block_sync(); }
+__global__ void partial_warp_shuffle_kernel(float* out) { if (lane_id() < 16) out[lane_id()] = shfl_xor(1.0f, 1); }
+__global__ void misaligned_ldmatrix_kernel() {
+  uint32_t r[4];
+  ldmatrix_x4<false>(r, shared_memory<char>() + 2 + 16 * lane_id());
+}
+__global__ void mixed_collective_kernel(float* out) {
+  uint32_t r[4];
+  if (lane_id() == 3) ldmatrix_x4<false>(r, shared_memory<char>());
+  else out[0] = shfl_xor(1.0f, 1);
+}
+extern "C" int bad_kernel(int which, float* out, int s) {
+  return run(s, [&] {
+    if (which == 0) ATTNCC_LAUNCH(divergent_barrier_kernel, dim3(1), dim3(128), 0, nullptr);
+    if (which == 1) ATTNCC_LAUNCH(partial_warp_shuffle_kernel, dim3(1), dim3(32), 0, nullptr, out);
+    if (which == 2) ATTNCC_LAUNCH(misaligned_ldmatrix_kernel, dim3(1), dim3(32), 1024, nullptr);
+    if (which == 3) ATTNCC_LAUNCH(mixed_collective_kernel, dim3(1), dim3(32), 1024, nullptr, out);
+  });
+}
+
+// cp.async lands at the wait: without the wait the reader sees the poisoned shared memory.
+template <bool kWait>
+__global__ void copy_kernel(const f16* src, float* out) {
+  f16* sm = shared_memory<f16>();
+  cp_async_16(sm + 8 * thread_id(), src + 8 * thread_id());
+  cp_async_commit();
+  if (kWait) cp_async_wait<0>();
+  block_sync();
+  out[thread_id()] = to_float(sm[8 * ((thread_id() + 1) % 32)]);
+}
+extern "C" int async_copy(const f16* src, float* out, int wait, int s) {
+  return run(s, [&] {
+    if (wait) ATTNCC_LAUNCH(copy_kernel<true>, dim3(1), dim3(32), 512, nullptr, src, out);
+    else ATTNCC_LAUNCH(copy_kernel<false>, dim3(1), dim3(32), 512, nullptr, src, out);
+  });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu() -> ctypes.CDLL:
+    lib = load_library(build_library(HARNESS, "emulator-test"))
+    lib.last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def p(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("schedule", [0, 1])
+def test_mma_fragments_give_the_matrix_product(emu, dtype: torch.dtype, schedule: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 16, generator=gen).to(dtype)
+    bt = torch.randn(8, 16, generator=gen).to(dtype)
+    c = torch.empty(16, 8)
+    fn = emu.mma_f16 if dtype == torch.float16 else emu.mma_bf16
+    assert fn(p(a), p(bt), p(c), schedule) == 0
+    assert torch.allclose(c, a.float() @ bt.float().T, atol=1e-5)
+
+
+def test_ldmatrix_trans_layout(emu) -> None:
+    src = torch.arange(256, dtype=torch.float32).to(torch.float16).view(16, 16)
+    out = torch.empty(32, 4, dtype=torch.int32)
+    assert emu.ldmatrix_trans(p(src), p(out), 0) == 0
+    halves = out.view(torch.int16).view(torch.float16).view(32, 4, 2)
+    mats = [src[:8, :8], src[8:, :8], src[:8, 8:], src[8:, 8:]]
+    for lane in range(32):
+        for m in range(4):
+            assert halves[lane, m, 0] == mats[m][2 * (lane % 4), lane // 4]
+            assert halves[lane, m, 1] == mats[m][2 * (lane % 4) + 1, lane // 4]
+
+
+@pytest.mark.parametrize("schedule", [0, 1])
+def test_shuffles_in_all_modes(emu, schedule: int) -> None:
+    x = torch.randn(32)
+    out = torch.empty(5, 32)
+    assert emu.shuffles(p(x), p(out), schedule) == 0
+    for k in range(5):
+        assert torch.equal(out[k], x[torch.arange(32) ^ (1 << k)])
+
+
+def test_planted_missing_barrier_changes_the_result_between_schedules(emu) -> None:
+    with_barrier = [torch.full((4,), -1.0) for _ in range(2)]
+    without = [torch.full((4,), -1.0) for _ in range(2)]
+    for s in (0, 1):
+        assert emu.neighbours(p(with_barrier[s]), 1, s) == 0
+        assert emu.neighbours(p(without[s]), 0, s) == 0
+    assert torch.equal(with_barrier[0], with_barrier[1])
+    assert torch.equal(with_barrier[0], torch.tensor([2.0, 3.0, 4.0, 1.0]))
+    assert not torch.equal(without[0].nan_to_num(-7), without[1].nan_to_num(-7))  # the bug shows
+
+
+@pytest.mark.parametrize(
+    ("which", "message"),
+    [
+        (0, "divergent __syncthreads"),
+        (1, "deadlock"),
+        (2, "not 16-byte aligned"),
+        (3, "while other lanes are in"),
+    ],
+)
+def test_kernel_bugs_are_reported_not_aborted(emu, which: int, message: str) -> None:
+    out = torch.zeros(32)
+    assert emu.bad_kernel(which, p(out), 0) == 1
+    assert message in emu.last_error().decode()
+
+
+def test_cp_async_lands_at_the_wait(emu) -> None:
+    src = torch.randn(32 * 8).to(torch.float16)
+    ok, missing = torch.empty(32), torch.empty(32)
+    assert emu.async_copy(p(src), p(ok), 1, 0) == 0
+    assert torch.equal(ok, src.float().view(32, 8)[:, 0].roll(-1))
+    assert emu.async_copy(p(src), p(missing), 0, 0) == 0
+    assert torch.isnan(missing).all()  # poisoned shared memory, not the data
