@@ -59,8 +59,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"{args.file}: variant `{stages[-1].graph.graph['name']}` for {args.target}")
     print(plan_text(op, args.shape))
     if args.target != "cpu":
-        print("  (code generation for GPU targets is not implemented yet; plan only)")
-        return 0
+        return _compile_cuda(args, stages)
     kern = attncc.Kernel(stages, args.target)
     out_dir = Path(args.output) if args.output else None
     for dtype in args.dtype:
@@ -73,6 +72,32 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"  built   {dtype} in {time.perf_counter() - start:.2f} s (cache: {attncc.runtime.build.cache_dir()})")
     if out_dir:
         print(f"  sources written to {out_dir}/ (compile with -I {attncc.include_dir()})")
+    return 0
+
+
+def _compile_cuda(args: argparse.Namespace, stages: list) -> int:
+    """Emit the CUDA forward kernel per (dtype, head dim), compile it with nvcc, print ptxas."""
+    from attncc.codegen.cuda import CUDA_STORAGE_TYPES, generate_cuda
+    from attncc.runtime.nvcc import compile_cuda
+
+    if args.target == "sm75":
+        raise AttnccError("target sm75: the CUDA kernels use mma.m16n8k16 and cp.async, which need sm80 or newer")
+    op = _fused(stages)
+    dtypes = [d for d in args.dtype if d in CUDA_STORAGE_TYPES] or ["bfloat16"]
+    out_dir = Path(args.output) if args.output else None
+    for dtype in dtypes:
+        for head_dim in args.head_dim:
+            plan = op.tiling.for_head_dim(head_dim)
+            source = generate_cuda(stages[-1].graph, dtype, plan, args.target)
+            name = f"{stages[-1].graph.graph['name']}_{args.target}_{dtype}_d{plan.head_dim}.cu"
+            if out_dir:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                (out_dir / name).write_text(source)
+            report = compile_cuda(source, args.target)
+            tensor_cores = "mma.sync.aligned.m16n8k16" in report.ptx
+            print(f"  nvcc    {name}: {report.describe()}; tensor cores: {'yes' if tensor_cores else 'NO'}")
+    if out_dir:
+        print(f"  sources written to {out_dir}/ (compile with nvcc -I {attncc.include_dir()})")
     return 0
 
 
@@ -117,18 +142,41 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    if args.target != "cpu":
-        raise AttnccError(f"`check --target {args.target}`: only the cpu backend can run so far")
-    kern = attncc.compile(args.file, args.target)
+    if args.target != "cpu" and not args.emulate:
+        raise AttnccError(
+            f"`check --target {args.target}` needs a GPU; add --emulate to run the CUDA kernel on the host emulator"
+        )
+    kern = attncc.compile(args.file, args.target, emulate=args.emulate)
     shapes = [args.shape] if args.shape_given else AWKWARD_SHAPES
+    dtypes = (
+        args.dtype if args.target == "cpu" else [d for d in args.dtype if d in ("float16", "bfloat16")] or ["float16"]
+    )
+    backward = not args.forward_only and args.target == "cpu"  # CUDA backward: not generated yet
     failures = 0
     for shape in shapes:
-        for dtype in args.dtype:
-            result = check(kern, adapt(shape, kern), DTYPES[dtype], backward=not args.forward_only)
+        for dtype in dtypes:
+            result = check(kern, adapt(shape, kern), DTYPES[dtype], backward=backward)
             print(result.describe())
             failures += not result.ok
+            if args.emulate:
+                failures += not _schedules_agree(kern, adapt(shape, kern), DTYPES[dtype])
     print(f"{args.file}: {'all ok' if not failures else f'{failures} mismatch(es)'}")
     return 1 if failures else 0
+
+
+def _schedules_agree(kern: attncc.Kernel, shape: Shape, dtype: torch.dtype) -> bool:
+    """The emulated kernel must give identical bits under every emulator schedule."""
+    q, k, v, runtime = make_inputs(kern, shape, dtype, requires_grad=False)
+    outputs = []
+    for schedule in ("lockstep", "warp-greedy"):
+        kern.schedule = schedule  # type: ignore[attr-defined]
+        outputs.append(kern(q, k, v, seed=1, return_lse=True, **runtime))
+    kern.schedule = "lockstep"  # type: ignore[attr-defined]
+    same = all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[1]))
+    print(
+        f"{'ok' if same else 'MISMATCH':8s} schedules lockstep and warp-greedy {'bit-identical' if same else 'differ'}"
+    )
+    return same
 
 
 def _median_ms(fn, repeats: int = 5) -> float:  # noqa: ANN001 - a thunk
@@ -175,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write the generated sources here")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=list(DTYPES))
     p.add_argument("--shape", type=_shape, default=default_shape, help="B,H,Hkv,N,M,D for the traffic estimate")
+    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="head dims to emit for GPU targets")
     p.set_defaults(fn=cmd_compile)
 
     p = sub.add_parser("explain", help="IR after each pass, tile classes, IO report")
@@ -189,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--shape", type=_shape, default=None, help="one shape B,H,Hkv,N,M,D instead of the awkward set")
     p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--emulate", action="store_true", help="run a GPU target's CUDA kernel on the host emulator")
     p.set_defaults(fn=cmd_check)
 
     p = sub.add_parser("examples", help="compile, check and time every example")

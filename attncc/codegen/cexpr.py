@@ -29,7 +29,12 @@ _BINARY_C = {
     "or": "||",
 }
 # Backend-neutral helpers defined in both attncc/cpu/primitives.h and attncc/cuda/primitives.cuh.
-_UNARY_C = {"exp": "attncc::math_exp", "log": "attncc::math_log", "tanh": "attncc::math_tanh", "sqrt": "attncc::math_sqrt"}
+_UNARY_C = {
+    "exp": "attncc::math_exp",
+    "log": "attncc::math_log",
+    "tanh": "attncc::math_tanh",
+    "sqrt": "attncc::math_sqrt",
+}
 
 
 def c_name(name: str) -> str:

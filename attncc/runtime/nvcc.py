@@ -94,4 +94,6 @@ def parse_ptxas(report: str, arch: str, ptx: str = "") -> PtxasReport:
     spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     if not registers or not spills:
         raise BuildError(f"unexpected ptxas report:\n{report[-2000:]}")
-    return PtxasReport(arch, int(registers.group(1)), int(spills.group(2)), int(spills.group(3)), int(spills.group(1)), ptx)
+    return PtxasReport(
+        arch, int(registers.group(1)), int(spills.group(2)), int(spills.group(3)), int(spills.group(1)), ptx
+    )

@@ -1,0 +1,155 @@
+"""CUDA backend without a GPU: nvcc/ptxas on every example, and the exact generated text run on
+the host emulator, golden-tested like the CPU backend."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+
+import pytest
+import torch
+
+import attncc
+from attncc.codegen.cuda import generate_cuda
+from attncc.errors import AttnccError
+from attncc.ir.graph import fused_node
+from attncc.passes.tiling import gpu_shared_bytes
+from attncc.runtime.check import check
+from attncc.runtime.inputs import Shape, adapt, make_inputs
+from attncc.runtime.nvcc import compile_cuda, find_nvcc
+from attncc.targets import GPUS
+from tests.conftest import EXAMPLES, ROOT
+
+try:
+    find_nvcc()
+    HAVE_NVCC = True
+except AttnccError:
+    HAVE_NVCC = False
+
+
+@cache
+def emulated(name: str) -> attncc.Kernel:
+    return attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm80", emulate=True)
+
+
+def _ptxas(job: tuple[str, str, int, str]):
+    name, arch, head_dim, dtype = job
+    stages = attncc.lower(ROOT / "examples" / f"{name}.attn", arch)
+    plan = fused_node(stages[-1].graph)[1].tiling.for_head_dim(head_dim)
+    return job, plan, compile_cuda(generate_cuda(stages[-1].graph, dtype, plan, arch), arch)
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_every_example_compiles_for_sm80_and_sm90_without_spills() -> None:
+    jobs = [(n, arch, d, "bfloat16") for n in EXAMPLES for arch in ("sm80", "sm90") for d in (64, 128)]
+    jobs += [(n, "sm80", d, "float16") for n in ("alibi", "gpt2", "softcap") for d in (16, 80, 256)]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(_ptxas, jobs))
+    for (name, arch, head_dim, dtype), plan, report in results:
+        where = f"{name} {arch} d={head_dim} {dtype}: {report.describe()}"
+        assert report.spill_stores == 0 and report.spill_loads == 0, where
+        assert report.stack_bytes == 0, where  # every fragment stays in registers
+        target = GPUS[arch]
+        assert report.registers <= target.max_registers_per_thread, where
+        assert report.registers * plan.threads <= target.registers_per_sm, where  # >= 1 block per SM
+        for instruction in (
+            "mma.sync.aligned.m16n8k16.row.col.f32",
+            "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+            "ldmatrix.sync.aligned.m8n8.x4.trans",
+            "cp.async.cg.shared.global",
+            "ex2.approx",
+        ):
+            assert instruction in report.ptx, f"{where}: no {instruction}"
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm90"])
+def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
+    stages = attncc.lower(ROOT / "examples" / "causal.attn", arch)
+    table = fused_node(stages[-1].graph)[1].tiling
+    for d in range(16, 257, 16):
+        plan = table.for_head_dim(d)
+        assert plan.onchip_bytes == gpu_shared_bytes(plan.block_rows, plan.block_cols, d, plan.stages)
+        source = generate_cuda(stages[-1].graph, "float16", plan, arch)
+        # the kernel computes the same number from its own constants
+        assert (
+            f"constexpr int kBr = {plan.block_rows};" in source and f"constexpr int kBc = {plan.block_cols};" in source
+        )
+        assert "constexpr int kSharedBytes = (kBr + 2 * kBc) * kStride * int(sizeof(storage_t));" in source
+        assert plan.onchip_bytes <= GPUS[arch].shared_bytes_per_sm
+
+
+SHAPES = (Shape(2, 4, 2, 77, 130, 48), Shape(1, 2, 1, 129, 65, 64))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_emulated_forward_matches_fp64_within_eager_error(name: str) -> None:
+    kern = emulated(name)
+    for shape, dtype in ((SHAPES[0], torch.float16), (SHAPES[1], torch.bfloat16)):
+        result = check(kern, adapt(shape, kern), dtype, backward=False)
+        assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [Shape(1, 1, 1, 1, 1, 16), Shape(1, 2, 2, 33, 70, 80), Shape(1, 1, 1, 40, 50, 256), Shape(2, 3, 1, 64, 64, 128)],
+    ids=str,
+)
+def test_emulated_head_dims_and_edges(shape: Shape) -> None:
+    for name in ("alibi", "padding"):
+        result = check(emulated(name), shape, torch.float16, backward=False)
+        assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("name", ["causal", "relative_bias", "document", "gpt2"])
+def test_emulator_schedules_give_identical_bits(name: str) -> None:
+    kern = emulated(name)
+    q, k, v, runtime = make_inputs(kern, adapt(Shape(1, 2, 1, 90, 90, 64), kern), torch.bfloat16, requires_grad=False)
+    outs = []
+    for schedule in ("lockstep", "warp-greedy"):
+        kern.schedule = schedule
+        outs.append(kern(q, k, v, seed=9, return_lse=True, **runtime))
+    kern.schedule = "lockstep"
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_dropout_bits_identical_to_the_cpu_backend() -> None:
+    B, H, N = 1, 2, 64
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(B, H, N, 64, generator=gen).half(), torch.randn(B, H, N, 64, generator=gen).half()
+    v = torch.eye(N, 64).expand(B, H, N, 64).contiguous().half()  # out[..., j] = P after dropout
+    gpu = emulated("gpt2")(q, k, v, seed=4321)
+    cpu = attncc.compile(ROOT / "examples" / "gpt2.attn")(q.float(), k.float(), v.float(), seed=4321)
+    keep = attncc.dropout_mask(4321, 0, B, H, N, N, 0.1)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    assert torch.equal(gpu[..., causal] != 0, keep[..., causal])
+    assert torch.equal(gpu != 0, cpu != 0)
+
+
+def test_fully_masked_rows_on_the_emulator() -> None:
+    kern = emulated("padding")
+    q, k, v, _ = make_inputs(kern, Shape(2, 2, 1, 20, 40, 32), torch.float16, requires_grad=False)
+    out, lse = kern(q, k, v, return_lse=True, lengths=torch.tensor([0, 9]))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    assert torch.isfinite(out).all()
+
+
+def test_cuda_backward_is_a_clear_error() -> None:
+    kern = emulated("vanilla")
+    q, k, v, _ = make_inputs(kern, Shape(1, 1, 1, 8, 8, 16), torch.float16)
+    with pytest.raises(AttnccError, match="CUDA backward kernels are not generated yet"):
+        kern(q, k, v).sum().backward()
+
+
+def test_gpu_target_without_emulation_is_a_clear_error() -> None:
+    with pytest.raises(AttnccError, match="use emulate=True"):
+        attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm90")
+    with pytest.raises(AttnccError, match="need sm80 or newer"):
+        attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm75", emulate=True)
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    with pytest.raises(AttnccError, match=r"nvcc not found \(looked in PATH.*attncc\[cuda\]"):
+        find_nvcc()
