@@ -151,7 +151,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     dtypes = (
         args.dtype if args.target == "cpu" else [d for d in args.dtype if d in ("float16", "bfloat16")] or ["float16"]
     )
-    backward = not args.forward_only and args.target == "cpu"  # CUDA backward: not generated yet
+    backward = not args.forward_only
     failures = 0
     for shape in shapes:
         for dtype in dtypes:

@@ -58,5 +58,15 @@ extern "C" int attncc_emulated_forward(void* const* ptrs, const int64_t* ints, c
     return 3;
   }
 }
+extern "C" int attncc_emulated_backward(void* const* ptrs, const int64_t* ints, const double* reals, float* dq_accum,
+                                        int schedule) {
+  attncc_emu::current_schedule() = attncc_emu::Schedule(schedule);
+  try {
+    return attncc_backward(ptrs, ints, reals, dq_accum, nullptr);
+  } catch (const attncc_emu::EmulationError& e) {
+    last_error = e.what();
+    return 3;
+  }
+}
 extern "C" const char* attncc_emulator_error() { return last_error.c_str(); }
 """

@@ -27,7 +27,7 @@ class EmulationFailure(AttnccError):
 
 
 class EmulatedKernel(Kernel):
-    """Forward on the CUDA emulator; backward is not generated for CUDA yet."""
+    """Forward and backward CUDA kernels run on the host emulator (CPU tensors)."""
 
     schedule = "lockstep"
 
@@ -53,19 +53,55 @@ class EmulatedKernel(Kernel):
         call = self._prepare(plan, torch.float32, tensors, scalars)
         if out.numel():
             ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse}
-            lib = self.emulated_library(str(storage).replace("torch.", ""), plan.tiles.head_dim)
-            fn = lib.attncc_emulated_forward
-            fn.restype = ctypes.c_int
-            with _LOCK:  # the emulator's schedule is process-wide
-                status = fn(*self.pack(plan, call, ptrs, dropout, seed), SCHEDULES[self.schedule])
-            if status == 3:
-                lib.attncc_emulator_error.restype = ctypes.c_char_p
-                raise EmulationFailure(f"{self.name} on the CUDA emulator: {lib.attncc_emulator_error().decode()}")
-            if status != 0:
-                raise RuntimeError(f"emulated kernel of {self.name} returned {status}")
+            self._run("attncc_emulated_forward", str(storage).replace("torch.", ""), plan, call, ptrs, dropout, seed)
         return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
-    def backward_impl(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        raise AttnccError(
-            f"{self.name}: the CUDA backward kernels are not generated yet; use target='cpu' for training"
-        )
+    def backward_impl(self, q, k, v, out, lse, dout, tensors, scalars, scale, dropout, seed, grad_inputs):  # noqa: ANN001, ANN201 - as Kernel
+        storage = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        plan = self.plan(q, k, scale)
+        qs, ks, vs, dos = (t.to(storage) for t in (q, k, v, dout))
+        dk, dv = torch.empty(k.shape, dtype=storage), torch.empty(v.shape, dtype=storage)
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32)
+        call = self._prepare(plan, torch.float32, tensors, scalars)
+        tensor_decls = [d for d in self.inputs if d.role == "tensor"]
+        grads = {
+            d.name: torch.zeros(t.shape, dtype=torch.float32)
+            for d, t, want in zip(tensor_decls, tensors, grad_inputs)
+            if want and d.name in self.abi.grads
+        }
+        if q.numel() and k.numel():
+            delta = (dout.float() * out.float()).sum(-1).contiguous()
+            ptrs = {
+                "q": qs,
+                "k": ks,
+                "v": vs,
+                "dout": dos,
+                "lse": lse.float().contiguous(),
+                "delta": delta,
+                "dk": dk,
+                "dv": dv,
+            }
+            ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
+            dtype = str(storage).replace("torch.", "")
+            self._run(
+                "attncc_emulated_backward", dtype, plan, call, ptrs, dropout, seed, ctypes.c_void_p(dq_accum.data_ptr())
+            )
+        else:
+            dk.zero_(), dv.zero_()
+        dq = (dq_accum * plan.scale).to(q.dtype)
+        grad_list = [
+            grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)
+        ]
+        return dq, dk.to(k.dtype), dv.to(v.dtype), grad_list
+
+    def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra) -> None:  # noqa: ANN001, ANN002
+        lib = self.emulated_library(dtype, plan.tiles.head_dim)
+        fn = getattr(lib, entry)
+        fn.restype = ctypes.c_int
+        with _LOCK:  # the emulator's schedule is process-wide
+            status = fn(*self.pack(plan, call, ptrs, dropout, seed), *extra, SCHEDULES[self.schedule])
+        if status == 3:
+            lib.attncc_emulator_error.restype = ctypes.c_char_p
+            raise EmulationFailure(f"{self.name} on the CUDA emulator: {lib.attncc_emulator_error().decode()}")
+        if status != 0:
+            raise RuntimeError(f"emulated {entry} of {self.name} returned {status}")

@@ -44,18 +44,42 @@ def find_nvcc() -> str:
 
 
 @dataclass(frozen=True)
-class PtxasReport:
-    arch: str
+class KernelResources:
+    name: str
     registers: int
     spill_stores: int
     spill_loads: int
     stack_bytes: int
+
+
+@dataclass(frozen=True)
+class PtxasReport:
+    """ptxas resources of every kernel in a translation unit (the worst one in the totals)."""
+
+    arch: str
+    kernels: tuple[KernelResources, ...]
     ptx: str
 
+    @property
+    def registers(self) -> int:
+        return max(k.registers for k in self.kernels)
+
+    @property
+    def spill_stores(self) -> int:
+        return sum(k.spill_stores for k in self.kernels)
+
+    @property
+    def spill_loads(self) -> int:
+        return sum(k.spill_loads for k in self.kernels)
+
+    @property
+    def stack_bytes(self) -> int:
+        return max(k.stack_bytes for k in self.kernels)
+
     def describe(self) -> str:
-        return (
-            f"{self.arch}: {self.registers} registers, {self.spill_stores} B spill stores, "
-            f"{self.spill_loads} B spill loads, {self.stack_bytes} B stack"
+        return f"{self.arch}: " + "; ".join(
+            f"{k.name} {k.registers} registers, {k.spill_stores}/{k.spill_loads} B spill stores/loads, {k.stack_bytes} B stack"
+            for k in self.kernels
         )
 
 
@@ -89,11 +113,20 @@ def compile_cuda(source: str, arch: str, keep_dir: Path | None = None) -> PtxasR
 
 
 def parse_ptxas(report: str, arch: str, ptx: str = "") -> PtxasReport:
-    """The resources of the kernel entry in a `-Xptxas -v` report."""
-    registers = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    if not registers or not spills:
-        raise BuildError(f"unexpected ptxas report:\n{report[-2000:]}")
-    return PtxasReport(
-        arch, int(registers.group(1)), int(spills.group(2)), int(spills.group(3)), int(spills.group(1)), ptx
-    )
+    """The resources of every kernel entry in a `-v` report."""
+    kernels = []
+    for section in report.split("Compiling entry function")[1:]:
+        name = re.search(r"'([^']+)'", section)
+        registers = re.search(r"Used (\d+) registers", section)
+        spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", section)
+        if not (name and registers and spills):
+            raise BuildError(f"unexpected ptxas report:\n{report[-2000:]}")
+        short = next((k for k in ("attention_forward", "attention_backward") if k in name.group(1)), name.group(1))
+        kernels.append(
+            KernelResources(
+                short, int(registers.group(1)), int(spills.group(2)), int(spills.group(3)), int(spills.group(1))
+            )
+        )
+    if not kernels:
+        raise BuildError(f"no kernel in the ptxas report:\n{report[-2000:]}")
+    return PtxasReport(arch, tuple(kernels), ptx)
