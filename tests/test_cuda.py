@@ -13,7 +13,7 @@ import attncc
 from attncc.codegen.cuda import generate_cuda
 from attncc.errors import AttnccError
 from attncc.ir.graph import fused_node
-from attncc.passes.tiling import gpu_shared_bytes
+from attncc.passes.tiling import gpu_backward_shared_bytes, gpu_shared_bytes
 from attncc.runtime.check import check
 from attncc.runtime.inputs import Shape, adapt, make_inputs
 from attncc.runtime.nvcc import compile_cuda, find_nvcc
@@ -68,13 +68,17 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
     table = fused_node(stages[-1].graph)[1].tiling
     for d in range(16, 257, 16):
         plan = table.for_head_dim(d)
-        assert plan.onchip_bytes == gpu_shared_bytes(plan.block_rows, plan.block_cols, d, plan.stages)
+        forward = gpu_shared_bytes(plan.block_rows, plan.block_cols, d, plan.stages)
+        backward = gpu_backward_shared_bytes(plan.block_rows, plan.block_cols, d)
+        assert plan.onchip_bytes == max(forward, backward)
         source = generate_cuda(stages[-1].graph, "float16", plan, arch)
         # the kernel computes the same number from its own constants
         assert (
             f"constexpr int kBr = {plan.block_rows};" in source and f"constexpr int kBc = {plan.block_cols};" in source
         )
-        assert "constexpr int kSharedBytes = (kBr + 2 * kBc) * kStride * int(sizeof(storage_t));" in source
+        assert f"constexpr int kStages = {plan.stages};" in source
+        assert "constexpr int kSharedBytes = (kBr + kStages * 2 * kBc) * kStride * int(sizeof(storage_t));" in source
+        assert "constexpr int kBwdSharedBytes = (2 * kBr + 2 * kBc) * kStride * int(sizeof(storage_t)) +" in source
         assert plan.onchip_bytes <= GPUS[arch].shared_bytes_per_sm
 
 

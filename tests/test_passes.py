@@ -139,7 +139,12 @@ def test_every_plan_fits_its_target(target_name: str) -> None:
     target = get_target(target_name)
     stages = run_pipeline(program("s = q @ k.T * scale\nmask j <= i"), "t.attn", target)
     table = fused_node(stages[-1].graph)[1].tiling
-    for d in range(1, MAX_HEAD_DIM + 1):
+    # sm75 (64 KiB) has no room for the d > 128 backward tiles; the kernels need sm80 anyway
+    largest = 128 if target_name == "sm75" else MAX_HEAD_DIM
+    if largest < MAX_HEAD_DIM:
+        with pytest.raises(AttnccError, match="no tiling fits"):
+            table.for_head_dim(MAX_HEAD_DIM)
+    for d in range(1, largest + 1):
         p = table.for_head_dim(d)
         assert p.head_dim >= d and p.onchip_bytes <= target.onchip_bytes
         if target.kind == "cpu":

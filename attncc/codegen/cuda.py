@@ -34,6 +34,7 @@ def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> s
         storage_type=CUDA_STORAGE_TYPES[dtype],
         head_dim=plan.head_dim,
         block_rows=plan.block_rows,
+        stages=plan.stages,
         block_cols=plan.block_cols,
         abi=kernel_abi(g),
         has_dropout=op.dropout > 0,

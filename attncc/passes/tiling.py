@@ -146,6 +146,12 @@ def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
     return 2 * (br + stages * 2 * bc) * (d + 8)
 
 
+def gpu_backward_shared_bytes(br: int, bc: int, d: int) -> int:
+    """The backward kernel's shared memory: Q, dO (Br rows) and K, V (Bc rows) tiles, dS^T
+    (Bc x (Br + 8) halves), fp32 dK and dV accumulators (Bc x d) and the rows' lse and delta."""
+    return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (2 * bc * d + 2 * br)
+
+
 def gpu_registers(br: int, bc: int, d: int, warps: int) -> int:
     """Per-thread registers of the kernel's live state: the S fragment (16 x Bc fp32 per warp),
     the O accumulator (16 x d fp32), the Q fragments (16 x d halves), plus ~40 for addressing,
@@ -175,8 +181,18 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
         while gpu_registers(br, bc, d, warps) > target.max_registers_per_thread - 32 and bc > 16:
             bc -= 16
         reason = "Br = 16 rows x 4 warps; Bc from the paper, capped at 64 and cut to keep registers below the limit"
-    stages = 1  # the forward template single-buffers K/V (cp.async, one group per tile)
-    smem = gpu_shared_bytes(br, bc, d, stages)
+    stages = 2  # the forward template double-buffers K/V: tile n + 1 loads while tile n computes
+
+    def shared(br: int, bc: int) -> int:
+        return max(gpu_shared_bytes(br, bc, d, stages), gpu_backward_shared_bytes(br, bc, d))
+
+    while override is None and shared(br, bc) > target.onchip_bytes and (bc > 16 or warps > 1):
+        if bc > 16:
+            bc -= 16
+        else:  # fewer query rows per block (sm86 at d=256)
+            warps //= 2
+            br = GPU_ROWS_PER_WARP * warps
+    smem = max(gpu_shared_bytes(br, bc, d, stages), gpu_backward_shared_bytes(br, bc, d))
     regs = gpu_registers(br, bc, d, warps)
     if smem > target.onchip_bytes or regs > target.max_registers_per_thread:
         raise NoFit(f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers")
