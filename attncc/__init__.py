@@ -50,10 +50,16 @@ def compile(
 ) -> Kernel:
     """Compile a DSL program (a .attn path or its text) into a callable kernel.
 
-    target "cpu" builds C++ kernels; a GPU target (sm80, sm86, sm90) with emulate=True runs the
-    generated CUDA forward kernel on the host CUDA emulator (CPU tensors). The library for each
+    target "cpu" builds C++ kernels; "cuda" builds the CUDA kernels with nvcc for the current
+    GPU; a GPU target (sm80, sm86, sm90) with emulate=True runs the generated CUDA kernels on
+    the host CUDA emulator (CPU tensors). The library for each
     input dtype is generated, built and cached on first call.
     """
+    if target == "cuda":
+        from attncc.runtime.gpu import GpuKernel, device_target
+
+        arch = device_target()
+        return GpuKernel(lower(path_or_source, arch, tiles), arch)
     kind = get_target(target).kind
     if kind == "cpu":
         return Kernel(lower(path_or_source, target, tiles), target)
@@ -61,8 +67,8 @@ def compile(
         raise AttnccError("target sm75: the CUDA kernels use mma.m16n8k16 and cp.async, which need sm80 or newer")
     if not emulate:
         raise AttnccError(
-            f"target `{target}`: running CUDA kernels on a GPU is not wired up yet; "
-            "use emulate=True (CPU tensors, host CUDA emulator) or `attncc compile --target` to emit sources"
+            f"target `{target}`: use target='cuda' to run on this machine's GPU, emulate=True to run the "
+            "CUDA kernels on the host emulator (CPU tensors), or `attncc compile --target` to emit sources"
         )
     from attncc.runtime.emulate import EmulatedKernel
 

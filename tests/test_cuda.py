@@ -146,7 +146,7 @@ def test_fully_masked_rows_on_the_emulator() -> None:
 
 
 def test_gpu_target_without_emulation_is_a_clear_error() -> None:
-    with pytest.raises(AttnccError, match="use emulate=True"):
+    with pytest.raises(AttnccError, match="emulate=True"):
         attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm90")
     with pytest.raises(AttnccError, match="need sm80 or newer"):
         attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm75", emulate=True)
@@ -158,3 +158,10 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.delenv("CUDA_PATH", raising=False)
     with pytest.raises(AttnccError, match=r"nvcc not found \(looked in PATH.*attncc\[cuda\]"):
         find_nvcc()
+
+
+def test_cuda_target_without_a_gpu_is_a_clear_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; tests/test_gpu.py covers it")
+    with pytest.raises(AttnccError, match="torch sees no CUDA device"):
+        attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda")

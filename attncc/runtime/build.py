@@ -96,14 +96,15 @@ def _write_if_changed(path: Path, text: str) -> None:
         tmp.replace(path)
 
 
-def build_library(source: str, name: str, includes: dict[str, str] | None = None) -> Path:
+def build_library(source: str, name: str, includes: dict[str, str] | None = None, cuda_arch: str | None = None) -> Path:
     """Compile `source` (once per cache key) and return the shared library's path.
 
     `includes` are further files written beside it (name -> text) that the source includes,
-    e.g. the exact generated `.cu` text that the CUDA emulator wraps.
+    e.g. the exact generated `.cu` text that the CUDA emulator wraps. With `cuda_arch` (e.g.
+    "sm90") the source is CUDA, compiled by nvcc for that architecture.
     """
     includes = includes or {}
-    key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items()))
+    key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items())) + f"\n//--arch {cuda_arch}"
     directory = cache_dir() / f"{name}-{cache_key(key_text)}"
     library = directory / "kernel.so"
     if library.exists():
@@ -112,17 +113,23 @@ def build_library(source: str, name: str, includes: dict[str, str] | None = None
     with _file_lock(directory / ".lock"):
         if library.exists():
             return library
-        _write_if_changed(directory / "kernel.cpp", source)
+        source_name = "kernel.cu" if cuda_arch else "kernel.cpp"
+        _write_if_changed(directory / source_name, source)
         for file_name, text in includes.items():
             _write_if_changed(directory / file_name, text)
-        flags = " ".join(FLAGS)
+        if cuda_arch:
+            from attncc.runtime.nvcc import NVCC_FLAGS, find_nvcc
+
+            sm = "sm_" + cuda_arch.removeprefix("sm")
+            command = f"{find_nvcc()} -arch={sm} {' '.join(NVCC_FLAGS)} -shared -Xcompiler -fPIC -I{INCLUDE_DIR} -I. $in -o $out.tmp"
+        else:
+            command = f"{compiler()} {' '.join(FLAGS)} -I{INCLUDE_DIR} -I. $in -o $out.tmp"
         ninja_file = (
             "ninja_required_version = 1.3\n"
-            f"cxx = {compiler()}\n"
-            f"rule cxx_shared\n"
-            f"  command = $cxx {flags} -I{INCLUDE_DIR} -I. $in -o $out.tmp && mv $out.tmp $out\n"
+            "rule compile_shared\n"
+            f"  command = {command} && mv $out.tmp $out\n"
             "  description = attncc: compiling $out\n"
-            "build kernel.so: cxx_shared kernel.cpp\n"
+            f"build kernel.so: compile_shared {source_name}\n"
             "default kernel.so\n"
         )
         _write_if_changed(directory / "build.ninja", ninja_file)

@@ -47,22 +47,41 @@ def _error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / max(1.0, ref[finite].abs().max().item())
 
 
+def _on(device: str, t: object) -> object:
+    """A leaf copy of `t` on `device` (same requires_grad); other values unchanged."""
+    if not isinstance(t, torch.Tensor) or device == "cpu":
+        return t
+    return t.detach().to(device).requires_grad_(t.requires_grad)
+
+
 def check(
-    kern: Kernel, shape: Shape, dtype: torch.dtype = torch.float32, backward: bool = True, seed: int = 0
+    kern: Kernel,
+    shape: Shape,
+    dtype: torch.dtype = torch.float32,
+    backward: bool = True,
+    seed: int = 0,
+    device: str = "cpu",
 ) -> CheckResult:
-    """Forward (out, lse) and backward (q, k, v and learnable inputs) against float64 eager."""
+    """Forward (out, lse) and backward (q, k, v and learnable inputs) against float64 eager.
+
+    The reference always runs on the CPU; with device="cuda" the kernel gets copies on the GPU.
+    """
     q, k, v, runtime = make_inputs(kern, shape, dtype, seed)
     learnable = [n for n, t in runtime.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-    out, lse = kern(q, k, v, return_lse=True, seed=seed + 1, **runtime)
+    kq, kk, kv = (_on(device, t) for t in (q, k, v))
+    kruntime = {n: _on(device, t) for n, t in runtime.items()}
+    out, lse = kern(kq, kk, kv, return_lse=True, seed=seed + 1, **kruntime)
     ref_out, ref_lse = kern.reference(q, k, v, seed=seed + 1, **runtime)
     result = CheckResult(shape, dtype)
     wrt = [q, k, v] + [runtime[n] for n in learnable]
     names = ["out", "lse", "dq", "dk", "dv"] + [f"d{n}" for n in learnable]
-    got = [out, lse]
+    got = [out.cpu(), lse.cpu()]
     ref = [ref_out, ref_lse]
     if backward:
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
-        got += list(torch.autograd.grad(out, wrt, dout.to(out.dtype), allow_unused=True))
+        kernel_wrt = [kq, kk, kv] + [kruntime[n] for n in learnable]
+        grads = torch.autograd.grad(out, kernel_wrt, dout.to(out.dtype).to(out.device), allow_unused=True)
+        got += [g.cpu() if g is not None else None for g in grads]
         ref += list(torch.autograd.grad(ref_out, wrt, dout, allow_unused=True))
     else:
         names = names[:2]

@@ -48,8 +48,8 @@ class EmulatedKernel(Kernel):
         storage = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16  # fp32/fp64: bf16 on GPU
         plan = self.plan(q, k, scale)
         qs, ks, vs = (t.to(storage) for t in (q, k, v))
-        out = torch.empty(q.shape, dtype=storage)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32)
+        out = torch.empty(q.shape, dtype=storage, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         call = self._prepare(plan, torch.float32, tensors, scalars)
         if out.numel():
             ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse}
@@ -60,12 +60,13 @@ class EmulatedKernel(Kernel):
         storage = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
         plan = self.plan(q, k, scale)
         qs, ks, vs, dos = (t.to(storage) for t in (q, k, v, dout))
-        dk, dv = torch.empty(k.shape, dtype=storage), torch.empty(v.shape, dtype=storage)
-        dq_accum = torch.zeros(q.shape, dtype=torch.float32)
+        dk = torch.empty(k.shape, dtype=storage, device=k.device)
+        dv = torch.empty(v.shape, dtype=storage, device=v.device)
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         call = self._prepare(plan, torch.float32, tensors, scalars)
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
         grads = {
-            d.name: torch.zeros(t.shape, dtype=torch.float32)
+            d.name: torch.zeros(t.shape, dtype=torch.float32, device=t.device)
             for d, t, want in zip(tensor_decls, tensors, grad_inputs)
             if want and d.name in self.abi.grads
         }

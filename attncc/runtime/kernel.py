@@ -49,6 +49,8 @@ class CallPlan:
 class Kernel:
     """A compiled attention variant. Call it like `kern(q, k, v, **runtime_inputs)`."""
 
+    device_type = "cpu"  # where q, k, v and runtime tensors must live
+
     def __init__(self, stages: list[Stage], target: str) -> None:
         self.stages = stages
         self.graph: Graph = stages[-1].graph
@@ -160,8 +162,10 @@ class Kernel:
                 )
             if t.dtype not in _DTYPES:
                 raise InputError(f"{name}: expected dtype float32, float64, bfloat16 or float16, got {t.dtype}")
-            if t.device.type != "cpu":
-                raise InputError(f"{name}: the `{self.target}` target runs on cpu tensors, got device {t.device}")
+            if t.device.type != self.device_type:
+                raise InputError(
+                    f"{name}: the `{self.target}` target runs on {self.device_type} tensors, got device {t.device}"
+                )
         if not (q.dtype == k.dtype == v.dtype):
             raise InputError(f"q, k, v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
         B, H, _N, D = q.shape
@@ -203,8 +207,8 @@ class Kernel:
             return
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
-        if value.device.type != "cpu":
-            raise InputError(f"{decl.name}: expected a cpu tensor, got device {value.device}")
+        if value.device.type != self.device_type:
+            raise InputError(f"{decl.name}: expected a {self.device_type} tensor, got device {value.device}")
         kinds = {
             "float": value.is_floating_point(),
             "int": not value.is_floating_point() and value.dtype != torch.bool and not value.is_complex(),

@@ -1,0 +1,63 @@
+"""CUDA kernels on a real GPU: built with nvcc for the device's architecture, launched on the
+current stream through the same ABI as the CPU and emulated kernels.
+
+Not yet run on hardware (no GPU was available when this was written): the kernels themselves
+are verified by nvcc/ptxas and by the emulator; the golden tests in tests/test_gpu.py run
+wherever torch sees a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from attncc.errors import AttnccError
+from attncc.runtime.build import build_library, load_library
+from attncc.runtime.emulate import EmulatedKernel
+
+CAPABILITY_TARGETS = {(8, 0): "sm80", (8, 6): "sm86", (8, 7): "sm86", (8, 9): "sm86", (9, 0): "sm90"}
+
+
+def device_target() -> str:
+    """The attncc target of the current CUDA device, or a clear error."""
+    if not torch.cuda.is_available():
+        raise AttnccError("target `cuda`: torch sees no CUDA device (a CPU build of torch, or no GPU)")
+    capability = torch.cuda.get_device_capability()
+    if capability not in CAPABILITY_TARGETS:
+        if capability >= (9, 0):
+            return "sm90"
+        raise AttnccError(f"target `cuda`: compute capability {capability} is not supported (sm80 or newer)")
+    return CAPABILITY_TARGETS[capability]
+
+
+class GpuKernel(EmulatedKernel):
+    """The generated CUDA kernels compiled by nvcc and launched on torch's current stream."""
+
+    device_type = "cuda"
+
+    def emulated_library(self, dtype: str, head_dim: int) -> ctypes.CDLL:  # the nvcc-built library
+        key = f"gpu-{dtype}-{head_dim}"
+        with self._lock:
+            if key not in self._libraries:
+                path = build_library(
+                    self.cuda_source(dtype, head_dim), f"{self.name}-{self.target}-{key}", cuda_arch=self.target
+                )
+                self._libraries[key] = load_library(path)
+            return self._libraries[key]
+
+    def _prepare(self, plan, dtype, tensors, scalars):  # noqa: ANN001, ANN202 - as Kernel
+        call = super()._prepare(plan, dtype, [t.cpu() for t in tensors], scalars)  # classification on the host
+        device = torch.device("cuda", torch.cuda.current_device())
+        call["classes"] = call["classes"].to(device)
+        call["tensors"] = {k: v.to(device) for k, v in call["tensors"].items()}
+        return call
+
+    def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra) -> None:  # noqa: ANN001, ANN002
+        lib = self.emulated_library(dtype, plan.tiles.head_dim)
+        fn = getattr(lib, entry.replace("attncc_emulated_", "attncc_"))
+        fn.restype = ctypes.c_int
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        status = fn(*self.pack(plan, call, ptrs, dropout, seed), *extra, stream)
+        if status != 0:
+            raise RuntimeError(f"{entry} of {self.name} returned {status}")

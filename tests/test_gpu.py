@@ -1,0 +1,33 @@
+"""Golden tests on a real GPU (run wherever torch sees one; skipped on CPU-only machines)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attncc
+from attncc.runtime.check import check
+from attncc.runtime.inputs import Shape, adapt
+from tests.conftest import EXAMPLES, ROOT
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_forward_backward_match_fp64(name: str, dtype: torch.dtype) -> None:
+    kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="cuda")
+    for shape in (Shape(2, 4, 2, 77, 130, 64), Shape(1, 2, 1, 257, 300, 128), Shape(1, 1, 1, 1, 1, 256)):
+        result = check(kern, adapt(shape, kern), dtype, device="cuda")
+        assert result.ok, result.describe()
+
+
+def test_gpu_dropout_bits_equal_the_cpu_mask() -> None:
+    kern = attncc.compile(ROOT / "examples" / "gpt2.attn", target="cuda")
+    N = 64
+    q, k = torch.randn(1, 2, N, 64, device="cuda").half(), torch.randn(1, 2, N, 64, device="cuda").half()
+    v = torch.eye(N, 64, device="cuda").expand(1, 2, N, 64).contiguous().half()
+    keep = attncc.dropout_mask(77, 0, 1, 2, N, N, 0.1)
+    probs = kern(q, k, v, seed=77).cpu()
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    assert torch.equal(probs[..., causal] != 0, keep[..., causal])
