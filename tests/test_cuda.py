@@ -165,3 +165,18 @@ def test_cuda_target_without_a_gpu_is_a_clear_error() -> None:
         pytest.skip("this machine has a GPU; tests/test_gpu.py covers it")
     with pytest.raises(AttnccError, match="torch sees no CUDA device"):
         attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda")
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_gpu_library_builds_with_host_launch_code(tmp_path, monkeypatch) -> None:
+    """What target='cuda' builds on a GPU machine: kernels plus launchers, as a shared library."""
+    import subprocess
+
+    from attncc.runtime.build import build_library
+
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    stages = attncc.lower(ROOT / "examples" / "alibi.attn", "sm90")
+    plan = fused_node(stages[-1].graph)[1].tiling.for_head_dim(64)
+    library = build_library(generate_cuda(stages[-1].graph, "bfloat16", plan, "sm90"), "alibi-gpu", cuda_arch="sm90")
+    symbols = subprocess.run(["nm", "-D", str(library)], capture_output=True, text=True).stdout
+    assert " T attncc_forward" in symbols and " T attncc_backward" in symbols

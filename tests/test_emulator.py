@@ -1,7 +1,7 @@
 """The CUDA emulator and the device primitives, one by one, against host references.
 
-Each test kernel is CUDA text compiled with ATTNCC_EMULATE; the same primitives header is
-what nvcc compiles for a GPU.
+Each test kernel is CUDA text compiled with ATTNCC_EMULATE. The primitive probes come from
+bench/probe_primitives.cu, the same text bench/probe_primitives.py runs and diffs on a GPU.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from attncc.runtime.build import build_library, load_library
+from tests.conftest import ROOT
 
 HARNESS = r"""
 #define ATTNCC_EMULATE 1
 #include <string>
-#include "attncc/cuda/primitives.cuh"
+#include "probe_primitives.cu"
 using namespace attncc;
 
 static std::string error_text;
@@ -26,44 +27,10 @@ template <typename F> int run(int schedule, F launch) {
 }
 extern "C" const char* last_error() { return error_text.c_str(); }
 
-// A (16x16) and B^T (8x16) row-major halves -> C (16x8) fp32 through ldmatrix + mma.
-template <typename T>
-__global__ void mma_kernel(const T* a, const T* bt, float* c) {
-  T* sa = shared_memory<T>();
-  T* sb = sa + 16 * 16;
-  for (int e = thread_id(); e < 16 * 16; e += 32) sa[e] = a[e];
-  for (int e = thread_id(); e < 8 * 16; e += 32) sb[e] = bt[e];
-  block_sync();
-  const int lane = lane_id();
-  uint32_t af[4], bf[4];
-  ldmatrix_x4<false>(af, sa + ((lane & 7) + ((lane >> 3) & 1) * 8) * 16 + (lane >> 4) * 8);
-  // B^T rows are keys: matrices 0, 1 = columns 0-7 / 8-15 of the 8 rows (2, 3 repeat them)
-  ldmatrix_x4<false>(bf, sb + (lane & 7) * 16 + ((lane >> 3) & 1) * 8);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  mma_m16n8k16<T>(acc, af, bf);
-  const int g = lane >> 2, t = lane & 3;
-  for (int i = 0; i < 4; ++i) c[(g + 8 * (i >> 1)) * 8 + 2 * t + (i & 1)] = acc[i];
-}
-extern "C" int mma_f16(const f16* a, const f16* bt, float* c, int s) { return run(s, [&] { ATTNCC_LAUNCH(mma_kernel<f16>, dim3(1), dim3(32), 16 * 24 * 2, nullptr, a, bt, c); }); }
-extern "C" int mma_bf16(const bf16* a, const bf16* bt, float* c, int s) { return run(s, [&] { ATTNCC_LAUNCH(mma_kernel<bf16>, dim3(1), dim3(32), 16 * 24 * 2, nullptr, a, bt, c); }); }
-
-// ldmatrix .trans of a 16x16 matrix: register m of lane l = elements [2(l%4)][l/4], [2(l%4)+1][l/4] of matrix m.
-__global__ void ldmatrix_trans_kernel(const f16* src, uint32_t* out) {
-  f16* sm = shared_memory<f16>();
-  for (int e = thread_id(); e < 256; e += 32) sm[e] = src[e];
-  block_sync();
-  const int lane = lane_id();
-  uint32_t r[4];
-  ldmatrix_x4<true>(r, sm + ((lane & 7) + ((lane >> 3) & 1) * 8) * 16 + (lane >> 4) * 8);
-  for (int m = 0; m < 4; ++m) out[lane * 4 + m] = r[m];
-}
-extern "C" int ldmatrix_trans(const f16* src, uint32_t* out, int s) { return run(s, [&] { ATTNCC_LAUNCH(ldmatrix_trans_kernel, dim3(1), dim3(32), 512, nullptr, src, out); }); }
-
-__global__ void shuffle_kernel(const float* in, float* out) {
-  const int lane = lane_id();
-  for (int k = 0; k < 5; ++k) out[k * 32 + lane] = shfl_xor(in[lane], 1 << k);
-}
-extern "C" int shuffles(const float* in, float* out, int s) { return run(s, [&] { ATTNCC_LAUNCH(shuffle_kernel, dim3(1), dim3(32), 0, nullptr, in, out); }); }
+extern "C" int mma_f16(const void* a, const void* bt, float* c, int s) { return run(s, [&] { probe_mma_f16(a, bt, c); }); }
+extern "C" int mma_bf16(const void* a, const void* bt, float* c, int s) { return run(s, [&] { probe_mma_bf16(a, bt, c); }); }
+extern "C" int ldmatrix_trans(const void* src, uint32_t* out, int s) { return run(s, [&] { probe_ldmatrix(src, out, 1); }); }
+extern "C" int shuffles(const float* in, float* out, int s) { return run(s, [&] { probe_shuffles(in, out); }); }
 
 // Thread 0 of each warp writes its warp's slot; lane 5 of the next warp reads it. With the
 // barrier the result is deterministic; without it, it depends on the schedule.
@@ -123,7 +90,8 @@ extern "C" int async_copy(const f16* src, float* out, int wait, int s) {
 
 @pytest.fixture(scope="module")
 def emu() -> ctypes.CDLL:
-    lib = load_library(build_library(HARNESS, "emulator-test"))
+    probe = (ROOT / "bench" / "probe_primitives.cu").read_text()
+    lib = load_library(build_library(HARNESS, "emulator-test", {"probe_primitives.cu": probe}))
     lib.last_error.restype = ctypes.c_char_p
     return lib
 

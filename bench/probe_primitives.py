@@ -1,0 +1,87 @@
+"""Diff the device primitives between a real GPU and attncc's CUDA emulator, bit for bit.
+
+Runs bench/probe_primitives.cu (mma m16n8k16 in fp16 and bf16, ldmatrix with and without
+.trans, shuffles) on random inputs twice: built by nvcc for the current GPU and built for the
+host emulator. Prints and optionally saves (JSON, with the device name) every mismatch.
+
+    python bench/probe_primitives.py --json bench/results/probe-<device>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from attncc.runtime.build import build_library, load_library  # noqa: E402
+from attncc.runtime.gpu import device_target  # noqa: E402
+
+PROBE = (ROOT / "bench" / "probe_primitives.cu").read_text()
+EMULATED = '#define ATTNCC_EMULATE 1\n#include "probe_primitives.cu"\n'
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def run_case(lib: ctypes.CDLL, case: str, inputs: list[torch.Tensor], device: str) -> torch.Tensor:
+    args = [t.to(device) for t in inputs]
+    if case.startswith("mma"):
+        out = torch.zeros(16, 8, device=device)
+        getattr(lib, f"probe_{case}")(ptr(args[0]), ptr(args[1]), ptr(out))
+    elif case.startswith("ldmatrix"):
+        out = torch.zeros(32, 4, dtype=torch.int32, device=device)
+        lib.probe_ldmatrix(ptr(args[0]), ptr(out), int(case.endswith("trans")))
+    else:
+        out = torch.zeros(5, 32, device=device)
+        lib.probe_shuffles(ptr(args[0]), ptr(out))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out.cpu()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=200)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    arch = device_target()
+    gpu = load_library(build_library(PROBE, f"probe-{arch}", cuda_arch=arch))
+    emu = load_library(build_library(EMULATED, "probe-emulated", {"probe_primitives.cu": PROBE}))
+    gen = torch.Generator().manual_seed(0)
+    report: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cases": {},
+    }
+    for case in ("mma_f16", "mma_bf16", "ldmatrix", "ldmatrix_trans", "shuffles"):
+        mismatches, worst = 0, 0.0
+        for _ in range(args.trials):
+            if case.startswith("mma"):
+                dtype = torch.float16 if case == "mma_f16" else torch.bfloat16
+                inputs = [torch.randn(16, 16, generator=gen).to(dtype), torch.randn(8, 16, generator=gen).to(dtype)]
+            elif case.startswith("ldmatrix"):
+                inputs = [torch.randn(16, 16, generator=gen).half()]
+            else:
+                inputs = [torch.randn(32, generator=gen)]
+            a, b = run_case(gpu, case, inputs, "cuda"), run_case(emu, case, inputs, "cpu")
+            if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                mismatches += 1
+                worst = max(worst, (a.double() - b.double()).abs().max().item())
+        report["cases"][case] = {"trials": args.trials, "bit_mismatches": mismatches, "max_abs_diff": worst}
+        print(f"{case:16s} {args.trials} trials: {mismatches} bit mismatches (max |diff| {worst:.3g})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
