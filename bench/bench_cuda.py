@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,6 +37,12 @@ def median_ms(fn, repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def step(fn, backward: bool) -> None:
+    out = fn()
+    if backward:
+        out.backward(torch.ones_like(out))
 
 
 def flops(B: int, H: int, N: int, D: int, causal: bool, backward: bool) -> float:
@@ -69,21 +76,15 @@ def main() -> None:
                 kern = kernels[causal]
                 block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, N, N) if causal else None
                 for backward in (False, True):
-
-                    def run(fn):
-                        def go():
-                            out = fn()
-                            if backward:
-                                out.backward(torch.ones_like(out))
-
-                        return go
-
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         sdpa = median_ms(
-                            run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), args.repeats
+                            partial(step, partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal), backward),
+                            args.repeats,
                         )
-                    ours = median_ms(run(lambda: kern(q, k, v)), args.repeats)
-                    flex_ms = median_ms(run(lambda: flex(q, k, v, block_mask=block_mask)), args.repeats)
+                    ours = median_ms(partial(step, partial(kern, q, k, v), backward), args.repeats)
+                    flex_ms = median_ms(
+                        partial(step, partial(flex, q, k, v, block_mask=block_mask), backward), args.repeats
+                    )
                     tflops = flops(B, H, N, D, causal, backward) / ours / 1e9
                     row = {
                         "D": D,
