@@ -52,6 +52,11 @@ def test_every_example_compiles_for_sm80_and_sm90_without_spills() -> None:
         target = GPUS[arch]
         assert report.registers <= target.max_registers_per_thread, where
         assert report.registers * plan.threads <= target.registers_per_sm, where  # >= 1 block per SM
+        assert [k.name for k in report.kernels] == [
+            "attention_backward_dq",
+            "attention_backward",
+            "attention_forward",
+        ], where
         for instruction in (
             "mma.sync.aligned.m16n8k16.row.col.f32",
             "ldmatrix.sync.aligned.m8n8.x4.shared.b16",

@@ -30,6 +30,9 @@ class EmulatedKernel(Kernel):
     """Forward and backward CUDA kernels run on the host emulator (CPU tensors)."""
 
     schedule = "lockstep"
+    #: dQ by a second kernel instead of fp32 atomics, so gradients are bit-reproducible on a GPU
+    #: (gradients of learnable inputs still use atomics).
+    deterministic = False
 
     def cuda_source(self, dtype: str, head_dim: int) -> str:
         assert self.op.tiling is not None
@@ -84,12 +87,15 @@ class EmulatedKernel(Kernel):
             }
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             dtype = str(storage).replace("torch.", "")
-            self._run(
-                "attncc_emulated_backward", dtype, plan, call, ptrs, dropout, seed, ctypes.c_void_p(dq_accum.data_ptr())
-            )
+            dq_out = torch.empty(q.shape, dtype=storage, device=q.device)
+            if self.deterministic:  # dQ from its own kernel, no atomics
+                ptrs["dq"] = dq_out
+            accum = None if self.deterministic else ctypes.c_void_p(dq_accum.data_ptr())
+            self._run("attncc_emulated_backward", dtype, plan, call, ptrs, dropout, seed, accum)
+            dq = dq_out.to(q.dtype) if self.deterministic else (dq_accum * plan.scale).to(q.dtype)
         else:
             dk.zero_(), dv.zero_()
-        dq = (dq_accum * plan.scale).to(q.dtype)
+            dq = dq_accum.to(q.dtype)
         grad_list = [
             grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)
         ]

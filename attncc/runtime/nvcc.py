@@ -121,7 +121,10 @@ def parse_ptxas(report: str, arch: str, ptx: str = "") -> PtxasReport:
         spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", section)
         if not (name and registers and spills):
             raise BuildError(f"unexpected ptxas report:\n{report[-2000:]}")
-        short = next((k for k in ("attention_forward", "attention_backward") if k in name.group(1)), name.group(1))
+        short = next(
+            (k for k in ("attention_forward", "attention_backward_dq", "attention_backward") if k in name.group(1)),
+            name.group(1),
+        )
         kernels.append(
             KernelResources(
                 short, int(registers.group(1)), int(spills.group(2)), int(spills.group(3)), int(spills.group(1))
