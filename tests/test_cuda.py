@@ -109,7 +109,7 @@ def test_emulated_head_dims_and_edges(shape: Shape) -> None:
         assert result.ok, result.describe()
 
 
-@pytest.mark.parametrize("name", ["causal", "relative_bias", "document", "gpt2"])
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_emulator_schedules_give_identical_bits(name: str) -> None:
     kern = emulated(name)
     q, k, v, runtime = make_inputs(kern, adapt(Shape(1, 2, 1, 90, 90, 64), kern), torch.bfloat16)
@@ -185,3 +185,48 @@ def test_gpu_library_builds_with_host_launch_code(tmp_path, monkeypatch) -> None
     library = build_library(generate_cuda(stages[-1].graph, "bfloat16", plan, "sm90"), "alibi-gpu", cuda_arch="sm90")
     symbols = subprocess.run(["nm", "-D", str(library)], capture_output=True, text=True).stdout
     assert " T attncc_forward" in symbols and " T attncc_backward" in symbols
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_cli_writes_self_contained_cuda_sources(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "attncc.cli",
+            "compile",
+            "examples/document.attn",
+            "--target",
+            "sm90",
+            "-o",
+            str(tmp_path),
+            "--head-dim",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tensor cores: yes" in proc.stdout and "0/0 B spill" in proc.stdout
+    source = tmp_path / "document_sm90_bfloat16_d64.cu"
+    result = subprocess.run(
+        [
+            find_nvcc(),
+            "-arch=sm_90",
+            "-std=c++17",
+            "-c",
+            "-I",
+            attncc.include_dir(),
+            str(source),
+            "-o",
+            str(tmp_path / "k.o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr

@@ -88,10 +88,12 @@ extern "C" int async_copy(const f16* src, float* out, int wait, int s) {
 """
 
 
-@pytest.fixture(scope="module")
-def emu() -> ctypes.CDLL:
+@pytest.fixture(scope="module", params=["asm", "ucontext"])
+def emu(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    """The harness on both context switches: x86-64 assembly and the portable ucontext."""
     probe = (ROOT / "bench" / "probe_primitives.cu").read_text()
-    lib = load_library(build_library(HARNESS, "emulator-test", {"probe_primitives.cu": probe}))
+    source = ("#define ATTNCC_EMULATE_UCONTEXT 1\n" if request.param == "ucontext" else "") + HARNESS
+    lib = load_library(build_library(source, f"emulator-test-{request.param}", {"probe_primitives.cu": probe}))
     lib.last_error.restype = ctypes.c_char_p
     return lib
 

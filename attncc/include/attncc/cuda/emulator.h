@@ -26,7 +26,10 @@
 #include <string>
 #include <vector>
 
-#if !defined(__x86_64__)
+// x86-64 uses a hand-written context switch; elsewhere (or with ATTNCC_EMULATE_UCONTEXT) ucontext.
+#if defined(__x86_64__) && !defined(ATTNCC_EMULATE_UCONTEXT)
+#define ATTNCC_EMU_ASM_SWITCH 1
+#else
 #include <ucontext.h>
 #endif
 
@@ -91,7 +94,7 @@ struct BlockState {
 inline thread_local BlockState* tls_block = nullptr;
 
 // ------------------------------------------------------------------------ context switch
-#if defined(__x86_64__)
+#if defined(ATTNCC_EMU_ASM_SWITCH)
 extern "C" void attncc_emu_switch(void** save_sp, void* load_sp);
 asm(R"(
 .text
@@ -121,7 +124,7 @@ attncc_emu_switch:
 
 inline void fiber_main();
 
-#if defined(__x86_64__)
+#if defined(ATTNCC_EMU_ASM_SWITCH)
 extern "C" inline void attncc_emu_entry() {
   fiber_main();
   __builtin_unreachable();
@@ -138,7 +141,26 @@ inline void prepare_stack(Fiber& f) {
 }
 inline void switch_to(void** save, void* load) { attncc_emu_switch(save, load); }
 #else
-#error "the attncc emulator needs x86-64 (add a ucontext switch for this architecture)"
+// Portable fallback: ucontext (slower: every switch saves the signal mask with a syscall).
+// A fiber's `sp` points at its ucontext_t, kept at the top of its stack.
+extern "C" inline void attncc_emu_entry() { fiber_main(); }
+
+inline void prepare_stack(Fiber& f) {
+  auto* ctx = reinterpret_cast<ucontext_t*>(f.stack + kStackBytes - sizeof(ucontext_t) - 64);
+  getcontext(ctx);
+  ctx->uc_stack.ss_sp = f.stack;
+  ctx->uc_stack.ss_size = kStackBytes - sizeof(ucontext_t) - 128;
+  ctx->uc_link = nullptr;
+  makecontext(ctx, reinterpret_cast<void (*)()>(&attncc_emu_entry), 0);
+  f.sp = ctx;
+}
+inline thread_local ucontext_t scheduler_context;
+inline void switch_to(void** save, void* load) {
+  // the scheduler saves into its own context; fibers save into the ucontext at their `sp`
+  ucontext_t* from = *save ? static_cast<ucontext_t*>(*save) : &scheduler_context;
+  *save = from;
+  swapcontext(from, static_cast<ucontext_t*>(load));
+}
 #endif
 
 inline void yield_to_scheduler() {
