@@ -377,6 +377,9 @@ class Problem:
     M: int
     D: int
 
+    def __str__(self) -> str:
+        return f"B={self.B} H={self.H} Hkv={self.Hkv} N={self.N} M={self.M} D={self.D}"
+
     def size_env(self) -> dict[str, Interval]:
         return {name: _point(float(getattr(self, name))) for name in ex.SIZE_VARS}
 

@@ -3,25 +3,14 @@ tests feed every program, including runtime inputs chosen to produce fully maske
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from attncc.ir.ops import Layout
+from attncc.passes.sparsity import Problem
 from attncc.runtime.kernel import Kernel
 
-
-@dataclass(frozen=True)
-class Shape:
-    B: int
-    H: int
-    Hkv: int
-    N: int
-    M: int
-    D: int
-
-    def __str__(self) -> str:
-        return f"B={self.B} H={self.H} Hkv={self.Hkv} N={self.N} M={self.M} D={self.D}"
+#: A problem's sizes B, H, Hkv, N, M, D (the same record the sparsity analysis uses).
+Shape = Problem
 
 
 #: Shapes that break naive tilings: N = 1, N and M not multiples of any tile, odd head dims,
