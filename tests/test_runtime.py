@@ -202,6 +202,9 @@ extern "C" void to_bf16(const float* x, uint16_t* y, int n) { for (int i = 0; i 
 extern "C" void to_fp16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_fp16(x[i]).bits; }
 extern "C" void from_fp16(const uint16_t* x, float* y, int n) { for (int i = 0; i < n; ++i) y[i] = to_acc_float(fp16_t{x[i]}); }
 extern "C" void vector_exp(const float* x, float* y, int n) { for (int i = 0; i < n; i += VL) vstore(y + i, vexp(vload(x + i))); }
+extern "C" void scalar_math(const float* x, float* e, float* th, int n) {
+  for (int i = 0; i < n; ++i) { e[i] = math_exp(x[i]); th[i] = math_tanh(x[i]); }
+}
 extern "C" void matmul(float* c, const float* a, const float* b, int r, int n, int k) { gemm<false>(c, n, a, k, b, n, r, n, k); }
 extern "C" void philox(const uint32_t* ctr, uint32_t k0, uint32_t k1, uint32_t* out) {
   Philox4 p = philox4x32_10(ctr[0], ctr[1], ctr[2], ctr[3], k0, k1);
@@ -245,6 +248,19 @@ def test_vector_exp_accuracy(harness) -> None:
     rel = ((y.double() - ref).abs() / ref.clamp_min(1e-300))[ref > 1e-37]
     assert rel.max() < 3e-7
     assert torch.equal(y[ref == 0], torch.zeros_like(y[ref == 0]))
+
+
+def test_scalar_exp_and_tanh_accuracy(harness) -> None:
+    """The call-free exp/tanh used by generated score maps (so their loops vectorise)."""
+    x = torch.cat([torch.linspace(-100, 80, 20001), torch.linspace(-0.2, 0.2, 4001), torch.tensor([0.0, -0.0, 1e-30])])
+    e, th = torch.empty_like(x), torch.empty_like(x)
+    harness.scalar_math(ptr(x), ptr(e), ptr(th), x.numel())
+    ref_e, ref_th = torch.exp(x.double()), torch.tanh(x.double())
+    normal = ref_e > 1.2e-38
+    assert ((e.double() - ref_e).abs() / ref_e)[normal].max() < 3e-7
+    assert torch.equal(e[ref_e < 1e-38], torch.zeros_like(e[ref_e < 1e-38]))
+    assert (th.double() - ref_th).abs().max() < 3e-7
+    assert ((th.double() - ref_th).abs() / ref_th.abs().clamp_min(1e-30))[x.abs() > 1e-6].max() < 1e-6
 
 
 def test_gemm_matches_matmul(harness) -> None:

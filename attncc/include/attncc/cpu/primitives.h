@@ -95,9 +95,40 @@ template <typename T> inline T min_of(T a, T b) { return a < b ? a : b; }
 template <typename T> inline T max_of(T a, T b) { return a < b ? b : a; }
 inline int64_t math_abs(int64_t x) { return x < 0 ? -x : x; }
 inline acc_t math_abs(acc_t x) { return std::abs(x); }
-inline acc_t math_exp(acc_t x) { return std::exp(x); }
+// Branch-free, call-free float exp (the polynomial of `vexp`, one lane) so that loops over
+// score maps vectorise; relative error < 2e-7, 0 below the underflow threshold.
+inline float exp_poly(float x) {
+  const float xc = std::min(std::max(x, -87.3365f), 88.7228f);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += int32_t(n) << 23;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return x < -87.3365f ? 0.0f : r;
+}
+// tanh from exp_poly: tanh|x| = (1 - e) / (1 + e), e = exp(-2|x|), with the odd Taylor series
+// near 0 where 1 - e cancels; |error| < 2e-7.
+inline float tanh_poly(float x) {
+  const float a = std::abs(x), e = exp_poly(-2.0f * a);
+  const float x2 = x * x;
+  const float small = x * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f))));
+  const float large = std::copysign((1.0f - e) / (1.0f + e), x);
+  return a < 0.125f ? small : large;
+}
+inline float math_exp(float x) { return exp_poly(x); }
+inline double math_exp(double x) { return std::exp(x); }
 inline acc_t math_log(acc_t x) { return std::log(x); }
-inline acc_t math_tanh(acc_t x) { return std::tanh(x); }
+inline float math_tanh(float x) { return tanh_poly(x); }
+inline double math_tanh(double x) { return std::tanh(x); }
 inline acc_t math_sqrt(acc_t x) { return std::sqrt(x); }
 inline double pymod(double a, double b) { double r = std::fmod(a, b); return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
 
