@@ -16,6 +16,7 @@
 #include <limits>
 #include <memory>
 
+#include "attncc/halfbits.h"
 #include "attncc/philox.h"
 
 namespace attncc {
@@ -30,45 +31,10 @@ typedef acc_t vec_t __attribute__((vector_size(64)));
 constexpr int VL = 64 / sizeof(acc_t);  // lanes per vector
 constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
 
-inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-
-inline float to_acc_float(bf16_t x) { return bits_to_float(uint32_t(x.bits) << 16); }
-
-inline float to_acc_float(fp16_t x) {
-  const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
-  uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
-  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));  // inf/nan
-  if (exponent == 0) {
-    if (mantissa == 0) return bits_to_float(sign);
-    // subnormal: value = mantissa * 2^-24
-    float value = float(mantissa) * 5.9604644775390625e-08f;
-    return sign ? -value : value;
-  }
-  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
-}
-
-// Round to nearest even, as torch does.
-inline bf16_t from_float_bf16(float f) {
-  uint32_t u = float_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{uint16_t((u >> 16) | 0x40)};  // quiet nan
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return bf16_t{uint16_t(u >> 16)};
-}
-
-inline fp16_t from_float_fp16(float f) {
-  uint32_t u = float_to_bits(f);
-  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
-  u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return fp16_t{uint16_t(sign | 0x7e00u)};
-  if (u >= 0x477ff000u) return fp16_t{uint16_t(sign | 0x7c00u)};  // rounds to >= 65520: inf
-  if (u < 0x38800000u) {  // below the smallest normal: round in the subnormal grid
-    const float scaled = bits_to_float(u) * 16777216.0f;  // exact: times 2^24
-    return fp16_t{uint16_t(sign | uint16_t(std::nearbyint(scaled)))};
-  }
-  const uint32_t rounded = u + 0xfffu + ((u >> 13) & 1u);
-  return fp16_t{uint16_t(sign | ((rounded - 0x38000000u) >> 13))};
-}
+inline float to_acc_float(bf16_t x) { return bf16_bits_to_float(x.bits); }
+inline float to_acc_float(fp16_t x) { return fp16_bits_to_float(x.bits); }
+inline bf16_t from_float_bf16(float f) { return bf16_t{float_to_bf16_bits(f)}; }
+inline fp16_t from_float_fp16(float f) { return fp16_t{float_to_fp16_bits(f)}; }
 
 inline acc_t to_acc(float x) { return x; }
 inline acc_t to_acc(double x) { return acc_t(x); }

@@ -13,6 +13,7 @@
 #if defined(ATTNCC_EMULATE)
 #include <cmath>
 #include "attncc/cuda/emulator.h"
+#include "attncc/halfbits.h"
 #define __global__
 #define __device__
 #define __host__
@@ -38,39 +39,13 @@ namespace attncc {
 struct f16 { uint16_t bits; };
 struct bf16 { uint16_t bits; };
 
-inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-
-inline float to_float(bf16 x) { return bits_to_float(uint32_t(x.bits) << 16); }
-inline float to_float(f16 x) {
-  const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
-  const uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
-  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
-  if (exponent == 0) {
-    const float value = float(mantissa) * 5.9604644775390625e-08f;
-    return sign ? -value : value;
-  }
-  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
-}
+inline float to_float(bf16 x) { return bf16_bits_to_float(x.bits); }
+inline float to_float(f16 x) { return fp16_bits_to_float(x.bits); }
 inline float to_float(float x) { return x; }
 
 template <typename T> inline T from_float(float f);
-template <> inline bf16 from_float<bf16>(float f) {  // round to nearest even
-  uint32_t u = float_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40)};
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return bf16{uint16_t(u >> 16)};
-}
-template <> inline f16 from_float<f16>(float f) {
-  uint32_t u = float_to_bits(f);
-  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
-  u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return f16{uint16_t(sign | 0x7e00u)};
-  if (u >= 0x477ff000u) return f16{uint16_t(sign | 0x7c00u)};
-  if (u < 0x38800000u) return f16{uint16_t(sign | uint16_t(std::nearbyint(bits_to_float(u) * 16777216.0f)))};
-  const uint32_t rounded = u + 0xfffu + ((u >> 13) & 1u);
-  return f16{uint16_t(sign | ((rounded - 0x38000000u) >> 13))};
-}
+template <> inline bf16 from_float<bf16>(float f) { return bf16{float_to_bf16_bits(f)}; }
+template <> inline f16 from_float<f16>(float f) { return f16{float_to_fp16_bits(f)}; }
 template <> inline float from_float<float>(float f) { return f; }
 inline uint16_t bits_of(f16 x) { return x.bits; }
 inline uint16_t bits_of(bf16 x) { return x.bits; }
