@@ -300,3 +300,11 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     command = next(line for line in ci if line.startswith("pip install"))
     assert f"\n{command}\n" in readme
+
+
+def test_each_kernel_object_gets_its_own_op_dispatch_key() -> None:
+    a = attncc.compile(ROOT / "examples" / "causal.attn")
+    b = attncc.compile(ROOT / "examples" / "causal.attn")
+    assert a.key == b.key and a.call_key != b.call_key  # same build, separate objects
+    q = torch.randn(1, 1, 5, 16)
+    assert torch.equal(a(q, q, q), b(q, q, q))

@@ -63,7 +63,10 @@ class Kernel:
         self.key = f"{self.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
         self._libraries: dict[str, ctypes.CDLL] = {}
         self._lock = threading.Lock()
-        _REGISTRY[self.key] = self
+        # The op dispatches on this key; one per object, so per-object settings (an emulated
+        # kernel's schedule or deterministic mode) reach the right implementation.
+        self.call_key = f"{self.key}#{len(_REGISTRY)}"
+        _REGISTRY[self.call_key] = self
 
     # ------------------------------------------------------------------ public API
     def __repr__(self) -> str:
@@ -95,7 +98,7 @@ class Kernel:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
         scale_value = float(scale) if scale is not None else self.default_scale(q, k)
-        out, lse = torch.ops.attncc.attention(self.key, q, k, v, tensors, scalars, scale_value, dropout, seed)
+        out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale_value, dropout, seed)
         return (out, lse) if return_lse else out
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
