@@ -84,8 +84,8 @@ def analyse_sparsity(g: Graph) -> Graph:
     info = SparsityInfo(
         predicate=predicate,
         layout_grids=tuple(grids),
-        varies_with_batch="b" in used or any(_read_varies(r, "b", grids) for r in _reads(predicate)),
-        varies_with_head="h" in used or any(_read_varies(r, "h", grids) for r in _reads(predicate)),
+        varies_with_batch="b" in used or any(_read_varies(r, "b") for r in _reads(predicate)),
+        varies_with_head="h" in used or any(_read_varies(r, "h") for r in _reads(predicate)),
         runtime_inputs=tuple(n for n in names if not n.startswith("__layout")),
     )
     g.nodes[node]["op"] = replace(op, mask=predicate, sparsity=info)
@@ -96,7 +96,7 @@ def _reads(e: ex.Expr | None) -> list[ex.Read]:
     return ex.reads(e) if e is not None else []
 
 
-def _read_varies(r: ex.Read, var: str, grids: list[tuple[str, Layout]]) -> bool:
+def _read_varies(r: ex.Read, var: str) -> bool:
     return any(var in ex.free_vars(i) for i in r.index)
 
 
@@ -227,8 +227,6 @@ def _compare(op: str, a: Interval, b: Interval) -> Truth:
 
 
 _MONOTONE = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}
-
-ReadFn = "Callable[[ex.Read, list[Interval]], Interval]"
 
 
 class IntervalEvaluator:

@@ -61,26 +61,39 @@ template <typename T> inline T min_of(T a, T b) { return a < b ? a : b; }
 template <typename T> inline T max_of(T a, T b) { return a < b ? b : a; }
 inline int64_t math_abs(int64_t x) { return x < 0 ? -x : x; }
 inline acc_t math_abs(acc_t x) { return std::abs(x); }
-// Branch-free, call-free float exp (the polynomial of `vexp`, one lane) so that loops over
-// score maps vectorise; relative error < 2e-7, 0 below the underflow threshold.
-inline float exp_poly(float x) {
-  const float xc = std::min(std::max(x, -87.3365f), 88.7228f);
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp for a float or a vector of floats: Cody-Waite range reduction and a degree-6 polynomial
+// for 2^f (relative error < 2e-7), exactly 0 below the underflow threshold (so for -inf).
+// Branch- and call-free, so scalar loops over score maps vectorise too.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef double v8d __attribute__((vector_size(64)));
+inline int32_t to_int_lanes(float n) { return int32_t(n); }
+inline v16i to_int_lanes(v16f n) { return __builtin_convertvector(n, v16i); }
+
+template <typename F>
+inline F exp_cody_waite(F x) {
+  const F lo = F{} - 87.3365f, hi = F{} + 88.7228f;
+  const auto underflow = x < lo;
+  F xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const F n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round (1.5 * 2^23 trick)
+  const F f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;            // x - n ln2 in two parts
+  F p = F{} + 1.9875691500e-4f;
   p = p * f + 1.3981999507e-3f;
   p = p * f + 8.3334519073e-3f;
   p = p * f + 4.1665795894e-2f;
   p = p * f + 1.6666665459e-1f;
   p = p * f + 5.0000001201e-1f;
   p = p * f * f + f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += int32_t(n) << 23;
-  float r;
-  std::memcpy(&r, &bits, 4);
-  return x < -87.3365f ? 0.0f : r;
+  decltype(to_int_lanes(n)) bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += to_int_lanes(n) << 23;  // times 2^n
+  F r;
+  std::memcpy(&r, &bits, sizeof r);
+  return underflow ? F{} : r;
 }
+inline float exp_poly(float x) { return exp_cody_waite(x); }
+
 // tanh from exp_poly: tanh|x| = (1 - e) / (1 + e), e = exp(-2|x|), with the odd Taylor series
 // near 0 where 1 - e cancels; |error| < 2e-7.
 inline float tanh_poly(float x) {
@@ -195,34 +208,7 @@ inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, in
   }
 }
 
-// exp over a vector: Cody-Waite range reduction and a degree-6 polynomial for 2^f (relative
-// error < 2e-7 in float); exact 0 for -inf and for inputs below the underflow threshold.
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef double v8d __attribute__((vector_size(64)));
-
-inline v16f vexp_impl(v16f x) {
-  const v16f lo = v16f{} - 87.3365f, hi = v16f{} + 88.7228f;
-  const v16i underflow = x < lo;
-  v16f xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  const v16f t = xc * 1.44269504088896341f;
-  const v16f n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
-  const v16f f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2 in two parts
-  v16f p = v16f{} + 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.0f;
-  v16i bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += __builtin_convertvector(n, v16i) << 23;  // times 2^n
-  v16f r;
-  std::memcpy(&r, &bits, sizeof r);
-  return underflow ? v16f{} : r;
-}
+inline v16f vexp_impl(v16f x) { return exp_cody_waite(x); }
 
 inline v8d vexp_impl(v8d x) {  // double builds (gradcheck): exact libm exp per lane
   v8d r;
