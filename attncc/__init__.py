@@ -51,7 +51,7 @@ def compile(
     """Compile a DSL program (a .attn path or its text) into a callable kernel.
 
     target "cpu" builds C++ kernels; "cuda" builds the CUDA kernels with nvcc for the current
-    GPU; a GPU target (sm80, sm86, sm90) with emulate=True runs the generated CUDA kernels on
+    GPU; a GPU target (sm75, sm80, sm86, sm90) with emulate=True runs the generated CUDA kernels on
     the host CUDA emulator (CPU tensors). The library for each
     input dtype is generated, built and cached on first call.
     """
@@ -63,8 +63,6 @@ def compile(
     kind = get_target(target).kind
     if kind == "cpu":
         return Kernel(lower(path_or_source, target, tiles), target)
-    if target == "sm75":
-        raise AttnccError("target sm75: the CUDA kernels use mma.m16n8k16 and cp.async, which need sm80 or newer")
     if not emulate:
         raise AttnccError(
             f"target `{target}`: use target='cuda' to run on this machine's GPU, emulate=True to run the "

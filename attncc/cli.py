@@ -77,13 +77,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _compile_cuda(args: argparse.Namespace, stages: list) -> int:
     """Emit the CUDA forward kernel per (dtype, head dim), compile it with nvcc, print ptxas."""
-    from attncc.codegen.cuda import CUDA_STORAGE_TYPES, generate_cuda
+    from attncc.codegen.cuda import generate_cuda, storage_dtypes
     from attncc.runtime.nvcc import compile_cuda
 
-    if args.target == "sm75":
-        raise AttnccError("target sm75: the CUDA kernels use mma.m16n8k16 and cp.async, which need sm80 or newer")
     op = _fused(stages)
-    dtypes = [d for d in args.dtype if d in CUDA_STORAGE_TYPES] or ["bfloat16"]
+    dtypes = [d for d in args.dtype if d in storage_dtypes(args.target)] or [storage_dtypes(args.target)[0]]
     out_dir = Path(args.output) if args.output else None
     for dtype in dtypes:
         for head_dim in args.head_dim:
@@ -94,7 +92,7 @@ def _compile_cuda(args: argparse.Namespace, stages: list) -> int:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 (out_dir / name).write_text(source)
             report = compile_cuda(source, args.target)
-            tensor_cores = "mma.sync.aligned.m16n8k16" in report.ptx
+            tensor_cores = "mma.sync.aligned.m16n8k" in report.ptx
             print(f"  nvcc    {name}: {report.describe()}; tensor cores: {'yes' if tensor_cores else 'NO'}")
     if out_dir:
         print(f"  sources written to {out_dir}/ (compile with nvcc -I {attncc.include_dir()})")
@@ -148,9 +146,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         )
     kern = attncc.compile(args.file, args.target, emulate=args.emulate)
     shapes = [args.shape] if args.shape_given else AWKWARD_SHAPES
-    dtypes = (
-        args.dtype if args.target == "cpu" else [d for d in args.dtype if d in ("float16", "bfloat16")] or ["float16"]
-    )
+    if args.target == "cpu":
+        dtypes = args.dtype
+    else:
+        from attncc.codegen.cuda import storage_dtypes
+
+        dtypes = [d for d in args.dtype if d in storage_dtypes(args.target)] or ["float16"]
     backward = not args.forward_only
     failures = 0
     for shape in shapes:

@@ -1,7 +1,8 @@
 // Probe kernels for the device primitives (attncc/cuda/primitives.cuh). The same text runs on
 // a GPU (nvcc) and on the host emulator (ATTNCC_EMULATE); bench/probe_primitives.py diffs the
 // two bit for bit, and tests/test_emulator.py checks the emulator against host references.
-// Launchers take device pointers on a GPU and host pointers on the emulator.
+// Launchers take device pointers on a GPU and host pointers on the emulator. Define ATTNCC_ARCH
+// (75, 80, 86, 90) before including this file to probe that architecture's instruction choice.
 #include "attncc/cuda/primitives.cuh"
 
 namespace probe {
@@ -45,16 +46,23 @@ __global__ void shuffle_kernel(const float* in, float* out) {
 }
 }  // namespace probe
 
-extern "C" void probe_mma_f16(const void* a, const void* bt, float* c) {
+// Launchers return 0, or 4 when the CUDA runtime refuses the launch (ATTNCC_LAUNCH returns it).
+extern "C" int probe_mma_f16(const void* a, const void* bt, float* c) {
   ATTNCC_LAUNCH(probe::mma_kernel<attncc::f16>, dim3(1), dim3(32), 16 * 24 * 2, nullptr, static_cast<const attncc::f16*>(a), static_cast<const attncc::f16*>(bt), c);
+  return 0;
 }
-extern "C" void probe_mma_bf16(const void* a, const void* bt, float* c) {
+#if ATTNCC_ARCH >= 80  // bf16 tensor cores start with sm_80
+extern "C" int probe_mma_bf16(const void* a, const void* bt, float* c) {
   ATTNCC_LAUNCH(probe::mma_kernel<attncc::bf16>, dim3(1), dim3(32), 16 * 24 * 2, nullptr, static_cast<const attncc::bf16*>(a), static_cast<const attncc::bf16*>(bt), c);
+  return 0;
 }
-extern "C" void probe_ldmatrix(const void* src, uint32_t* out, int trans) {
+#endif
+extern "C" int probe_ldmatrix(const void* src, uint32_t* out, int trans) {
   if (trans) ATTNCC_LAUNCH(probe::ldmatrix_kernel<true>, dim3(1), dim3(32), 512, nullptr, static_cast<const attncc::f16*>(src), out);
   else ATTNCC_LAUNCH(probe::ldmatrix_kernel<false>, dim3(1), dim3(32), 512, nullptr, static_cast<const attncc::f16*>(src), out);
+  return 0;
 }
-extern "C" void probe_shuffles(const float* in, float* out) {
+extern "C" int probe_shuffles(const float* in, float* out) {
   ATTNCC_LAUNCH(probe::shuffle_kernel, dim3(1), dim3(32), 0, nullptr, in, out);
+  return 0;
 }

@@ -1,8 +1,8 @@
 """Diff the device primitives between a real GPU and attncc's CUDA emulator, bit for bit.
 
-Runs bench/probe_primitives.cu (mma m16n8k16 in fp16 and bf16, ldmatrix with and without
-.trans, shuffles) on random inputs twice: built by nvcc for the current GPU and built for the
-host emulator. Prints and optionally saves (JSON, with the device name) every mismatch.
+Runs bench/probe_primitives.cu (mma m16n8k16 in fp16 and bf16 -- two m16n8k8 on sm75 --,
+ldmatrix with and without .trans, shuffles) on random inputs twice: built by nvcc for the
+current GPU and built for the host emulator with the same architecture's instruction choice. Prints and optionally saves (JSON, with the device name) every mismatch.
 
     python bench/probe_primitives.py --json bench/results/probe-<device>.json
 """
@@ -20,11 +20,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from attncc.codegen.cuda import arch_number, storage_dtypes  # noqa: E402
 from attncc.runtime.build import build_library, load_library  # noqa: E402
 from attncc.runtime.gpu import device_target  # noqa: E402
 
 PROBE = (ROOT / "bench" / "probe_primitives.cu").read_text()
-EMULATED = '#define ATTNCC_EMULATE 1\n#include "probe_primitives.cu"\n'
 
 
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:
@@ -35,13 +35,15 @@ def run_case(lib: ctypes.CDLL, case: str, inputs: list[torch.Tensor], device: st
     args = [t.to(device) for t in inputs]
     if case.startswith("mma"):
         out = torch.zeros(16, 8, device=device)
-        getattr(lib, f"probe_{case}")(ptr(args[0]), ptr(args[1]), ptr(out))
+        status = getattr(lib, f"probe_{case}")(ptr(args[0]), ptr(args[1]), ptr(out))
     elif case.startswith("ldmatrix"):
         out = torch.zeros(32, 4, dtype=torch.int32, device=device)
-        lib.probe_ldmatrix(ptr(args[0]), ptr(out), int(case.endswith("trans")))
+        status = lib.probe_ldmatrix(ptr(args[0]), ptr(out), int(case.endswith("trans")))
     else:
         out = torch.zeros(5, 32, device=device)
-        lib.probe_shuffles(ptr(args[0]), ptr(out))
+        status = lib.probe_shuffles(ptr(args[0]), ptr(out))
+    if status != 0:
+        raise RuntimeError(f"probe {case} on {device}: launch refused ({lib.attncc_cuda_error().decode()})")
     if device == "cuda":
         torch.cuda.synchronize()
     return out.cpu()
@@ -53,8 +55,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     arch = device_target()
-    gpu = load_library(build_library(PROBE, f"probe-{arch}", cuda_arch=arch))
-    emu = load_library(build_library(EMULATED, "probe-emulated", {"probe_primitives.cu": PROBE}))
+    source = f"#define ATTNCC_ARCH {arch_number(arch)}\n" + PROBE
+    gpu = load_library(build_library(source, f"probe-{arch}", cuda_arch=arch))
+    gpu.attncc_cuda_error.restype = ctypes.c_char_p
+    emulated = f'#define ATTNCC_EMULATE 1\n#define ATTNCC_ARCH {arch_number(arch)}\n#include "probe_primitives.cu"\n'
+    emu = load_library(build_library(emulated, f"probe-emulated-{arch}", {"probe_primitives.cu": PROBE}))
     gen = torch.Generator().manual_seed(0)
     report: dict = {
         "device": torch.cuda.get_device_name(),
@@ -62,7 +67,11 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "cases": {},
     }
-    for case in ("mma_f16", "mma_bf16", "ldmatrix", "ldmatrix_trans", "shuffles"):
+    cases = ["mma_f16", "mma_bf16", "ldmatrix", "ldmatrix_trans", "shuffles"]
+    if "bfloat16" not in storage_dtypes(arch):
+        cases.remove("mma_bf16")
+    report["arch"] = arch
+    for case in cases:
         mismatches, worst = 0, 0.0
         for _ in range(args.trials):
             if case.startswith("mma"):

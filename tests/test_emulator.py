@@ -28,7 +28,9 @@ template <typename F> int run(int schedule, F launch) {
 extern "C" const char* last_error() { return error_text.c_str(); }
 
 extern "C" int mma_f16(const void* a, const void* bt, float* c, int s) { return run(s, [&] { probe_mma_f16(a, bt, c); }); }
+#if ATTNCC_ARCH >= 80
 extern "C" int mma_bf16(const void* a, const void* bt, float* c, int s) { return run(s, [&] { probe_mma_bf16(a, bt, c); }); }
+#endif
 extern "C" int ldmatrix_trans(const void* src, uint32_t* out, int s) { return run(s, [&] { probe_ldmatrix(src, out, 1); }); }
 extern "C" int shuffles(const float* in, float* out, int s) { return run(s, [&] { probe_shuffles(in, out); }); }
 
@@ -98,6 +100,17 @@ def emu(request: pytest.FixtureRequest) -> ctypes.CDLL:
     return lib
 
 
+@pytest.fixture(scope="module")
+def turing() -> ctypes.CDLL:
+    """The harness with sm75's instruction choice: m16n8k16 as two m16n8k8, synchronous copies."""
+    probe = (ROOT / "bench" / "probe_primitives.cu").read_text()
+    lib = load_library(
+        build_library("#define ATTNCC_ARCH 75\n" + HARNESS, "emulator-test-sm75", {"probe_primitives.cu": probe})
+    )
+    lib.last_error.restype = ctypes.c_char_p
+    return lib
+
+
 def p(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
@@ -112,6 +125,24 @@ def test_mma_fragments_give_the_matrix_product(emu, dtype: torch.dtype, schedule
     fn = emu.mma_f16 if dtype == torch.float16 else emu.mma_bf16
     assert fn(p(a), p(bt), p(c), schedule) == 0
     assert torch.allclose(c, a.float() @ bt.float().T, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", [0, 1])
+def test_turing_mma_decomposition_gives_the_matrix_product(turing, schedule: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(16, 16, generator=gen).to(torch.float16)
+    bt = torch.randn(8, 16, generator=gen).to(torch.float16)
+    c = torch.empty(16, 8)
+    assert turing.mma_f16(p(a), p(bt), p(c), schedule) == 0
+    assert torch.allclose(c, a.float() @ bt.float().T, atol=1e-5)
+    assert not hasattr(turing, "mma_bf16")  # no bf16 tensor cores before sm80
+
+
+def test_turing_copies_are_synchronous(turing) -> None:
+    src = torch.randn(32 * 8).to(torch.float16)
+    out = torch.empty(32)
+    assert turing.async_copy(p(src), p(out), 0, 0) == 0  # no wait needed: the data is there
+    assert torch.equal(out, src.float().view(32, 8)[:, 0].roll(-1))
 
 
 def test_ldmatrix_trans_layout(emu) -> None:

@@ -7,7 +7,21 @@ from pathlib import Path
 
 import jinja2
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
+
+def _template_dir() -> Path:
+    # The templates have one home, the repository's top-level templates/, so a checkout or an
+    # editable install renders the files being edited. A wheel can only carry files inside a package,
+    # so pyproject.toml ships templates/ as attncc/_templates. The checkout is recognised by its
+    # pyproject.toml too, not by a bare templates/ folder that site-packages may hold for another
+    # distribution.
+    package = Path(__file__).resolve().parents[1]
+    root = package.parent
+    if (root / "templates").is_dir() and (root / "pyproject.toml").is_file():
+        return root / "templates"
+    return package / "_templates"
+
+
+TEMPLATE_DIR: Path = _template_dir()
 
 
 @cache

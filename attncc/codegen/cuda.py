@@ -21,16 +21,33 @@ CUDA_STORAGE_TYPES = {"float16": "attncc::f16", "bfloat16": "attncc::bf16"}
 Q_IN_REGISTERS_MAX_HEAD_DIM = 128
 
 
+#: Turing (sm75) has fp16 tensor cores only; bf16 mma starts with sm80.
+TURING = 75
+
+
+def arch_number(arch: str) -> int:
+    """75 for "sm75": the ATTNCC_ARCH the primitives header selects instructions by."""
+    return int(arch.removeprefix("sm"))
+
+
+def storage_dtypes(arch: str) -> tuple[str, ...]:
+    """The q/k/v dtypes the tensor cores of `arch` take; other inputs are converted to the first."""
+    return ("float16",) if arch_number(arch) <= TURING else ("bfloat16", "float16")
+
+
 def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> str:
     """CUDA source of the forward kernel of `g` for q/k/v of `dtype`, with `plan`'s tiles."""
     if dtype not in CUDA_STORAGE_TYPES:
-        raise AttnccError(f"CUDA kernels take float16 or bfloat16, not {dtype} (fp32 inputs are converted to bfloat16)")
+        raise AttnccError(f"CUDA kernels take float16 or bfloat16, not {dtype} (fp32 inputs are converted)")
+    if dtype not in storage_dtypes(arch):
+        raise AttnccError(f"{arch} tensor cores take {' or '.join(storage_dtypes(arch))}, not {dtype}")
     _, op = fused_node(g)
     return render(
         "cuda/attention.cu.jinja",
         source_name=g.graph["path"].rsplit("/", 1)[-1],
         variant_name=g.graph["name"],
         arch=arch,
+        arch_number=arch_number(arch),
         storage_type=CUDA_STORAGE_TYPES[dtype],
         head_dim=plan.head_dim,
         block_rows=plan.block_rows,

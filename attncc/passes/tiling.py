@@ -186,6 +186,8 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     def shared(br: int, bc: int) -> int:
         return max(gpu_shared_bytes(br, bc, d, stages), gpu_backward_shared_bytes(br, bc, d))
 
+    if override is None and shared(br, bc) > target.onchip_bytes:
+        reason += "; then cut until forward and backward fit the shared memory"
     while override is None and shared(br, bc) > target.onchip_bytes and (bc > 16 or warps > 1):
         if bc > 16:
             bc -= 16

@@ -13,13 +13,20 @@ import threading
 
 import torch
 
-from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda
-from attncc.errors import AttnccError
+from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
+from attncc.errors import AttnccError, InputError
 from attncc.runtime.build import build_library, load_library
-from attncc.runtime.kernel import Kernel, acc_dtype
+from attncc.runtime.kernel import Kernel, acc_dtype, check_atomic_grads_allowed
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
 _LOCK = threading.Lock()
+
+
+def rows_of(t: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """`t` in the kernel's storage dtype with unit stride along D: the kernels copy rows of D
+    halves (16-byte cp.async chunks); any other batch, head and row strides are fine."""
+    t = t.to(storage)
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class EmulationFailure(AttnccError):
@@ -30,9 +37,23 @@ class EmulatedKernel(Kernel):
     """Forward and backward CUDA kernels run on the host emulator (CPU tensors)."""
 
     schedule = "lockstep"
-    #: dQ by a second kernel instead of fp32 atomics, so gradients are bit-reproducible on a GPU
-    #: (gradients of learnable inputs still use atomics).
+    #: dQ by a second kernel instead of fp32 atomics, so dq, dk, dv are bit-reproducible on a
+    #: GPU; also on under torch.use_deterministic_algorithms(True). Gradients of learnable
+    #: inputs still use atomics: `check_atomic_grads_allowed` says so (error or warning).
     deterministic = False
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The tensor-core dtype q, k, v of `dtype` run in: fp16/bf16 as given, fp32/fp64 converted
+        to the target's first choice (bf16; fp16 on sm75, whose tensor cores lack bf16)."""
+        allowed = [getattr(torch, name) for name in storage_dtypes(self.target)]
+        return dtype if dtype in allowed else allowed[0]
+
+    def validate(self, q, k, v, runtime) -> None:  # noqa: ANN001 - as Kernel
+        super().validate(q, k, v, runtime)
+        if q.dtype in (torch.float16, torch.bfloat16) and self.storage_dtype(q.dtype) != q.dtype:
+            raise InputError(
+                f"q: the {self.target} tensor cores take {' or '.join(storage_dtypes(self.target))}, got {q.dtype}"
+            )
 
     def cuda_source(self, dtype: str, head_dim: int) -> str:
         assert self.op.tiling is not None
@@ -48,9 +69,9 @@ class EmulatedKernel(Kernel):
             return self._libraries[key]
 
     def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed):  # noqa: ANN001, ANN201 - as Kernel
-        storage = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16  # fp32/fp64: bf16 on GPU
+        storage = self.storage_dtype(q.dtype)
         plan = self.plan(q, k, scale)
-        qs, ks, vs = (t.to(storage) for t in (q, k, v))
+        qs, ks, vs = (rows_of(t, storage) for t in (q, k, v))
         out = torch.empty(q.shape, dtype=storage, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         call = self._prepare(plan, torch.float32, tensors, scalars)
@@ -60,9 +81,9 @@ class EmulatedKernel(Kernel):
         return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
     def backward_impl(self, q, k, v, out, lse, dout, tensors, scalars, scale, dropout, seed, grad_inputs):  # noqa: ANN001, ANN201 - as Kernel
-        storage = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        storage = self.storage_dtype(q.dtype)
         plan = self.plan(q, k, scale)
-        qs, ks, vs, dos = (t.to(storage) for t in (q, k, v, dout))
+        qs, ks, vs, dos = (rows_of(t, storage) for t in (q, k, v, dout))
         dk = torch.empty(k.shape, dtype=storage, device=k.device)
         dv = torch.empty(v.shape, dtype=storage, device=v.device)
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -88,11 +109,13 @@ class EmulatedKernel(Kernel):
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             dtype = str(storage).replace("torch.", "")
             dq_out = torch.empty(q.shape, dtype=storage, device=q.device)
-            if self.deterministic:  # dQ from its own kernel, no atomics
+            deterministic = self.deterministic or torch.are_deterministic_algorithms_enabled()
+            check_atomic_grads_allowed(self.name, list(grads), requested=self.deterministic)
+            if deterministic:  # dQ from its own kernel, no atomics
                 ptrs["dq"] = dq_out
-            accum = None if self.deterministic else ctypes.c_void_p(dq_accum.data_ptr())
+            accum = None if deterministic else ctypes.c_void_p(dq_accum.data_ptr())
             self._run("attncc_emulated_backward", dtype, plan, call, ptrs, dropout, seed, accum)
-            dq = dq_out.to(q.dtype) if self.deterministic else (dq_accum * plan.scale).to(q.dtype)
+            dq = dq_out.to(q.dtype) if deterministic else (dq_accum * plan.scale).to(q.dtype)
         else:
             dk.zero_(), dv.zero_()
             dq = dq_accum.to(q.dtype)

@@ -15,20 +15,33 @@ import torch
 from attncc.errors import AttnccError
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.emulate import EmulatedKernel
+from attncc.targets import GPUS
 
-CAPABILITY_TARGETS = {(8, 0): "sm80", (8, 6): "sm86", (8, 7): "sm86", (8, 9): "sm86", (9, 0): "sm90"}
+#: attncc_forward / attncc_backward status when the CUDA runtime refused a launch
+#: (attncc_cuda_error() says which kernel and why).
+LAUNCH_FAILED = 4
 
 
 def device_target() -> str:
-    """The attncc target of the current CUDA device, or a clear error."""
+    """The attncc target for the current CUDA device, or a clear error.
+
+    The newest target whose architecture the device runs (cubins run on later minor versions of
+    the same major, and the embedded PTX is JIT-compiled on later majors) and whose shared
+    memory plan fits the device's opt-in per-block maximum (e.g. sm_89 and sm_120 have 99 KiB:
+    they get the sm86 plan).
+    """
     if not torch.cuda.is_available():
         raise AttnccError("target `cuda`: torch sees no CUDA device (a CPU build of torch, or no GPU)")
-    capability = torch.cuda.get_device_capability()
-    if capability not in CAPABILITY_TARGETS:
-        if capability >= (9, 0):
-            return "sm90"
-        raise AttnccError(f"target `cuda`: compute capability {capability} is not supported (sm80 or newer)")
-    return CAPABILITY_TARGETS[capability]
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    capability = (props.major, props.minor)
+    shared = getattr(props, "shared_memory_per_block_optin", 0)
+    for name, target in sorted(GPUS.items(), key=lambda item: -item[1].sm_version):
+        major, minor = divmod(target.sm_version, 10)
+        if capability >= (major, minor) and (not shared or target.onchip_bytes <= shared):
+            return name
+    raise AttnccError(
+        f"target `cuda`: {props.name} (compute capability {capability[0]}.{capability[1]}) is not supported (sm75 or newer)"
+    )
 
 
 class GpuKernel(EmulatedKernel):
@@ -59,5 +72,8 @@ class GpuKernel(EmulatedKernel):
         fn.restype = ctypes.c_int
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         status = fn(*self.pack(plan, call, ptrs, dropout, seed), *extra, stream)
+        if status == LAUNCH_FAILED:
+            lib.attncc_cuda_error.restype = ctypes.c_char_p
+            raise RuntimeError(f"{self.name}: {lib.attncc_cuda_error().decode()}")
         if status != 0:
             raise RuntimeError(f"{entry} of {self.name} returned {status}")

@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import math
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -297,6 +298,8 @@ class Kernel:
                 "dv": dv,
             }
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
+            if torch.get_num_threads() > 1:  # one thread adds in a fixed order
+                check_atomic_grads_allowed(self.name, list(grads), requested=False)
             self._launch(dtype, "attncc_backward_dkdv", plan, call, ptrs, dropout, seed)
             self._launch(dtype, "attncc_backward_dq", plan, call, ptrs, dropout, seed)
         else:
@@ -392,6 +395,24 @@ class Kernel:
             (ctypes.c_int64 * len(int_values))(*int_values),
             (ctypes.c_double * len(reals))(*reals),
         )
+
+
+def check_atomic_grads_allowed(kernel: str, learnable: list[str], requested: bool) -> None:
+    """Gradients of learnable inputs are sums of float atomics, so their bits depend on the
+    order threads run in. Like torch's own ops without a deterministic implementation: an error
+    under `torch.use_deterministic_algorithms(True)`, a warning with `warn_only=True` or when
+    the kernel's own deterministic mode was `requested`."""
+    flag = torch.are_deterministic_algorithms_enabled()
+    if not learnable or not (flag or requested):
+        return
+    message = (
+        f"attncc kernel {kernel}: the gradients of learnable input(s) {', '.join(learnable)} are accumulated "
+        "with float atomics and are not bit-reproducible (dq, dk, dv are); detach those inputs or accept "
+        "run-to-run differences in the last bits"
+    )
+    if flag and not torch.is_deterministic_algorithms_warn_only_enabled():
+        raise RuntimeError(message + " (torch.use_deterministic_algorithms(True) is set)")
+    warnings.warn(message, stacklevel=3)
 
 
 def _sizes(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:

@@ -206,13 +206,14 @@ inline void syncthreads() {
 using Compute = void (*)(WarpSlot& slot, unsigned mask);
 
 // The collective operations the device primitives issue (attncc/cuda/primitives.cuh).
-enum CollectiveOp { kShflXor = 1, kMmaF16, kMmaBf16, kLdmatrix, kLdmatrixTrans };
+enum CollectiveOp { kShflXor = 1, kMmaF16, kMmaBf16, kLdmatrix, kLdmatrixTrans, kMmaF16K8 };
 
 inline const char* op_name(int op) {
   switch (op) {
     case kShflXor: return "shfl.xor";
     case kMmaF16: return "mma.m16n8k16.f16";
     case kMmaBf16: return "mma.m16n8k16.bf16";
+    case kMmaF16K8: return "mma.m16n8k8.f16";
     case kLdmatrix: return "ldmatrix.x4";
     case kLdmatrixTrans: return "ldmatrix.x4.trans";
     default: return "no operation";

@@ -1,17 +1,30 @@
 // attncc CUDA device primitives: the only architecture-specific code generated kernels call.
 //
-// Compiled by nvcc (sm_80+) these are PTX instructions: mma.sync m16n8k16, ldmatrix (.trans),
-// cp.async, warp shuffles, ex2. Compiled by the host C++ compiler with ATTNCC_EMULATE defined
-// they run on attncc's CUDA emulator (emulator.h), so the exact same kernel text is tested on
-// machines without a GPU. Fragment layouts follow the PTX ISA "Matrix Fragments for
-// mma.m16n8k16" (g = lane >> 2, t = lane % 4).
+// Compiled by nvcc these are PTX instructions: mma.sync m16n8k16, ldmatrix (.trans), cp.async,
+// warp shuffles, ex2. Compiled by the host C++ compiler with ATTNCC_EMULATE defined they run on
+// attncc's CUDA emulator (emulator.h), so the exact same kernel text is tested on machines
+// without a GPU. Fragment layouts follow the PTX ISA "Matrix Fragments for mma.m16n8k16"
+// (g = lane >> 2, t = lane % 4).
+//
+// ATTNCC_ARCH (75, 80, 86, 90; set by the generated kernel) selects the instructions: sm_75
+// (Turing) has no m16n8k16, no bf16 mma and no cp.async, so there an m16n8k16 is two m16n8k8
+// and a 16-byte async copy is a synchronous one. The emulator follows the same choice, so the
+// Turing decomposition is tested like the rest.
 #pragma once
+
+#ifndef ATTNCC_ARCH
+#define ATTNCC_ARCH 80
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < ATTNCC_ARCH * 10
+#error "attncc: this kernel was generated for a newer GPU architecture than the one nvcc compiles for"
+#endif
 
 #include <cstdint>
 #include <type_traits>
 
 #if defined(ATTNCC_EMULATE)
 #include <cmath>
+#include <cstring>
 #include "attncc/cuda/emulator.h"
 #include "attncc/halfbits.h"
 #define __global__
@@ -30,6 +43,8 @@ typedef void* cudaStream_t;
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstdio>
 #endif
 
 namespace attncc {
@@ -90,27 +105,31 @@ __device__ __forceinline__ void block_sync() { __syncthreads(); }
 namespace emu_ops {
 using namespace attncc_emu;  // the CollectiveOp ids
 
-template <typename T>
+// One mma.m16n8kK for the warp: lane l's inputs are K/4 A registers, K/8 B registers and 4 C
+// floats (as bits); A a_i: row g (+8 if bit 1 of i), col 2t + (i & 1) (+8 if i >= 4);
+// B b_i: row 2t + (i & 1) (+8 if i >= 2), col g; C c_i: row g (+8 if i >= 2), col 2t + (i & 1).
+template <typename T, int K>
 inline void mma_compute(attncc_emu::WarpSlot& s, unsigned) {
-  float A[16][16], B[16][8], C[16][8];
+  constexpr int kARegs = K / 4, kBRegs = K / 8;
+  float A[16][K], B[K][8], C[16][8];
   for (int l = 0; l < 32; ++l) {
     const int g = l >> 2, t = l & 3;
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 2 * kARegs; ++i) {
       const uint16_t h = uint16_t(s.in[l][i / 2] >> (16 * (i & 1)));
       A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >= 4)] = to_float(T{h});
     }
-    for (int i = 0; i < 4; ++i) {
-      const uint16_t h = uint16_t(s.in[l][4 + i / 2] >> (16 * (i & 1)));
+    for (int i = 0; i < 2 * kBRegs; ++i) {
+      const uint16_t h = uint16_t(s.in[l][kARegs + i / 2] >> (16 * (i & 1)));
       B[2 * t + (i & 1) + 8 * (i >= 2)][g] = to_float(T{h});
     }
-    for (int i = 0; i < 4; ++i) C[g + 8 * (i >= 2)][2 * t + (i & 1)] = bits_to_float(s.in[l][6 + i]);
+    for (int i = 0; i < 4; ++i) C[g + 8 * (i >= 2)][2 * t + (i & 1)] = bits_to_float(s.in[l][kARegs + kBRegs + i]);
   }
   for (int l = 0; l < 32; ++l) {
     const int g = l >> 2, t = l & 3;
     for (int i = 0; i < 4; ++i) {
       const int row = g + 8 * (i >= 2), col = 2 * t + (i & 1);
       float acc = C[row][col];
-      for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+      for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
       s.out[l][i] = float_to_bits(acc);
     }
   }
@@ -157,14 +176,36 @@ __device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
 #endif
 }
 
+// c[0..3] += A (16x8, 2 regs) . B (8x8, 1 reg): fp16 inputs, fp32 accumulation (sm_75+).
+__device__ __forceinline__ void mma_m16n8k8_f16(float c[4], const uint32_t a[2], uint32_t b) {
+#if defined(ATTNCC_EMULATE)
+  uint32_t in[7] = {a[0], a[1], b, float_to_bits(c[0]), float_to_bits(c[1]), float_to_bits(c[2]), float_to_bits(c[3])};
+  uint32_t out[4];
+  attncc_emu::warp_collective(emu_ops::kMmaF16K8, 0xffffffffu, in, 7, nullptr, out, 4, emu_ops::mma_compute<f16, 8>);
+  for (int i = 0; i < 4; ++i) c[i] = bits_to_float(out[i]);
+#else
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(b));
+#endif
+}
+
 // c[0..3] += A (16x16, 4 regs) . B (16x8, 2 regs): fp16/bf16 inputs, fp32 accumulation.
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-#if defined(ATTNCC_EMULATE)
+#if ATTNCC_ARCH < 80
+  // Turing: k = 0..7 are A registers 0, 1 and B register 0; k = 8..15 are A 2, 3 and B 1.
+  static_assert(std::is_same<T, f16>::value, "sm_75 tensor cores take fp16, not bf16");
+  mma_m16n8k8_f16(c, a, b[0]);
+  mma_m16n8k8_f16(c, a + 2, b[1]);
+#elif defined(ATTNCC_EMULATE)
   uint32_t in[10] = {a[0], a[1], a[2], a[3], b[0], b[1], float_to_bits(c[0]), float_to_bits(c[1]), float_to_bits(c[2]), float_to_bits(c[3])};
   uint32_t out[4];
-  const int op = sizeof(T) == 2 && std::is_same<T, bf16>::value ? emu_ops::kMmaBf16 : emu_ops::kMmaF16;
-  attncc_emu::warp_collective(op, 0xffffffffu, in, 10, nullptr, out, 4, op == emu_ops::kMmaBf16 ? emu_ops::mma_compute<bf16> : emu_ops::mma_compute<f16>);
+  if constexpr (std::is_same<T, bf16>::value) {
+    attncc_emu::warp_collective(emu_ops::kMmaBf16, 0xffffffffu, in, 10, nullptr, out, 4, emu_ops::mma_compute<bf16, 16>);
+  } else {
+    attncc_emu::warp_collective(emu_ops::kMmaF16, 0xffffffffu, in, 10, nullptr, out, 4, emu_ops::mma_compute<f16, 16>);
+  }
   for (int i = 0; i < 4; ++i) c[i] = bits_to_float(out[i]);
 #else
   if constexpr (std::is_same<T, bf16>::value) {
@@ -198,9 +239,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row_addre
 }
 
 // ------------------------------------------------------------------------------ async copies
-// 16 bytes global -> shared without registers; lands at cp_async_wait.
+// 16 bytes global -> shared without registers; lands at cp_async_wait. sm_75 has no cp.async:
+// there the copy is synchronous and commit/wait do nothing (the barrier after them remains).
 __device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global_src) {
-#if defined(ATTNCC_EMULATE)
+#if ATTNCC_ARCH < 80 && defined(ATTNCC_EMULATE)
+  std::memcpy(shared_dst, global_src, 16);
+#elif ATTNCC_ARCH < 80
+  *static_cast<uint4*>(shared_dst) = *static_cast<const uint4*>(global_src);
+#elif defined(ATTNCC_EMULATE)
   attncc_emu::cp_async(shared_dst, global_src, 16);
 #else
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
@@ -208,7 +254,8 @@ __device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
-#if defined(ATTNCC_EMULATE)
+#if ATTNCC_ARCH < 80
+#elif defined(ATTNCC_EMULATE)
   attncc_emu::cp_async_commit();
 #else
   asm volatile("cp.async.commit_group;\n" ::);
@@ -217,7 +264,8 @@ __device__ __forceinline__ void cp_async_commit() {
 // Wait until at most `Pending` committed groups are still in flight.
 template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {
-#if defined(ATTNCC_EMULATE)
+#if ATTNCC_ARCH < 80
+#elif defined(ATTNCC_EMULATE)
   attncc_emu::cp_async_wait(Pending);
 #else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
@@ -265,9 +313,32 @@ __device__ __forceinline__ void atomic_add(float* address, float value) {
 #define ATTNCC_LAUNCH(kernel, grid, block, smem, stream, ...) \
   attncc_emu::launch(grid, block, smem, [&]() { kernel(__VA_ARGS__); })
 #else
-#define ATTNCC_LAUNCH(kernel, grid, block, smem, stream, ...)                                        \
-  do {                                                                                               \
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));            \
-    kernel<<<grid, block, smem, static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__);                   \
+namespace attncc {
+// What the CUDA runtime said when it refused a launch (read through attncc_cuda_error()).
+inline char* launch_error_text() {
+  static char text[512];
+  return text;
+}
+inline bool launch_failed(const char* kernel, cudaError_t error, int smem) {
+  if (error == cudaSuccess) return false;
+  snprintf(launch_error_text(), 512, "CUDA launch of %s (%d B dynamic shared memory) failed: %s (%s)", kernel, smem,
+           cudaGetErrorString(error), cudaGetErrorName(error));
+  return true;
+}
+}  // namespace attncc
+// Why the last launch was refused. Weak: every kernel library defines it, and two generated
+// kernels linked into one program must not clash.
+extern "C" __attribute__((weak)) const char* attncc_cuda_error() { return attncc::launch_error_text(); }
+// Launches on `stream`; returns 4 from the calling entry point if the runtime refuses the launch
+// (shared memory above the device's limit, too many registers, a bad configuration): a
+// refused launch must not leave outputs silently unwritten.
+#define ATTNCC_LAUNCH(kernel, grid, block, smem, stream, ...)                                                  \
+  do {                                                                                                         \
+    cudaError_t attncc_error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); \
+    if (attncc_error == cudaSuccess) {                                                                         \
+      kernel<<<grid, block, smem, static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__);                           \
+      attncc_error = cudaGetLastError();                                                                       \
+    }                                                                                                          \
+    if (attncc::launch_failed(#kernel, attncc_error, int(smem))) return 4;                                     \
   } while (0)
 #endif
