@@ -53,11 +53,16 @@ def flops(B: int, H: int, N: int, D: int, causal: bool, backward: bool) -> float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # One compiled FlexAttention per shape: past dynamo's default recompile limit (8) it would
+    # fall back to eager flex_attention, which materialises the scores.
+    torch._dynamo.config.cache_size_limit = 256
     flex = torch.compile(flex_attention)
     kernels = {
         False: attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
@@ -66,8 +71,8 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     print(f"{device}, torch {torch.__version__}, CUDA {torch.version.cuda}; ratio = anchor / attncc")
     results = []
-    for D in (64, 128):
-        for N in (512, 1024, 2048, 4096, 8192, 16384):
+    for D in args.dims:
+        for N in args.sizes:
             B, H = max(1, 16384 // N), 2048 // D
             for causal in (False, True):
                 q, k, v = (

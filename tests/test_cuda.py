@@ -172,6 +172,26 @@ def test_strided_inputs_on_the_emulator() -> None:
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
+def test_tile_classes_are_prepared_once_per_shape(monkeypatch) -> None:
+    """Without runtime tensors the classes depend on sizes and scalars only: a repeated call
+    reuses them (on a GPU: no host classification, no copy); runtime tensors are re-read."""
+    import attncc.runtime.kernel as kernel_module
+
+    counted = []
+    original = kernel_module.classify_tiles
+    monkeypatch.setattr(kernel_module, "classify_tiles", lambda *a: counted.append(1) or original(*a))
+    causal = attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True)
+    q = torch.randn(1, 1, 20, 16).half()
+    first = causal(q, q, q)
+    assert torch.equal(causal(q, q, q), first) and len(counted) == 1
+    causal(q[:, :, :10], q, q)  # another shape: classified again
+    assert len(counted) == 2
+    padding = emulated("padding")
+    padding(q, q, q, lengths=torch.tensor([5]))
+    padding(q, q, q, lengths=torch.tensor([5]))
+    assert len(counted) == 4
+
+
 def test_fully_masked_rows_on_the_emulator() -> None:
     kern = emulated("padding")
     q, k, v, _ = make_inputs(kern, Shape(2, 2, 1, 20, 40, 32), torch.float16, requires_grad=False)

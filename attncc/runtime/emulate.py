@@ -19,6 +19,8 @@ from attncc.runtime.build import build_library, load_library
 from attncc.runtime.kernel import Kernel, acc_dtype, check_atomic_grads_allowed
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
+#: Prepared calls (tile classes, layout grids) kept per kernel for inputs without runtime tensors.
+PREPARED_CALLS_KEPT = 32
 _LOCK = threading.Lock()
 
 
@@ -37,6 +39,11 @@ class EmulatedKernel(Kernel):
     """Forward and backward CUDA kernels run on the host emulator (CPU tensors)."""
 
     schedule = "lockstep"
+
+    def __init__(self, stages, target: str) -> None:  # noqa: ANN001 - as Kernel
+        super().__init__(stages, target)
+        self._calls: dict[tuple, dict] = {}
+
     #: dQ by a second kernel instead of fp32 atomics, so dq, dk, dv are bit-reproducible on a
     #: GPU; also on under torch.use_deterministic_algorithms(True). Gradients of learnable
     #: inputs still use atomics: `check_atomic_grads_allowed` says so (error or warning).
@@ -54,6 +61,30 @@ class EmulatedKernel(Kernel):
             raise InputError(
                 f"q: the {self.target} tensor cores take {' or '.join(storage_dtypes(self.target))}, got {q.dtype}"
             )
+
+    def _prepare(self, plan, dtype, tensors, scalars):  # noqa: ANN001, ANN202 - as Kernel
+        """As Kernel's, placed on the kernel's device; without runtime tensors the tile classes
+        depend only on the sizes and scalars, so they are classified and copied once per shape
+        (a GPU call then costs no host classification and no host-to-device copy)."""
+        if tensors:
+            return self._to_device(super()._prepare(plan, dtype, tensors, scalars))
+        key = (plan.problem, plan.tiles.block_rows, plan.tiles.block_cols, tuple(scalars), self._device_index())
+        with self._lock:
+            call = self._calls.get(key)
+        if call is None:
+            call = self._to_device(super()._prepare(plan, dtype, tensors, scalars))
+            with self._lock:
+                if len(self._calls) >= PREPARED_CALLS_KEPT:
+                    self._calls.pop(next(iter(self._calls)))  # the oldest shape
+                self._calls[key] = call
+        return call
+
+    def _to_device(self, call: dict) -> dict:
+        """The call's tensors on the kernel's device (the emulator runs on the host)."""
+        return call
+
+    def _device_index(self) -> int | None:
+        return None
 
     def cuda_source(self, dtype: str, head_dim: int) -> str:
         assert self.op.tiling is not None

@@ -60,7 +60,12 @@ class GpuKernel(EmulatedKernel):
             return self._libraries[key]
 
     def _prepare(self, plan, dtype, tensors, scalars):  # noqa: ANN001, ANN202 - as Kernel
-        call = super()._prepare(plan, dtype, [t.cpu() for t in tensors], scalars)  # classification on the host
+        return super()._prepare(plan, dtype, [t.cpu() for t in tensors], scalars)  # classification on the host
+
+    def _device_index(self) -> int | None:
+        return torch.cuda.current_device()
+
+    def _to_device(self, call: dict) -> dict:
         device = torch.device("cuda", torch.cuda.current_device())
         call["classes"] = call["classes"].to(device)
         call["tensors"] = {k: v.to(device) for k, v in call["tensors"].items()}
