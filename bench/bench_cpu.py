@@ -82,6 +82,15 @@ def row(results: list, name: str, attncc_s: float, anchors: dict[str, float], ex
     results.append({"case": name, "attncc_s": attncc_s, **{f"{k}_s": v for k, v in anchors.items()}, "note": extra})
 
 
+def two_pass(kern, fn, repeats: int) -> float:
+    """The same call with the backward forced into its two passes (dK/dV, then dQ)."""
+    kern.backward = "two-pass"
+    try:
+        return median_s(fn, repeats)
+    finally:
+        kern.backward = "auto"
+
+
 def dense_cases(results: list, args, flex) -> None:
     B, H, N, D = 1, 8, 2048, 64
     gen = torch.Generator().manual_seed(0)
@@ -107,6 +116,7 @@ def dense_cases(results: list, args, flex) -> None:
     anchors = {
         "sdpa": median_s(fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), qg, kg, vg), r),
         "eager": median_s(fwd_bwd(eager, qg, kg, vg), r),
+        "attncc_two_pass_bwd": two_pass(vanilla, fwd_bwd(vanilla, qg, kg, vg), r),
     }
     row(results, f"dense fwd+bwd fp32 N={N}", median_s(fwd_bwd(vanilla, qg, kg, vg), r), anchors)
     anchors = {
@@ -114,6 +124,7 @@ def dense_cases(results: list, args, flex) -> None:
             fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), qg, kg, vg), r
         ),
         "eager": median_s(fwd_bwd(lambda a, b, c: eager(a, b, c, causal_mask), qg, kg, vg), r),
+        "attncc_two_pass_bwd": two_pass(causal, fwd_bwd(causal, qg, kg, vg), r),
     }
     row(results, f"causal fwd+bwd fp32 N={N}", median_s(fwd_bwd(causal, qg, kg, vg), r), anchors)
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))

@@ -26,6 +26,33 @@ def test_low_precision_within_eager_error(example: attncc.Kernel, shape: Shape, 
     assert result.ok, result.describe()
 
 
+@pytest.mark.parametrize("mode", ["fused", "two-pass"])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_both_backward_schedules(name: str, mode: str) -> None:
+    """The one-pass backward (dQ in a per-task buffer) and the two passes, forced either way."""
+    kern = kernel(name)
+    kern.backward = mode
+    try:
+        for shape in (Shape(2, 4, 2, 77, 130, 48), Shape(1, 3, 1, 1, 1, 16), Shape(3, 2, 2, 40, 33, 8)):
+            result = check(kern, adapt(shape, kern), torch.float32)
+            assert result.ok, f"{mode}: {result.describe()}"
+    finally:
+        kern.backward = "auto"
+
+
+def test_backward_schedule_choice() -> None:
+    kern = kernel("vanilla")
+    q = torch.zeros(1, 8, 64, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kern.backward_entries(kern.plan(q, q, None)) == ("attncc_backward_fused",)  # 8 heads, 2 threads
+        torch.set_num_threads(8)
+        assert kern.backward_entries(kern.plan(q, q, None)) == ("attncc_backward_dkdv", "attncc_backward_dq")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_gradcheck_float64(name: str) -> None:
     kern = kernel(name)

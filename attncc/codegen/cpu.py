@@ -39,8 +39,12 @@ def hook_values(g: Graph) -> dict[str, object]:
     needs_s0 = ex.SCORE_VAR in ex.free_vars(op.backward.dscore) or any(
         ex.SCORE_VAR in ex.free_vars(gr.derivative) for gr in op.backward.inputs
     )
+    dscore = op.backward.dscore
     return {
         "has_score_map": op.score != ex.score(),
+        # dS0 = dS * dscore unless dscore is the constant 1 (a constant such as `s * 2` or a
+        # runtime scalar `s * temp` still scales it)
+        "has_dscore": not (isinstance(dscore, ex.Const) and dscore.value == 1),
         "needs_s0": needs_s0,
         "score": emit(op.score),
         "mask": emit(op.mask) if op.mask is not None else "true",

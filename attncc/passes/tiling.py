@@ -161,6 +161,9 @@ def gpu_registers(br: int, bc: int, d: int, warps: int) -> int:
 
 
 GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
+# The CUDA template keeps one 32-bit word of dropout keep bits per lane and tile row, and the
+# backward runs a warp per 16 keys: Br and Bc up to 64.
+GPU_MAX_TILE = 64
 
 
 def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
@@ -172,8 +175,10 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     if override is not None:
         br, bc = override
         reason = "override"
-        if br % GPU_ROWS_PER_WARP or bc % 16:
-            raise AttnccError(f"GPU tiles need Br % 16 == 0 and Bc % 16 == 0, got {override}")
+        if br % GPU_ROWS_PER_WARP or bc % 16 or not (0 < br <= GPU_MAX_TILE and 0 < bc <= GPU_MAX_TILE):
+            raise AttnccError(
+                f"GPU tiles need Br and Bc in 16, 32, 48 or 64 (multiples of 16 up to {GPU_MAX_TILE}), got {override}"
+            )
         warps = br // GPU_ROWS_PER_WARP
     else:
         br = GPU_ROWS_PER_WARP * warps

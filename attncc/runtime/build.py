@@ -59,7 +59,7 @@ def _toolchain_fingerprint() -> str:
         cpu_flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         cpu_flags = ""
-    headers = "".join(p.read_text() for p in sorted(INCLUDE_DIR.rglob("*.h")))
+    headers = "".join(p.read_text() for p in sorted(INCLUDE_DIR.rglob("*")) if p.suffix in (".h", ".cuh"))
     return "\n".join([version, cpu_flags, headers, " ".join(FLAGS), torch.__version__])
 
 

@@ -24,9 +24,20 @@ PREPARED_CALLS_KEPT = 32
 _LOCK = threading.Lock()
 
 
-def rows_of(t: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+FP16_MAX = 65504.0
+
+
+def rows_of(t: torch.Tensor, storage: torch.dtype, name: str) -> torch.Tensor:
     """`t` in the kernel's storage dtype with unit stride along D: the kernels copy rows of D
-    halves (16-byte cp.async chunks); any other batch, head and row strides are fine."""
+    halves (16-byte cp.async chunks); any other batch, head and row strides are fine. fp32/fp64
+    values beyond fp16's range are an error where the target converts them to fp16 (sm75)."""
+    if storage == torch.float16 and t.dtype in (torch.float32, torch.float64) and t.numel():
+        largest = float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).amax())
+        if largest > FP16_MAX:
+            raise InputError(
+                f"{name}: holds {largest:.4g}, beyond float16's range (65504); this target's tensor cores take "
+                "float16 only, so fp32 inputs are converted: scale them down or use an sm80+ GPU (bf16)"
+            )
     t = t.to(storage)
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -102,7 +113,7 @@ class EmulatedKernel(Kernel):
     def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed):  # noqa: ANN001, ANN201 - as Kernel
         storage = self.storage_dtype(q.dtype)
         plan = self.plan(q, k, scale)
-        qs, ks, vs = (rows_of(t, storage) for t in (q, k, v))
+        qs, ks, vs = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         out = torch.empty(q.shape, dtype=storage, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         call = self._prepare(plan, torch.float32, tensors, scalars)
@@ -114,7 +125,7 @@ class EmulatedKernel(Kernel):
     def backward_impl(self, q, k, v, out, lse, dout, tensors, scalars, scale, dropout, seed, grad_inputs):  # noqa: ANN001, ANN201 - as Kernel
         storage = self.storage_dtype(q.dtype)
         plan = self.plan(q, k, scale)
-        qs, ks, vs, dos = (rows_of(t, storage) for t in (q, k, v, dout))
+        qs, ks, vs, dos = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (dout, "grad of out")))
         dk = torch.empty(k.shape, dtype=storage, device=k.device)
         dv = torch.empty(v.shape, dtype=storage, device=v.device)
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -146,7 +157,7 @@ class EmulatedKernel(Kernel):
                 ptrs["dq"] = dq_out
             accum = None if deterministic else ctypes.c_void_p(dq_accum.data_ptr())
             self._run("attncc_emulated_backward", dtype, plan, call, ptrs, dropout, seed, accum)
-            dq = dq_out.to(q.dtype) if deterministic else (dq_accum * plan.scale).to(q.dtype)
+            dq = (dq_out if deterministic else dq_accum).to(q.dtype)
         else:
             dk.zero_(), dv.zero_()
             dq = dq_accum.to(q.dtype)

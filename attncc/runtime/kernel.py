@@ -32,6 +32,11 @@ from attncc.runtime.reference import evaluate, reference_attention
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _REGISTRY: dict[str, Kernel] = {}
+#: The fused backward runs one task per (b, kv head): with fewer than this many tasks per
+#: thread, a thread with a heavier task (a longer padded sequence) leaves the others idle.
+FUSED_BACKWARD_TASKS_PER_THREAD = 2
+#: Its per-thread dQ buffer (group x N x D fp32) above which the two passes run instead.
+FUSED_BACKWARD_MAX_BUFFER = 256 * 2**20
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,6 +56,8 @@ class Kernel:
     """A compiled attention variant. Call it like `kern(q, k, v, **runtime_inputs)`."""
 
     device_type = "cpu"  # where q, k, v and runtime tensors must live
+    #: "auto" (see `backward_entries`), "fused" or "two-pass".
+    backward = "auto"
 
     def __init__(self, stages: list[Stage], target: str) -> None:
         self.stages = stages
@@ -300,14 +307,26 @@ class Kernel:
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             if torch.get_num_threads() > 1:  # one thread adds in a fixed order
                 check_atomic_grads_allowed(self.name, list(grads), requested=False)
-            self._launch(dtype, "attncc_backward_dkdv", plan, call, ptrs, dropout, seed)
-            self._launch(dtype, "attncc_backward_dq", plan, call, ptrs, dropout, seed)
+            for entry in self.backward_entries(plan):
+                self._launch(dtype, entry, plan, call, ptrs, dropout, seed)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
         grad_list = [
             grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)
         ]
         return dq, dk, dv, grad_list
+
+    def backward_entries(self, plan: CallPlan) -> tuple[str, ...]:
+        """The backward's passes: one fused pass (dQ in a per-task buffer, 5 tile products) when
+        the (b, kv head) tasks keep every thread busy and the buffer is small, else a dK/dV pass
+        and a dQ pass (7 tile products, parallel over tiles). `backward` forces one."""
+        p, tiles = plan.problem, plan.tiles
+        threads = max(1, torch.get_num_threads())
+        dq_buffer = 4 * (p.H // p.Hkv) * math.ceil(p.N / tiles.block_rows) * tiles.block_rows * (-(-p.D // 16) * 16)
+        fused = p.B * p.Hkv >= FUSED_BACKWARD_TASKS_PER_THREAD * threads and dq_buffer <= FUSED_BACKWARD_MAX_BUFFER
+        if self.backward == "fused" or (self.backward == "auto" and fused):
+            return ("attncc_backward_fused",)
+        return ("attncc_backward_dkdv", "attncc_backward_dq")
 
     def _prepare(
         self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]
@@ -519,7 +538,9 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: AN
         ctx.key, q, k, v, out, lse, dout, tensors, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed, ctx.grad_inputs
     )
     tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
-    return None, dq, dk, dv, tensor_grads, [None] * len(ctx.scalars), None, None, None
+    # torch takes a non-empty list[float] input as one leaf (gradient None), an empty one as []
+    scalar_grads = None if ctx.scalars else []
+    return None, dq, dk, dv, tensor_grads, scalar_grads, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
