@@ -38,7 +38,7 @@ def test_canonicalize_composes_maps_moves_masks_and_folds_the_scale() -> None:
     g = verify(canonicalize(parse_program(SOFTCAP_ALIBI, "t.attn")))
     assert body_lines(print_graph(g)) == [
         "%3 = input slopes: tensor float[H]",
-        "%4 = matmul q @ k.T * 1.0 / sqrt(D) (%0, %1)",
+        "%4 = matmul q @ k.T * scale (%0, %1)",  # the name stays: a call may set its value
         "%12 = map s -> 30.0 * tanh(s / 30.0) - slopes[h] * (i - j) (%4)",
         "%13 = mask j <= i (%12)",
         "%9 = softmax (%13)",
@@ -48,10 +48,12 @@ def test_canonicalize_composes_maps_moves_masks_and_folds_the_scale() -> None:
 
 
 def test_canonicalize_drops_identity_map_and_uses_program_scale() -> None:
-    g = canonicalize(parse_program(program("scale = 0.125\ns = q @ k.T * scale"), "t.attn"))
+    g = canonicalize(parse_program(program("scale = 0.125\ns = q @ k.T * scale * 2"), "t.attn"))
     lines = body_lines(print_graph(g))
-    assert lines[0] == "%3 = matmul q @ k.T * 0.125 (%0, %1)"
+    assert lines[0] == "%3 = matmul q @ k.T * scale * 2 (%0, %1)"
     assert not any("map" in line for line in lines)
+    fused = fused_node(fuse_attention(g))[1]
+    assert str(fused.default_scale) == "0.125" and "where scale=0.125 by default" in fused.describe()
 
 
 def test_constant_folding() -> None:
@@ -68,7 +70,8 @@ def test_fuse_makes_one_node() -> None:
     lines = body_lines(print_graph(g))
     assert lines == [
         "%3 = input slopes: tensor float[H]",
-        "%14 = fused_attention scale=1.0 / sqrt(D), score=30.0 * tanh(s / 30.0) - slopes[h] * (i - j), mask=j <= i (%0, %1, %2)",
+        "%14 = fused_attention scale=scale, score=30.0 * tanh(s / 30.0) - slopes[h] * (i - j), where scale=1.0 / sqrt(D) "
+        "by default, mask=j <= i (%0, %1, %2)",
         "%15 = output (%14)",
     ]
     assert sorted(g.predecessors("%14")) == ["%0", "%1", "%2", "%3"]

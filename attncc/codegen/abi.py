@@ -23,7 +23,8 @@ OPERANDS = (
 ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "const acc_t*"), ("classes", "const uint8_t*"))
 SIZES = ("B", "H", "Hkv", "N", "M", "D")
 CONTROL = ("Br", "Bc", "cls_sb", "cls_sh", "cls_si", "seed", "offset", "threads")
-REALS = ("scale", "dropout")
+#: scale: the multiplier of q.k (FusedAttention.scale evaluated); scale_value: the name `scale`
+REALS = ("scale", "dropout", "scale_value")
 _ELEMENT_TYPES = {"float": "acc_t", "int": "int64_t", "bool": "uint8_t"}
 
 

@@ -46,8 +46,8 @@ def c_name(name: str) -> str:
 
 
 def tensor_ident(name: str) -> str:
-    ident = c_name(name)
-    return ident if ident.startswith("g_") else "t_" + ident
+    # user tensors always get t_ (a user name such as g_layout0 cannot meet a generated grid)
+    return c_name(name) if name.startswith("__layout") else "t_" + c_name(name)
 
 
 def scalar_ident(name: str) -> str:
@@ -65,8 +65,10 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
     if isinstance(e, ex.Var):
         if e.name in ex.INDEX_VARS or e.name == ex.SCORE_VAR:
             return e.name
-        if e.name in ex.SIZE_VARS or e.name == "scale":
+        if e.name in ex.SIZE_VARS:
             return f"{ctx}.{e.name}"
+        if e.name == "scale":
+            return f"{ctx}.scale_value"
         return f"{ctx}.{scalar_ident(e.name)}"
     if isinstance(e, ex.Read):
         t = tensor_ident(e.tensor)
@@ -76,7 +78,7 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
     if isinstance(e, ex.Unary):
         x = emit(e.x, ctx)
         if e.op == "neg":
-            return f"(-{x})"
+            return f"int64_t(uint64_t(0) - uint64_t({x}))" if e.ty == ex.INT else f"(-{x})"
         if e.op == "not":
             return f"(!{x})"
         if e.op == "abs":
@@ -95,6 +97,10 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
             return f"attncc::{e.op}_of<{t}>({t}({a}), {t}({b}))"
         if e.ty == ex.FLOAT and e.op in ("add", "sub", "mul"):
             return f"(acc_t({a}) {_BINARY_C[e.op]} acc_t({b}))"
+        if e.ty == ex.INT and e.op in ("add", "sub", "mul"):
+            # int64 wraps, as in torch (the reference): through uint64, since signed overflow
+            # is undefined in C++ and compilers fold e.g. `i * c >= 0` into `i >= 0`
+            return f"int64_t(uint64_t({a}) {_BINARY_C[e.op]} uint64_t({b}))"
         return f"({a} {_BINARY_C[e.op]} {b})"
     if isinstance(e, ex.Where):
         t = c_type(e.ty)

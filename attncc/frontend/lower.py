@@ -28,6 +28,13 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "butterfly": (),
     "blocks": (),
 }
+INT64_MAX = 2**63 - 1
+#: Layout parameters (block sizes, widths, strides) are tile counts and sizes: int32 is plenty.
+LAYOUT_PARAMETER_MAX = 2**31 - 1
+# Score maps, masks and named expressions compose into one tree per kind; the passes that fold
+# and differentiate it recurse, so its depth stays well inside Python's recursion limit.
+COMPOSED_MAX_DEPTH = 200
+COMPOSED_MAX_SIZE = 20_000
 RESERVED = set(ex.INDEX_VARS + ex.SIZE_VARS) | {"q", "k", "v", "scale", "inf", "softmax", "dropout"}
 
 
@@ -57,6 +64,10 @@ class _Context:
     names: dict[str, Value] = field(default_factory=dict)
     scale: ex.Expr | None = None
     output: str | None = None
+    # what the passes will compose, kept to bound its size: the score map ending at each score
+    # node (in terms of the matmul's scores) and the conjunction of the masks so far
+    composed_scores: dict[str, ex.Expr] = field(default_factory=dict)
+    composed_mask: ex.Expr | None = None
 
 
 def lower(tree: Ast, path: str) -> Graph:
@@ -96,6 +107,8 @@ def default_scale() -> ex.Expr:
 def _input(ctx: _Context, stmt: Ast) -> None:
     name, dtype = stmt.children[0], stmt.children[1]
     _check_new_name(ctx, name)
+    if name.value == ex.SCORE_VAR:  # inside score expressions `s` is the score itself
+        raise DslError(f"an input cannot be named `{ex.SCORE_VAR}`: score expressions use it for the score", name.loc)
     if dtype.value not in DTYPES:
         raise DslError(f"unknown input type `{dtype.value}`; expected one of {', '.join(DTYPES)}", dtype.loc)
     dims: tuple[str | int, ...] = ()
@@ -150,6 +163,8 @@ def _assign(ctx: _Context, stmt: Ast) -> None:
     value = _lower_expr(ctx, value_ast)
     if isinstance(value, ScoreExpr):
         value = _materialise(ctx, value, value_ast.loc)
+    elif isinstance(value, ex.Expr):
+        _check_composed_size(value, value_ast.loc)
     ctx.names[name.value] = value
 
 
@@ -165,6 +180,8 @@ def _mask(ctx: _Context, stmt: Ast) -> None:
         raise DslError("a mask is a predicate over b, h, i, j and inputs, not a tensor", pred_ast.start)
     if pred.ty != ex.BOOL:
         raise DslError(f"a mask must be a condition (true keeps the score), got a {pred.ty} expression", pred_ast.start)
+    ctx.composed_mask = pred if ctx.composed_mask is None else ex.Binary("and", ctx.composed_mask, pred)
+    _check_composed_size(ctx.composed_mask, stmt.loc)
     _apply_to_scores(ctx, Mask(ex.fold(pred), loc=stmt.loc), stmt.loc, _reads(ctx, pred))
 
 
@@ -221,14 +238,44 @@ _STATEMENTS = {
 def _check_new_name(ctx: _Context, name: Ast) -> None:
     if name.value in RESERVED:
         raise DslError(f"`{name.value}` is a built-in name", name.loc)
+    if name.value.startswith("__"):
+        raise DslError(f"`{name.value}`: names starting with `__` are reserved for the compiler", name.loc)
     if name.value in ctx.names:
         raise DslError(f"`{name.value}` is already defined", name.loc)
 
 
+def _check_composed_size(e: ex.Expr, loc: SourceLoc, extra_depth: int = 0) -> int:
+    """The depth of `e` as later passes see it (statements compose), or a DslError when it, or
+    its size as a tree, exceeds what the compiler's recursive passes take. Shared subtrees
+    count once per use (`a = a + a` doubles), computed here in linear time."""
+    depth_of: dict[int, int] = {}
+    size_of: dict[int, int] = {}
+    stack: list[tuple[ex.Expr, bool]] = [(e, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if id(node) in depth_of:
+            continue
+        kids = node.children()
+        if not expanded and kids:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in depth_of)
+            continue
+        depth_of[id(node)] = 1 + max((depth_of[id(k)] for k in kids), default=0)
+        size_of[id(node)] = min(1 + sum(size_of[id(k)] for k in kids), COMPOSED_MAX_SIZE + 1)
+    depth = depth_of[id(e)] + extra_depth
+    if depth > COMPOSED_MAX_DEPTH or size_of[id(e)] > COMPOSED_MAX_SIZE:
+        raise DslError(
+            f"expression too large once the statements before it are substituted (depth {depth}, at most "
+            f"{COMPOSED_MAX_DEPTH}; at most {COMPOSED_MAX_SIZE} terms): combine the steps",
+            loc,
+        )
+    return depth
+
+
 def _positive_int(ctx: _Context, a: Ast, what: str) -> int:
     value = ex.fold(_scalar(ctx, a, what))
-    if not (isinstance(value, ex.Const) and value.ty == ex.INT and int(value.value) >= 1):
-        raise DslError(f"`{what}` must be a positive integer constant", a.start)
+    if not (isinstance(value, ex.Const) and value.ty == ex.INT and 1 <= int(value.value) <= LAYOUT_PARAMETER_MAX):
+        raise DslError(f"`{what}` must be a positive integer constant (at most {LAYOUT_PARAMETER_MAX})", a.start)
     return int(value.value)
 
 
@@ -240,6 +287,8 @@ def _apply_to_scores(ctx: _Context, op: Mask | Layout, loc: SourceLoc, reads: se
     target = ctx.names[scores[-1]]
     assert isinstance(target, TensorRef)
     node = add_op(ctx.g, op, [target.node], reads)
+    if target.node in ctx.composed_scores:  # masks and layouts pass the scores through
+        ctx.composed_scores[node] = ctx.composed_scores[target.node]
     for n, v in ctx.names.items():
         if v == target:
             ctx.names[n] = TensorRef(node, "scores")
@@ -250,7 +299,12 @@ def _materialise(ctx: _Context, value: ScoreExpr, loc: SourceLoc) -> TensorRef:
         return TensorRef(value.node, "scores")
     if value.expr.ty != ex.FLOAT and value.expr.ty != ex.INT:
         raise DslError(f"a score expression must be numeric, got a {value.expr.ty} expression", loc)
+    composed = value.expr
+    if value.node in ctx.composed_scores:
+        composed = ex.substitute(value.expr, {ex.score(): ctx.composed_scores[value.node]})
+    _check_composed_size(composed, loc)
     node = add_op(ctx.g, ScoreMap(ex.fold(value.expr), loc=loc), [value.node], _reads(ctx, value.expr))
+    ctx.composed_scores[node] = composed
     return TensorRef(node, "scores")
 
 
@@ -279,6 +333,8 @@ def _lower_expr(ctx: _Context, a: Ast) -> Value:
 def _number(ctx: _Context, a: Ast) -> Value:
     text = a.value
     if text.isdigit():
+        if int(text) > INT64_MAX:
+            raise DslError(f"integer `{text}` is out of range (integers are int64: at most {INT64_MAX})", a.loc)
         return ex.const(int(text))
     value = float(text)
     if not math.isfinite(value):

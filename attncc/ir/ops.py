@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from attncc.errors import SourceLoc
-from attncc.ir.expr import Expr, const
+from attncc.ir.expr import Expr, const, free_vars
 
 if TYPE_CHECKING:
     from attncc.passes.backward import BackwardExprs
@@ -130,9 +130,11 @@ class Output(Op):
 class FusedAttention(Op):
     """The whole chain scores -> map -> mask -> softmax -> dropout -> @ v as one kernel.
 
-    scale: expression (over the sizes and constants) multiplying q.k; score: the score
-    expression over `s` (the scaled product); mask: the predicate (masks and layouts together,
-    after sparsity analysis) or None; layouts: block-sparse layouts.
+    scale: expression (over the sizes, constants and the name `scale`) multiplying q.k;
+    default_scale: the value of the name `scale` unless a call gives one (the program's
+    `scale = ...` or 1/sqrt(D)); score: the score expression over `s` (the scaled product)
+    and `scale`; mask: the predicate (masks and layouts together, after sparsity analysis) or
+    None; layouts: block-sparse layouts.
     Later passes fill the analysis fields; the verifier checks each is present once its pass ran.
     """
 
@@ -141,6 +143,7 @@ class FusedAttention(Op):
     mask: Expr | None
     layouts: tuple[Layout, ...]
     dropout: float
+    default_scale: Expr
     sparsity: SparsityInfo | None = None
     backward: BackwardExprs | None = None
     tiling: TilingTable | None = None
@@ -148,6 +151,8 @@ class FusedAttention(Op):
 
     def describe(self) -> str:
         parts = [f"scale={self.scale}", f"score={self.score}"]
+        if any("scale" in free_vars(e) for e in (self.scale, self.score, self.mask) if e is not None):
+            parts.append(f"where scale={self.default_scale} by default")
         if self.mask is not None:
             parts.append(f"mask={self.mask}")
         parts.extend(layout.describe() for layout in self.layouts)

@@ -11,7 +11,8 @@ def canonicalize(g: Graph) -> Graph:
     """Rewrite the score chain into canonical order and fold constants.
 
     Guarantees afterwards:
-    - the name `scale` no longer occurs; its value (the program's or 1/sqrt(D)) is substituted;
+    - the name `scale` stays symbolic (a call may give its value; by default it is the
+      program's `scale = ...` or 1/sqrt(D), carried as `FusedAttention.default_scale`);
     - between the score matmul and the first mask/layout/softmax there is at most one
       `ScoreMap`: consecutive maps are composed, and maps written after a mask are moved
       before it (a masked score is removed whatever the map does, as in FlexAttention);
@@ -21,9 +22,8 @@ def canonicalize(g: Graph) -> Graph:
     - every expression is constant-folded.
     """
     g = clone(g)
-    scale = g.graph["scale"]
     for matmul in nodes_of(g, ScoreMatmul):
-        _canonicalize_chain(g, matmul, scale)
+        _canonicalize_chain(g, matmul)
     return g
 
 
@@ -38,7 +38,7 @@ def _chain(g: Graph, start: str) -> list[str]:
         chain.append(node)
 
 
-def _canonicalize_chain(g: Graph, matmul: str, scale: ex.Expr) -> None:
+def _canonicalize_chain(g: Graph, matmul: str) -> None:
     chain = _chain(g, matmul)
     if not chain:
         return
@@ -49,7 +49,7 @@ def _canonicalize_chain(g: Graph, matmul: str, scale: ex.Expr) -> None:
     for n in maps:
         op = op_of(g, n)
         assert isinstance(op, ScoreMap)
-        exprs.append(ex.fold(ex.substitute(op.expr, {ex.var("scale", ex.FLOAT): scale})))
+        exprs.append(ex.fold(op.expr))
     factor, composed = _split_factor(exprs[0]) if exprs else (ex.const(1.0), ex.score())
     for e in exprs[1:]:
         composed = ex.substitute(e, {ex.score(): composed})
@@ -79,8 +79,8 @@ def _canonicalize_chain(g: Graph, matmul: str, scale: ex.Expr) -> None:
 
 
 def _is_static(e: ex.Expr) -> bool:
-    """True if `e` depends only on numbers and problem sizes (same for every score)."""
-    return not ex.reads(e) and ex.free_vars(e) <= set(ex.SIZE_VARS)
+    """True if `e` depends only on numbers, problem sizes and `scale` (same for every score)."""
+    return not ex.reads(e) and ex.free_vars(e) <= {*ex.SIZE_VARS, "scale"}
 
 
 def _split_factor(e: ex.Expr) -> tuple[ex.Expr, ex.Expr]:

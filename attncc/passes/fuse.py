@@ -85,6 +85,7 @@ def fuse_attention(g: Graph) -> Graph:
         mask=ex.fold(mask) if mask is not None else None,
         layouts=tuple(layouts),
         dropout=dropout,
+        default_scale=g.graph["scale"],
         loc=matmul.loc,
     )
     reads = {u for n in chain for u, _, d in g.in_edges(n, data=True) if d["operand"] is None}

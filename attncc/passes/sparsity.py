@@ -159,10 +159,23 @@ def _point(x: torch.Tensor | float) -> Interval:
     return Interval(t, t)
 
 
+#: Bounds are float64: exact for integers up to 2^53. Beyond, int64 arithmetic in the kernel may
+#: wrap where float64 would not, so such an interval proves nothing.
+EXACT_INT_BOUND = 2.0**53
+
+
+def _int64_safe(v: Interval) -> Interval:
+    """`v` for an int64 expression: unbounded wherever a bound leaves the exact range."""
+    wild = (v.lo.abs() > EXACT_INT_BOUND) | (v.hi.abs() > EXACT_INT_BOUND)
+    if not bool(wild.any()):
+        return v
+    return Interval(torch.where(wild, -math.inf, v.lo), torch.where(wild, math.inf, v.hi))
+
+
 def _as_truth(v: Abstract) -> Truth:
     if isinstance(v, Truth):
         return v
-    return Truth(v.hi != 0, (v.lo <= 0) & (v.hi >= 0))
+    return Truth((v.lo != 0) | (v.hi != 0), (v.lo <= 0) & (v.hi >= 0))
 
 
 def _as_interval(v: Abstract) -> Interval:
@@ -239,7 +252,10 @@ class IntervalEvaluator:
 
     def __call__(self, e: ex.Expr) -> Abstract:
         if e not in self.memo:
-            self.memo[e] = self._eval(e)
+            value = self._eval(e)
+            if e.ty == ex.INT and isinstance(value, Interval):
+                value = _int64_safe(value)
+            self.memo[e] = value
         return self.memo[e]
 
     def _eval(self, e: ex.Expr) -> Abstract:
@@ -352,7 +368,10 @@ def _range_extreme(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, largest:
 def _read_tensor_interval(t: torch.Tensor, index: list[Interval]) -> Interval:
     """Bounds of t over the index box given per grid point."""
     x = t.double().reshape((1, 1, 1, 1, *t.shape))
-    lo_x, hi_x = x, x
+    lo_x, hi_x = (
+        x.nan_to_num(-math.inf, math.inf, -math.inf),
+        x.nan_to_num(math.inf, math.inf, -math.inf),
+    )  # NaN: anything
     for iv in index:
         lo_i, hi_i = iv.lo.long(), iv.hi.long()
         if lo_i.dim() < 4:
@@ -431,7 +450,8 @@ def check_read_bounds(
     scalars: Mapping[str, float],
     tensors: Mapping[str, torch.Tensor],
 ) -> None:
-    """Raise InputError if any tensor read can index outside its tensor for these sizes.
+    """Raise InputError if any tensor read can index outside its tensor for these sizes, or an
+    integer division's divisor can be 0.
 
     Bounds come from the same interval evaluation over the whole problem (b in [0, B), ...),
     so a read proven in range needs no check inside the kernel.
@@ -445,6 +465,14 @@ def check_read_bounds(
     reader = _reader(tensors)
     evaluator = IntervalEvaluator(env, reader)
     for e in predicate_and_score:
+        for node in ex.walk(e):  # an integer // or % by 0 has no value (Python raises)
+            if isinstance(node, ex.Binary) and node.op in ("floordiv", "mod") and node.ty == ex.INT:
+                divisor = _as_interval(evaluator(node.b))
+                if bool(((divisor.lo <= 0) & (divisor.hi >= 0)).any()):
+                    raise InputError(
+                        f"`{ex.render(node)}`: the divisor `{ex.render(node.b)}` can be 0 for N={problem.N}, "
+                        f"M={problem.M}, B={problem.B}, H={problem.H} and these inputs"
+                    )
         for r in ex.reads(e):
             t = tensors[r.tensor]
             for dim, index in enumerate(r.index):

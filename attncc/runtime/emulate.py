@@ -79,7 +79,8 @@ class EmulatedKernel(Kernel):
         (a GPU call then costs no host classification and no host-to-device copy)."""
         if tensors:
             return self._to_device(super()._prepare(plan, dtype, tensors, scalars))
-        key = (plan.problem, plan.tiles.block_rows, plan.tiles.block_cols, tuple(scalars), self._device_index())
+        tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
+        key = (plan.problem, tiles, plan.scale_value, tuple(scalars), self._device_index())
         with self._lock:
             call = self._calls.get(key)
         if call is None:

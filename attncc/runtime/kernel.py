@@ -49,7 +49,8 @@ class CallPlan:
 
     problem: Problem
     tiles: TilePlan
-    scale: float
+    scale: float  # multiplies q.k: FusedAttention.scale at this call's sizes and scale value
+    scale_value: float  # the program's name `scale` (the call's `scale=`, else its default)
 
 
 class Kernel:
@@ -94,7 +95,8 @@ class Kernel:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [B, H, N, D], k, v [B, Hkv, M, D] with this variant.
 
-        scale overrides the program's scale; train=False disables dropout; seed fixes the
+        scale sets the name `scale` (default: the program's `scale = ...`, else 1/sqrt(D)): the
+        q.k factor and every score expression using `scale` follow it; train=False disables dropout; seed fixes the
         dropout bits (default: drawn from torch's generator, so torch.manual_seed applies);
         runtime inputs are passed by their declared names. Returns out (and lse [B, H, N] in
         float32, float64 for float64 inputs, when return_lse).
@@ -110,8 +112,8 @@ class Kernel:
         return (out, lse) if return_lse else out
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
-        sizes = _sizes(q, k)
-        return float(evaluate(self.op.scale, sizes, {}))
+        """The value of the name `scale` when a call gives none: the program's or 1/sqrt(D)."""
+        return float(evaluate(self.op.default_scale, _sizes(q, k), {}))
 
     def reference(
         self,
@@ -149,7 +151,9 @@ class Kernel:
         problem = _problem(q, k)
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(problem.D)
-        return CallPlan(problem, tiles, scale if scale is not None else self.default_scale(q, k))
+        value = scale if scale is not None else self.default_scale(q, k)
+        multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
+        return CallPlan(problem, tiles, multiplier, value)
 
     def source(self, dtype: str = "float32") -> str:
         return generate_cpu(self.graph, dtype, self.key)
@@ -215,6 +219,10 @@ class Kernel:
             ok = isinstance(value, (bool, int, float)) and (decl.dtype == "float" or float(value).is_integer())  # type: ignore[arg-type]
             if not ok or (decl.dtype == "float" and not math.isfinite(float(value))):  # type: ignore[arg-type]
                 raise InputError(f"{decl.name}: expected a {decl.dtype} scalar, got {value!r}")
+            if decl.dtype == "int" and abs(int(value)) > 2**53:  # type: ignore[arg-type]
+                raise InputError(
+                    f"{decl.name}: {value!r} is beyond 2^53 (int scalars reach the kernel as exact float64)"
+                )
             return
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
@@ -336,6 +344,7 @@ class Kernel:
         names = [d for d in self.inputs if d.role == "tensor"]
         given = {d.name: t for d, t in zip(names, tensors)}
         scalar_map = {d.name: s for d, s in zip([d for d in self.inputs if d.role == "scalar"], scalars)}
+        scalar_map["scale"] = plan.scale_value  # a mask may use it
         info = self.op.sparsity
         assert info is not None
         problem = plan.problem
@@ -356,7 +365,7 @@ class Kernel:
                 if slot.ctype == "acc_t"
                 else t.to(torch.int64)
                 if slot.ctype == "int64_t"
-                else t.to(torch.uint8)
+                else (t != 0).to(torch.uint8)  # bool: any nonzero is true (256 must not wrap to 0)
             )
             kernel_tensors[slot.ident] = t.contiguous()
         return {"classes": classes, "tensors": kernel_tensors, "scalars": scalar_map}
@@ -407,7 +416,8 @@ class Kernel:
         for slot in self.abi.tensors:
             t = tensors[slot.ident]
             ints.update({f"st_{slot.ident}_{d}": t.stride(d) for d in range(slot.rank)})
-        reals = [plan.scale, dropout] + [float(call["scalars"][name]) for name, _, _ in self.abi.scalars]  # type: ignore[index]
+        reals = [plan.scale, dropout, plan.scale_value]
+        reals += [float(call["scalars"][name]) for name, _, _ in self.abi.scalars]  # type: ignore[index]
         int_values = [ints[name] for name in self.abi.int_slots()]
         return (
             (ctypes.c_void_p * len(pointer_values))(*pointer_values),

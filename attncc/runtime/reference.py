@@ -91,7 +91,7 @@ def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scale: float,
+    scale_value: float,
     scalars: Mapping[str, float | int | bool],
     tensors: Mapping[str, torch.Tensor],
     seed: int = 0,
@@ -99,7 +99,8 @@ def reference_attention(
     dropout: float | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse), differentiable w.r.t. q, k, v and float tensors in `tensors`.
+    """(out, lse), differentiable w.r.t. q, k, v and float tensors in `tensors`; `scale_value`
+    is the value of the program's name `scale`.
 
     Computed in float64 by default; `dtype` = bfloat16/float16 gives the eager low-precision
     result that tests use as the yardstick for low-precision kernels' error.
@@ -112,9 +113,9 @@ def reference_attention(
         v = v.repeat_interleave(H // Hkv, dim=1)
     tensors = {n: (t.double() if t.is_floating_point() else t) for n, t in tensors.items()}
     env: dict[str, Value] = dict(index_env(B, H, N, M))
-    env.update(B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, scale=scale)
+    env.update(B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, scale=scale_value)
     env.update(scalars)
-    env["s"] = scale * (q @ k.transpose(-1, -2))
+    env["s"] = evaluate(op.scale, env, tensors) * (q @ k.transpose(-1, -2))
     s = evaluate(op.score, env, tensors).to(dtype).expand(B, H, N, M)
     if op.mask is not None:
         visible = evaluate(op.mask, env, tensors).expand(B, H, N, M)

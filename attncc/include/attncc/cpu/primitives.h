@@ -48,11 +48,16 @@ template <> inline bf16_t from_acc<bf16_t>(acc_t x) { return from_float_bf16(flo
 template <> inline fp16_t from_acc<fp16_t>(acc_t x) { return from_float_fp16(float(x)); }
 
 // ---------------------------------------------------------------------------------- scalars
+// b == 0 and INT64_MIN / -1 would trap; the runtime rejects divisors whose range holds 0, and
+// these guards keep a missed case from killing the process.
 inline int64_t floordiv(int64_t a, int64_t b) {
+  if (b == 0) return 0;
+  if (b == -1) return static_cast<int64_t>(uint64_t(0) - static_cast<uint64_t>(a));  // wraps, no trap
   int64_t q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 inline int64_t pymod(int64_t a, int64_t b) {
+  if (b == 0 || b == -1) return 0;
   int64_t r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
@@ -90,7 +95,7 @@ inline F exp_cody_waite(F x) {
   bits += to_int_lanes(n) << 23;  // times 2^n
   F r;
   std::memcpy(&r, &bits, sizeof r);
-  return underflow ? F{} : r;
+  return underflow ? F{} : (x > hi ? F{} + __builtin_huge_valf() : r);  // overflow: inf, as libm
 }
 inline float exp_poly(float x) { return exp_cody_waite(x); }
 

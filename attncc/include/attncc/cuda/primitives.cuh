@@ -282,11 +282,16 @@ __device__ __forceinline__ float math_exp(float x) { return expf(x); }
 __device__ __forceinline__ float math_log(float x) { return logf(x); }
 __device__ __forceinline__ float math_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ float math_sqrt(float x) { return sqrtf(x); }
+// As the CPU header: guards against b == 0 and INT64_MIN / -1 (the runtime rejects divisors
+// that can be 0; the emulator must not trap on a missed case).
 __device__ __forceinline__ int64_t floordiv(int64_t a, int64_t b) {
+  if (b == 0) return 0;
+  if (b == -1) return static_cast<int64_t>(uint64_t(0) - static_cast<uint64_t>(a));
   const int64_t q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 __device__ __forceinline__ int64_t pymod(int64_t a, int64_t b) {
+  if (b == 0 || b == -1) return 0;
   const int64_t r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }

@@ -1,0 +1,157 @@
+"""Programs and inputs at the edges of the language: names that could alias compiler names,
+integers near int64's limits, divisors that can be 0, bool inputs given as ints, NaN in mask
+inputs, file names in generated text, programs too large to compose. Each either runs and
+matches float64 eager code written by hand, or fails with a clear error."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import DslError, InputError
+
+TAIL = "p = softmax(s)\no = p @ v\noutput o\n"
+
+
+def program(body: str, name: str = "edge") -> str:
+    return f"attention {name}\n{body}" + TAIL
+
+
+def qkv(N: int = 40, M: int = 40, D: int = 16, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, n, D, generator=gen, dtype=torch.float64) for n in (N, M, M))
+
+
+def masked_attention(q, k, v, keep: torch.Tensor) -> torch.Tensor:
+    """float64 eager attention keeping scores where `keep` ([N, M] or broadcastable) holds."""
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0)
+    return p @ v
+
+
+def test_an_input_named_like_the_score_is_an_error() -> None:
+    with pytest.raises(DslError, match="cannot be named `s`"):
+        attncc.compile("attention a\ninput s: float\nsc = q @ k.T * scale\np = softmax(sc)\no = p @ v\noutput o\n")
+
+
+def test_compiler_names_cannot_be_declared_and_user_names_cannot_meet_them() -> None:
+    with pytest.raises(DslError, match="names starting with `__` are reserved"):
+        attncc.compile(program("input __layout0: bool[N, M]\ns = q @ k.T * scale\n"))
+    kern = attncc.compile(
+        program(
+            "input g_layout0: bool[N, M]\ns = q @ k.T * scale\nmask g_layout0[i, j]\nlayout local(block=16, width=1)\n"
+        )
+    )
+    q, k, v = qkv()
+    keep = torch.rand(40, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    out = kern(q, k, v, g_layout0=keep)
+    tiles = (torch.arange(40)[:, None] // 16 - torch.arange(40)[None, :] // 16).abs() <= 1
+    assert torch.allclose(out, masked_attention(q, k, v, keep & tiles), atol=1e-12)
+
+
+def test_integers_beyond_int64_are_errors() -> None:
+    with pytest.raises(DslError, match="out of range"):
+        attncc.compile(program("s = q @ k.T * scale\nmask i < 18446744073709551616 + j\n"))
+    with pytest.raises(DslError, match="positive integer constant"):
+        attncc.compile(program("s = q @ k.T * scale\nlayout local(block=9999999999999, width=1)\n"))
+    kern = attncc.compile(program("input n: int\ns = q @ k.T * scale\nmask j < n and j <= i\n"))
+    with pytest.raises(InputError, match=r"n: .* beyond 2\^53"):
+        kern(*qkv(), n=10**30)
+
+
+def test_index_arithmetic_that_can_overflow_is_not_trusted() -> None:
+    kern = attncc.compile(
+        program(
+            "input t: float[1]\ns = q @ k.T * scale\n"
+            "s = s + t[((i + 9223372036854775807) - 9223372036854775807) * 100000000]\n"
+        )
+    )
+    with pytest.raises(InputError, match=r"t\[.*ranges over \[-inf, inf\]"):
+        kern(*qkv(), t=torch.tensor([0.5]))
+    # a mask whose int64 product wraps: evaluated per score, as the reference does (int64)
+    wrap = attncc.compile(program("s = q @ k.T * scale\nmask i * 4611686018427387904 >= 0\n"))
+    q, k, v = qkv()
+    out, ref = wrap(q, k, v), wrap.reference(q, k, v)[0]
+    assert torch.allclose(out, ref, atol=1e-12)
+    keep = (torch.arange(40) * 4611686018427387904 >= 0)[:, None].expand(40, 40)  # int64 wraps for odd i
+    assert torch.allclose(out, masked_attention(q, k, v, keep), atol=1e-12)
+
+
+def test_integer_division_by_a_divisor_that_can_be_zero_is_an_input_error() -> None:
+    kern = attncc.compile(program("input n: int\ns = q @ k.T * scale\ns = s + i // n\n"))
+    with pytest.raises(InputError, match="the divisor `n` can be 0"):
+        kern(*qkv(), n=0)
+    masked = attncc.compile(program("input w: int[B]\ns = q @ k.T * scale\nmask j % w[b] == 0 and j <= i\n"))
+    with pytest.raises(InputError, match="can be 0"):
+        masked(*qkv(), w=torch.tensor([0]))
+    q, k, v = qkv()
+    out = masked(q, k, v, w=torch.tensor([3]))
+    keep = (torch.arange(40)[None, :] % 3 == 0) & (torch.arange(40)[None, :] <= torch.arange(40)[:, None])
+    assert torch.allclose(out, masked_attention(q, k, v, keep), atol=1e-12)
+
+
+@pytest.mark.parametrize("value", [-1, 256, 3])
+def test_bool_inputs_given_as_integers_mean_nonzero(value: int) -> None:
+    kern = attncc.compile(program("input keep: bool[M]\ns = q @ k.T * scale\nmask keep[j]\n"))
+    q, k, v = qkv(M=90)
+    keep = torch.zeros(90, dtype=torch.int64)
+    keep[::2] = value
+    out = kern(q, k, v, keep=keep)
+    assert torch.allclose(out, masked_attention(q, k, v, (keep != 0)[None, :].expand(40, 90)), atol=1e-12)
+
+
+def test_nan_in_a_mask_input_proves_nothing() -> None:
+    kern = attncc.compile(program("input x: float[B]\ns = q @ k.T * scale\nmask not (x[b] > j)\n"))
+    q, k, v = qkv()
+    out = kern(q, k, v, x=torch.tensor([math.nan]))  # NaN > j is false: every score kept
+    assert torch.allclose(out, masked_attention(q, k, v, torch.ones(40, 40, dtype=torch.bool)), atol=1e-12)
+
+
+def test_file_names_cannot_inject_lines_into_generated_code(tmp_path: Path) -> None:
+    path = tmp_path / "a\r#error INJECTED\r.attn"
+    path.write_text(program("s = q @ k.T * scale\n"))
+    kern = attncc.compile(str(path))
+    assert "#error" not in kern.source("float32") and "\r" not in kern.source("float32")
+    q, k, v = qkv()
+    assert torch.allclose(kern(q, k, v), masked_attention(q, k, v, torch.ones(40, 40, dtype=torch.bool)))
+
+
+def test_programs_too_large_to_compose_are_dsl_errors() -> None:
+    with pytest.raises(DslError, match="expression too large once the statements before it are substituted"):
+        attncc.compile(program("s = q @ k.T * scale\n" + "s = s * 0.999 + 0.001\n" * 1500))
+    with pytest.raises(DslError, match="at most 20000 terms"):
+        attncc.compile(program("s = q @ k.T * scale\na = i\n" + "a = a + a\n" * 70 + "mask a > j\n"))
+    deep = attncc.compile(program("input w: float[H]\ns = q @ k.T * scale\n" + "s = tanh(s) * w[h] + 0.001\n" * 45))
+    q, k, v = (t.requires_grad_() for t in qkv())
+    deep(q, k, v, w=torch.rand(2, dtype=torch.float64)).sum().backward()  # composes, differentiates, builds
+    assert torch.isfinite(q.grad).all()
+
+
+def test_a_call_scale_sets_the_name_scale_everywhere() -> None:
+    """`kern(..., scale=x)` gives the name `scale` the value x: the q.k factor (with any
+    constant the program multiplies it by) and every score expression and mask using it."""
+    q, k, v = qkv(30, 30)
+    n = torch.arange(30)
+
+    def manual(factor: float, penalty: float, keep: torch.Tensor | None = None) -> torch.Tensor:
+        s = (q @ k.transpose(-1, -2)) * factor - penalty * (n[:, None] - n[None, :]).abs()
+        if keep is not None:
+            s = s.masked_fill(~keep, -math.inf)
+        return torch.softmax(s, -1) @ v
+
+    alibi_like = attncc.compile(program("s = q @ k.T * scale\ns = s - scale * abs(i - j)\n"))
+    assert torch.allclose(alibi_like(q, k, v, scale=0.5), manual(0.5, 0.5), atol=1e-12)
+    assert torch.allclose(alibi_like(q, k, v), manual(0.25, 0.25), atol=1e-12)  # 1/sqrt(16)
+    doubled = attncc.compile(program("s = q @ k.T * scale * 2\n"))
+    assert torch.allclose(doubled(q, k, v, scale=0.5), manual(1.0, 0.0), atol=1e-12)
+    masked = attncc.compile(program("scale = 1 / D\ns = q @ k.T * scale\nmask j <= i + scale * 64\n"))
+    keep = n[None, :] <= n[:, None] + 0.5 * 64
+    assert torch.allclose(masked(q, k, v, scale=0.5), manual(0.5, 0.0, keep), atol=1e-12)
+    assert torch.allclose(masked(q, k, v), manual(1 / 16, 0.0, n[None, :] <= n[:, None] + 4), atol=1e-12)
+    emulated = attncc.compile(program("s = q @ k.T * scale\ns = s - scale * abs(i - j)\n"), target="sm80", emulate=True)
+    out = emulated(q.half(), k.half(), v.half(), scale=0.5)
+    assert (out.double() - manual(0.5, 0.5)).abs().max() < 1e-2
