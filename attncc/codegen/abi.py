@@ -54,6 +54,7 @@ class KernelAbi:
         names += [f"st_{n}_{d}" for n, _ in OPERANDS for d in range(4)]
         names += list(CONTROL)
         names += [f"st_{t.ident}_{d}" for t in self.tensors for d in range(t.rank)]
+        names += [f"grad_slice_{self.ident_of(n)}" for n in self.grads]  # per-thread buffer stride
         return names
 
     def real_slots(self) -> list[str]:

@@ -57,6 +57,7 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
     """C++ source of the forward and backward kernels of `g` for q/k/v of `dtype`."""
     _, op = fused_node(g)
     storage, acc = STORAGE_TYPES[dtype]
+    hooks = hook_values(g)
     return render(
         "cpu/attention.cpp.jinja",
         source_name=comment_safe(g.graph["path"].rsplit("/", 1)[-1]),
@@ -66,5 +67,7 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         acc_type=acc,
         abi=kernel_abi(g),
         has_dropout=op.dropout > 0,
-        **hook_values(g),
+        # tasks -> threads fixed when learnable inputs get gradients (reproducible sums)
+        backward_schedule="static, 1" if hooks["input_grads"] else "dynamic, 1",
+        **hooks,
     )

@@ -16,7 +16,7 @@ import torch
 from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.runtime.build import build_library, load_library
-from attncc.runtime.kernel import Kernel, acc_dtype, check_atomic_grads_allowed
+from attncc.runtime.kernel import Kernel, acc_dtype, check_atomic_grads_allowed, delta_rows
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
 #: Prepared calls (tile classes, layout grids) kept per kernel for inputs without runtime tensors.
@@ -123,7 +123,7 @@ class EmulatedKernel(Kernel):
             self._run("attncc_emulated_forward", str(storage).replace("torch.", ""), plan, call, ptrs, dropout, seed)
         return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
-    def backward_impl(self, q, k, v, out, lse, dout, tensors, scalars, scale, dropout, seed, grad_inputs):  # noqa: ANN001, ANN201 - as Kernel
+    def backward_impl(self, q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs):  # noqa: ANN001, ANN201 - as Kernel
         storage = self.storage_dtype(q.dtype)
         plan = self.plan(q, k, scale)
         qs, ks, vs, dos = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (dout, "grad of out")))
@@ -138,7 +138,7 @@ class EmulatedKernel(Kernel):
             if want and d.name in self.abi.grads
         }
         if q.numel() and k.numel():
-            delta = (dout.float() * out.float()).sum(-1).contiguous()
+            delta = delta_rows(out, dout, dlse, torch.float32)
             ptrs = {
                 "q": qs,
                 "k": ks,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -31,7 +33,12 @@ from attncc.runtime.build import build_library, load_library
 from attncc.runtime.reference import evaluate, reference_attention
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_REGISTRY: dict[str, Kernel] = {}
+# call_key -> kernel, weakly: a kernel nobody holds is freed (autograd contexts hold theirs)
+_REGISTRY: weakref.WeakValueDictionary[str, Kernel] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+#: Learnable-input gradients get one fp32 buffer per thread (reproducible sums) up to this size
+#: in all; beyond it, one shared buffer with atomics.
+PER_THREAD_GRAD_BUFFERS_MAX = 256 * 2**20
 #: The fused backward runs one task per (b, kv head): with fewer than this many tasks per
 #: thread, a thread with a heavier task (a longer padded sequence) leaves the others idle.
 FUSED_BACKWARD_TASKS_PER_THREAD = 2
@@ -70,12 +77,24 @@ class Kernel:
         self.inputs: list[Input] = runtime_inputs(self.graph)
         text = print_graph(self.graph) + repr(self.op) + target
         self.key = f"{self.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        self._register()
+
+    def _register(self) -> None:
         self._libraries: dict[str, ctypes.CDLL] = {}
         self._lock = threading.Lock()
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
-        self.call_key = f"{self.key}#{len(_REGISTRY)}"
+        self.call_key = f"{self.key}#{next(_KEYS)}"
         _REGISTRY[self.call_key] = self
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickling and deepcopy keep the compiled program; loaded libraries and the lock are
+        per process (the copy reloads from the disk cache) and the copy gets its own op key."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_libraries", "_lock", "call_key")}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._register()
 
     # ------------------------------------------------------------------ public API
     def __repr__(self) -> str:
@@ -101,14 +120,22 @@ class Kernel:
         runtime inputs are passed by their declared names. Returns out (and lse [B, H, N] in
         float32, float64 for float64 inputs, when return_lse).
         """
+        _reject_transforms({"q": q, "k": k, "v": v, **runtime})
         self.validate(q, k, v, runtime)
         tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
         dropout = self.op.dropout if train else 0.0
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
-        scale_value = float(scale) if scale is not None else self.default_scale(q, k)
-        out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale_value, dropout, seed)
+        elif isinstance(seed, bool) or not isinstance(seed, (int, torch.SymInt)) or not 0 <= seed < 2**63:
+            raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
+        if scale is not None and not torch.compiler.is_compiling():  # traced: may be symbolic
+            scale = float(scale)
+            if not math.isfinite(scale):
+                raise InputError(f"scale: expected a finite number, got {scale!r}")
+        # scale None: the op computes the program's default from the sizes (symbolic under
+        # torch.compile with dynamic shapes, so not here)
+        out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale, dropout, seed)
         return (out, lse) if return_lse else out
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
@@ -210,6 +237,8 @@ class Kernel:
 
     def _validate_input(self, decl: Input, value: object, sizes: dict[str, int], bound: dict[str, int]) -> None:
         if decl.role == "scalar":
+            if torch.compiler.is_compiling():
+                return  # may be symbolic: the op implementation gets (and the kernel reads) concrete values
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise InputError(
@@ -254,7 +283,7 @@ class Kernel:
         v: torch.Tensor,
         tensors: list[torch.Tensor],
         scalars: list[float],
-        scale: float,
+        scale: float | None,
         dropout: float,
         seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,9 +306,10 @@ class Kernel:
         out: torch.Tensor,
         lse: torch.Tensor,
         dout: torch.Tensor,
+        dlse: torch.Tensor | None,
         tensors: list[torch.Tensor],
         scalars: list[float],
-        scale: float,
+        scale: float | None,
         dropout: float,
         seed: int,
         grad_inputs: list[bool],
@@ -294,12 +324,15 @@ class Kernel:
         )
         call = self._prepare(plan, q.dtype, tensors, scalars)
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
-        grads: dict[str, torch.Tensor] = {}
+        grads: dict[str, torch.Tensor] = {}  # [threads, *shape]: one slice per thread, summed after
+        threads = max(1, torch.get_num_threads())
         for decl, t, wanted in zip(tensor_decls, tensors, grad_inputs):
             if wanted and decl.name in self.abi.grads:
-                grads[decl.name] = torch.zeros(t.shape, dtype=acc)
+                slices = threads if threads * t.numel() * 4 <= PER_THREAD_GRAD_BUFFERS_MAX else 1
+                grads[decl.name] = torch.zeros((slices, *t.shape), dtype=acc)
+        call["grad_slices"] = {self.abi.ident_of(n): g[0].numel() if len(g) > 1 else 0 for n, g in grads.items()}
         if q.numel() and k.numel():
-            delta = (dout.to(acc) * out.to(acc)).sum(-1).contiguous()
+            delta = delta_rows(out, dout, dlse, acc)
             ptrs = {
                 "q": q,
                 "k": k,
@@ -313,14 +346,15 @@ class Kernel:
                 "dv": dv,
             }
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
-            if torch.get_num_threads() > 1:  # one thread adds in a fixed order
-                check_atomic_grads_allowed(self.name, list(grads), requested=False)
+            shared = [n for n, g in grads.items() if len(g) == 1 and threads > 1]  # atomics across threads
+            check_atomic_grads_allowed(self.name, shared, requested=False)
             for entry in self.backward_entries(plan):
                 self._launch(dtype, entry, plan, call, ptrs, dropout, seed)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
         grad_list = [
-            grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)
+            grads[d.name].sum(0).to(t.dtype) if d.name in grads else torch.empty(0)
+            for d, t in zip(tensor_decls, tensors)
         ]
         return dq, dk, dv, grad_list
 
@@ -416,6 +450,10 @@ class Kernel:
         for slot in self.abi.tensors:
             t = tensors[slot.ident]
             ints.update({f"st_{slot.ident}_{d}": t.stride(d) for d in range(slot.rank)})
+        grad_slices: dict[str, int] = call.get("grad_slices", {})  # type: ignore[assignment]
+        ints.update(
+            {f"grad_slice_{self.abi.ident_of(n)}": grad_slices.get(self.abi.ident_of(n), 0) for n in self.abi.grads}
+        )
         reals = [plan.scale, dropout, plan.scale_value]
         reals += [float(call["scalars"][name]) for name, _, _ in self.abi.scalars]  # type: ignore[index]
         int_values = [ints[name] for name in self.abi.int_slots()]
@@ -470,7 +508,7 @@ def attention_op(
     v: torch.Tensor,
     tensors: list[torch.Tensor],
     scalars: list[float],
-    scale: float,
+    scale: float | None,
     dropout: float,
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -485,7 +523,7 @@ def _attention_fake(
     v: torch.Tensor,
     tensors: list[torch.Tensor],
     scalars: list[float],
-    scale: float,
+    scale: float | None,
     dropout: float,
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -501,15 +539,16 @@ def attention_backward_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     tensors: list[torch.Tensor],
     scalars: list[float],
-    scale: float,
+    scale: float | None,
     dropout: float,
     seed: int,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     return _REGISTRY[key].backward_impl(
-        q, k, v, out, lse, dout.contiguous(), tensors, scalars, scale, dropout, seed, grad_inputs
+        q, k, v, out, lse, dout.contiguous(), dlse, tensors, scalars, scale, dropout, seed, grad_inputs
     )
 
 
@@ -522,9 +561,10 @@ def _attention_backward_fake(
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     tensors: list[torch.Tensor],
     scalars: list[float],
-    scale: float,
+    scale: float | None,
     dropout: float,
     seed: int,
     grad_inputs: list[bool],
@@ -539,13 +579,13 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 -
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.key, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed = key, scalars, scale, dropout, seed
     ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
-    ctx.mark_non_differentiable(lse)
+    ctx.kernel = _REGISTRY[key]  # alive until the backward ran
 
 
 def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     dq, dk, dv, grads = torch.ops.attncc.attention_backward(
-        ctx.key, q, k, v, out, lse, dout, tensors, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed, ctx.grad_inputs
+        ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed, ctx.grad_inputs
     )
     tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
     # torch takes a non-empty list[float] input as one leaf (gradient None), an empty one as []
@@ -554,3 +594,39 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: AN
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+    raise RuntimeError(
+        "attncc kernels are differentiable once: the backward kernel has no derivative "
+        "(double backward, gradgradcheck and Hessian products are not supported)"
+    )
+
+
+attention_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def delta_rows(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """D = rowsum(dO * O) (Algorithm 4), less the gradient of the log-sum-exp: d lse / d S = P,
+    so a loss on lse adds dlse * P to dS = P * (dP - D), which is D - dlse in place of D."""
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(dtype)
+    return delta.contiguous()
+
+
+def _reject_transforms(values: Mapping[str, object]) -> None:
+    """torch.func transforms and forward-mode AD would see no derivative of the op (it has a
+    reverse-mode formula only): a clear error instead of zero tangents."""
+    if torch.compiler.is_compiling():  # dynamo traces plain tensors (and cannot trace these checks)
+        return
+    for name, t in values.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise InputError(
+                f"{name}: attncc kernels do not support torch.func transforms (grad, vjp, jvp, vmap, jacrev, "
+                "jacfwd); use torch.autograd.grad or .backward()"
+            )
+        if torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise InputError(f"{name}: attncc kernels have no forward-mode derivative (a dual tensor was passed)")

@@ -223,11 +223,15 @@ inline v8d vexp_impl(v8d x) {  // double builds (gradcheck): exact libm exp per 
 
 inline vec_t vexp(vec_t x) { return vexp_impl(x); }
 
+// max that keeps NaN (std::max and a plain compare drop it): a NaN score makes its row NaN,
+// as in eager softmax, instead of looking fully masked
+inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || b != b) ? b : a; }
+
 inline acc_t row_max(const acc_t* x, int n) {
   vec_t m = vbroadcast(-kInf);
-  for (int c = 0; c < n; c += VL) { vec_t v = vload(x + c); m = v > m ? v : m; }
+  for (int c = 0; c < n; c += VL) { vec_t v = vload(x + c); m = (v > m) | (v != v) ? v : m; }
   acc_t r = -kInf;
-  for (int l = 0; l < VL; ++l) r = std::max(r, acc_t(m[l]));
+  for (int l = 0; l < VL; ++l) r = nan_max(r, acc_t(m[l]));
   return r;
 }
 

@@ -1,0 +1,134 @@
+"""Kernels as PyTorch citizens: torch.compile with changing shapes and scalars, the gradient
+of the log-sum-exp, clear errors for what is not supported (double backward, torch.func,
+forward AD, bad seeds), NaN propagation, pickling and freeing kernels."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import InputError
+from attncc.runtime.inputs import Shape, adapt, make_inputs
+from tests.conftest import ROOT, kernel
+
+TEMPERED = (
+    "attention tempered\ninput n: int\ninput t: float\ns = q @ k.T * scale\ns = s * t\nmask j < n + i\n"
+    "p = softmax(s)\no = p @ v\noutput o\n"
+)
+
+
+def test_compile_fullgraph_with_changing_shapes_scalars_and_scale() -> None:
+    vanilla = kernel("vanilla")
+    dynamic = torch.compile(lambda q: vanilla(q, q, q), fullgraph=True, dynamic=True)
+    for shape in ((1, 2, 9, 8), (1, 2, 17, 16), (2, 1, 5, 32)):  # head dim changes too
+        q = torch.randn(*shape)
+        assert torch.allclose(dynamic(q), vanilla(q, q, q), atol=1e-6)
+    tempered = attncc.compile(TEMPERED)
+    compiled = torch.compile(lambda q, n, t, sc: tempered(q, q, q, n=n, t=t, scale=sc), fullgraph=True)
+    for n, t, sc in ((3, 0.5, 0.3), (5, 0.7, 0.6), (2, 1.5, 0.9)):
+        q = torch.randn(1, 2, 9, 8, requires_grad=True)
+        out = compiled(q, n, t, sc)
+        (grad,) = torch.autograd.grad(out.sum(), q)
+        ref = tempered(q, q, q, n=n, t=t, scale=sc)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), q)
+        assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(grad, ref_grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["alibi", "gpt2", "padding"])
+def test_lse_is_differentiable(name: str) -> None:
+    kern = kernel(name)
+    q, k, v, runtime = make_inputs(kern, adapt(Shape(1, 2, 1, 6, 7, 4), kern), torch.float64, seed=4)
+    learnable = {
+        n: t.detach().double().requires_grad_()
+        for n, t in runtime.items()
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    }
+    fixed = {n: t for n, t in runtime.items() if n not in learnable}
+
+    def fn(q, k, v, *extra):
+        out, lse = kern(q, k, v, seed=3, return_lse=True, **fixed, **dict(zip(learnable, extra)))
+        return out.sum(-1) + 0.5 * lse.nan_to_num(0.0, 0.0, 0.0) ** 2  # loss on both outputs
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, *learnable.values()), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_lse_gradient_on_the_cuda_emulator() -> None:
+    kern = attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=gen, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    _, lse = kern(q, k, v, return_lse=True)
+    grads = torch.autograd.grad(lse.sum(), [q, k])
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(kern.reference(*r)[1].sum(), r[:2])
+    for g, rg in zip(grads, ref):
+        assert (g.double() - rg).abs().max() < 2e-2
+
+
+def test_double_backward_is_a_clear_error() -> None:
+    q = torch.randn(1, 1, 8, 8, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(kernel("vanilla")(q, q, q).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="attncc kernels are differentiable once"):
+        g.sum().backward()
+
+
+def test_torch_func_and_forward_ad_are_clear_errors() -> None:
+    import torch.autograd.forward_ad as fwad
+
+    vanilla = kernel("vanilla")
+    q = torch.randn(1, 1, 8, 8)
+    with pytest.raises(InputError, match=r"do not support torch\.func transforms"):
+        torch.func.grad(lambda x: vanilla(x, q, q).sum())(q)
+    with pytest.raises(InputError, match=r"do not support torch\.func transforms"):
+        torch.func.vmap(lambda x: vanilla(x, q, q))(q.unsqueeze(0))
+    with pytest.raises(InputError, match="no forward-mode derivative"), fwad.dual_level():
+        vanilla(fwad.make_dual(q, torch.ones_like(q)), q, q)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, 2**64, True])
+def test_bad_seeds_are_input_errors(seed: object) -> None:
+    q = torch.randn(1, 1, 8, 8)
+    with pytest.raises(InputError, match=r"seed: expected an int in \[0, 2\^63\)"):
+        kernel("gpt2")(q, q, q, seed=seed)
+
+
+def test_non_finite_scale_is_an_input_error() -> None:
+    q = torch.randn(1, 1, 8, 8)
+    with pytest.raises(InputError, match="scale: expected a finite number"):
+        kernel("vanilla")(q, q, q, scale=float("nan"))
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_nan_propagates_like_eager(emulate: bool) -> None:
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm80" if emulate else "cpu", emulate=emulate)
+    x = torch.randn(1, 2, 9, 16)
+    x[0, 0, 0, 0] = float("nan")  # query 0 and key 0 of head 0
+    x = x.half() if emulate else x
+    out, lse = kern(x, x, x, return_lse=True)
+    ref, ref_lse = kern.reference(x.double(), x.double(), x.double())
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(lse.isnan(), ref_lse.isnan())
+    assert torch.isfinite(out[0, 1]).all()
+
+
+def test_kernels_pickle_deepcopy_and_are_freed() -> None:
+    kern = attncc.compile(ROOT / "examples" / "alibi.attn")
+    q = torch.randn(1, 2, 9, 8)
+    slopes = torch.rand(2)
+    expected = kern(q, q, q, slopes=slopes)
+    for copied in (copy.deepcopy(kern), pickle.loads(pickle.dumps(kern))):
+        assert copied.call_key != kern.call_key
+        assert torch.equal(copied(q, q, q, slopes=slopes), expected)
+    alive = weakref.ref(kern)
+    out = kern(q.requires_grad_(), q, q, slopes=slopes)
+    del kern
+    gc.collect()
+    assert alive() is not None  # the autograd graph still needs it
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert alive() is None
