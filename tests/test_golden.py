@@ -207,7 +207,10 @@ def test_dropout_backward_matches_the_explicit_mask() -> None:
 def test_custom_op_passes_opcheck() -> None:
     kern = kernel("alibi")
     q, k, v, rt = make_inputs(kern, Shape(1, 2, 1, 9, 11, 8))
-    args = (kern.call_key, q, k, v, [rt["slopes"]], [], 0.3, 0.0, 0)
+    args = (kern.call_key, q, k, v, [rt["slopes"]], [], 0.3, 0.0, torch.tensor([0]))
+    torch.library.opcheck(torch.ops.attncc.attention.default, args)
+    dropout = kernel("gpt2")
+    args = (dropout.call_key, q, k, v, [], [], None, 0.1, torch.tensor([7]))
     torch.library.opcheck(torch.ops.attncc.attention.default, args)
 
 

@@ -40,6 +40,21 @@ def test_compile_fullgraph_with_changing_shapes_scalars_and_scale() -> None:
         assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(grad, ref_grad, atol=1e-5)
 
 
+def test_compile_fullgraph_with_dropout_and_no_seed() -> None:
+    """The seed is drawn as a tensor, so tracing needs no data-dependent value; the compiled
+    call draws from torch's generator like the eager one."""
+    gpt2 = kernel("gpt2")
+    compiled = torch.compile(lambda q: gpt2(q, q, q), fullgraph=True)
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    torch.manual_seed(5)
+    first = compiled(q)
+    first.sum().backward()
+    torch.manual_seed(5)
+    again = compiled(q)
+    assert torch.equal(first, again) and torch.isfinite(q.grad).all()
+    assert not torch.equal(compiled(q), first)  # a fresh seed per call
+
+
 @pytest.mark.parametrize("name", ["alibi", "gpt2", "padding"])
 def test_lse_is_differentiable(name: str) -> None:
     kern = kernel(name)

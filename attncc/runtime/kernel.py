@@ -125,17 +125,21 @@ class Kernel:
         tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
         dropout = self.op.dropout if train else 0.0
+        # the seed travels as a one-element int64 tensor: drawn from torch's generator it stays
+        # a tensor under torch.compile (no data-dependent .item() while tracing)
         if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
+            seed_tensor = torch.randint(0, 2**62, (1,)) if dropout > 0 else torch.zeros(1, dtype=torch.int64)
         elif isinstance(seed, bool) or not isinstance(seed, (int, torch.SymInt)) or not 0 <= seed < 2**63:
             raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
+        else:
+            seed_tensor = torch.tensor([seed], dtype=torch.int64)
         if scale is not None and not torch.compiler.is_compiling():  # traced: may be symbolic
             scale = float(scale)
             if not math.isfinite(scale):
                 raise InputError(f"scale: expected a finite number, got {scale!r}")
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
-        out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale, dropout, seed)
+        out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_tensor)
         return (out, lse) if return_lse else out
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
@@ -510,9 +514,9 @@ def attention_op(
     scalars: list[float],
     scale: float | None,
     dropout: float,
-    seed: int,
+    seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _REGISTRY[key].forward_impl(q, k, v, tensors, scalars, scale, dropout, seed)
+    return _REGISTRY[key].forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed.item()))
 
 
 @attention_op.register_fake
@@ -525,7 +529,7 @@ def _attention_fake(
     scalars: list[float],
     scale: float | None,
     dropout: float,
-    seed: int,
+    seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
@@ -544,11 +548,11 @@ def attention_backward_op(
     scalars: list[float],
     scale: float | None,
     dropout: float,
-    seed: int,
+    seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     return _REGISTRY[key].backward_impl(
-        q, k, v, out, lse, dout.contiguous(), dlse, tensors, scalars, scale, dropout, seed, grad_inputs
+        q, k, v, out, lse, dout.contiguous(), dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs
     )
 
 
@@ -566,7 +570,7 @@ def _attention_backward_fake(
     scalars: list[float],
     scale: float | None,
     dropout: float,
-    seed: int,
+    seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     grads = [t.new_empty(t.shape) if wanted else t.new_empty(0) for t, wanted in zip(tensors, grad_inputs)]
@@ -576,16 +580,16 @@ def _attention_backward_fake(
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
     key, q, k, v, tensors, scalars, scale, dropout, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *tensors)
-    ctx.key, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed = key, scalars, scale, dropout, seed
+    ctx.save_for_backward(q, k, v, out, lse, seed, *tensors)
+    ctx.key, ctx.scalars, ctx.scale, ctx.dropout = key, scalars, scale, dropout
     ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
     ctx.kernel = _REGISTRY[key]  # alive until the backward ran
 
 
 def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
-    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    q, k, v, out, lse, seed, *tensors = ctx.saved_tensors
     dq, dk, dv, grads = torch.ops.attncc.attention_backward(
-        ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, ctx.seed, ctx.grad_inputs
+        ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs
     )
     tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
     # torch takes a non-empty list[float] input as one leaf (gradient None), an empty one as []
