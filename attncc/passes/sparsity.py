@@ -444,7 +444,7 @@ def _reader(tensors: Mapping[str, torch.Tensor]):  # noqa: ANN202
     return read
 
 
-def check_read_bounds(
+def check_reads_and_divisors(
     predicate_and_score: list[ex.Expr],
     problem: Problem,
     scalars: Mapping[str, float],

@@ -51,9 +51,11 @@ class EmulatedKernel(Kernel):
 
     schedule = "lockstep"
 
-    def __init__(self, stages, target: str) -> None:  # noqa: ANN001 - as Kernel
-        super().__init__(stages, target)
-        self._calls: dict[tuple, dict] = {}
+    _PER_PROCESS = (*Kernel._PER_PROCESS, "_calls")
+
+    def _register(self) -> None:
+        super()._register()
+        self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
 
     #: dQ by a second kernel instead of fp32 atomics, so dq, dk, dv are bit-reproducible on a
     #: GPU; also on under torch.use_deterministic_algorithms(True). Gradients of learnable

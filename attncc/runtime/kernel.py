@@ -27,7 +27,7 @@ from attncc.errors import InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
 from attncc.passes import Stage
-from attncc.passes.sparsity import Problem, check_read_bounds, classify_tiles, runtime_tensors
+from attncc.passes.sparsity import Problem, check_reads_and_divisors, classify_tiles, runtime_tensors
 from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.reference import evaluate, reference_attention
@@ -66,6 +66,8 @@ class Kernel:
     device_type = "cpu"  # where q, k, v and runtime tensors must live
     #: "auto" (see `backward_entries`), "fused" or "two-pass".
     backward = "auto"
+    #: Attributes `_register` makes, left out of pickles and copies.
+    _PER_PROCESS: tuple[str, ...] = ("_libraries", "_lock", "call_key")
 
     def __init__(self, stages: list[Stage], target: str) -> None:
         self.stages = stages
@@ -88,9 +90,9 @@ class Kernel:
         _REGISTRY[self.call_key] = self
 
     def __getstate__(self) -> dict[str, object]:
-        """Pickling and deepcopy keep the compiled program; loaded libraries and the lock are
-        per process (the copy reloads from the disk cache) and the copy gets its own op key."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_libraries", "_lock", "call_key")}
+        """Pickling and deepcopy keep the compiled program; what `_register` makes (loaded
+        libraries, the lock, caches) is per process and the copy gets its own op key."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -389,7 +391,7 @@ class Kernel:
         all_tensors = runtime_tensors(info, problem, given)
         exprs = [self.op.score] + ([self.op.mask] if self.op.mask is not None else [])
         if problem.N and problem.M:
-            check_read_bounds(exprs, problem, scalar_map, all_tensors)
+            check_reads_and_divisors(exprs, problem, scalar_map, all_tensors)
             classes = classify_tiles(
                 info, problem, scalar_map, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols
             )
