@@ -55,7 +55,7 @@ COMMON_INSTRUCTIONS = (
 def test_every_example_compiles_for_sm75_sm80_and_sm90_without_spills() -> None:
     jobs = [(n, arch, d, "bfloat16") for n in EXAMPLES for arch in ("sm80", "sm90") for d in (64, 128)]
     jobs += [(n, "sm80", d, "float16") for n in ("alibi", "gpt2", "softcap") for d in (16, 80, 256)]
-    jobs += [(n, "sm75", 64, "float16") for n in EXAMPLES] + [("gpt2", "sm75", 128, "float16")]
+    jobs += [(n, "sm75", 64, "float16") for n in EXAMPLES] + [("gpt2", "sm75", d, "float16") for d in (128, 256)]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(_ptxas, jobs))
     for (name, arch, head_dim, dtype), plan, report in results:
@@ -64,12 +64,10 @@ def test_every_example_compiles_for_sm75_sm80_and_sm90_without_spills() -> None:
         assert report.stack_bytes == 0, where  # every fragment stays in registers
         target = GPUS[arch]
         assert report.registers <= target.max_registers_per_thread, where
-        assert report.registers * plan.threads <= target.registers_per_sm, where  # >= 1 block per SM
-        assert [k.name for k in report.kernels] == [
-            "attention_backward_dq",
-            "attention_backward",
-            "attention_forward",
-        ], where
+        threads = max(plan.threads, plan.backward.threads if plan.backward else 0)
+        assert report.registers * threads <= target.registers_per_sm, where  # >= 1 block per SM
+        kernels = ["attention_backward_dq", "attention_backward"] if plan.backward else []  # sm75 d=256: forward only
+        assert [k.name for k in report.kernels] == [*kernels, "attention_forward"], where
         for instruction in INSTRUCTIONS.get(arch, INSTRUCTIONS["sm80"]) + COMMON_INSTRUCTIONS:
             assert instruction in report.ptx, f"{where}: no {instruction}"
         if arch == "sm75":
@@ -81,14 +79,9 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
     stages = attncc.lower(ROOT / "examples" / "causal.attn", arch)
     table = fused_node(stages[-1].graph)[1].tiling
     for d in range(16, 257, 16):
-        if arch == "sm75" and d == 256:  # 64 KiB: even 16 x 16 tiles need 66 KiB in the backward
-            with pytest.raises(AttnccError, match="no tiling fits the on-chip memory of target sm75"):
-                table.for_head_dim(d)
-            continue
         plan = table.for_head_dim(d)
-        forward = gpu_shared_bytes(plan.block_rows, plan.block_cols, d, plan.stages)
-        backward = gpu_backward_shared_bytes(plan.block_rows, plan.block_cols, d)
-        assert plan.onchip_bytes == max(forward, backward)
+        assert plan.onchip_bytes == gpu_shared_bytes(plan.block_rows, plan.block_cols, d, plan.stages)
+        assert plan.onchip_bytes <= GPUS[arch].shared_bytes_per_sm
         source = generate_cuda(stages[-1].graph, "float16", plan, arch)
         assert f"#define ATTNCC_ARCH {arch[2:]}" in source
         # the kernel computes the same number from its own constants
@@ -97,8 +90,24 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
         )
         assert f"constexpr int kStages = {plan.stages};" in source
         assert "constexpr int kSharedBytes = (kBr + kStages * 2 * kBc) * kStride * int(sizeof(storage_t));" in source
-        assert "constexpr int kBwdSharedBytes = (2 * kBr + 2 * kBc) * kStride * int(sizeof(storage_t)) +" in source
-        assert plan.onchip_bytes <= GPUS[arch].shared_bytes_per_sm
+        backward = plan.backward
+        if arch == "sm75" and d == 256:  # 64 KiB: even 16 x 16 backward tiles need 66 KiB
+            assert backward is None and "attention_backward" not in source
+            with pytest.raises(AttnccError, match="the forward runs on target sm75, but no backward tiling fits"):
+                table.for_head_dim(d, backward=True)
+            continue
+        assert backward is not None and table.for_head_dim(d, backward=True) == backward
+        assert backward.onchip_bytes == gpu_backward_shared_bytes(backward.block_rows, backward.block_cols, d)
+        assert backward.onchip_bytes <= GPUS[arch].shared_bytes_per_sm
+        assert f"constexpr int kBwdBr = {backward.block_rows};" in source
+        assert f"constexpr int kBwdBc = {backward.block_cols};" in source
+        assert (
+            "constexpr int kBwdSharedBytes = (2 * kBwdBr + 2 * kBwdBc) * kStride * int(sizeof(storage_t)) +" in source
+        )
+    # the backward's larger working set no longer shrinks the forward's tiles
+    sm86 = table.for_head_dim(128) if arch == "sm86" else None
+    if sm86 is not None:
+        assert (sm86.block_rows, sm86.block_cols) == (64, 64) and sm86.backward.block_cols == 32
 
 
 SHAPES = (Shape(2, 4, 2, 77, 130, 48), Shape(1, 2, 1, 129, 65, 64))
@@ -210,6 +219,23 @@ def test_turing_kernels_on_the_emulator(name: str) -> None:
     q, k, v, runtime = make_inputs(kern, adapt(Shape(1, 2, 1, 20, 30, 16), kern), torch.float32, requires_grad=False)
     half = kern(q.half(), k.half(), v.half(), seed=5, **runtime)
     assert torch.equal(kern(q, k, v, seed=5, **runtime), half.float())  # fp32 runs in fp16
+
+
+def test_forward_and_backward_tiles_are_planned_separately() -> None:
+    """Where shared memory is small the backward gets smaller tiles than the forward (sm86
+    d=128: 64 x 64 forward, 64 x 32 backward; each call classifies tiles for its own plan), and
+    sm75 at d=256 runs the forward, with a clear error for the backward."""
+    result = check(
+        emulated("document", "sm86"), adapt(Shape(1, 2, 1, 70, 90, 128), emulated("document")), torch.float16
+    )
+    assert result.ok, result.describe()
+    kern = emulated("alibi", "sm75")
+    shape = adapt(Shape(1, 2, 1, 33, 40, 256), kern)
+    assert check(kern, shape, torch.float16, backward=False).ok
+    q, k, v, runtime = make_inputs(kern, shape, torch.float16)
+    out = kern(q, k, v, **runtime)
+    with pytest.raises(AttnccError, match="head dim 256: the forward runs on target sm75, but no backward tiling fits"):
+        out.sum().backward()
 
 
 def test_turing_schedules_give_identical_bits() -> None:

@@ -31,3 +31,20 @@ def test_gpu_dropout_bits_equal_the_cpu_mask() -> None:
     probs = kern(q, k, v, seed=77).cpu()
     causal = torch.ones(N, N, dtype=torch.bool).tril()
     assert torch.equal(probs[..., causal] != 0, keep[..., causal])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kernel_runs_on_the_device_of_its_inputs() -> None:
+    kern = attncc.compile(ROOT / "examples" / "alibi.attn", target="cuda")
+    q = torch.randn(1, 2, 40, 64, device="cuda:1", dtype=torch.float16, requires_grad=True)
+    slopes = torch.rand(2, device="cuda:1")
+    with torch.cuda.device(0):  # the current device is another one
+        out = kern(q, q, q, slopes=slopes)
+        out.sum().backward()
+    expected, _ = kern.reference(q.detach().cpu(), q.detach().cpu(), q.detach().cpu(), slopes=slopes.cpu())
+    assert out.device == q.grad.device == torch.device("cuda:1")
+    assert torch.allclose(out.cpu().double(), expected, atol=2e-2)
+    with pytest.raises(
+        attncc.InputError, match=r"slopes: expected a tensor on cuda:1 \(that of q\), got device cuda:0"
+    ):
+        kern(q, q, q, slopes=slopes.to("cuda:0"))

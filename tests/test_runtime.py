@@ -63,6 +63,8 @@ def test_runtime_input_errors() -> None:
         kern(q, k, v, slopes=torch.rand(3))
     with pytest.raises(InputError, match=r"slopes: expected a float tensor, got dtype torch\.int64"):
         kern(q, k, v, slopes=torch.ones(4, dtype=torch.long))
+    with pytest.raises(InputError, match=r"slopes: expected a tensor on cpu \(that of q\), got device meta"):
+        kern(q, k, v, slopes=torch.rand(4, device="meta"))
     with pytest.raises(InputError, match=r"unknown runtime input\(s\) slope;"):
         kern(q, k, v, slopes=torch.rand(4), slope=1.0)
     with pytest.raises(InputError, match=r"doc\[b, j\]: index 1 \(j\) ranges over \[0, 11\].*size 10"):

@@ -36,7 +36,8 @@ def storage_dtypes(arch: str) -> tuple[str, ...]:
 
 
 def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> str:
-    """CUDA source of the forward kernel of `g` for q/k/v of `dtype`, with `plan`'s tiles."""
+    """CUDA source of the forward and backward kernels of `g` for q/k/v of `dtype`, with `plan`'s
+    tiles (`plan.backward`'s for the backward; forward only where that is None)."""
     if dtype not in CUDA_STORAGE_TYPES:
         raise AttnccError(f"CUDA kernels take float16 or bfloat16, not {dtype} (fp32 inputs are converted)")
     if dtype not in storage_dtypes(arch):
@@ -53,6 +54,7 @@ def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> s
         block_rows=plan.block_rows,
         stages=plan.stages,
         block_cols=plan.block_cols,
+        backward=plan.backward,
         abi=kernel_abi(g),
         has_dropout=op.dropout > 0,
         q_in_registers=plan.head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,

@@ -10,6 +10,7 @@ limits; `TilePlan.reason` says which refinement applied.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from attncc.errors import AttnccError
@@ -49,6 +50,9 @@ class TilePlan:
     onchip_bytes: int
     registers_per_thread: int
     reason: str
+    #: The backward kernels' tiles (on GPUs they need more shared memory per tile than the
+    #: forward, so they may be smaller); None where no backward tiling fits the target.
+    backward: TilePlan | None = None
 
 
 @dataclass(frozen=True)
@@ -58,13 +62,22 @@ class TilingTable:
     target: str
     plans: tuple[TilePlan | None, ...]
 
-    def for_head_dim(self, d: int) -> TilePlan:
+    def for_head_dim(self, d: int, backward: bool = False) -> TilePlan:
+        """The forward plan for head dim `d` (its `backward` field holds the backward's), or with
+        `backward` the backward kernels' plan."""
         if not 1 <= d <= MAX_HEAD_DIM:
             raise AttnccError(f"head dim {d} outside [1, {MAX_HEAD_DIM}]")
         plan = self.plans[math.ceil(d / HEAD_DIM_STEP) - 1]
         if plan is None:
             raise AttnccError(f"head dim {d}: no tiling fits the on-chip memory of target {self.target}")
-        return plan
+        if not backward:
+            return plan
+        if plan.backward is None:
+            raise AttnccError(
+                f"head dim {d}: the forward runs on target {self.target}, but no backward tiling fits its on-chip "
+                f"memory ({plan.reason}); run the backward on a target with more shared memory"
+            )
+        return plan.backward
 
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
@@ -72,9 +85,18 @@ class TilingTable:
             layout = f"{p.threads} fp32 lanes per vector, one task per (b, h, query tile)"
         else:
             layout = f"{p.warps} warps ({p.threads} threads), {p.stages} K/V stage(s), ~{p.registers_per_thread} registers/thread"
+        b = p.backward
+        backward = (
+            "no backward tiling fits"
+            if b is None
+            else "backward: same tiles"
+            if (b.block_rows, b.block_cols) == (p.block_rows, p.block_cols)
+            else f"backward: Br={b.block_rows} Bc={b.block_cols}"
+        )
+        backward += f", on-chip {b.onchip_bytes} B" if b is not None and b.onchip_bytes != p.onchip_bytes else ""
         return (
             f"{self.target} d={p.head_dim}: Br={p.block_rows} Bc={p.block_cols} (paper: Br={p.paper_block_rows} "
-            f"Bc={p.paper_block_cols}); {layout}; on-chip {p.onchip_bytes} B; {p.reason}"
+            f"Bc={p.paper_block_cols}); {layout}; on-chip {p.onchip_bytes} B; {backward}; {p.reason}"
         )
 
 
@@ -137,7 +159,8 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     onchip = cpu_onchip_bytes(br, bc, d)
     if onchip > target.onchip_bytes:
         raise NoFit(f"tiles {br}x{bc} need {onchip} B, more than the target's {target.onchip_bytes} B")
-    return TilePlan(d, br, bc, paper_br, paper_bc, target.vector_bytes // 4, 0, 1, onchip, 0, reason)
+    plan = TilePlan(d, br, bc, paper_br, paper_bc, target.vector_bytes // 4, 0, 1, onchip, 0, reason)
+    return replace(plan, backward=plan)  # the CPU backward re-tiles nothing: same tasks, same tiles
 
 
 def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
@@ -152,11 +175,11 @@ def gpu_backward_shared_bytes(br: int, bc: int, d: int) -> int:
     return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (2 * bc * d + 2 * br)
 
 
-def gpu_registers(br: int, bc: int, d: int, warps: int) -> int:
-    """Per-thread registers of the kernel's live state: the S fragment (16 x Bc fp32 per warp),
-    the O accumulator (16 x d fp32), the Q fragments (16 x d halves), plus ~40 for addressing,
-    statistics and loop state."""
-    del br, warps  # each warp owns 16 rows whatever the block size
+def gpu_registers(br: int, bc: int, d: int) -> int:
+    """Per-thread registers of the forward's live state: the S fragment (16 x Bc fp32 per
+    warp), the O accumulator (16 x d fp32), the Q fragments (16 x d halves), plus ~40 for
+    addressing, statistics and loop state."""
+    del br  # each warp owns 16 rows whatever the block size
     return bc // 2 + d // 2 + d // 4 + 40
 
 
@@ -164,14 +187,16 @@ GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
 # The CUDA template keeps one 32-bit word of dropout keep bits per lane and tile row, and the
 # backward runs a warp per 16 keys: Br and Bc up to 64.
 GPU_MAX_TILE = 64
+GPU_STAGES = 2  # the forward template double-buffers K/V: tile n + 1 loads while tile n computes
 
 
 def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
-    """Br = 16 x warps (4 warps); Bc from the paper's formula capped so the per-thread state
-    fits the register file without spills; stages of K/V as shared memory allows."""
+    """Forward: Br = 16 x warps (4 warps); Bc from the paper's formula capped so the per-thread
+    state fits the register file without spills; two K/V stages. Backward: the same start, cut
+    separately until its larger working set (Q, dO, K, V, dS and fp32 dK, dV) fits, so a small
+    shared memory shrinks the backward's tiles without shrinking the forward's."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
-    warps = 4
     if override is not None:
         br, bc = override
         reason = "override"
@@ -179,28 +204,31 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             raise AttnccError(
                 f"GPU tiles need Br and Bc in 16, 32, 48 or 64 (multiples of 16 up to {GPU_MAX_TILE}), got {override}"
             )
-        warps = br // GPU_ROWS_PER_WARP
     else:
-        br = GPU_ROWS_PER_WARP * warps
-        bc = max(16, min(paper_bc // 16 * 16, 64))
-        while gpu_registers(br, bc, d, warps) > target.max_registers_per_thread - 32 and bc > 16:
+        br = GPU_ROWS_PER_WARP * 4
+        bc = max(16, min(paper_bc // 16 * 16, GPU_MAX_TILE))
+        while gpu_registers(br, bc, d) > target.max_registers_per_thread - 32 and bc > 16:
             bc -= 16
         reason = "Br = 16 rows x 4 warps; Bc from the paper, capped at 64 and cut to keep registers below the limit"
-    stages = 2  # the forward template double-buffers K/V: tile n + 1 loads while tile n computes
 
-    def shared(br: int, bc: int) -> int:
-        return max(gpu_shared_bytes(br, bc, d, stages), gpu_backward_shared_bytes(br, bc, d))
+    def fit(shared: Callable[[int, int], int], kernel: str) -> TilePlan | None:
+        rows, cols, why = br, bc, reason
+        if override is None and shared(rows, cols) > target.onchip_bytes:
+            why += f"; then cut until the {kernel} fits the shared memory"
+        while override is None and shared(rows, cols) > target.onchip_bytes and (cols > 16 or rows > 16):
+            if cols > 16:
+                cols -= 16
+            else:  # fewer query rows per block (d=256: the sm75 forward, the sm86 backward)
+                rows //= 2
+        regs = gpu_registers(rows, cols, d)
+        if shared(rows, cols) > target.onchip_bytes or regs > target.max_registers_per_thread:
+            return None
+        # forward: a warp per 16 query rows; backward: a warp per 16 keys (dK/dV) or rows (dQ)
+        warps = max(rows, cols if kernel == "backward" else 0) // GPU_ROWS_PER_WARP
+        threads = warps * target.warp_size
+        return TilePlan(d, rows, cols, paper_br, paper_bc, threads, warps, GPU_STAGES, shared(rows, cols), regs, why)
 
-    if override is None and shared(br, bc) > target.onchip_bytes:
-        reason += "; then cut until forward and backward fit the shared memory"
-    while override is None and shared(br, bc) > target.onchip_bytes and (bc > 16 or warps > 1):
-        if bc > 16:
-            bc -= 16
-        else:  # fewer query rows per block (sm86 at d=256)
-            warps //= 2
-            br = GPU_ROWS_PER_WARP * warps
-    smem = max(gpu_shared_bytes(br, bc, d, stages), gpu_backward_shared_bytes(br, bc, d))
-    regs = gpu_registers(br, bc, d, warps)
-    if smem > target.onchip_bytes or regs > target.max_registers_per_thread:
-        raise NoFit(f"tiles {br}x{bc} at d={d} need {smem} B shared / {regs} registers")
-    return TilePlan(d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, stages, smem, regs, reason)
+    forward = fit(lambda rows, cols: gpu_shared_bytes(rows, cols, d, GPU_STAGES), "forward")
+    if forward is None:
+        raise NoFit(f"tiles {br}x{bc} at d={d} do not fit target {target.name}")
+    return replace(forward, backward=fit(lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), "backward"))

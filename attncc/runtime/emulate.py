@@ -127,7 +127,7 @@ class EmulatedKernel(Kernel):
 
     def backward_impl(self, q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs):  # noqa: ANN001, ANN201 - as Kernel
         storage = self.storage_dtype(q.dtype)
-        plan = self.plan(q, k, scale)
+        plan = self.plan(q, k, scale, backward=True)
         qs, ks, vs, dos = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (dout, "grad of out")))
         dk = torch.empty(k.shape, dtype=storage, device=k.device)
         dv = torch.empty(v.shape, dtype=storage, device=v.device)

@@ -59,6 +59,14 @@ class GpuKernel(EmulatedKernel):
                 self._libraries[key] = load_library(path)
             return self._libraries[key]
 
+    def forward_impl(self, q, *args):  # noqa: ANN001, ANN002, ANN201 - as Kernel
+        with torch.cuda.device(q.device):  # launch on q's GPU, whichever is current
+            return super().forward_impl(q, *args)
+
+    def backward_impl(self, q, *args):  # noqa: ANN001, ANN002, ANN201 - as Kernel
+        with torch.cuda.device(q.device):
+            return super().backward_impl(q, *args)
+
     def _prepare(self, plan, dtype, tensors, scalars):  # noqa: ANN001, ANN202 - as Kernel
         return super()._prepare(plan, dtype, [t.cpu() for t in tensors], scalars)  # classification on the host
 

@@ -180,10 +180,11 @@ class Kernel:
             self.op.sparsity, plan.problem, scalars, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols
         )  # type: ignore[arg-type]
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> CallPlan:
+    def plan(self, q: torch.Tensor, k: torch.Tensor, scale: float | None, backward: bool = False) -> CallPlan:
+        """The call's sizes, tiles (the backward kernels' with `backward`) and scale factors."""
         problem = _problem(q, k)
         assert self.op.tiling is not None
-        tiles = self.op.tiling.for_head_dim(problem.D)
+        tiles = self.op.tiling.for_head_dim(problem.D, backward)
         value = scale if scale is not None else self.default_scale(q, k)
         multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
         return CallPlan(problem, tiles, multiplier, value)
@@ -214,6 +215,9 @@ class Kernel:
                 raise InputError(
                     f"{name}: the `{self.target}` target runs on {self.device_type} tensors, got device {t.device}"
                 )
+        for name, t in (("k", k), ("v", v)):
+            if t.device != q.device:
+                raise InputError(f"{name}: expected device {q.device} (that of q), got {t.device}")
         if not (q.dtype == k.dtype == v.dtype):
             raise InputError(f"q, k, v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
         B, H, _N, D = q.shape
@@ -239,9 +243,11 @@ class Kernel:
                 raise InputError(
                     f"missing runtime input `{decl.name}` ({_declared(decl)}); {self.name} takes {_names(self.inputs)}"
                 )
-            self._validate_input(decl, runtime[decl.name], sizes, bound)
+            self._validate_input(decl, runtime[decl.name], sizes, bound, q.device)
 
-    def _validate_input(self, decl: Input, value: object, sizes: dict[str, int], bound: dict[str, int]) -> None:
+    def _validate_input(
+        self, decl: Input, value: object, sizes: dict[str, int], bound: dict[str, int], device: torch.device
+    ) -> None:
         if decl.role == "scalar":
             if torch.compiler.is_compiling():
                 return  # may be symbolic: the op implementation gets (and the kernel reads) concrete values
@@ -261,8 +267,8 @@ class Kernel:
             return
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
-        if value.device.type != self.device_type:
-            raise InputError(f"{decl.name}: expected a {self.device_type} tensor, got device {value.device}")
+        if value.device != device:
+            raise InputError(f"{decl.name}: expected a tensor on {device} (that of q), got device {value.device}")
         kinds = {
             "float": value.is_floating_point(),
             "int": not value.is_floating_point() and value.dtype != torch.bool and not value.is_complex(),
@@ -321,7 +327,7 @@ class Kernel:
         grad_inputs: list[bool],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         dtype = _DTYPES[q.dtype]
-        plan = self.plan(q, k, scale)
+        plan = self.plan(q, k, scale, backward=True)
         acc = acc_dtype(q.dtype)
         dq, dk, dv = (
             torch.empty(q.shape, dtype=q.dtype),
