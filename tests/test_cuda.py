@@ -3,6 +3,7 @@ the host emulator, golden-tested like the CPU backend."""
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
@@ -15,6 +16,7 @@ from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import fused_node
 from attncc.passes.tiling import gpu_backward_shared_bytes, gpu_shared_bytes
 from attncc.runtime.check import check
+from attncc.runtime.emulate import NON_FINITE_SHIFT, fixed_point_shifts, from_fixed_point
 from attncc.runtime.inputs import Shape, adapt, make_inputs
 from attncc.runtime.nvcc import compile_cuda, find_nvcc
 from attncc.targets import GPUS
@@ -280,24 +282,66 @@ def test_torch_deterministic_mode_selects_the_atomic_free_dq() -> None:
     assert torch.equal(grads["atomics"][1], grads["torch flag"][1])  # dK, dV never use atomics
 
 
-def test_learnable_input_grads_under_deterministic_mode_say_they_use_atomics() -> None:
-    kern = emulated("alibi")
-    q, k, v, runtime = make_inputs(kern, Shape(1, 2, 1, 40, 40, 32), torch.float16)
-    torch.use_deterministic_algorithms(True)
+@pytest.mark.parametrize("name", ["alibi", "relative_bias"])
+def test_learnable_input_grads_are_exact_sums_in_deterministic_mode(name: str) -> None:
+    """Deterministic mode sums learnable-input gradients in int64 fixed point (a bounds pass,
+    then the sums): the same bits under every schedule, where the float atomics' bits differ."""
+    kern = emulated(name)
+    shape = adapt(Shape(2, 2, 1, 70, 90, 32), kern)
+    q, k, v, runtime = make_inputs(kern, shape, torch.float16)
+    learnable = [t for t in runtime.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).half()
+
+    def input_grads(schedule: str, deterministic: bool) -> list[torch.Tensor]:
+        kern.schedule, kern.deterministic = schedule, deterministic
+        try:
+            return list(torch.autograd.grad(kern(q, k, v, **runtime), learnable, dout))
+        finally:
+            kern.schedule, kern.deterministic = "lockstep", False
+
+    atomics = [input_grads(schedule, False) for schedule in ("lockstep", "warp-greedy")]
+    exact = [input_grads(schedule, True) for schedule in ("lockstep", "warp-greedy")]
+    assert not all(torch.equal(a, b) for a, b in zip(*atomics))  # float sums depend on the order
+    assert all(torch.equal(a, b) for a, b in zip(*exact))
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(exact[0], atomics[0]))
+    torch.use_deterministic_algorithms(True)  # torch's flag selects the same path, no warning
     try:
-        out = kern(q, k, v, **runtime)
-        with pytest.raises(RuntimeError, match=r"learnable input\(s\) slopes .*use_deterministic_algorithms"):
-            out.sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert all(torch.equal(a, b) for a, b in zip(input_grads("lockstep", False), exact[0]))
     finally:
         torch.use_deterministic_algorithms(False)
     kern.deterministic = True
     try:
-        out = kern(q, k, v, **runtime)
-        with pytest.warns(UserWarning, match="not bit-reproducible"):
-            out.sum().backward()
+        result = check(kern, shape, torch.float16)  # and the exact sums match float64 eager
     finally:
         kern.deterministic = False
-    assert runtime["slopes"].grad is not None and torch.isfinite(runtime["slopes"].grad).all()
+    assert result.ok, result.describe()
+
+
+def test_fixed_point_grid_sums_exactly_without_overflow() -> None:
+    """The grid `fixed_point_shifts` picks: terms rounded onto it sum in int64 without overflow
+    in any order, within one grid step per term of the float64 sum; a non-finite term keeps the
+    float sum (inf or NaN, whatever the order)."""
+    gen = torch.Generator().manual_seed(0)
+    terms = torch.randn(4, 5000, generator=gen, dtype=torch.float64) * torch.tensor([[1e-30], [1.0], [3e4], [0.0]])
+    terms = terms.float()
+    bound = terms.abs().view(torch.int32).amax(1)
+    count = torch.full((4,), terms.shape[1], dtype=torch.int64)
+    shifts = fixed_point_shifts(bound, count)
+    fixed = torch.round(torch.ldexp(terms.double(), shifts[:, None].double())).to(torch.int64)
+    assert fixed.abs().max() < 2**62 // terms.shape[1]  # no partial sum can overflow
+    exact = from_fixed_point(fixed.sum(1), shifts, torch.zeros(4))
+    assert torch.equal(exact, from_fixed_point(fixed.flip(1).sum(1), shifts, torch.zeros(4)))
+    step = torch.ldexp(torch.ones(4, dtype=torch.float64), -shifts.double())
+    assert ((exact.double() - terms.double().sum(1)).abs() <= terms.shape[1] * step / 2 + 1e-7 * exact.abs()).all()
+    assert exact[3] == 0
+    bound[1] = torch.tensor(float("inf")).view(torch.int32)
+    shifts = fixed_point_shifts(bound, count)
+    assert shifts[1] == NON_FINITE_SHIFT
+    assert from_fixed_point(torch.zeros(4, dtype=torch.int64), shifts, torch.full((4,), float("inf")))[1] == float(
+        "inf"
+    )
 
 
 def test_gpu_target_without_emulation_is_a_clear_error() -> None:

@@ -62,6 +62,31 @@ def test_learnable_input_grads_are_bit_reproducible_on_the_cpu(mode: str) -> Non
     assert all(torch.equal(a, b) for run in grads[1:] for a, b in zip(grads[0], run))
 
 
+def test_shared_cpu_gradient_buffer_follows_torch_deterministic_mode(monkeypatch) -> None:
+    """Beyond the per-thread buffers' budget the threads share one buffer with float atomics:
+    an error under torch.use_deterministic_algorithms(True), a warning with warn_only."""
+    import attncc.runtime.kernel as kernel_module
+
+    monkeypatch.setattr(kernel_module, "PER_THREAD_GRAD_BUFFERS_MAX", 0)
+    kern = kernel("alibi")
+    q, k, v, runtime = make_inputs(kern, Shape(2, 2, 2, 40, 40, 16), torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.use_deterministic_algorithms(True)
+        out = kern(q, k, v, **runtime)
+        with pytest.raises(RuntimeError, match=r"learnable input\(s\) slopes are accumulated with float atomics"):
+            out.sum().backward()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        out = kern(q, k, v, **runtime)
+        with pytest.warns(UserWarning, match="not bit-reproducible"):
+            out.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+    assert runtime["slopes"].grad is not None and torch.isfinite(runtime["slopes"].grad).all()
+
+
 def test_backward_schedule_choice() -> None:
     kern = kernel("vanilla")
     q = torch.zeros(1, 8, 64, 64)

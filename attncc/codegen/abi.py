@@ -47,6 +47,10 @@ class KernelAbi:
         slots = [(n, t) for n, t in OPERANDS] + list(ROW_BUFFERS)
         slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
         slots += [(f"grad_{self.ident_of(n)}", "acc_t*") for n in self.grads]
+        # the CUDA deterministic mode's exact sums (templates/cuda/attention.cu.jinja): the
+        # largest |term| (float bits) per element, the grid shift chosen from it, int64 sums
+        for kind, ctype in (("bound", "int32_t*"), ("shift", "const int32_t*"), ("fixed", "int64_t*")):
+            slots += [(f"grad_{kind}_{self.ident_of(n)}", ctype) for n in self.grads]
         return slots
 
     def int_slots(self) -> list[str]:

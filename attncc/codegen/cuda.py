@@ -69,24 +69,28 @@ EMULATION_WRAPPER = """// Runs kernel.cu, the exact generated CUDA text, on attn
 
 static std::string last_error;
 
-extern "C" int attncc_emulated_forward(void* const* ptrs, const int64_t* ints, const double* reals, int schedule) {
+// An entry point under `schedule`; 3 when the emulator caught a kernel bug (the message is kept).
+template <typename Entry>
+static int emulated(int schedule, Entry entry) {
   attncc_emu::current_schedule() = attncc_emu::Schedule(schedule);
   try {
-    return attncc_forward(ptrs, ints, reals, nullptr);
+    return entry();
   } catch (const attncc_emu::EmulationError& e) {
     last_error = e.what();
     return 3;
   }
 }
+
+extern "C" int attncc_emulated_forward(void* const* ptrs, const int64_t* ints, const double* reals, int schedule) {
+  return emulated(schedule, [&] { return attncc_forward(ptrs, ints, reals, nullptr); });
+}
 extern "C" int attncc_emulated_backward(void* const* ptrs, const int64_t* ints, const double* reals, float* dq_accum,
                                         int schedule) {
-  attncc_emu::current_schedule() = attncc_emu::Schedule(schedule);
-  try {
-    return attncc_backward(ptrs, ints, reals, dq_accum, nullptr);
-  } catch (const attncc_emu::EmulationError& e) {
-    last_error = e.what();
-    return 3;
-  }
+  return emulated(schedule, [&] { return attncc_backward(ptrs, ints, reals, dq_accum, nullptr); });
+}
+extern "C" int attncc_emulated_backward_grad_bounds(void* const* ptrs, const int64_t* ints, const double* reals,
+                                                    int schedule) {
+  return emulated(schedule, [&] { return attncc_backward_grad_bounds(ptrs, ints, reals, nullptr); });
 }
 extern "C" const char* attncc_emulator_error() { return last_error.c_str(); }
 """

@@ -16,7 +16,7 @@ import torch
 from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.runtime.build import build_library, load_library
-from attncc.runtime.kernel import Kernel, acc_dtype, check_atomic_grads_allowed, delta_rows
+from attncc.runtime.kernel import Kernel, acc_dtype, delta_rows
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
 #: Prepared calls (tile classes, layout grids) kept per kernel for inputs without runtime tensors.
@@ -42,6 +42,30 @@ def rows_of(t: torch.Tensor, storage: torch.dtype, name: str) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+#: The grid shift marking elements with a non-finite term (kNonFinite in the CUDA template).
+NON_FINITE_SHIFT = -(2**31)
+
+
+def fixed_point_shifts(bound: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Per element, the shift of the grid 2^-shift on which its terms sum exactly in int64.
+
+    `bound` holds the largest |term| as float bits and `count` the number of terms: with
+    |term| < 2^e (e from the exponent field) and count < 2^c, each rounded term is at most
+    2^(61 - c) and any sum of them stays below 2^61, in whatever order the atomics land. The
+    grid step is 2^(e + c - 61): at least 61 - c bits below the largest term.
+    """
+    exponent = ((bound >> 23) & 0xFF) - 126
+    count_bits = torch.ceil(torch.log2(count.double() + 1)).to(torch.int32)
+    shift = (61 - count_bits - exponent).to(torch.int32)
+    return torch.where(bound >= 0x7F800000, NON_FINITE_SHIFT, shift)  # inf or NaN among the terms
+
+
+def from_fixed_point(sums: torch.Tensor, shifts: torch.Tensor, float_sums: torch.Tensor) -> torch.Tensor:
+    """The fp32 gradient: sums x 2^-shift, or the float sum where a term was not finite."""
+    exact = torch.ldexp(sums.double(), -shifts.double()).float()
+    return torch.where(shifts == NON_FINITE_SHIFT, float_sums, exact)
+
+
 class EmulationFailure(AttnccError):
     """The emulator caught a kernel bug: divergent barrier, deadlock, bad lane mask, misaligned ldmatrix."""
 
@@ -57,9 +81,9 @@ class EmulatedKernel(Kernel):
         super()._register()
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
 
-    #: dQ by a second kernel instead of fp32 atomics, so dq, dk, dv are bit-reproducible on a
-    #: GPU; also on under torch.use_deterministic_algorithms(True). Gradients of learnable
-    #: inputs still use atomics: `check_atomic_grads_allowed` says so (error or warning).
+    #: dQ by a second kernel instead of fp32 atomics, and gradients of learnable inputs as exact
+    #: fixed-point sums (two passes, see `fixed_point_shifts`), so every gradient is
+    #: bit-reproducible on a GPU; also on under torch.use_deterministic_algorithms(True).
     deterministic = False
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -155,12 +179,17 @@ class EmulatedKernel(Kernel):
             dtype = str(storage).replace("torch.", "")
             dq_out = torch.empty(q.shape, dtype=storage, device=q.device)
             deterministic = self.deterministic or torch.are_deterministic_algorithms_enabled()
-            check_atomic_grads_allowed(self.name, list(grads), requested=self.deterministic)
             if deterministic:  # dQ from its own kernel, no atomics
                 ptrs["dq"] = dq_out
+            if deterministic and grads:  # exact sums: first the bounds, then the grid per element
+                self._bound_input_grads(grads, dtype, plan, call, ptrs, dropout, seed)
             accum = None if deterministic else ctypes.c_void_p(dq_accum.data_ptr())
             self._run("attncc_emulated_backward", dtype, plan, call, ptrs, dropout, seed, accum)
             dq = (dq_out if deterministic else dq_accum).to(q.dtype)
+            if deterministic and grads:
+                for n, g in grads.items():
+                    ident = self.abi.ident_of(n)
+                    g.copy_(from_fixed_point(ptrs[f"grad_fixed_{ident}"], ptrs[f"grad_shift_{ident}"], g))
         else:
             dk.zero_(), dv.zero_()
             dq = dq_accum.to(q.dtype)
@@ -168,6 +197,20 @@ class EmulatedKernel(Kernel):
             grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)
         ]
         return dq, dk.to(k.dtype), dv.to(v.dtype), grad_list
+
+    def _bound_input_grads(self, grads, dtype, plan, call, ptrs, dropout, seed) -> None:  # noqa: ANN001
+        """The first pass of deterministic mode's exact learnable-input gradients: the kernel
+        records each element's largest |term| and term count; then ptrs get each element's grid
+        (`fixed_point_shifts`) and zeroed int64 sums for attncc_backward's second pass."""
+        for n, g in grads.items():
+            ident = self.abi.ident_of(n)
+            ptrs[f"grad_bound_{ident}"] = torch.zeros(g.shape, dtype=torch.int32, device=g.device)
+            ptrs[f"grad_fixed_{ident}"] = torch.zeros(g.shape, dtype=torch.int64, device=g.device)
+        self._run("attncc_emulated_backward_grad_bounds", dtype, plan, call, ptrs, dropout, seed)
+        for n in grads:
+            ident = self.abi.ident_of(n)
+            ptrs[f"grad_shift_{ident}"] = fixed_point_shifts(ptrs[f"grad_bound_{ident}"], ptrs[f"grad_fixed_{ident}"])
+            ptrs[f"grad_fixed_{ident}"].zero_()  # from term counts to sums
 
     def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra) -> None:  # noqa: ANN001, ANN002
         lib = self.emulated_library(dtype, plan.tiles.head_dim)

@@ -359,7 +359,7 @@ class Kernel:
             }
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             shared = [n for n, g in grads.items() if len(g) == 1 and threads > 1]  # atomics across threads
-            check_atomic_grads_allowed(self.name, shared, requested=False)
+            check_atomic_grads_allowed(self.name, shared)
             for entry in self.backward_entries(plan):
                 self._launch(dtype, entry, plan, call, ptrs, dropout, seed)
         else:
@@ -476,20 +476,19 @@ class Kernel:
         )
 
 
-def check_atomic_grads_allowed(kernel: str, learnable: list[str], requested: bool) -> None:
-    """Gradients of learnable inputs are sums of float atomics, so their bits depend on the
-    order threads run in. Like torch's own ops without a deterministic implementation: an error
-    under `torch.use_deterministic_algorithms(True)`, a warning with `warn_only=True` or when
-    the kernel's own deterministic mode was `requested`."""
-    flag = torch.are_deterministic_algorithms_enabled()
-    if not learnable or not (flag or requested):
+def check_atomic_grads_allowed(kernel: str, learnable: list[str]) -> None:
+    """Gradients of learnable inputs summed by float atomics have bits that depend on the order
+    threads run in (the CPU backend's beyond its per-thread buffers). Like torch's own ops
+    without a deterministic implementation: an error under
+    `torch.use_deterministic_algorithms(True)`, a warning with `warn_only=True`."""
+    if not learnable or not torch.are_deterministic_algorithms_enabled():
         return
     message = (
         f"attncc kernel {kernel}: the gradients of learnable input(s) {', '.join(learnable)} are accumulated "
         "with float atomics and are not bit-reproducible (dq, dk, dv are); detach those inputs or accept "
         "run-to-run differences in the last bits"
     )
-    if flag and not torch.is_deterministic_algorithms_warn_only_enabled():
+    if not torch.is_deterministic_algorithms_warn_only_enabled():
         raise RuntimeError(message + " (torch.use_deterministic_algorithms(True) is set)")
     warnings.warn(message, stacklevel=3)
 

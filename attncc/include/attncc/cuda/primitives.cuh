@@ -312,6 +312,42 @@ __device__ __forceinline__ void atomic_add(float* address, float value) {
 #endif
 }
 
+__device__ __forceinline__ void atomic_add(int64_t* address, int64_t value) {  // wraps as two's complement
+#if defined(ATTNCC_EMULATE)
+  *address = int64_t(uint64_t(*address) + uint64_t(value));
+#else
+  atomicAdd(reinterpret_cast<unsigned long long*>(address), static_cast<unsigned long long>(value));
+#endif
+}
+
+__device__ __forceinline__ void atomic_max(int32_t* address, int32_t value) {
+#if defined(ATTNCC_EMULATE)
+  if (value > *address) *address = value;
+#else
+  atomicMax(address, value);
+#endif
+}
+
+// `value` * 2^shift rounded to the nearest integer (ties to even): a term on a fixed-point grid.
+__device__ __forceinline__ int64_t to_fixed_point(float value, int shift) {
+#if defined(ATTNCC_EMULATE)
+  return static_cast<int64_t>(std::llrint(std::ldexp(double(value), shift)));
+#else
+  return static_cast<int64_t>(llrint(ldexp(double(value), shift)));
+#endif
+}
+
+// The bits of a float as an int32 (non-negative floats order like their bits).
+__device__ __forceinline__ int32_t float_bits(float value) {
+#if defined(ATTNCC_EMULATE)
+  int32_t bits;
+  std::memcpy(&bits, &value, 4);
+  return bits;
+#else
+  return __float_as_int(value);
+#endif
+}
+
 }  // namespace attncc
 
 #if defined(ATTNCC_EMULATE)
