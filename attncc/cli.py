@@ -17,7 +17,9 @@ import attncc
 from attncc.errors import AttnccError
 from attncc.ir.graph import fused_node
 from attncc.ir.ops import FusedAttention
+from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
+from attncc.passes.tiling import TilePlan
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
 
@@ -38,11 +40,20 @@ def _fused(kern_or_stages: attncc.Kernel | list) -> FusedAttention:
     return fused_node(graph)[1]
 
 
+def predict_io(op: FusedAttention, shape: Shape, elt: int, tiles: TilePlan, density: float = 1.0) -> IOReport:
+    """The cost model at `shape` with the plan's forward and backward tiles."""
+    assert op.cost is not None
+    backward = (tiles.backward.block_rows, tiles.backward.block_cols) if tiles.backward else None
+    return op.cost.predict(
+        shape.B, shape.H, shape.N, shape.M, shape.D, elt, tiles.block_rows, tiles.block_cols, density, backward
+    )
+
+
 def plan_text(op: FusedAttention, shape: Shape, elt: int = 4) -> str:
     """Tiles, threads, on-chip bytes and predicted traffic at `shape` (dense tile count)."""
     assert op.tiling is not None and op.cost is not None and op.sparsity is not None
     tiles = op.tiling.for_head_dim(shape.D)
-    report = op.cost.predict(shape.B, shape.H, shape.N, shape.M, shape.D, elt, tiles.block_rows, tiles.block_cols)
+    report = predict_io(op, shape, elt, tiles)
     return "\n".join(
         [
             f"  tiles   {op.tiling.describe(shape.D)}",
@@ -132,9 +143,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print(f"    {counts['full']} full, {counts['partial']} partial, {counts['empty']} empty of {total} tiles")
     assert op.cost is not None
     density = (counts["full"] + counts["partial"]) / max(total, 1)
-    report = op.cost.predict(
-        shape.B, shape.H, shape.N, shape.M, shape.D, 4, tiles.block_rows, tiles.block_cols, density
-    )
+    report = predict_io(op, shape, 4, tiles, density)
     print(f"// IO at {shape}, density {density:.2f}: {report.describe()}")
     return 0
 

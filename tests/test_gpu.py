@@ -48,3 +48,22 @@ def test_kernel_runs_on_the_device_of_its_inputs() -> None:
         attncc.InputError, match=r"slopes: expected a tensor on cuda:1 \(that of q\), got device cuda:0"
     ):
         kern(q, q, q, slopes=slopes.to("cuda:0"))
+
+
+def test_gpu_deterministic_mode_gives_the_same_bits_every_run() -> None:
+    """dq by its own kernel and learnable-input gradients as exact fixed-point sums: repeated
+    runs give identical bits (the float atomics of the default mode need not)."""
+    kern = attncc.compile(ROOT / "examples" / "relative_bias.attn", target="cuda")
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    bias = torch.randn(4, 257, device="cuda", requires_grad=True)
+    kern.deterministic = True
+    try:
+        runs = []
+        for _ in range(3):
+            out = kern(q, k, v, bias=bias)
+            runs.append(torch.autograd.grad(out, [q, k, v, bias], torch.ones_like(out)))
+        result = check(kern, Shape(1, 2, 1, 100, 120, 64), torch.bfloat16, device="cuda")  # and still exact
+    finally:
+        kern.deterministic = False
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    assert result.ok, result.describe()

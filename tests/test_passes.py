@@ -158,7 +158,7 @@ def test_every_plan_fits_its_target(target_name: str) -> None:
                 assert 4 * p.head_dim * p.block_cols <= target.l1_bytes  # K^T panel stays in L1
             else:
                 assert p.block_rows % target.mma_shape[0] == 0 and p.block_cols % 16 == 0
-                assert gpu_registers(p.block_rows, p.block_cols, p.head_dim) <= target.max_registers_per_thread
+                assert gpu_registers(p.block_cols, p.head_dim) <= target.max_registers_per_thread
                 assert p.threads <= target.max_threads_per_block
         if target.kind == "cpu":  # one set of tasks for both passes
             assert (plans[1].block_rows, plans[1].block_cols) == (forward.block_rows, forward.block_cols)

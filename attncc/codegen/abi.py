@@ -36,20 +36,25 @@ class TensorSlot:
     rank: int
 
 
+#: Per learnable input, the buffers of the CUDA deterministic mode's exact sums
+#: (templates/cuda/attention.cu.jinja `input_grads_exact`): largest |term| (float bits),
+#: non-finite flags, the grid shift chosen from them, and the int64 term counts, then sums.
+EXACT_GRAD_BUFFERS = (("bound", "int32_t*"), ("flags", "int32_t*"), ("shift", "const int32_t*"), ("fixed", "int64_t*"))
+
+
 @dataclass(frozen=True)
 class KernelAbi:
     tensors: tuple[TensorSlot, ...]  # runtime tensors read by the variant, then layout grids
     scalars: tuple[tuple[str, str, str], ...]  # (program name, C++ member, C type)
     grads: tuple[str, ...]  # float tensors that can receive gradients (program names)
+    exact_grads: bool = False  # with EXACT_GRAD_BUFFERS (the CUDA kernels)
 
     def pointer_slots(self) -> list[tuple[str, str]]:
         """(member, C type) of every pointer, in order."""
         slots = [(n, t) for n, t in OPERANDS] + list(ROW_BUFFERS)
         slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
         slots += [(f"grad_{self.ident_of(n)}", "acc_t*") for n in self.grads]
-        # the CUDA deterministic mode's exact sums (templates/cuda/attention.cu.jinja): the
-        # largest |term| (float bits) per element, the grid shift chosen from it, int64 sums
-        for kind, ctype in (("bound", "int32_t*"), ("shift", "const int32_t*"), ("fixed", "int64_t*")):
+        for kind, ctype in EXACT_GRAD_BUFFERS if self.exact_grads else ():
             slots += [(f"grad_{kind}_{self.ident_of(n)}", ctype) for n in self.grads]
         return slots
 
@@ -68,8 +73,9 @@ class KernelAbi:
         return next(t.ident for t in self.tensors if t.name == name)
 
 
-def kernel_abi(g: Graph) -> KernelAbi:
-    """The ABI of the fused kernel in `g` (after sparsity analysis)."""
+def kernel_abi(g: Graph, exact_grads: bool = False) -> KernelAbi:
+    """The ABI of the fused kernel in `g` (after sparsity analysis); `exact_grads` for the
+    CUDA kernels, whose deterministic mode sums learnable-input gradients in fixed point."""
     _, op = fused_node(g)
     declared = inputs(g)
     tensors = [d for d in runtime_inputs(g) if d.role == "tensor"]
@@ -81,4 +87,4 @@ def kernel_abi(g: Graph) -> KernelAbi:
         if d.role == "scalar"
     )
     grads = tuple(t.name for t in slots if declared[t.name].dtype == "float" and declared[t.name].role == "tensor")
-    return KernelAbi(slots, scalars, grads)
+    return KernelAbi(slots, scalars, grads, exact_grads)

@@ -38,21 +38,36 @@ class CostModel:
     dropout: bool
 
     def predict(
-        self, B: int, H: int, N: int, M: int, D: int, elt: int, br: int, bc: int, density: float = 1.0
+        self,
+        B: int,
+        H: int,
+        N: int,
+        M: int,
+        D: int,
+        elt: int,
+        br: int,
+        bc: int,
+        density: float = 1.0,
+        backward_tiles: tuple[int, int] | None = None,
     ) -> IOReport:
         """Bytes moved to/from slow memory and FLOPs.
 
-        elt: bytes per q/k/v element; density: fraction of non-empty tiles. Fused: Q, O, lse
+        elt: bytes per q/k/v element; br, bc: the forward's tiles (backward_tiles: the
+        backward's, if they differ); density: fraction of non-empty tiles. Fused: Q, O, lse
         once; K and V once per visible (q tile, kv tile) pair (Algorithm 1's inner loop).
         Unfused: every op reads and writes its N x M operand (scores in fp32).
         """
         bh, nm = B * H, N * M
-        ti, tj = -(-N // br), -(-M // bc)
-        visible = ti * tj * density
+        visible = -(-N // br) * -(-M // bc) * density
         fused_fwd = bh * (2 * N * D * elt + 4 * N + visible * 2 * bc * D * elt)
         # dK/dV pass: K, V once per kv tile, Q/dO/lse/D per visible pair; dQ pass: the mirror.
+        bbr, bbc = backward_tiles or (br, bc)
+        bvisible = -(-N // bbr) * -(-M // bbc) * density
         fused_bwd = bh * (
-            2 * M * D * elt * 2 + visible * br * (2 * D * elt + 8) + N * (3 * D * elt + 8) + visible * 2 * bc * D * elt
+            2 * M * D * elt * 2
+            + bvisible * bbr * (2 * D * elt + 8)
+            + N * (3 * D * elt + 8)
+            + bvisible * 2 * bbc * D * elt
         )
         s = 4 * nm
         passes_fwd = 2 + (2 * self.score_ops) + (3 if self.masked else 0) + 2 + (3 if self.dropout else 0)

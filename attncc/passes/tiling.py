@@ -44,7 +44,7 @@ class TilePlan:
     block_cols: int  # Bc
     paper_block_rows: int
     paper_block_cols: int
-    threads: int  # per block (GPU) or vector lanes used per row (CPU)
+    threads: int  # per block, the largest of the plan's kernels (GPU), or vector lanes used per row (CPU)
     warps: int
     stages: int
     onchip_bytes: int
@@ -72,10 +72,12 @@ class TilingTable:
             raise AttnccError(f"head dim {d}: no tiling fits the on-chip memory of target {self.target}")
         if not backward:
             return plan
-        if plan.backward is None:
+        if plan.backward is None:  # GPU plans only: the CPU backward uses the forward's tiles
+            smallest = gpu_backward_shared_bytes(GPU_ROWS_PER_WARP, GPU_ROWS_PER_WARP, plan.head_dim)
             raise AttnccError(
                 f"head dim {d}: the forward runs on target {self.target}, but no backward tiling fits its on-chip "
-                f"memory ({plan.reason}); run the backward on a target with more shared memory"
+                f"memory (the smallest backward tiles, 16 x 16, need {smallest} B of shared memory); run the "
+                "backward on a target with more shared memory"
             )
         return plan.backward
 
@@ -94,6 +96,7 @@ class TilingTable:
             else f"backward: Br={b.block_rows} Bc={b.block_cols}"
         )
         backward += f", on-chip {b.onchip_bytes} B" if b is not None and b.onchip_bytes != p.onchip_bytes else ""
+        backward += f" ({b.reason.rsplit('; ', 1)[-1]})" if b is not None and b.reason != p.reason else ""
         return (
             f"{self.target} d={p.head_dim}: Br={p.block_rows} Bc={p.block_cols} (paper: Br={p.paper_block_rows} "
             f"Bc={p.paper_block_cols}); {layout}; on-chip {p.onchip_bytes} B; {backward}; {p.reason}"
@@ -175,11 +178,11 @@ def gpu_backward_shared_bytes(br: int, bc: int, d: int) -> int:
     return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (2 * bc * d + 2 * br)
 
 
-def gpu_registers(br: int, bc: int, d: int) -> int:
-    """Per-thread registers of the forward's live state: the S fragment (16 x Bc fp32 per
-    warp), the O accumulator (16 x d fp32), the Q fragments (16 x d halves), plus ~40 for
-    addressing, statistics and loop state."""
-    del br  # each warp owns 16 rows whatever the block size
+def gpu_registers(bc: int, d: int) -> int:
+    """Per-thread registers of the forward's live state (each warp owns 16 rows whatever Br):
+    the S fragment (16 x Bc fp32 per warp), the O accumulator (16 x d fp32), the Q fragments
+    (16 x d halves), plus ~40 for addressing, statistics and loop state. The backward kernels'
+    state is of the same order; ptxas's reports are checked by the tests."""
     return bc // 2 + d // 2 + d // 4 + 40
 
 
@@ -207,11 +210,12 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     else:
         br = GPU_ROWS_PER_WARP * 4
         bc = max(16, min(paper_bc // 16 * 16, GPU_MAX_TILE))
-        while gpu_registers(br, bc, d) > target.max_registers_per_thread - 32 and bc > 16:
+        while gpu_registers(bc, d) > target.max_registers_per_thread - 32 and bc > 16:
             bc -= 16
         reason = "Br = 16 rows x 4 warps; Bc from the paper, capped at 64 and cut to keep registers below the limit"
 
-    def fit(shared: Callable[[int, int], int], kernel: str) -> TilePlan | None:
+    def fit(kernel: str, shared: Callable[[int, int], int], warps: Callable[[int, int], int]) -> TilePlan | None:
+        """From (br, bc), cut Bc then Br until `shared` bytes fit; None if 16 x 16 does not."""
         rows, cols, why = br, bc, reason
         if override is None and shared(rows, cols) > target.onchip_bytes:
             why += f"; then cut until the {kernel} fits the shared memory"
@@ -220,15 +224,24 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
                 cols -= 16
             else:  # fewer query rows per block (d=256: the sm75 forward, the sm86 backward)
                 rows //= 2
-        regs = gpu_registers(rows, cols, d)
+        regs = gpu_registers(cols, d)
         if shared(rows, cols) > target.onchip_bytes or regs > target.max_registers_per_thread:
             return None
-        # forward: a warp per 16 query rows; backward: a warp per 16 keys (dK/dV) or rows (dQ)
-        warps = max(rows, cols if kernel == "backward" else 0) // GPU_ROWS_PER_WARP
-        threads = warps * target.warp_size
-        return TilePlan(d, rows, cols, paper_br, paper_bc, threads, warps, GPU_STAGES, shared(rows, cols), regs, why)
+        n = warps(rows, cols)
+        return TilePlan(
+            d, rows, cols, paper_br, paper_bc, n * target.warp_size, n, GPU_STAGES, shared(rows, cols), regs, why
+        )
 
-    forward = fit(lambda rows, cols: gpu_shared_bytes(rows, cols, d, GPU_STAGES), "forward")
+    forward = fit(
+        "forward",
+        lambda rows, cols: gpu_shared_bytes(rows, cols, d, GPU_STAGES),
+        lambda rows, cols: rows // GPU_ROWS_PER_WARP,  # a warp per 16 query rows
+    )
     if forward is None:
         raise NoFit(f"tiles {br}x{bc} at d={d} do not fit target {target.name}")
-    return replace(forward, backward=fit(lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), "backward"))
+    backward = fit(
+        "backward",
+        lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d),
+        lambda rows, cols: max(rows, cols) // GPU_ROWS_PER_WARP,  # a warp per 16 keys (dK/dV) or rows (dQ)
+    )
+    return replace(forward, backward=backward)

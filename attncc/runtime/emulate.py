@@ -42,28 +42,34 @@ def rows_of(t: torch.Tensor, storage: torch.dtype, name: str) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-#: The grid shift marking elements with a non-finite term (kNonFinite in the CUDA template).
-NON_FINITE_SHIFT = -(2**31)
+#: Non-finite terms seen per element (grad_flags bits, as kPosInf/kNegInf/kNaN in the CUDA template).
+POS_INF, NEG_INF, NAN = 1, 2, 4
 
 
 def fixed_point_shifts(bound: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Per element, the shift of the grid 2^-shift on which its terms sum exactly in int64.
+    """Per element, the shift of the grid 2^-shift on which its finite terms sum exactly in int64.
 
-    `bound` holds the largest |term| as float bits and `count` the number of terms: with
-    |term| < 2^e (e from the exponent field) and count < 2^c, each rounded term is at most
-    2^(61 - c) and any sum of them stays below 2^61, in whatever order the atomics land. The
-    grid step is 2^(e + c - 61): at least 61 - c bits below the largest term.
+    `bound` holds the largest |term| as float bits and `count` the number of terms. With
+    |term| < 2^e (e from the exponent field; also for zero and subnormals) and count < 2^c,
+    each rounded term is at most 2^(63 - c) and the sum of all of them at most
+    2^63 - 2^(63 - c): it fits int64, and partial sums may wrap (two's complement addition
+    is exact modulo 2^64), so the order the atomics land in cannot change the result. The
+    grid step is at least 62 - c bits below the largest term: finer than that term's fp32
+    rounding up to 2^38 terms per element.
     """
     exponent = ((bound >> 23) & 0xFF) - 126
     count_bits = torch.ceil(torch.log2(count.double() + 1)).to(torch.int32)
-    shift = (61 - count_bits - exponent).to(torch.int32)
-    return torch.where(bound >= 0x7F800000, NON_FINITE_SHIFT, shift)  # inf or NaN among the terms
+    return (63 - count_bits - exponent).to(torch.int32)
 
 
-def from_fixed_point(sums: torch.Tensor, shifts: torch.Tensor, float_sums: torch.Tensor) -> torch.Tensor:
-    """The fp32 gradient: sums x 2^-shift, or the float sum where a term was not finite."""
+def from_fixed_point(sums: torch.Tensor, shifts: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """The fp32 gradient: sums x 2^-shift; where a term was not finite, what float addition
+    gives in any order without an intermediate overflow: NaN for a NaN or both infinities, else
+    the infinity."""
     exact = torch.ldexp(sums.double(), -shifts.double()).float()
-    return torch.where(shifts == NON_FINITE_SHIFT, float_sums, exact)
+    nan = ((flags & NAN) != 0) | ((flags & (POS_INF | NEG_INF)) == (POS_INF | NEG_INF))
+    exact = torch.where(flags == POS_INF, float("inf"), torch.where(flags == NEG_INF, float("-inf"), exact))
+    return torch.where(nan, float("nan"), exact)
 
 
 class EmulationFailure(AttnccError):
@@ -74,6 +80,7 @@ class EmulatedKernel(Kernel):
     """Forward and backward CUDA kernels run on the host emulator (CPU tensors)."""
 
     schedule = "lockstep"
+    exact_input_grads = True
 
     _PER_PROCESS = (*Kernel._PER_PROCESS, "_calls")
 
@@ -82,7 +89,7 @@ class EmulatedKernel(Kernel):
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
 
     #: dQ by a second kernel instead of fp32 atomics, and gradients of learnable inputs as exact
-    #: fixed-point sums (two passes, see `fixed_point_shifts`), so every gradient is
+    #: fixed-point sums (a bounds pass, then the sums; see `fixed_point_shifts`), so every gradient is
     #: bit-reproducible on a GPU; also on under torch.use_deterministic_algorithms(True).
     deterministic = False
 
@@ -189,7 +196,8 @@ class EmulatedKernel(Kernel):
             if deterministic and grads:
                 for n, g in grads.items():
                     ident = self.abi.ident_of(n)
-                    g.copy_(from_fixed_point(ptrs[f"grad_fixed_{ident}"], ptrs[f"grad_shift_{ident}"], g))
+                    sums, shifts, flags = (ptrs[f"grad_{kind}_{ident}"] for kind in ("fixed", "shift", "flags"))
+                    g.copy_(from_fixed_point(sums, shifts, flags))
         else:
             dk.zero_(), dv.zero_()
             dq = dq_accum.to(q.dtype)
@@ -200,12 +208,13 @@ class EmulatedKernel(Kernel):
 
     def _bound_input_grads(self, grads, dtype, plan, call, ptrs, dropout, seed) -> None:  # noqa: ANN001
         """The first pass of deterministic mode's exact learnable-input gradients: the kernel
-        records each element's largest |term| and term count; then ptrs get each element's grid
-        (`fixed_point_shifts`) and zeroed int64 sums for attncc_backward's second pass."""
+        records each element's largest finite |term|, its finite terms' count and the non-finite
+        values seen; then ptrs get each element's grid (`fixed_point_shifts`) and zeroed int64
+        sums for attncc_backward's second pass."""
         for n, g in grads.items():
             ident = self.abi.ident_of(n)
-            ptrs[f"grad_bound_{ident}"] = torch.zeros(g.shape, dtype=torch.int32, device=g.device)
-            ptrs[f"grad_fixed_{ident}"] = torch.zeros(g.shape, dtype=torch.int64, device=g.device)
+            for kind, dtype_of_buffer in (("bound", torch.int32), ("flags", torch.int32), ("fixed", torch.int64)):
+                ptrs[f"grad_{kind}_{ident}"] = torch.zeros(g.shape, dtype=dtype_of_buffer, device=g.device)
         self._run("attncc_emulated_backward_grad_bounds", dtype, plan, call, ptrs, dropout, seed)
         for n in grads:
             ident = self.abi.ident_of(n)

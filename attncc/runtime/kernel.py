@@ -36,8 +36,8 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "
 # call_key -> kernel, weakly: a kernel nobody holds is freed (autograd contexts hold theirs)
 _REGISTRY: weakref.WeakValueDictionary[str, Kernel] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
-#: Learnable-input gradients get one fp32 buffer per thread (reproducible sums) up to this size
-#: in all; beyond it, one shared buffer with atomics.
+#: Learnable-input gradients get one buffer per thread (reproducible sums) up to this size in
+#: all; beyond it, one shared buffer with atomics, or fewer threads (`Kernel.backward_threads`).
 PER_THREAD_GRAD_BUFFERS_MAX = 256 * 2**20
 #: The fused backward runs one task per (b, kv head): with fewer than this many tasks per
 #: thread, a thread with a heavier task (a longer padded sequence) leaves the others idle.
@@ -64,6 +64,7 @@ class Kernel:
     """A compiled attention variant. Call it like `kern(q, k, v, **runtime_inputs)`."""
 
     device_type = "cpu"  # where q, k, v and runtime tensors must live
+    exact_input_grads = False  # the kernels' ABI has the exact learnable-gradient buffers
     #: "auto" (see `backward_entries`), "fused" or "two-pass".
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
@@ -75,7 +76,7 @@ class Kernel:
         _, self.op = fused_node(self.graph)
         self.name: str = self.graph.graph["name"]
         self.target = target
-        self.abi: KernelAbi = kernel_abi(self.graph)
+        self.abi: KernelAbi = kernel_abi(self.graph, exact_grads=self.exact_input_grads)
         self.inputs: list[Input] = runtime_inputs(self.graph)
         text = print_graph(self.graph) + repr(self.op) + target
         self.key = f"{self.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
@@ -337,11 +338,14 @@ class Kernel:
         call = self._prepare(plan, q.dtype, tensors, scalars)
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
         grads: dict[str, torch.Tensor] = {}  # [threads, *shape]: one slice per thread, summed after
-        threads = max(1, torch.get_num_threads())
-        for decl, t, wanted in zip(tensor_decls, tensors, grad_inputs):
-            if wanted and decl.name in self.abi.grads:
-                slices = threads if threads * t.numel() * 4 <= PER_THREAD_GRAD_BUFFERS_MAX else 1
-                grads[decl.name] = torch.zeros((slices, *t.shape), dtype=acc)
+        learnable = [
+            (d, t) for d, t, wanted in zip(tensor_decls, tensors, grad_inputs) if wanted and d.name in self.abi.grads
+        ]
+        threads = self.backward_threads(sum(t.numel() for _, t in learnable) * acc.itemsize)
+        for decl, t in learnable:
+            slices = threads if threads * t.numel() * acc.itemsize <= PER_THREAD_GRAD_BUFFERS_MAX else 1
+            grads[decl.name] = torch.zeros((slices, *t.shape), dtype=acc)
+        call["threads"] = threads
         call["grad_slices"] = {self.abi.ident_of(n): g[0].numel() if len(g) > 1 else 0 for n, g in grads.items()}
         if q.numel() and k.numel():
             delta = delta_rows(out, dout, dlse, acc)
@@ -358,8 +362,6 @@ class Kernel:
                 "dv": dv,
             }
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
-            shared = [n for n, g in grads.items() if len(g) == 1 and threads > 1]  # atomics across threads
-            check_atomic_grads_allowed(self.name, shared)
             for entry in self.backward_entries(plan):
                 self._launch(dtype, entry, plan, call, ptrs, dropout, seed)
         else:
@@ -369,6 +371,23 @@ class Kernel:
             for d, t in zip(tensor_decls, tensors)
         ]
         return dq, dk, dv, grad_list
+
+    def backward_threads(self, grad_bytes: int) -> int:
+        """Threads for the backward. Learnable-input gradients get a buffer per thread (summed
+        in thread order: reproducible) while they fit PER_THREAD_GRAD_BUFFERS_MAX in all; beyond,
+        the threads share one buffer with float atomics, unless torch's deterministic mode is on:
+        then fewer threads, each with its own buffer (slower, still reproducible)."""
+        threads = max(1, torch.get_num_threads())
+        if not torch.are_deterministic_algorithms_enabled() or threads * grad_bytes <= PER_THREAD_GRAD_BUFFERS_MAX:
+            return threads
+        fewer = max(1, PER_THREAD_GRAD_BUFFERS_MAX // grad_bytes)
+        warnings.warn(
+            f"attncc kernel {self.name}: reproducible learnable-input gradients need a {grad_bytes / 2**20:.0f} MiB "
+            f"buffer per thread; the backward runs on {fewer} of {threads} threads to stay within "
+            f"{PER_THREAD_GRAD_BUFFERS_MAX // 2**20} MiB (torch.use_deterministic_algorithms is on)",
+            stacklevel=3,
+        )
+        return fewer
 
     def backward_entries(self, plan: CallPlan) -> tuple[str, ...]:
         """The backward's passes: one fused pass (dQ in a per-task buffer, 5 tile products) when
@@ -458,7 +477,8 @@ class Kernel:
             cls_sh=cls_strides[1],
             cls_si=cls_strides[2],
         )
-        ints.update(seed=seed & (2**63 - 1), offset=0, threads=max(1, torch.get_num_threads()))
+        threads = call.get("threads", max(1, torch.get_num_threads()))
+        ints.update(seed=seed & (2**63 - 1), offset=0, threads=threads)
         for slot in self.abi.tensors:
             t = tensors[slot.ident]
             ints.update({f"st_{slot.ident}_{d}": t.stride(d) for d in range(slot.rank)})
@@ -474,23 +494,6 @@ class Kernel:
             (ctypes.c_int64 * len(int_values))(*int_values),
             (ctypes.c_double * len(reals))(*reals),
         )
-
-
-def check_atomic_grads_allowed(kernel: str, learnable: list[str]) -> None:
-    """Gradients of learnable inputs summed by float atomics have bits that depend on the order
-    threads run in (the CPU backend's beyond its per-thread buffers). Like torch's own ops
-    without a deterministic implementation: an error under
-    `torch.use_deterministic_algorithms(True)`, a warning with `warn_only=True`."""
-    if not learnable or not torch.are_deterministic_algorithms_enabled():
-        return
-    message = (
-        f"attncc kernel {kernel}: the gradients of learnable input(s) {', '.join(learnable)} are accumulated "
-        "with float atomics and are not bit-reproducible (dq, dk, dv are); detach those inputs or accept "
-        "run-to-run differences in the last bits"
-    )
-    if not torch.is_deterministic_algorithms_warn_only_enabled():
-        raise RuntimeError(message + " (torch.use_deterministic_algorithms(True) is set)")
-    warnings.warn(message, stacklevel=3)
 
 
 def _sizes(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:

@@ -328,6 +328,14 @@ __device__ __forceinline__ void atomic_max(int32_t* address, int32_t value) {
 #endif
 }
 
+__device__ __forceinline__ void atomic_or(int32_t* address, int32_t value) {
+#if defined(ATTNCC_EMULATE)
+  *address |= value;
+#else
+  atomicOr(address, value);
+#endif
+}
+
 // `value` * 2^shift rounded to the nearest integer (ties to even): a term on a fixed-point grid.
 __device__ __forceinline__ int64_t to_fixed_point(float value, int shift) {
 #if defined(ATTNCC_EMULATE)
