@@ -412,7 +412,37 @@ def test_gpu_library_builds_with_host_launch_code(tmp_path, monkeypatch) -> None
     plan = fused_node(stages[-1].graph)[1].tiling.for_head_dim(64)
     library = build_library(generate_cuda(stages[-1].graph, "bfloat16", plan, "sm90"), "alibi-gpu", cuda_arch="sm90")
     symbols = subprocess.run(["nm", "-D", str(library)], capture_output=True, text=True).stdout
-    assert " T attncc_forward" in symbols and " T attncc_backward" in symbols
+    for entry in ("attncc_forward", "attncc_backward", "attncc_backward_grad_bounds", "attncc_cuda_error"):
+        assert f" {entry}\n" in symbols, entry
+
+
+def test_gpu_launch_path_with_the_emulated_library(monkeypatch) -> None:
+    """What target="cuda" runs, short of device memory: GpuKernel's entry points, argument
+    order, stream argument and deterministic passes, with the emulated library standing in for
+    nvcc's (it exports the same attncc_* entry points; the emulator ignores the stream)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from attncc.runtime.emulate import EmulatedKernel
+    from attncc.runtime.gpu import GpuKernel
+
+    class HostGpuKernel(GpuKernel):
+        device_type = "cpu"
+        emulated_library = EmulatedKernel.emulated_library  # the host build instead of nvcc's
+
+        def _device_index(self) -> None:
+            return None
+
+        def _to_device(self, call: dict) -> dict:
+            return call
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kern = HostGpuKernel(attncc.lower(ROOT / "examples" / "relative_bias.attn", "sm86"), "sm86")
+    for deterministic in (False, True):
+        kern.deterministic = deterministic
+        result = check(kern, adapt(Shape(1, 2, 1, 50, 70, 128), kern), torch.bfloat16)
+        assert result.ok, f"deterministic={deterministic}: {result.describe()}"
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
