@@ -140,19 +140,24 @@ def test_emulator_schedules_give_identical_bits(name: str) -> None:
     kern = emulated(name)
     q, k, v, runtime = make_inputs(kern, adapt(Shape(1, 2, 1, 90, 90, 64), kern), torch.bfloat16)
     learnable = [t for t in runtime.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-    results = []
-    for schedule in ("lockstep", "warp-greedy"):
-        kern.schedule = schedule
-        out, lse = kern(q, k, v, seed=9, return_lse=True, **runtime)
-        grads = torch.autograd.grad(out, [q, k, v, *learnable], torch.ones_like(out))
-        results.append([out, lse, *grads])
-    kern.schedule = "lockstep"
-    for a, b in zip(results[0][:5], results[1][:5]):  # out, lse, dq, dk, dv: bit-identical
-        assert torch.equal(a, b)
-    for a, b in zip(results[0][5:], results[1][5:]):
-        # learnable-input gradients are sums of fp32 atomics, whose order (as on a GPU) depends
-        # on the schedule: equal up to rounding, not bit for bit
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    for deterministic in (False, True):
+        results = []
+        for schedule in ("lockstep", "warp-greedy"):
+            kern.schedule, kern.deterministic = schedule, deterministic
+            try:
+                out, lse = kern(q, k, v, seed=9, return_lse=True, **runtime)
+                grads = torch.autograd.grad(out, [q, k, v, *learnable], torch.ones_like(out))
+            finally:
+                kern.schedule, kern.deterministic = "lockstep", False
+            results.append([out, lse, *grads])
+        # out, lse, dq, dk, dv always bit-identical; learnable-input gradients too in deterministic
+        # mode (exact sums), else sums of fp32 atomics whose order (as on a GPU) depends on the
+        # schedule: equal up to rounding
+        exact = len(results[0]) if deterministic else 5
+        for a, b in zip(results[0][:exact], results[1][:exact]):
+            assert torch.equal(a, b), f"deterministic={deterministic}"
+        for a, b in zip(results[0][exact:], results[1][exact:]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_dropout_bits_identical_to_the_cpu_backend() -> None:
