@@ -144,13 +144,7 @@ def test_every_plan_fits_its_target(target_name: str) -> None:
     table = fused_node(stages[-1].graph)[1].tiling
     for d in range(1, MAX_HEAD_DIM + 1):
         forward = table.for_head_dim(d)
-        if target_name == "sm75" and d > 240:  # 64 KiB: no backward tiling at d=256 (forward only)
-            assert forward.backward is None
-            with pytest.raises(AttnccError, match="no backward tiling fits"):
-                table.for_head_dim(d, backward=True)
-            plans = [forward]
-        else:
-            plans = [forward, table.for_head_dim(d, backward=True)]
+        plans = [forward, table.for_head_dim(d, backward=True)]
         for p in plans:
             assert p.head_dim >= d and p.onchip_bytes <= target.onchip_bytes
             if target.kind == "cpu":
@@ -162,8 +156,21 @@ def test_every_plan_fits_its_target(target_name: str) -> None:
                 assert p.threads <= target.max_threads_per_block
         if target.kind == "cpu":  # one set of tasks for both passes
             assert (plans[1].block_rows, plans[1].block_cols) == (forward.block_rows, forward.block_cols)
-        elif len(plans) == 2:  # the backward's working set is the larger: its tiles are never larger
+        else:  # the backward's working set is the larger: its tiles are never larger
             assert plans[1].block_rows <= forward.block_rows and plans[1].block_cols <= forward.block_cols
+
+
+def test_gpu_target_too_small_for_the_backward_runs_the_forward() -> None:
+    """A GPU row with 48 KiB of shared memory: at d=256 the 16 x 16 forward fits (42 KiB), no
+    backward does (dK alone in shared memory: 50 KiB), and asking for one says what it needs."""
+    small = replace(GPUS["sm80"], name="small", onchip_bytes=48 * 1024)
+    table = fused_node(run_pipeline(program("s = q @ k.T * scale"), "t.attn", small)[-1].graph)[1].tiling
+    assert (table.for_head_dim(256).block_rows, table.for_head_dim(256).block_cols) == (16, 16)
+    assert table.for_head_dim(256).backward is None and table.for_head_dim(128).backward is not None
+    with pytest.raises(
+        AttnccError, match=r"forward runs on target small, but no backward tiling fits .* needs 51072 B"
+    ):
+        table.for_head_dim(256, backward=True)
 
 
 def test_cpu_target_reads_the_machine() -> None:

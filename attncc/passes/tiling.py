@@ -53,6 +53,9 @@ class TilePlan:
     #: The backward kernels' tiles (on GPUs they need more shared memory per tile than the
     #: forward, so they may be smaller); None where no backward tiling fits the target.
     backward: TilePlan | None = None
+    #: GPU backward: the last columns of each warp's dV accumulator held in registers, where
+    #: fp32 dK and dV do not both fit the shared memory (a multiple of 16; 0: all shared).
+    dv_register_columns: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,11 @@ class TilingTable:
         if not backward:
             return plan
         if plan.backward is None:  # GPU plans only: the CPU backward uses the forward's tiles
-            smallest = gpu_backward_shared_bytes(GPU_ROWS_PER_WARP, GPU_ROWS_PER_WARP, plan.head_dim)
+            smallest = gpu_backward_shared_bytes(GPU_ROWS_PER_WARP, GPU_ROWS_PER_WARP, plan.head_dim, plan.head_dim)
             raise AttnccError(
                 f"head dim {d}: the forward runs on target {self.target}, but no backward tiling fits its on-chip "
-                f"memory (the smallest backward tiles, 16 x 16, need {smallest} B of shared memory); run the "
-                "backward on a target with more shared memory"
+                f"memory (the smallest backward, 16 x 16 tiles with dV in registers, needs {smallest} B of shared "
+                "memory); run the backward on a target with more shared memory"
             )
         return plan.backward
 
@@ -172,10 +175,11 @@ def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
     return 2 * (br + stages * 2 * bc) * (d + 8)
 
 
-def gpu_backward_shared_bytes(br: int, bc: int, d: int) -> int:
+def gpu_backward_shared_bytes(br: int, bc: int, d: int, dv_register_columns: int = 0) -> int:
     """The backward kernel's shared memory: Q, dO (Br rows) and K, V (Bc rows) tiles, dS^T
-    (Bc x (Br + 8) halves), fp32 dK and dV accumulators (Bc x d) and the rows' lse and delta."""
-    return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (2 * bc * d + 2 * br)
+    (Bc x (Br + 8) halves), fp32 dK (Bc x d) and dV (Bc x (d - dv_register_columns))
+    accumulators and the rows' lse and delta."""
+    return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * (2 * d - dv_register_columns) + 2 * br)
 
 
 def gpu_registers(bc: int, d: int) -> int:
@@ -239,9 +243,20 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     )
     if forward is None:
         raise NoFit(f"tiles {br}x{bc} at d={d} do not fit target {target.name}")
-    backward = fit(
-        "backward",
-        lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d),
-        lambda rows, cols: max(rows, cols) // GPU_ROWS_PER_WARP,  # a warp per 16 keys (dK/dV) or rows (dQ)
-    )
+
+    def backward_warps(rows: int, cols: int) -> int:  # a warp per 16 keys (dK/dV) or query rows (dQ)
+        return max(rows, cols) // GPU_ROWS_PER_WARP
+
+    backward = fit("backward", lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), backward_warps)
+    if backward is None:  # part of dV in registers: as few 16-column blocks as make the rest fit
+        for register_columns in range(HEAD_DIM_STEP, d + 1, HEAD_DIM_STEP):  # d: a multiple of 16
+            backward = fit(
+                "backward",
+                lambda rows, cols, n=register_columns: gpu_backward_shared_bytes(rows, cols, d, n),
+                backward_warps,
+            )
+            if backward is not None:
+                why = f"{backward.reason}; dV columns {d - register_columns}..{d - 1} in registers"
+                backward = replace(backward, dv_register_columns=register_columns, reason=why)
+                break
     return replace(forward, backward=backward)
