@@ -76,11 +76,12 @@ class TilingTable:
         if not backward:
             return plan
         if plan.backward is None:  # GPU plans only: the CPU backward uses the forward's tiles
-            smallest = gpu_backward_shared_bytes(GPU_ROWS_PER_WARP, GPU_ROWS_PER_WARP, plan.head_dim, plan.head_dim)
+            half = plan.head_dim // 2
+            smallest = gpu_backward_shared_bytes(GPU_ROWS_PER_WARP, GPU_ROWS_PER_WARP, plan.head_dim, half)
             raise AttnccError(
                 f"head dim {d}: the forward runs on target {self.target}, but no backward tiling fits its on-chip "
-                f"memory (the smallest backward, 16 x 16 tiles with dV in registers, needs {smallest} B of shared "
-                "memory); run the backward on a target with more shared memory"
+                f"memory (the smallest backward, 16 x 16 tiles with {half} dV columns in registers, needs {smallest} B "
+                "of shared memory); run the backward on a target with more shared memory"
             )
         return plan.backward
 
@@ -201,7 +202,8 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     """Forward: Br = 16 x warps (4 warps); Bc from the paper's formula capped so the per-thread
     state fits the register file without spills; two K/V stages. Backward: the same start, cut
     separately until its larger working set (Q, dO, K, V, dS and fp32 dK, dV) fits, so a small
-    shared memory shrinks the backward's tiles without shrinking the forward's."""
+    shared memory shrinks the backward's tiles without shrinking the forward's; where even
+    16 x 16 does not fit, the fewest dV columns held in registers that make it fit."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
     if override is not None:
@@ -248,8 +250,10 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
         return max(rows, cols) // GPU_ROWS_PER_WARP
 
     backward = fit("backward", lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), backward_warps)
-    if backward is None:  # part of dV in registers: as few 16-column blocks as make the rest fit
-        for register_columns in range(HEAD_DIM_STEP, d + 1, HEAD_DIM_STEP):  # d: a multiple of 16
+    if backward is None:  # part of dV in registers: as few 16-column blocks as make the rest fit,
+        # at most half of it (d / 4 registers per thread; sm75 at d=256 needs 32 columns: 198
+        # registers, no spills)
+        for register_columns in range(HEAD_DIM_STEP, d // 2 + 1, HEAD_DIM_STEP):  # d: a multiple of 16
             backward = fit(
                 "backward",
                 lambda rows, cols, n=register_columns: gpu_backward_shared_bytes(rows, cols, d, n),
