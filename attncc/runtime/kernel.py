@@ -362,7 +362,7 @@ class Kernel:
                 "dv": dv,
             }
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
-            for entry in self.backward_entries(plan):
+            for entry in self.backward_entries(plan, threads):
                 self._launch(dtype, entry, plan, call, ptrs, dropout, seed)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
@@ -389,12 +389,13 @@ class Kernel:
         )
         return fewer
 
-    def backward_entries(self, plan: CallPlan) -> tuple[str, ...]:
+    def backward_entries(self, plan: CallPlan, threads: int | None = None) -> tuple[str, ...]:
         """The backward's passes: one fused pass (dQ in a per-task buffer, 5 tile products) when
         the (b, kv head) tasks keep every thread busy and the buffer is small, else a dK/dV pass
-        and a dQ pass (7 tile products, parallel over tiles). `backward` forces one."""
+        and a dQ pass (7 tile products, parallel over tiles). `backward` forces one. `threads`:
+        those the backward runs on (default: torch's)."""
         p, tiles = plan.problem, plan.tiles
-        threads = max(1, torch.get_num_threads())
+        threads = threads or max(1, torch.get_num_threads())
         dq_buffer = 4 * (p.H // p.Hkv) * math.ceil(p.N / tiles.block_rows) * tiles.block_rows * (-(-p.D // 16) * 16)
         fused = p.B * p.Hkv >= FUSED_BACKWARD_TASKS_PER_THREAD * threads and dq_buffer <= FUSED_BACKWARD_MAX_BUFFER
         if self.backward == "fused" or (self.backward == "auto" and fused):
