@@ -97,6 +97,8 @@ def _compile_cuda(args: argparse.Namespace, stages: list) -> int:
     for dtype in dtypes:
         for head_dim in args.head_dim:
             plan = op.tiling.for_head_dim(head_dim)
+            if plan.head_dim != op.tiling.for_head_dim(args.shape.D).head_dim:  # the plan above was for shape.D
+                print(f"  tiles   {op.tiling.describe(head_dim)}")
             source = generate_cuda(stages[-1].graph, dtype, plan, args.target)
             name = f"{stages[-1].graph.graph['name']}_{args.target}_{dtype}_d{plan.head_dim}.cu"
             if out_dir:

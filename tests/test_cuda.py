@@ -9,6 +9,7 @@ from functools import cache
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import attncc
 from attncc.codegen.cuda import generate_cuda
@@ -215,6 +216,14 @@ def test_fully_masked_rows_on_the_emulator() -> None:
     out, lse = kern(q, k, v, return_lse=True, lengths=torch.tensor([0, 9]))
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
     assert torch.isfinite(out).all()
+
+
+def test_more_batch_entries_than_a_grid_dimension_holds() -> None:
+    """B * H beyond 65535 (gridDim.y/z's limit, which the emulator enforces): one-dimensional grids."""
+    kern = emulated("vanilla")
+    q, k, v = (torch.randn(65536, 1, n, 16, dtype=torch.float16) for n in (1, 3, 3))
+    reference = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert (kern(q, k, v).double() - reference).abs().max() < 2e-3
 
 
 @pytest.mark.parametrize("name", ["alibi", "gpt2", "document", "softcap"])

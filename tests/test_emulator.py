@@ -68,6 +68,9 @@ extern "C" int bad_kernel(int which, float* out, int s) {
     if (which == 1) ATTNCC_LAUNCH(partial_warp_shuffle_kernel, dim3(1), dim3(32), 0, nullptr, out);
     if (which == 2) ATTNCC_LAUNCH(misaligned_ldmatrix_kernel, dim3(1), dim3(32), 1024, nullptr);
     if (which == 3) ATTNCC_LAUNCH(mixed_collective_kernel, dim3(1), dim3(32), 1024, nullptr, out);
+    if (which == 4) ATTNCC_LAUNCH(partial_warp_shuffle_kernel, dim3(1, 65536), dim3(32), 0, nullptr, out);
+    if (which == 5) ATTNCC_LAUNCH(partial_warp_shuffle_kernel, dim3(0), dim3(32), 0, nullptr, out);
+    if (which == 6) ATTNCC_LAUNCH(divergent_barrier_kernel, dim3(1), dim3(1056), 0, nullptr);
   });
 }
 
@@ -184,6 +187,9 @@ def test_planted_missing_barrier_changes_the_result_between_schedules(emu) -> No
         (1, "deadlock"),
         (2, "not 16-byte aligned"),
         (3, "while other lanes are in"),
+        (4, "invalid launch configuration: grid (1, 65536, 1)"),  # gridDim.y stops at 65535
+        (5, "invalid launch configuration: grid (0, 1, 1)"),
+        (6, "block (1056, 1, 1)"),  # at most 1024 threads
     ],
 )
 def test_kernel_bugs_are_reported_not_aborted(emu, which: int, message: str) -> None:

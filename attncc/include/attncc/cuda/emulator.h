@@ -370,6 +370,15 @@ inline Schedule& current_schedule() {
 // Runs `kernel()` for every block of the grid, blocks one after another.
 template <typename Kernel>
 void launch(dim3 grid, dim3 block, size_t smem_bytes, Kernel kernel) {
+  // The CUDA runtime's limits on a launch configuration: a kernel that relies on more fails on
+  // a GPU (cudaErrorInvalidConfiguration), so it fails here too.
+  const bool grid_ok = grid.x >= 1 && grid.x <= 0x7fffffffu && grid.y >= 1 && grid.y <= 65535 && grid.z >= 1 &&
+                       grid.z <= 65535;
+  const unsigned long long threads = 1ull * block.x * block.y * block.z;
+  if (!grid_ok || threads < 1 || threads > 1024 || block.z > 64)
+    throw EmulationError("invalid launch configuration: grid (" + std::to_string(grid.x) + ", " +
+                         std::to_string(grid.y) + ", " + std::to_string(grid.z) + "), block (" +
+                         std::to_string(block.x) + ", " + std::to_string(block.y) + ", " + std::to_string(block.z) + ")");
   BlockState b;
   b.grid_dim = grid;
   b.block_dim = block;
