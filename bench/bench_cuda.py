@@ -1,9 +1,11 @@
 """GPU benchmark: attncc's CUDA kernels against torch SDPA (flash backend) and FlexAttention.
 
 Runs side by side in one process on the same inputs: bf16, B*H*N = 16K*16 tokens per case,
-N from 512 to 16K, d 64 and 128, dense and causal, forward and forward+backward. Times are
-medians of CUDA-event timings; ratios are anchor / attncc (> 1: attncc faster). Raw results
-go to JSON with the device name and versions.
+N from 512 to 16K, d 64 and 128, dense and causal, forward and forward+backward; then decoding
+(one query per sequence against M = 4K..64K keys, H = 32, d = 128), where attncc's split-KV
+forward runs against itself unsplit (`kv_splits = 1`) and the anchors (with --decode). Times are medians of
+CUDA-event timings; ratios are anchor / attncc (> 1: attncc faster). Raw results go to JSON
+with the device name and versions.
 
     python bench/bench_cuda.py --json bench/results/cuda-<device>.json
 """
@@ -50,12 +52,42 @@ def flops(B: int, H: int, N: int, D: int, causal: bool, backward: bool) -> float
     return f * (3.5 if backward else 1.0)
 
 
+def decode_cases(kern: attncc.Kernel, flex, repeats: int) -> list[dict]:
+    """One query token per sequence (a KV-cache step): the query tiles alone fill few SMs."""
+    rows = []
+    for B in (1, 8):
+        for M in (4096, 16384, 65536):
+            H, D = 32, 128
+            q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            splits = kern.plan(q, k, None).kv_splits
+            ours = median_ms(partial(kern, q, k, v), repeats)
+            kern.kv_splits = 1
+            try:
+                unsplit = median_ms(partial(kern, q, k, v), repeats)
+            finally:
+                kern.kv_splits = None
+            sdpa = median_ms(partial(F.scaled_dot_product_attention, q, k, v), repeats)  # torch picks the backend
+            flex_ms = median_ms(partial(flex, q, k, v), repeats)
+            rows.append(
+                {"decode": True, "B": B, "H": H, "N": 1, "M": M, "D": D, "kv_splits": splits, "attncc_ms": ours,
+                 "attncc_unsplit_ms": unsplit, "sdpa_ms": sdpa, "flex_ms": flex_ms}
+            )  # fmt: skip
+            print(
+                f"decode B={B} M={M:5d} d={D}: attncc {ours:7.3f} ms ({splits} splits)  unsplit {unsplit / ours:5.2f}x  "
+                f"sdpa {sdpa / ours:5.2f}x  flex {flex_ms / ours:5.2f}x",
+                flush=True,
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--decode", action="store_true", help="also the decoding cases (split-KV)")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -108,6 +140,8 @@ def main() -> None:
                         f"d={D:3d} N={N:5d} {'causal' if causal else 'dense ':6s} {'fwd+bwd' if backward else 'fwd    '}: attncc {ours:7.3f} ms ({tflops:6.1f} TFLOP/s)  sdpa-flash {sdpa / ours:5.2f}x  flex {flex_ms / ours:5.2f}x",
                         flush=True,
                     )
+    if args.decode:
+        results += decode_cases(kernels[False], flex, args.repeats)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "attncc": attncc.__version__}

@@ -37,10 +37,10 @@ with ThreadPoolExecutor(16) as pool:
     list(pool.map(lambda job: job[0].emulated_library(job[1], job[2]), jobs))
 print(f"prebuilt {len(jobs)} libraries in {time.time() - start:.0f} s")
 PY
-    python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
+    CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
     ;;
   bench)
     dims=${2:-64}
-    python3 bench/bench_cuda.py --dims "$dims" --json "$OUT/cuda-$device-d$dims.json" 2>&1 | tee "$OUT/bench-d$dims.log"
+    python3 bench/bench_cuda.py --dims "$dims" $([ "$dims" = 128 ] && echo --decode) --json "$OUT/cuda-$device-d$dims.json" 2>&1 | tee "$OUT/bench-d$dims.log"
     ;;
 esac

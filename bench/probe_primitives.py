@@ -2,7 +2,11 @@
 
 Runs bench/probe_primitives.cu (mma m16n8k16 in fp16 and bf16 -- two m16n8k8 on sm75 --,
 ldmatrix with and without .trans, shuffles) on random inputs twice: built by nvcc for the
-current GPU and built for the host emulator with the same architecture's instruction choice. Prints and optionally saves (JSON, with the device name) every mismatch.
+current GPU and built for the host emulator with the same architecture's instruction choice.
+Prints and optionally saves (JSON, with the device name) every mismatch. The `_int` mma cases
+take small integers, whose products and sums are exact in fp32: they must match bit for bit
+(fragment layouts); on random normals the tensor cores' internal accumulation order and
+rounding may differ from the emulator's in the last bits (max |diff| says how much).
 
     python bench/probe_primitives.py --json bench/results/probe-<device>.json
 """
@@ -13,6 +17,7 @@ import argparse
 import ctypes
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +40,7 @@ def run_case(lib: ctypes.CDLL, case: str, inputs: list[torch.Tensor], device: st
     args = [t.to(device) for t in inputs]
     if case.startswith("mma"):
         out = torch.zeros(16, 8, device=device)
-        status = getattr(lib, f"probe_{case}")(ptr(args[0]), ptr(args[1]), ptr(out))
+        status = getattr(lib, f"probe_{case.removesuffix('_int')}")(ptr(args[0]), ptr(args[1]), ptr(out))
     elif case.startswith("ldmatrix"):
         out = torch.zeros(32, 4, dtype=torch.int32, device=device)
         status = lib.probe_ldmatrix(ptr(args[0]), ptr(out), int(case.endswith("trans")))
@@ -67,16 +72,21 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "cases": {},
     }
-    cases = ["mma_f16", "mma_bf16", "ldmatrix", "ldmatrix_trans", "shuffles"]
+    cases = ["mma_f16", "mma_f16_int", "mma_bf16", "mma_bf16_int", "ldmatrix", "ldmatrix_trans", "shuffles"]
     if "bfloat16" not in storage_dtypes(arch):
-        cases.remove("mma_bf16")
+        cases = [c for c in cases if not c.startswith("mma_bf16")]
     report["arch"] = arch
     for case in cases:
         mismatches, worst = 0, 0.0
         for _ in range(args.trials):
             if case.startswith("mma"):
-                dtype = torch.float16 if case == "mma_f16" else torch.bfloat16
-                inputs = [torch.randn(16, 16, generator=gen).to(dtype), torch.randn(8, 16, generator=gen).to(dtype)]
+                dtype = torch.float16 if case.startswith("mma_f16") else torch.bfloat16
+                values = (
+                    partial(torch.randint, -4, 5, generator=gen)
+                    if case.endswith("_int")
+                    else partial(torch.randn, generator=gen)
+                )
+                inputs = [values((16, 16)).to(dtype), values((8, 16)).to(dtype)]
             elif case.startswith("ldmatrix"):
                 inputs = [torch.randn(16, 16, generator=gen).half()]
             else:

@@ -71,7 +71,7 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
         threads = max(plan.threads, plan.backward.threads if plan.backward else 0)
         assert report.registers * threads <= target.registers_per_sm, where  # >= 1 block per SM
         kernels = ["attention_backward_dq", "attention_backward"] if plan.backward else []  # sm75 d=256: forward only
-        assert [k.name for k in report.kernels] == [*kernels, "attention_forward"], where
+        assert [k.name for k in report.kernels] == [*kernels, "combine_splits", "attention_forward"], where
         for instruction in INSTRUCTIONS.get(arch, INSTRUCTIONS["sm80"]) + COMMON_INSTRUCTIONS:
             assert instruction in report.ptx, f"{where}: no {instruction}"
         if arch == "sm75":
@@ -120,9 +120,48 @@ SHAPES = (Shape(2, 4, 2, 77, 130, 48), Shape(1, 2, 1, 129, 65, 64))
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_emulated_forward_backward_match_fp64_within_eager_error(name: str) -> None:
     kern = emulated(name)
-    for shape, dtype in ((SHAPES[0], torch.float16), (SHAPES[1], torch.bfloat16)):
-        result = check(kern, adapt(shape, kern), dtype)
-        assert result.ok, result.describe()
+    # the first two calls take split-KV (a few blocks for 108 SMs), the third one block per query tile
+    for shape, dtype, splits in (
+        (SHAPES[0], torch.float16, None),
+        (SHAPES[1], torch.bfloat16, None),
+        (SHAPES[0], torch.float16, 1),
+    ):
+        kern.kv_splits = splits
+        try:
+            assert (kern.plan(*make_inputs(kern, shape, dtype)[:2], None).kv_splits > 1) == (splits is None)
+            result = check(kern, adapt(shape, kern), dtype)
+        finally:
+            kern.kv_splits = None
+        assert result.ok, f"kv_splits={splits}: {result.describe()}"
+
+
+def test_split_kv_on_the_emulator() -> None:
+    """Forced splits, some of whose keys are all masked (padding, causal) or dropped (dropout):
+    the merged out and log-sum-exp equal the unsplit kernel's up to rounding, fully masked rows
+    stay O = 0 and lse = -inf, the dropout mask is the same."""
+    shape = Shape(2, 2, 1, 3, 200, 40)  # 4 key tiles of 64
+    for name, runtime in (("padding", {"lengths": torch.tensor([0, 70])}), ("gpt2", {}), ("alibi", None)):
+        kern = emulated(name)
+        q, k, v, made = make_inputs(kern, shape, torch.float16, requires_grad=False)
+        runtime = made if runtime is None else runtime
+        results = {}
+        for splits in (1, 3, 4):
+            kern.kv_splits = splits
+            try:
+                results[splits] = kern(q, k, v, seed=3, return_lse=True, **runtime)
+                assert kern.plan(q, k, None).kv_splits == splits
+                if splits == 3:
+                    result = check(kern, adapt(shape, kern), torch.float16)
+                    assert result.ok, f"{name}: {result.describe()}"
+            finally:
+                kern.kv_splits = None
+        out, lse = results[1]
+        for splits in (3, 4):
+            assert torch.allclose(results[splits][0].float(), out.float(), atol=2e-3, rtol=0)
+            assert torch.allclose(results[splits][1], lse, atol=1e-4, rtol=0)
+            assert torch.equal(results[splits][0] == 0, out == 0)  # masked rows, dropped keys
+        if name == "padding":
+            assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
 
 
 @pytest.mark.parametrize(
@@ -401,6 +440,23 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch) -> None:
         find_nvcc()
 
 
+@pytest.mark.parametrize("layout", ["cuda_nvcc", "cu13"])  # nvidia-cuda-nvcc for CUDA 12 / CUDA 13
+def test_nvcc_from_the_wheel(tmp_path, monkeypatch, layout: str) -> None:
+    import importlib
+    import sys
+
+    nvcc = tmp_path / "nvidia" / layout / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
+    importlib.invalidate_caches()
+    assert find_nvcc() == str(nvcc)
+
+
 def test_cuda_target_without_a_gpu_is_a_clear_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU; tests/test_gpu.py covers it")
@@ -446,11 +502,15 @@ def test_gpu_launch_path_with_the_emulated_library(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(multi_processor_count=132))
     kern = HostGpuKernel(attncc.lower(ROOT / "examples" / "relative_bias.attn", "sm86"), "sm86")
     for deterministic in (False, True):
         kern.deterministic = deterministic
         result = check(kern, adapt(Shape(1, 2, 1, 50, 70, 128), kern), torch.bfloat16)
         assert result.ok, f"deterministic={deterministic}: {result.describe()}"
+    q = torch.randn(1, 2, 50, 128)
+    assert kern.plan(q, torch.randn(1, 1, 70, 128), None).kv_splits == 2  # 2 blocks on 132 SMs: split
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")

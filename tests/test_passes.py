@@ -16,7 +16,7 @@ from attncc.passes.backward import derive_backward
 from attncc.passes.canonicalize import canonicalize
 from attncc.passes.fuse import fuse_attention
 from attncc.passes.sparsity import analyse_sparsity
-from attncc.passes.tiling import MAX_HEAD_DIM, gpu_registers, paper_blocks, tile
+from attncc.passes.tiling import MAX_HEAD_DIM, SPLIT_EFFICIENCY, choose_kv_splits, gpu_registers, paper_blocks, tile
 from attncc.targets import GPUS, Target, cpu, get_target
 
 
@@ -217,3 +217,28 @@ def test_pipeline_runs_the_verifier_after_each_pass() -> None:
     ]
     op = fused_node(stages[-1].graph)[1]
     assert op.sparsity and op.backward and op.tiling and op.cost
+
+
+@pytest.mark.parametrize(
+    ("blocks", "tiles", "sms"), [(8, 64, 132), (1, 2, 108), (3, 1000, 40), (16, 3, 108), (50, 7, 84)]
+)
+def test_split_kv_fills_the_gpu_with_non_empty_splits(blocks: int, tiles: int, sms: int) -> None:
+    """Decoding-sized calls split the keys; every split gets tiles; its last wave is nearly as
+    full as the best count's."""
+    splits = choose_kv_splits(blocks, tiles, sms)
+    assert 1 < splits <= tiles
+    per = math.ceil(tiles / splits)
+    assert math.ceil(tiles / per) == splits  # no empty split
+
+    def fill(s: int) -> float:
+        return blocks * s / sms / math.ceil(blocks * s / sms)
+
+    assert fill(splits) >= SPLIT_EFFICIENCY * max(fill(s) for s in range(1, min(tiles, sms, 128) + 1))
+
+
+def test_split_kv_only_where_the_query_tiles_leave_the_gpu_idle() -> None:
+    assert choose_kv_splits(132, 64, 132) == 1  # a full wave already
+    assert choose_kv_splits(106, 64, 132) == 1  # 80% of one
+    assert choose_kv_splits(8, 1, 132) == 1  # one key tile: nothing to split
+    assert choose_kv_splits(8, 64, 0) == 1  # no SM count known
+    assert choose_kv_splits(8, 4096 // 64, 132) == 16  # decoding at B=1, H=8, M=4096 on an H100

@@ -40,6 +40,10 @@ class TensorSlot:
 #: (templates/cuda/attention.cu.jinja `input_grads_exact`): largest |term| (float bits),
 #: non-finite flags, the grid shift chosen from them, and the int64 term counts, then sums.
 EXACT_GRAD_BUFFERS = (("bound", "int32_t*"), ("flags", "int32_t*"), ("shift", "const int32_t*"), ("fixed", "int64_t*"))
+#: The CUDA forward's split-KV partials (`combine_splits`): fp32 O and log-sum-exp per split and
+#: row, and the number of splits.
+SPLIT_BUFFERS = (("o_partial", "acc_t*"), ("lse_partial", "acc_t*"))
+SPLIT_CONTROL = ("splits",)
 
 
 @dataclass(frozen=True)
@@ -47,21 +51,21 @@ class KernelAbi:
     tensors: tuple[TensorSlot, ...]  # runtime tensors read by the variant, then layout grids
     scalars: tuple[tuple[str, str, str], ...]  # (program name, C++ member, C type)
     grads: tuple[str, ...]  # float tensors that can receive gradients (program names)
-    exact_grads: bool = False  # with EXACT_GRAD_BUFFERS (the CUDA kernels)
+    cuda: bool = False  # the CUDA kernels' slots: EXACT_GRAD_BUFFERS, SPLIT_BUFFERS, SPLIT_CONTROL
 
     def pointer_slots(self) -> list[tuple[str, str]]:
         """(member, C type) of every pointer, in order."""
-        slots = [(n, t) for n, t in OPERANDS] + list(ROW_BUFFERS)
+        slots = [(n, t) for n, t in OPERANDS] + list(ROW_BUFFERS) + list(SPLIT_BUFFERS if self.cuda else ())
         slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
         slots += [(f"grad_{self.ident_of(n)}", "acc_t*") for n in self.grads]
-        for kind, ctype in EXACT_GRAD_BUFFERS if self.exact_grads else ():
+        for kind, ctype in EXACT_GRAD_BUFFERS if self.cuda else ():
             slots += [(f"grad_{kind}_{self.ident_of(n)}", ctype) for n in self.grads]
         return slots
 
     def int_slots(self) -> list[str]:
         names = list(SIZES)
         names += [f"st_{n}_{d}" for n, _ in OPERANDS for d in range(4)]
-        names += list(CONTROL)
+        names += list(CONTROL) + list(SPLIT_CONTROL if self.cuda else ())
         names += [f"st_{t.ident}_{d}" for t in self.tensors for d in range(t.rank)]
         names += [f"grad_slice_{self.ident_of(n)}" for n in self.grads]  # per-thread buffer stride
         return names
@@ -73,9 +77,9 @@ class KernelAbi:
         return next(t.ident for t in self.tensors if t.name == name)
 
 
-def kernel_abi(g: Graph, exact_grads: bool = False) -> KernelAbi:
-    """The ABI of the fused kernel in `g` (after sparsity analysis); `exact_grads` for the
-    CUDA kernels, whose deterministic mode sums learnable-input gradients in fixed point."""
+def kernel_abi(g: Graph, cuda: bool = False) -> KernelAbi:
+    """The ABI of the fused kernel in `g` (after sparsity analysis); `cuda` adds the CUDA
+    kernels' slots (exact learnable-input gradient sums, split-KV partials)."""
     _, op = fused_node(g)
     declared = inputs(g)
     tensors = [d for d in runtime_inputs(g) if d.role == "tensor"]
@@ -87,4 +91,4 @@ def kernel_abi(g: Graph, exact_grads: bool = False) -> KernelAbi:
         if d.role == "scalar"
     )
     grads = tuple(t.name for t in slots if declared[t.name].dtype == "float" and declared[t.name].role == "tensor")
-    return KernelAbi(slots, scalars, grads, exact_grads)
+    return KernelAbi(slots, scalars, grads, cuda)

@@ -55,7 +55,7 @@ def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> s
         stages=plan.stages,
         block_cols=plan.block_cols,
         backward=plan.backward,
-        abi=kernel_abi(g, exact_grads=True),
+        abi=kernel_abi(g, cuda=True),
         has_dropout=op.dropout > 0,
         q_in_registers=plan.head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
         **hook_values(g),

@@ -264,3 +264,35 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
                 backward = replace(backward, dv_register_columns=register_columns, reason=why)
                 break
     return replace(forward, backward=backward)
+
+
+#: At most this many blocks share one query tile's keys (FlashAttention-2's cap as well).
+MAX_KV_SPLITS = 128
+#: Query blocks that fill this much of one wave of the GPU need no split.
+FULL_WAVE = 0.8
+#: Among split counts, the fewest whose last wave is at least this fraction as full as the best's.
+SPLIT_EFFICIENCY = 0.85
+
+
+def choose_kv_splits(query_blocks: int, key_tiles: int, multiprocessors: int) -> int:
+    """Split-KV for the GPU forward: how many blocks share the key tiles of one query tile.
+
+    A call whose B x H x query tiles blocks fill most of a wave (decoding one token, small
+    batches do not) runs unsplit: a split adds a merge kernel and fp32 partials. Otherwise
+    each count s gives waves w = blocks * s / SMs and an efficiency w / ceil(w) (how full the
+    last wave is); the answer is the fewest splits within SPLIT_EFFICIENCY of the best, among
+    counts where every split gets tiles (s is the smallest count with its ceil(tiles / s)).
+    """
+    if multiprocessors <= 0 or key_tiles < 2 or query_blocks >= FULL_WAVE * multiprocessors:
+        return 1
+
+    def every_split_has_tiles(s: int) -> bool:
+        return s == 1 or math.ceil(key_tiles / s) != math.ceil(key_tiles / (s - 1))
+
+    def efficiency(s: int) -> float:
+        waves = query_blocks * s / multiprocessors
+        return waves / math.ceil(waves)
+
+    candidates = [s for s in range(1, min(MAX_KV_SPLITS, multiprocessors, key_tiles) + 1) if every_split_has_tiles(s)]
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= SPLIT_EFFICIENCY * best)

@@ -105,6 +105,10 @@ def build_library(source: str, name: str, includes: dict[str, str] | None = None
     """
     includes = includes or {}
     key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items())) + f"\n//--arch {cuda_arch}"
+    if cuda_arch:
+        from attncc.runtime.nvcc import nvcc_fingerprint
+
+        key_text += "\n//--nvcc\n" + nvcc_fingerprint()
     directory = cache_dir() / f"{name}-{cache_key(key_text)}"
     library = directory / "kernel.so"
     if library.exists():

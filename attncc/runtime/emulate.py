@@ -9,14 +9,18 @@ same bits under every schedule.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
+from dataclasses import replace
 
 import torch
 
 from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
+from attncc.passes.tiling import choose_kv_splits
 from attncc.runtime.build import build_library, load_library
-from attncc.runtime.kernel import Kernel, acc_dtype, delta_rows
+from attncc.runtime.kernel import CallPlan, Kernel, acc_dtype, delta_rows
+from attncc.targets import GPUS
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
 #: Prepared calls (tile classes, layout grids) kept per kernel for inputs without runtime tensors.
@@ -80,7 +84,7 @@ class EmulatedKernel(Kernel):
     """Forward and backward CUDA kernels run on the host emulator (CPU tensors)."""
 
     schedule = "lockstep"
-    exact_input_grads = True
+    cuda_abi = True
 
     _PER_PROCESS = (*Kernel._PER_PROCESS, "_calls")
 
@@ -92,6 +96,30 @@ class EmulatedKernel(Kernel):
     #: fixed-point sums (a bounds pass, then the sums; see `fixed_point_shifts`), so every gradient is
     #: bit-reproducible on a GPU; also on under torch.use_deterministic_algorithms(True).
     deterministic = False
+
+    #: Split-KV of the forward: None chooses per call (`choose_kv_splits`: only where the query
+    #: tiles leave most of the GPU idle, as when decoding); an int forces that many splits.
+    kv_splits: int | None = None
+
+    def multiprocessors(self) -> int:
+        """SMs the split-KV choice fills: the target's reference part (the emulator has no device)."""
+        return GPUS[self.target].multiprocessors
+
+    def plan(self, q, k, scale, backward=False) -> CallPlan:  # noqa: ANN001 - as Kernel
+        """As Kernel's; the forward's also says how many blocks share a query tile's keys."""
+        plan = super().plan(q, k, scale, backward)
+        if backward:
+            return plan
+        p, tiles = plan.problem, plan.tiles
+        key_tiles = math.ceil(p.M / tiles.block_cols)
+        if self.kv_splits is None:
+            query_blocks = p.B * p.H * math.ceil(p.N / tiles.block_rows)
+            splits = choose_kv_splits(query_blocks, key_tiles, self.multiprocessors())
+        elif isinstance(self.kv_splits, int) and not isinstance(self.kv_splits, bool) and self.kv_splits >= 1:
+            splits = self.kv_splits
+        else:
+            raise AttnccError(f"kv_splits: expected None or an int >= 1, got {self.kv_splits!r}")
+        return replace(plan, kv_splits=max(1, min(splits, key_tiles)))
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The tensor-core dtype q, k, v of `dtype` run in: fp16/bf16 as given, fp32/fp64 converted
@@ -153,6 +181,10 @@ class EmulatedKernel(Kernel):
         call = self._prepare(plan, torch.float32, tensors, scalars)
         if out.numel():
             ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse}
+            if plan.kv_splits > 1:  # each split's O and log-sum-exp per row, merged by the kernel
+                rows = q.shape[0] * q.shape[1] * q.shape[2]
+                ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, q.shape[3], device=q.device)
+                ptrs["lse_partial"] = torch.empty(plan.kv_splits, rows, device=q.device)
             self._run("attncc_emulated_forward", str(storage).replace("torch.", ""), plan, call, ptrs, dropout, seed)
         return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
@@ -202,7 +234,7 @@ class EmulatedKernel(Kernel):
             dk.zero_(), dv.zero_()
             dq = dq_accum.to(q.dtype)
         grad_list = [
-            grads[d.name].to(t.dtype) if d.name in grads else torch.empty(0) for d, t in zip(tensor_decls, tensors)
+            grads[d.name].to(t.dtype) if d.name in grads else t.new_empty(0) for d, t in zip(tensor_decls, tensors)
         ]
         return dq, dk.to(k.dtype), dv.to(v.dtype), grad_list
 

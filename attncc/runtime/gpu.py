@@ -67,6 +67,9 @@ class GpuKernel(EmulatedKernel):
         with torch.cuda.device(q.device):
             return super().backward_impl(q, *args)
 
+    def multiprocessors(self) -> int:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
     def _prepare(self, plan, dtype, tensors, scalars):  # noqa: ANN001, ANN202 - as Kernel
         return super()._prepare(plan, dtype, [t.cpu() for t in tensors], scalars)  # classification on the host
 

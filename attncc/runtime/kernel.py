@@ -58,13 +58,14 @@ class CallPlan:
     tiles: TilePlan
     scale: float  # multiplies q.k: FusedAttention.scale at this call's sizes and scale value
     scale_value: float  # the program's name `scale` (the call's `scale=`, else its default)
+    kv_splits: int = 1  # blocks sharing one query tile's keys (the CUDA forward's split-KV)
 
 
 class Kernel:
     """A compiled attention variant. Call it like `kern(q, k, v, **runtime_inputs)`."""
 
     device_type = "cpu"  # where q, k, v and runtime tensors must live
-    exact_input_grads = False  # the kernels' ABI has the exact learnable-gradient buffers
+    cuda_abi = False  # the kernels' ABI has the CUDA kernels' slots (see KernelAbi.cuda)
     #: "auto" (see `backward_entries`), "fused" or "two-pass".
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
@@ -76,7 +77,7 @@ class Kernel:
         _, self.op = fused_node(self.graph)
         self.name: str = self.graph.graph["name"]
         self.target = target
-        self.abi: KernelAbi = kernel_abi(self.graph, exact_grads=self.exact_input_grads)
+        self.abi: KernelAbi = kernel_abi(self.graph, cuda=self.cuda_abi)
         self.inputs: list[Input] = runtime_inputs(self.graph)
         text = print_graph(self.graph) + repr(self.op) + target
         self.key = f"{self.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
@@ -367,7 +368,7 @@ class Kernel:
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
         grad_list = [
-            grads[d.name].sum(0).to(t.dtype) if d.name in grads else torch.empty(0)
+            grads[d.name].sum(0).to(t.dtype) if d.name in grads else t.new_empty(0)
             for d, t in zip(tensor_decls, tensors)
         ]
         return dq, dk, dv, grad_list
@@ -479,7 +480,7 @@ class Kernel:
             cls_si=cls_strides[2],
         )
         threads = call.get("threads", max(1, torch.get_num_threads()))
-        ints.update(seed=seed & (2**63 - 1), offset=0, threads=threads)
+        ints.update(seed=seed & (2**63 - 1), offset=0, threads=threads, splits=plan.kv_splits)
         for slot in self.abi.tensors:
             t = tensors[slot.ident]
             ints.update({f"st_{slot.ident}_{d}": t.stride(d) for d in range(slot.rank)})

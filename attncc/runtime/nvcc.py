@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from attncc.errors import BuildError
@@ -31,12 +32,14 @@ def find_nvcc() -> str:
     looked.append("PATH")
     if found:
         return found
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc") if importlib.util.find_spec("nvidia") else None
-    if spec and spec.submodule_search_locations:
-        candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "nvcc"
-        looked.append(str(candidate))
-        if candidate.is_file():
-            return str(candidate)
+    nvidia = importlib.util.find_spec("nvidia")  # the wheels' namespace package
+    roots = list(nvidia.submodule_search_locations or []) if nvidia else []
+    for root in roots:
+        # nvidia-cuda-nvcc: nvidia/cuda_nvcc/bin (CUDA 12 wheels), nvidia/cu13/bin (CUDA 13)
+        looked.append(str(Path(root) / "*" / "bin" / "nvcc"))
+        for candidate in sorted(Path(root).glob("*/bin/nvcc")):
+            if candidate.is_file():
+                return str(candidate)
     raise BuildError(
         "nvcc not found (looked in " + ", ".join(looked) + "); install the CUDA toolkit and set CUDA_HOME, "
         "or `pip install 'attncc[cuda]'` for the nvidia-cuda-nvcc wheel"
@@ -83,6 +86,15 @@ class PtxasReport:
         )
 
 
+@cache
+def nvcc_fingerprint() -> str:
+    """Which nvcc builds the GPU libraries, its version and flags: part of their cache key, so
+    switching toolkits (the CUDA runtime is linked into each library) rebuilds them."""
+    nvcc = find_nvcc()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    return "\n".join([nvcc, version, " ".join(NVCC_FLAGS)])
+
+
 def find_ptxas(nvcc: str) -> str:
     candidate = Path(nvcc).resolve().parent / "ptxas"
     return str(candidate) if candidate.is_file() else shutil.which("ptxas") or "ptxas"
@@ -122,7 +134,11 @@ def parse_ptxas(report: str, arch: str, ptx: str = "") -> PtxasReport:
         if not (name and registers and spills):
             raise BuildError(f"unexpected ptxas report:\n{report[-2000:]}")
         short = next(
-            (k for k in ("attention_forward", "attention_backward_dq", "attention_backward") if k in name.group(1)),
+            (
+                k
+                for k in ("attention_forward", "combine_splits", "attention_backward_dq", "attention_backward")
+                if k in name.group(1)
+            ),
             name.group(1),
         )
         kernels.append(

@@ -19,7 +19,10 @@ class Target:
 
     onchip_bytes: the fast memory a tile set must fit (per core L2 on CPUs, shared memory per
     block on GPUs); l1_bytes: the innermost cache (CPU) or 0; vector_bytes: SIMD width (CPU);
-    registers_per_sm / max_registers_per_thread / warp_size / mma_shape: GPU facts.
+    registers_per_sm / max_registers_per_thread / warp_size / mma_shape: GPU facts;
+    multiprocessors: the SM count of the target's reference part (T4, A100, A40, H100 SXM),
+    for call-time decisions where no device can be asked (the emulator); a real GPU's own
+    count is used on it.
     """
 
     name: str
@@ -35,6 +38,7 @@ class Target:
     max_threads_per_block: int = 0
     warp_size: int = 32
     mma_shape: tuple[int, int, int] = (0, 0, 0)
+    multiprocessors: int = 0
 
 
 def _cache_sizes() -> dict[tuple[int, str], int]:
@@ -66,16 +70,16 @@ def cpu() -> Target:
 GPUS = {
     "sm75": Target("sm75", "cuda", onchip_bytes=64 * 1024, sm_version=75, shared_bytes_per_sm=64 * 1024,
                    registers_per_sm=65536, max_registers_per_thread=255, max_threads_per_block=1024,
-                   mma_shape=(16, 8, 8)),
+                   mma_shape=(16, 8, 8), multiprocessors=40),
     "sm80": Target("sm80", "cuda", onchip_bytes=163 * 1024, sm_version=80, shared_bytes_per_sm=164 * 1024,
                    registers_per_sm=65536, max_registers_per_thread=255, max_threads_per_block=1024,
-                   mma_shape=(16, 8, 16)),
+                   mma_shape=(16, 8, 16), multiprocessors=108),
     "sm86": Target("sm86", "cuda", onchip_bytes=99 * 1024, sm_version=86, shared_bytes_per_sm=100 * 1024,
                    registers_per_sm=65536, max_registers_per_thread=255, max_threads_per_block=1024,
-                   mma_shape=(16, 8, 16)),
+                   mma_shape=(16, 8, 16), multiprocessors=84),
     "sm90": Target("sm90", "cuda", onchip_bytes=227 * 1024, sm_version=90, shared_bytes_per_sm=228 * 1024,
                    registers_per_sm=65536, max_registers_per_thread=255, max_threads_per_block=1024,
-                   mma_shape=(16, 8, 16)),
+                   mma_shape=(16, 8, 16), multiprocessors=132),
 }  # fmt: skip
 
 
