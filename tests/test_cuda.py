@@ -230,8 +230,9 @@ def test_strided_inputs_on_the_emulator() -> None:
 
 
 def test_tile_classes_are_prepared_once_per_shape(monkeypatch) -> None:
-    """Without runtime tensors the classes depend on sizes and scalars only: a repeated call
-    reuses them (on a GPU: no host classification, no copy); runtime tensors are re-read."""
+    """Unless a runtime tensor's values decide them, the classes depend on sizes, scalars and
+    shapes only: a repeated call reuses them (on a GPU: no host classification, no copy, no
+    synchronisation) and takes the call's own tensors; a mask over runtime tensors is re-read."""
     import attncc.runtime.kernel as kernel_module
 
     counted = []
@@ -247,6 +248,14 @@ def test_tile_classes_are_prepared_once_per_shape(monkeypatch) -> None:
     padding(q, q, q, lengths=torch.tensor([5]))
     padding(q, q, q, lengths=torch.tensor([5]))
     assert len(counted) == 4
+    alibi = attncc.compile(ROOT / "examples" / "alibi.attn", target="sm80", emulate=True)
+    outs = []
+    for slopes in (torch.tensor([0.5]), torch.tensor([2.0])):  # the slopes only shift scores
+        fresh = attncc.compile(ROOT / "examples" / "alibi.attn", target="sm80", emulate=True)  # empty cache
+        outs.append(alibi(q, q, q, slopes=slopes))
+        assert torch.equal(outs[-1], fresh(q, q, q, slopes=slopes))  # the call's own slopes
+    assert not torch.equal(outs[0], outs[1])
+    assert len(counted) == 4 + 1 + 2  # alibi classified once, each fresh kernel once
 
 
 def test_fully_masked_rows_on_the_emulator() -> None:
@@ -455,6 +464,18 @@ def test_nvcc_from_the_wheel(tmp_path, monkeypatch, layout: str) -> None:
     monkeypatch.delitem(sys.modules, "nvidia", raising=False)
     importlib.invalidate_caches()
     assert find_nvcc() == str(nvcc)
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_driver_older_than_nvcc_is_a_clear_error() -> None:
+    from attncc.runtime.nvcc import check_driver_runs_nvcc_builds, nvcc_release
+
+    major, minor = nvcc_release()
+    check_driver_runs_nvcc_builds(major * 1000 + minor * 10)  # the same release: fine
+    with pytest.raises(
+        AttnccError, match=rf"is CUDA {major}\.{minor}, but the GPU driver supports CUDA {major - 1}\.4"
+    ):
+        check_driver_runs_nvcc_builds((major - 1) * 1000 + 40)
 
 
 def test_cuda_target_without_a_gpu_is_a_clear_error() -> None:

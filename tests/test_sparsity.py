@@ -7,10 +7,22 @@ import random
 import pytest
 import torch
 
+import attncc
 from attncc.ir import expr as ex
+from attncc.ir.graph import fused_node
 from attncc.ir.ops import Layout
-from attncc.passes.sparsity import EMPTY, FULL, PARTIAL, Problem, SparsityInfo, classify_tiles, layout_grid
+from attncc.passes.sparsity import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    Problem,
+    SparsityInfo,
+    classify_tiles,
+    host_read_tensors,
+    layout_grid,
+)
 from attncc.runtime.reference import evaluate, index_env
+from tests.conftest import ROOT
 
 
 def brute_classes(pred: ex.Expr, problem: Problem, tensors: dict, scalars: dict, br: int, bc: int) -> torch.Tensor:
@@ -182,3 +194,23 @@ def test_classification_never_materialises_n_by_m() -> None:
     assert got.shape == (1, 1, 1024, 512)
     visible_fraction = (got != EMPTY).float().mean().item()
     assert visible_fraction < 0.03
+
+
+def test_host_read_tensors_are_the_ones_whose_values_decide_classes_or_checks() -> None:
+    """What a GPU call must copy to the host: tensors in the mask, inside an index, or in an
+    integer divisor; a tensor only read for its value into the score stays on the device."""
+    program = """attention nested
+input idx: int[B, N]
+input bias: float[H, M]
+input stride: int[B]
+input lengths: int[B]
+s = q @ k.T * scale + bias[h, idx[b, i]] + i // stride[b]
+mask j < lengths[b]
+p = softmax(s)
+o = p @ v
+output o
+"""
+    op = fused_node(attncc.lower(program, "cpu")[-1].graph)[1]
+    assert host_read_tensors(op.mask, op.score) == {"idx", "stride", "lengths"}
+    alibi = fused_node(attncc.lower(ROOT / "examples" / "alibi.attn", "cpu")[-1].graph)[1]
+    assert host_read_tensors(alibi.mask, alibi.score) == frozenset()

@@ -444,6 +444,22 @@ def _reader(tensors: Mapping[str, torch.Tensor]):  # noqa: ANN202
     return read
 
 
+def host_read_tensors(predicate: ex.Expr | None, score: ex.Expr) -> frozenset[str]:
+    """The runtime tensors whose *values* the call-time host work reads: those in the
+    visibility predicate (tile classes) and those inside a read's index or an integer divisor
+    (`check_reads_and_divisors`). Of any other tensor (ALiBi slopes, a bias table) only the
+    shape matters on the host, so a GPU call need not copy it there."""
+    exprs = [score] + ([predicate] if predicate is not None else [])
+    names = {r.tensor for r in ex.reads(predicate)} if predicate is not None else set()
+    for e in exprs:
+        for node in ex.walk(e):
+            if isinstance(node, ex.Read):
+                names.update(r.tensor for index in node.index for r in ex.reads(index))
+            elif isinstance(node, ex.Binary) and node.op in ("floordiv", "mod") and node.ty == ex.INT:
+                names.update(r.tensor for r in ex.reads(node.b))
+    return frozenset(names)
+
+
 def check_reads_and_divisors(
     predicate_and_score: list[ex.Expr],
     problem: Problem,

@@ -17,6 +17,7 @@ import torch
 
 from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
+from attncc.passes.sparsity import host_read_tensors
 from attncc.passes.tiling import choose_kv_splits
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.kernel import CallPlan, Kernel, acc_dtype, delta_rows
@@ -135,22 +136,39 @@ class EmulatedKernel(Kernel):
             )
 
     def _prepare(self, plan, dtype, tensors, scalars):  # noqa: ANN001, ANN202 - as Kernel
-        """As Kernel's, placed on the kernel's device; without runtime tensors the tile classes
-        depend only on the sizes and scalars, so they are classified and copied once per shape
-        (a GPU call then costs no host classification and no host-to-device copy)."""
-        if tensors:
-            return self._to_device(super()._prepare(plan, dtype, tensors, scalars))
+        """As Kernel's, placed on the kernel's device. Unless some runtime tensor's values decide
+        the tile classes or the read checks (`host_read_tensors`: a padding or document mask,
+        an index read), the classes depend only on the sizes, scalars and tensor shapes: they
+        are classified and copied once per such key (a GPU call then costs no host
+        classification, no host-to-device copy and no synchronisation), and the runtime tensors
+        (ALiBi slopes, bias tables) are converted per call where they live."""
+        assert self.op.sparsity is not None
+        names = [d.name for d in self.inputs if d.role == "tensor"]
+        host_reads = host_read_tensors(self.op.mask, self.op.score)
+        if host_reads & set(names):
+            on_host = [self._on_host(t) if n in host_reads else t for n, t in zip(names, tensors)]
+            return self._to_device(super()._prepare(plan, dtype, on_host, scalars))
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
-        key = (plan.problem, tiles, plan.scale_value, tuple(scalars), self._device_index())
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        key = (plan.problem, tiles, plan.scale_value, tuple(scalars), shapes, self._device_index())
         with self._lock:
             call = self._calls.get(key)
         if call is None:
             call = self._to_device(super()._prepare(plan, dtype, tensors, scalars))
+            per_call = {slot.ident for slot in self.abi.tensors if slot.name in names}
+            call["tensors"] = {
+                ident: t for ident, t in call["tensors"].items() if ident not in per_call
+            }  # layout grids
             with self._lock:
                 if len(self._calls) >= PREPARED_CALLS_KEPT:
-                    self._calls.pop(next(iter(self._calls)))  # the oldest shape
+                    self._calls.pop(next(iter(self._calls)))  # the oldest key
                 self._calls[key] = call
-        return call
+        fresh = self._kernel_tensors(dict(zip(names, tensors)), acc_dtype(dtype))
+        return dict(call, tensors={**call["tensors"], **fresh})
+
+    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` where the host can read its values (the emulator's tensors already are)."""
+        return t
 
     def _to_device(self, call: dict) -> dict:
         """The call's tensors on the kernel's device (the emulator runs on the host)."""

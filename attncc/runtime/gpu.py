@@ -15,6 +15,7 @@ import torch
 from attncc.errors import AttnccError
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.emulate import EmulatedKernel
+from attncc.runtime.nvcc import check_driver_runs_nvcc_builds
 from attncc.targets import GPUS
 
 #: attncc_forward / attncc_backward status when the CUDA runtime refused a launch
@@ -53,6 +54,9 @@ class GpuKernel(EmulatedKernel):
         key = f"gpu-{dtype}-{head_dim}"
         with self._lock:
             if key not in self._libraries:
+                driver_version = getattr(torch._C, "_cuda_getDriverVersion", None)
+                if driver_version is not None:
+                    check_driver_runs_nvcc_builds(driver_version())
                 path = build_library(
                     self.cuda_source(dtype, head_dim), f"{self.name}-{self.target}-{key}", cuda_arch=self.target
                 )
@@ -70,8 +74,8 @@ class GpuKernel(EmulatedKernel):
     def multiprocessors(self) -> int:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
-    def _prepare(self, plan, dtype, tensors, scalars):  # noqa: ANN001, ANN202 - as Kernel
-        return super()._prepare(plan, dtype, [t.cpu() for t in tensors], scalars)  # classification on the host
+    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu()  # classification and read checks run on the host
 
     def _device_index(self) -> int | None:
         return torch.cuda.current_device()

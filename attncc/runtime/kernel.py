@@ -424,9 +424,15 @@ class Kernel:
             )
         else:
             classes = torch.zeros((1, 1, 0, 0), dtype=torch.uint8)
-        kernel_tensors = {}
+        return {"classes": classes, "tensors": self._kernel_tensors(all_tensors, acc), "scalars": scalar_map}
+
+    def _kernel_tensors(self, tensors: Mapping[str, torch.Tensor], acc: torch.dtype) -> dict[str, torch.Tensor]:
+        """The ABI slots among `tensors` (by program name) in the kernel's element types, contiguous."""
+        converted = {}
         for slot in self.abi.tensors:
-            t = all_tensors[slot.name].detach()
+            if slot.name not in tensors:
+                continue
+            t = tensors[slot.name].detach()
             t = (
                 t.to(acc)
                 if slot.ctype == "acc_t"
@@ -434,8 +440,8 @@ class Kernel:
                 if slot.ctype == "int64_t"
                 else (t != 0).to(torch.uint8)  # bool: any nonzero is true (256 must not wrap to 0)
             )
-            kernel_tensors[slot.ident] = t.contiguous()
-        return {"classes": classes, "tensors": kernel_tensors, "scalars": scalar_map}
+            converted[slot.ident] = t.contiguous()
+        return converted
 
     def _launch(
         self,

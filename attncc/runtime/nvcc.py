@@ -95,6 +95,27 @@ def nvcc_fingerprint() -> str:
     return "\n".join([nvcc, version, " ".join(NVCC_FLAGS)])
 
 
+def nvcc_release() -> tuple[int, int]:
+    """The CUDA release of the nvcc in use, e.g. (13, 0)."""
+    found = re.search(r"release (\d+)\.(\d+)", nvcc_fingerprint())
+    if not found:
+        raise BuildError(f"cannot read the CUDA release from `{find_nvcc()} --version`")
+    return int(found.group(1)), int(found.group(2))
+
+
+def check_driver_runs_nvcc_builds(driver_version: int) -> None:
+    """A clear error where the driver (CUDA's version code, e.g. 12040 for 12.4) is older than
+    the major release of nvcc, whose runtime each GPU library links statically: every launch
+    would fail with "driver version is insufficient"."""
+    release = nvcc_release()
+    driver = divmod(driver_version // 10, 100)
+    if driver[0] < release[0]:
+        raise BuildError(
+            f"{find_nvcc()} is CUDA {release[0]}.{release[1]}, but the GPU driver supports CUDA {driver[0]}.{driver[1]}: "
+            f"point CUDA_HOME at a CUDA {driver[0]}.x toolkit (or install a newer driver)"
+        )
+
+
 def find_ptxas(nvcc: str) -> str:
     candidate = Path(nvcc).resolve().parent / "ptxas"
     return str(candidate) if candidate.is_file() else shutil.which("ptxas") or "ptxas"
