@@ -7,6 +7,7 @@ and exits with status 1; no traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -19,9 +20,10 @@ from attncc.ir.graph import fused_node
 from attncc.ir.ops import FusedAttention
 from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
-from attncc.passes.tiling import TilePlan
+from attncc.passes.tiling import TilePlan, choose_kv_splits
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
+from attncc.targets import GPUS
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
@@ -147,6 +149,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     density = (counts["full"] + counts["partial"]) / max(total, 1)
     report = predict_io(op, shape, 4, tiles, density)
     print(f"// IO at {shape}, density {density:.2f}: {report.describe()}")
+    if args.target != "cpu":
+        gpu_tiles = op.tiling.for_head_dim(shape.D)
+        query_blocks = shape.B * shape.H * math.ceil(shape.N / gpu_tiles.block_rows)
+        key_tiles = math.ceil(shape.M / gpu_tiles.block_cols)
+        sms = GPUS[args.target].multiprocessors
+        splits = choose_kv_splits(query_blocks, key_tiles, sms)
+        print(
+            f"// split-KV on {args.target} ({sms} SMs): {query_blocks} query blocks, {key_tiles} key tiles: "
+            f"{splits} block(s) per query tile"
+        )
     return 0
 
 

@@ -189,6 +189,12 @@ def test_cli_explain_shows_passes_tiles_and_io() -> None:
         assert needle in proc.stdout
 
 
+def test_cli_explain_shows_the_split_kv_decision_for_gpu_targets() -> None:
+    proc = cli("explain", "examples/gqa.attn", "--target", "sm90", "--shape", "1,8,2,1,4096,128")  # decoding
+    assert proc.returncode == 0, proc.stderr
+    assert "// split-KV on sm90 (132 SMs): 8 query blocks, 64 key tiles: 16 block(s) per query tile" in proc.stdout
+
+
 def test_cli_check_passes_and_fails(tmp_path) -> None:
     proc = cli("check", "examples/softcap.attn", "--shape", "1,2,1,33,40,24", "--dtype", "float32")
     assert proc.returncode == 0 and "all ok" in proc.stdout, proc.stdout + proc.stderr
