@@ -164,6 +164,32 @@ def test_split_kv_on_the_emulator() -> None:
             assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
 
 
+def test_split_kv_keeps_nan_rows_and_empty_calls() -> None:
+    """A NaN in a query row: its lse is NaN split or not (not -inf, which the backward would
+    take for a fully masked row), and dV is NaN in the same places. Empty calls stay empty."""
+    kern = emulated("vanilla")
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, n, 16, generator=gen).half() for n in (2, 200, 200))
+    q[0, 0, 0, 3] = float("nan")
+    grads = {}
+    for splits in (1, 4):
+        kern.kv_splits = splits
+        try:
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, lse = kern(*leaves, return_lse=True)
+            out.float().sum().backward()
+        finally:
+            kern.kv_splits = None
+        assert torch.isnan(lse[0, 0, 0]) and torch.isfinite(lse[0, 0, 1]), f"kv_splits={splits}"
+        grads[splits] = leaves[2].grad
+    assert torch.equal(torch.isnan(grads[1]), torch.isnan(grads[4])) and torch.isnan(grads[1]).any()
+    for empty in ((1, 1, 0, 16), (0, 1, 4, 16)):
+        q0 = torch.randn(empty).half()
+        assert (
+            kern(q0, torch.randn(empty[0], 1, 200, 16).half(), torch.randn(empty[0], 1, 200, 16).half()).shape == empty
+        )
+
+
 @pytest.mark.parametrize(
     "shape",
     [Shape(1, 1, 1, 1, 1, 16), Shape(1, 2, 2, 33, 70, 80), Shape(1, 1, 1, 40, 50, 256), Shape(2, 3, 1, 64, 64, 128)],
@@ -449,21 +475,31 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch) -> None:
         find_nvcc()
 
 
-@pytest.mark.parametrize("layout", ["cuda_nvcc", "cu13"])  # nvidia-cuda-nvcc for CUDA 12 / CUDA 13
-def test_nvcc_from_the_wheel(tmp_path, monkeypatch, layout: str) -> None:
+@pytest.mark.parametrize(
+    ("layouts", "torch_cuda", "found"),
+    [
+        (["cuda_nvcc"], None, "cuda_nvcc"),  # nvidia-cuda-nvcc for CUDA 12
+        (["cu13"], None, "cu13"),  # for CUDA 13
+        (["cuda_nvcc", "cu13"], "12.8", "cuda_nvcc"),  # both: torch's CUDA major first
+        (["cuda_nvcc", "cu13"], "13.0", "cu13"),
+    ],
+)
+def test_nvcc_from_the_wheel(tmp_path, monkeypatch, layouts: list[str], torch_cuda: str | None, found: str) -> None:
     import importlib
     import sys
 
-    nvcc = tmp_path / "nvidia" / layout / "bin" / "nvcc"
-    nvcc.parent.mkdir(parents=True)
-    nvcc.write_text("#!/bin/sh\n")
+    for layout in layouts:
+        nvcc = tmp_path / "nvidia" / layout / "bin" / "nvcc"
+        nvcc.parent.mkdir(parents=True)
+        nvcc.write_text("#!/bin/sh\n")
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     monkeypatch.delitem(sys.modules, "nvidia", raising=False)
     importlib.invalidate_caches()
-    assert find_nvcc() == str(nvcc)
+    assert find_nvcc() == str(tmp_path / "nvidia" / found / "bin" / "nvcc")
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")

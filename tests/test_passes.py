@@ -241,4 +241,5 @@ def test_split_kv_only_where_the_query_tiles_leave_the_gpu_idle() -> None:
     assert choose_kv_splits(106, 64, 132) == 1  # 80% of one
     assert choose_kv_splits(8, 1, 132) == 1  # one key tile: nothing to split
     assert choose_kv_splits(8, 64, 0) == 1  # no SM count known
+    assert choose_kv_splits(0, 64, 132) == 1  # an empty call (B, H or N is 0)
     assert choose_kv_splits(8, 4096 // 64, 132) == 16  # decoding at B=1, H=8, M=4096 on an H100

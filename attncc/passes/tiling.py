@@ -283,7 +283,7 @@ def choose_kv_splits(query_blocks: int, key_tiles: int, multiprocessors: int) ->
     last wave is); the answer is the fewest splits within SPLIT_EFFICIENCY of the best, among
     counts where every split gets tiles (s is the smallest count with its ceil(tiles / s)).
     """
-    if multiprocessors <= 0 or key_tiles < 2 or query_blocks >= FULL_WAVE * multiprocessors:
+    if multiprocessors <= 0 or key_tiles < 2 or query_blocks <= 0 or query_blocks >= FULL_WAVE * multiprocessors:
         return 1
 
     def every_split_has_tiles(s: int) -> bool:

@@ -12,10 +12,19 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from attncc.errors import BuildError
 
 INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"
 NVCC_FLAGS = ("-std=c++17", "-O3", "--use_fast_math")
+
+
+def _matches_torch(wheel_nvcc: Path) -> bool:
+    """Whether a wheel's nvcc (…/nvidia/<layout>/bin/nvcc) is of torch's CUDA major."""
+    layout = wheel_nvcc.parents[1].name
+    major = layout[2:] if re.fullmatch(r"cu\d+", layout) else "12" if layout == "cuda_nvcc" else None
+    return major is not None and major == (torch.version.cuda or "").split(".")[0]
 
 
 def find_nvcc() -> str:
@@ -35,9 +44,10 @@ def find_nvcc() -> str:
     nvidia = importlib.util.find_spec("nvidia")  # the wheels' namespace package
     roots = list(nvidia.submodule_search_locations or []) if nvidia else []
     for root in roots:
-        # nvidia-cuda-nvcc: nvidia/cuda_nvcc/bin (CUDA 12 wheels), nvidia/cu13/bin (CUDA 13)
+        # nvidia-cuda-nvcc: nvidia/cuda_nvcc/bin (CUDA 12 wheels), nvidia/cu13/bin (CUDA 13);
+        # with both, the one of torch's CUDA major first (the driver runs torch's)
         looked.append(str(Path(root) / "*" / "bin" / "nvcc"))
-        for candidate in sorted(Path(root).glob("*/bin/nvcc")):
+        for candidate in sorted(Path(root).glob("*/bin/nvcc"), key=lambda c: (not _matches_torch(c), str(c))):
             if candidate.is_file():
                 return str(candidate)
     raise BuildError(
