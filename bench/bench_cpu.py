@@ -20,6 +20,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -130,6 +131,18 @@ def dense_cases(results: list, args, flex) -> None:
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     anchors = {"sdpa": median_s(lambda: F.scaled_dot_product_attention(qb, kb, vb), r)}
     row(results, f"dense fwd bf16 N={N}", median_s(lambda: vanilla(qb, kb, vb), r), anchors)
+
+
+def decode_cases(results: list, args) -> None:
+    """One query per sequence against a long K/V (a KV-cache step): memory-bound, N < 4 rows."""
+    vanilla = attncc.compile(EX / "vanilla.attn")
+    gen = torch.Generator().manual_seed(0)
+    for B, H, M, D in ((1, 32, 8192, 128), (8, 32, 4096, 128)):
+        q = torch.randn(B, H, 1, D, generator=gen)
+        k, v = (torch.randn(B, H, M, D, generator=gen) for _ in range(2))
+        anchors = {"sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v), args.repeats)}
+        ours = median_s(partial(vanilla, q, k, v), args.repeats)
+        row(results, f"decode fwd fp32 B={B} H={H} N=1 M={M} D={D}", ours, anchors)
 
 
 def sparse_cases(results: list, args, flex) -> None:
@@ -276,6 +289,7 @@ def main() -> None:
             print(f"FlexAttention unavailable: {exc}")
     results: list = []
     dense_cases(results, args, flex)
+    decode_cases(results, args)
     sparse_cases(results, args, flex)
     if not args.quick:
         memory_cases(results, args)

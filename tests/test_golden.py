@@ -28,6 +28,14 @@ def test_low_precision_within_eager_error(example: attncc.Kernel, shape: Shape, 
     assert result.ok, result.describe()
 
 
+@pytest.mark.parametrize("shape", [Shape(2, 4, 2, 3, 300, 40), Shape(1, 2, 1, 1, 513, 64)], ids=str)
+def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
+    """N < 4: the forward's row-by-row path (dot products, axpys) instead of the 4-row gemm."""
+    for dtype in (torch.float32, torch.bfloat16):
+        result = check(example, adapt(shape, example), dtype)
+        assert result.ok, result.describe()
+
+
 @pytest.mark.parametrize("mode", ["fused", "two-pass"])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_both_backward_schedules(name: str, mode: str) -> None:

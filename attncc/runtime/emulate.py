@@ -24,7 +24,7 @@ from attncc.runtime.kernel import CallPlan, Kernel, acc_dtype, delta_rows
 from attncc.targets import GPUS
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
-#: Prepared calls (tile classes, layout grids) kept per kernel for inputs without runtime tensors.
+#: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
 _LOCK = threading.Lock()
 
@@ -142,7 +142,6 @@ class EmulatedKernel(Kernel):
         are classified and copied once per such key (a GPU call then costs no host
         classification, no host-to-device copy and no synchronisation), and the runtime tensors
         (ALiBi slopes, bias tables) are converted per call where they live."""
-        assert self.op.sparsity is not None
         names = [d.name for d in self.inputs if d.role == "tensor"]
         host_reads = host_read_tensors(self.op.mask, self.op.score)
         if host_reads & set(names):

@@ -141,7 +141,11 @@ inline void load_tile(acc_t* dst, int64_t ld, const T* src, int64_t row_stride, 
     acc_t* d = dst + r * ld;
     if (r < rows) {
       const T* s = src + r * row_stride;
-      for (int c = 0; c < cols; ++c) d[c] = to_acc(s[c * col_stride]) * scale;
+      if (col_stride == 1) {  // the common layout: a loop the compiler vectorises
+        for (int c = 0; c < cols; ++c) d[c] = to_acc(s[c]) * scale;
+      } else {
+        for (int c = 0; c < cols; ++c) d[c] = to_acc(s[c * col_stride]) * scale;
+      }
       for (int c = cols; c < pad_cols; ++c) d[c] = 0;
     } else {
       for (int c = 0; c < pad_cols; ++c) d[c] = 0;
@@ -243,6 +247,28 @@ inline acc_t exp_shift_sum(acc_t* x, int n, acc_t shift) {
   acc_t r = 0;
   for (int l = 0; l < VL; ++l) r += sum[l];
   return r;
+}
+
+// sum a[k] b[k] over n (a multiple of VL): one query row against one key row, where a tile has
+// fewer rows than gemm's register block (decoding).
+inline acc_t dot(const acc_t* __restrict a, const acc_t* __restrict b, int n) {
+  vec_t even{}, odd{};  // two chains: the FMA latency, not the loads, would bound one
+  int k = 0;
+  for (; k + 2 * VL <= n; k += 2 * VL) {
+    even += vload(a + k) * vload(b + k);
+    odd += vload(a + k + VL) * vload(b + k + VL);
+  }
+  for (; k < n; k += VL) even += vload(a + k) * vload(b + k);
+  const vec_t sum = even + odd;
+  acc_t r = 0;
+  for (int l = 0; l < VL; ++l) r += sum[l];
+  return r;
+}
+
+// y += alpha x over n (a multiple of VL).
+inline void axpy(acc_t* __restrict y, acc_t alpha, const acc_t* __restrict x, int n) {
+  const vec_t a = vbroadcast(alpha);
+  for (int k = 0; k < n; k += VL) vstore(y + k, vload(y + k) + a * vload(x + k));
 }
 
 inline void scale_row(acc_t* x, int n, acc_t a) {
