@@ -7,7 +7,6 @@ and exits with status 1; no traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from attncc.ir.graph import fused_node
 from attncc.ir.ops import FusedAttention
 from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
-from attncc.passes.tiling import TilePlan, choose_kv_splits
+from attncc.passes.tiling import TilePlan, choose_kv_splits, split_kv_blocks
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
 from attncc.targets import GPUS
@@ -150,9 +149,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     report = predict_io(op, shape, 4, tiles, density)
     print(f"// IO at {shape}, density {density:.2f}: {report.describe()}")
     if args.target != "cpu":
-        gpu_tiles = op.tiling.for_head_dim(shape.D)
-        query_blocks = shape.B * shape.H * math.ceil(shape.N / gpu_tiles.block_rows)
-        key_tiles = math.ceil(shape.M / gpu_tiles.block_cols)
+        query_blocks, key_tiles = split_kv_blocks(shape.B, shape.H, shape.N, shape.M, op.tiling.for_head_dim(shape.D))
         sms = GPUS[args.target].multiprocessors
         splits = choose_kv_splits(query_blocks, key_tiles, sms)
         print(

@@ -274,6 +274,11 @@ FULL_WAVE = 0.8
 SPLIT_EFFICIENCY = 0.85
 
 
+def split_kv_blocks(B: int, H: int, N: int, M: int, tiles: TilePlan) -> tuple[int, int]:
+    """(query blocks, key tiles) of a GPU forward with `tiles`: what `choose_kv_splits` weighs."""
+    return B * H * math.ceil(N / tiles.block_rows), math.ceil(M / tiles.block_cols)
+
+
 def choose_kv_splits(query_blocks: int, key_tiles: int, multiprocessors: int) -> int:
     """Split-KV for the GPU forward: how many blocks share the key tiles of one query tile.
 

@@ -9,16 +9,16 @@ same bits under every schedule.
 from __future__ import annotations
 
 import ctypes
-import math
 import threading
 from dataclasses import replace
+from functools import cached_property
 
 import torch
 
 from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.sparsity import host_read_tensors
-from attncc.passes.tiling import choose_kv_splits
+from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.kernel import CallPlan, Kernel, acc_dtype, delta_rows
 from attncc.targets import GPUS
@@ -111,10 +111,9 @@ class EmulatedKernel(Kernel):
         plan = super().plan(q, k, scale, backward)
         if backward:
             return plan
-        p, tiles = plan.problem, plan.tiles
-        key_tiles = math.ceil(p.M / tiles.block_cols)
+        p = plan.problem
+        query_blocks, key_tiles = split_kv_blocks(p.B, p.H, p.N, p.M, plan.tiles)
         if self.kv_splits is None:
-            query_blocks = p.B * p.H * math.ceil(p.N / tiles.block_rows)
             splits = choose_kv_splits(query_blocks, key_tiles, self.multiprocessors())
         elif isinstance(self.kv_splits, int) and not isinstance(self.kv_splits, bool) and self.kv_splits >= 1:
             splits = self.kv_splits
@@ -143,9 +142,8 @@ class EmulatedKernel(Kernel):
         classification, no host-to-device copy and no synchronisation), and the runtime tensors
         (ALiBi slopes, bias tables) are converted per call where they live."""
         names = [d.name for d in self.inputs if d.role == "tensor"]
-        host_reads = host_read_tensors(self.op.mask, self.op.score)
-        if host_reads & set(names):
-            on_host = [self._on_host(t) if n in host_reads else t for n, t in zip(names, tensors)]
+        if self._host_reads & set(names):
+            on_host = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
             return self._to_device(super()._prepare(plan, dtype, on_host, scalars))
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
         shapes = tuple(tuple(t.shape) for t in tensors)
@@ -164,6 +162,12 @@ class EmulatedKernel(Kernel):
                 self._calls[key] = call
         fresh = self._kernel_tensors(dict(zip(names, tensors)), acc_dtype(dtype))
         return dict(call, tensors={**call["tensors"], **fresh})
+
+    @cached_property
+    def _host_reads(self) -> frozenset[str]:
+        """The runtime tensors whose values the host reads at call time (a property of the
+        program: computed once, not per call)."""
+        return host_read_tensors(self.op.mask, self.op.score)
 
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
         """`t` where the host can read its values (the emulator's tensors already are)."""
