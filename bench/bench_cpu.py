@@ -7,6 +7,13 @@ Every comparison runs in this one process on the same inputs; each time is the m
     python bench/bench_cpu.py                 # everything (FlexAttention compiles for ~1 min)
     python bench/bench_cpu.py --quick --no-flex
     python bench/bench_cpu.py --sweep         # tile sizes for the dense forward
+    python bench/bench_cpu.py --grid --json bench/results/cpu-<family>.json
+                                              # the issue's targets: N = 512..16K, D = 64/128, fp32/bf16,
+                                              # fwd and fwd+bwd, decoding, masked variants; % of the GEMM
+                                              # rate measured here; a PNG plot beside the JSON
+
+The JSON's meta records the CPU model, its ISA features and the kernel ISA attncc chose (set
+ATTNCC_CPU_ISA to measure a lower level).
 """
 
 from __future__ import annotations
@@ -35,13 +42,47 @@ EX = ROOT / "examples"
 
 
 def median_s(fn, repeats: int) -> float:
+    start = time.perf_counter()
     fn()  # warm-up (and build)
+    if time.perf_counter() - start > 2.0:  # long runs: 3 repeats keep the grid within minutes
+        repeats = min(repeats, 3)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def cpu_meta() -> dict:
+    """The machine and the kernel ISA attncc chose on it."""
+    from attncc.passes.tiling import choose_micro_kernel
+    from attncc.targets import cpu
+
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "vendor_id", "cpu family", "model") and key.strip() not in info:
+            info[key.strip()] = value.strip()
+    target = cpu()
+    return {
+        "cpu_model": info.get("model name", platform.processor()),
+        "cpu_vendor": info.get("vendor_id", ""),
+        "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
+        "cpu_features": list(target.features),
+        "attncc_isa": choose_micro_kernel(target).describe(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def gemm_rates(repeats: int) -> dict[str, float]:
+    """torch.mm GFLOP/s at 2048^3 in fp32 and bf16, measured in this process (the yardstick for
+    the attention rates)."""
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+        rates[str(dtype).removeprefix("torch.")] = 2 * 2048**3 / median_s(lambda a=a, b=b: a @ b, repeats) / 1e9
+    return rates
 
 
 def eager(q, k, v, mask=None, scale=None):
@@ -215,9 +256,18 @@ MEMORY_SCRIPT = textwrap.dedent(
 )
 
 
-def memory_cases(results: list, args) -> None:
+MEMORY_RUNS = (("attncc", 8192), ("sdpa", 8192), ("attncc", 4096), ("eager", 4096))
+MEMORY_GRID = tuple(
+    (which, n)
+    for n in (1024, 2048, 4096, 8192)
+    for which in ("attncc", "sdpa", "eager")
+    if which != "eager" or n <= 4096
+)
+
+
+def memory_cases(results: list, args, runs: tuple = MEMORY_RUNS) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for which, n in (("attncc", 8192), ("sdpa", 8192), ("attncc", 4096), ("eager", 4096)):
+    for which, n in runs:
         proc = subprocess.run(
             [sys.executable, "-c", MEMORY_SCRIPT, which, str(n), str(EX / "causal.attn")],
             capture_output=True,
@@ -228,7 +278,15 @@ def memory_cases(results: list, args) -> None:
         grads = 3 * 8 * n * 64 * 4 / 2**20
         line = f"peak extra memory causal fwd+bwd {which:6s} N={n}: {mb:8.1f} MiB (q/k/v grads alone {grads:.0f} MiB; one N x N fp32 {8 * n * n * 4 / 2**20:.0f} MiB)"
         print(line, flush=True)
-        results.append({"case": f"memory {which} N={n}", "peak_extra_mib": mb, "stderr": proc.stderr[-300:]})
+        results.append(
+            {
+                "case": f"memory {which} N={n}",
+                "which": which,
+                "N": n,
+                "peak_extra_mib": mb,
+                "stderr": proc.stderr[-300:],
+            }
+        )
 
 
 def build_cases(results: list) -> None:
@@ -244,6 +302,126 @@ def build_cases(results: list) -> None:
                 f"{label:28s} alibi fp32: {seconds:.2f} s (compile + pipeline, excluding Python start-up)", flush=True
             )
             results.append({"case": label, "seconds": seconds})
+
+
+def attention_flops(B: int, H: int, N: int, M: int, D: int, causal: bool, backward: bool) -> float:
+    """Matmul FLOPs (2 products forward, 5 more backward), halved for causal."""
+    flops = 4 * B * H * N * M * D * (3.5 if backward else 1.0)
+    return flops / 2 if causal else flops
+
+
+def grid_cases(results: list, args, flex, rates: dict[str, float]) -> None:
+    """The CPU issue's target grid: B=1 H=8, D=64/128, N=512..max_n; dense and causal, fp32 and
+    bf16, forward and forward+backward; GQA decoding; masked variants against FlexAttention."""
+    vanilla, causal = attncc.compile(EX / "vanilla.attn"), attncc.compile(EX / "causal.attn")
+    r = args.repeats
+    for D in (64, 128):
+        for N in (n for n in (512, 1024, 2048, 4096, 8192, 16384) if n <= args.max_n):
+            gen = torch.Generator().manual_seed(0)
+            base = [torch.randn(1, 8, N, D, generator=gen) for _ in range(3)]
+            for dtype in (torch.float32, torch.bfloat16):
+                q, k, v = (t.to(dtype) for t in base)
+                tag = str(dtype).removeprefix("torch.")
+                for is_causal, kern in ((False, vanilla), (True, causal)):
+                    name = f"{'causal' if is_causal else 'dense'} fwd {tag} D={D} N={N}"
+                    ours = median_s(partial(kern, q, k, v), r)
+                    anchors = {
+                        "sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v, is_causal=is_causal), r)
+                    }
+                    if flex and dtype == torch.float32 and N <= 8192:
+                        anchors["flex"] = median_s(flex(q, k, v, (lambda b, h, i, j: j <= i) if is_causal else None), r)
+                    flops = attention_flops(1, 8, N, N, D, is_causal, False)
+                    note = f"{flops / ours / 1e9:.0f} GFLOP/s = {100 * flops / ours / 1e9 / rates[tag]:.0f}% of torch.mm {tag}"
+                    row(results, name, ours, anchors, note)
+                    results[-1].update(N=N, D=D, dtype=tag, causal=is_causal, backward=False)
+                    if N > args.max_n_backward:
+                        continue
+                    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                    sdpa = partial(F.scaled_dot_product_attention, is_causal=is_causal)
+                    anchors = {"sdpa": median_s(fwd_bwd(sdpa, qg, kg, vg), r)}
+                    ours = median_s(fwd_bwd(kern, qg, kg, vg), r)
+                    flops = attention_flops(1, 8, N, N, D, is_causal, True)
+                    note = f"{flops / ours / 1e9:.0f} GFLOP/s = {100 * flops / ours / 1e9 / rates[tag]:.0f}% of torch.mm {tag}"
+                    row(results, name.replace(" fwd ", " fwd+bwd "), ours, anchors, note)
+                    results[-1].update(N=N, D=D, dtype=tag, causal=is_causal, backward=True)
+    gqa = attncc.compile(EX / "gqa.attn")
+    for M in (4096, 16384, 32768):
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 32, 1, 128, generator=gen)
+        k, v = (torch.randn(1, 8, M, 128, generator=gen) for _ in range(2))
+        anchors = {"sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True), r)}
+        row(results, f"decode GQA 32/8 fp32 N=1 M={M} D=128", median_s(partial(gqa, q, k, v), r), anchors)
+    N = min(args.max_n, 4096)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 8, N, 64, generator=gen) for _ in range(3))
+    window, alibi = attncc.compile(EX / "sliding_window.attn"), attncc.compile(EX / "alibi.attn")
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / 8) for h in range(8)])
+    anchors = {}
+    if flex:
+        anchors["flex"] = median_s(flex(q, k, v, lambda b, h, i, j: (j <= i) & (i - j < 256)), r)
+    row(results, f"sliding window 256 fwd fp32 N={N}", median_s(partial(window, q, k, v), r), anchors)
+    anchors = {}
+    if flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        def alibi_mod(score, b, h, i, j):
+            return score - slopes[h] * (i - j)
+
+        compiled = torch.compile(flex_attention, dynamic=False)
+        block_mask = flex.create_block_mask(lambda b, h, i, j: j <= i, 1, 1, N, N, device="cpu")
+        anchors["flex"] = median_s(lambda: compiled(q, k, v, score_mod=alibi_mod, block_mask=block_mask), r)
+    row(results, f"alibi causal fwd fp32 N={N}", median_s(lambda: alibi(q, k, v, slopes=slopes), r), anchors)
+
+
+def plot_grid(results: list, path: Path) -> None:
+    """Runtime vs N (log-log) per D and dtype, attncc against SDPA (and Flex), like the paper's Fig. 3."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    panels = [(D, dtype, bwd) for D in (64, 128) for dtype in ("float32", "bfloat16") for bwd in (False, True)]
+    fig, axes = plt.subplots(3, 4, figsize=(20, 13))
+    memory = axes.flat[len(panels)]
+    for which, color in (("attncc", "C0"), ("sdpa", "C1"), ("eager", "C3")):
+        pts = [(x["N"], x["peak_extra_mib"]) for x in results if x.get("which") == which]
+        if pts:
+            memory.plot(*zip(*pts), "o-", color=color, label=which)
+    memory.set(
+        xscale="log", yscale="log", xlabel="N", ylabel="MiB", title="peak extra memory, causal fwd+bwd fp32 D=64"
+    )
+    memory.legend(fontsize=7)
+    for ax in axes.flat[len(panels) + 1 :]:
+        ax.axis("off")
+    for ax, (D, dtype, bwd) in zip(axes.flat, panels):
+        for is_causal, style in ((False, "-"), (True, "--")):
+            rows = [
+                x
+                for x in results
+                if x.get("D") == D
+                and x.get("dtype") == dtype
+                and x.get("backward") == bwd
+                and x.get("causal") == is_causal
+            ]
+            if not rows:
+                continue
+            ns = [x["N"] for x in rows]
+            label = "causal" if is_causal else "dense"
+            ax.plot(ns, [x["attncc_s"] * 1e3 for x in rows], "o" + style, color="C0", label=f"attncc {label}")
+            ax.plot(ns, [x["sdpa_s"] * 1e3 for x in rows], "s" + style, color="C1", label=f"SDPA {label}")
+            if any("flex_s" in x for x in rows):
+                pts = [(x["N"], x["flex_s"] * 1e3) for x in rows if "flex_s" in x]
+                ax.plot(*zip(*pts), "^" + style, color="C2", label=f"Flex {label}")
+        ax.set(
+            xscale="log", yscale="log", xlabel="N", ylabel="ms", title=f"{'fwd+bwd' if bwd else 'fwd'} {dtype} D={D}"
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    print(f"plot: {path}")
 
 
 def sweep(args) -> None:
@@ -270,7 +448,10 @@ def main() -> None:
     )
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-d", type=int, default=64)
-    parser.add_argument("--json", type=Path, help="write raw results here")
+    parser.add_argument("--json", type=Path, help="write raw results here (and the grid's plot beside it)")
+    parser.add_argument("--grid", action="store_true", help="the target grid (see above) instead of the default cases")
+    parser.add_argument("--max-n", type=int, default=16384)
+    parser.add_argument("--max-n-backward", type=int, default=4096)
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep:
@@ -288,21 +469,31 @@ def main() -> None:
         except Exception as exc:  # report, do not hide: FlexAttention may be unavailable
             print(f"FlexAttention unavailable: {exc}")
     results: list = []
-    dense_cases(results, args, flex)
-    decode_cases(results, args)
-    sparse_cases(results, args, flex)
-    if not args.quick:
-        memory_cases(results, args)
-    build_cases(results)
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        **cpu_meta(),
+    }
+    rates = gemm_rates(args.repeats)
+    meta["torch_mm_gflops"] = rates
+    print(f"{meta['cpu_model']} ({meta['cpu_family_model']}), attncc {meta['attncc_isa']}; torch.mm GFLOP/s: {rates}")
+    if args.grid:
+        grid_cases(results, args, flex, rates)
+        memory_cases(results, args, MEMORY_GRID)
+    else:
+        dense_cases(results, args, flex)
+        decode_cases(results, args)
+        sparse_cases(results, args, flex)
+        if not args.quick:
+            memory_cases(results, args)
+        build_cases(results)
     if args.json:
-        meta = {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "python": platform.python_version(),
-        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        if args.grid:
+            plot_grid(results, args.json.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ STORAGE_TYPES = {
     "float16": ("attncc::fp16_t", "float"),
 }
 
+#: The forward's packed K/V panels live at once (templates/cpu/attention.cpp.jinja `Panels`):
+#: kv heads are packed and processed in batches of at most this many bytes of panels.
+PANEL_BUDGET_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class InputGradHook:
@@ -56,6 +60,7 @@ def hook_values(g: Graph) -> dict[str, object]:
 def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
     """C++ source of the forward and backward kernels of `g` for q/k/v of `dtype`."""
     _, op = fused_node(g)
+    assert op.tiling is not None and op.tiling.micro_kernel is not None, "tile must run for a CPU target first"
     storage, acc = STORAGE_TYPES[dtype]
     hooks = hook_values(g)
     return render(
@@ -66,6 +71,8 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         storage_type=storage,
         acc_type=acc,
         abi=kernel_abi(g),
+        micro_kernel=op.tiling.micro_kernel,
+        panel_budget_bytes=PANEL_BUDGET_BYTES,
         has_dropout=op.dropout > 0,
         # tasks -> threads fixed when learnable inputs get gradients (reproducible sums)
         backward_schedule="static, 1" if hooks["input_grads"] else "dynamic, 1",

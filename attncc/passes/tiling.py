@@ -15,18 +15,32 @@ from dataclasses import dataclass, replace
 
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, clone, fused_node
-from attncc.targets import Target
+from attncc.targets import CPU_ISAS, NATIVE_FLAGS, Target
 
 HEAD_DIM_STEP = 16
 MAX_HEAD_DIM = 256
 
-# CPU micro-kernel shape (include/attncc/cpu/primitives.h `gemm`): 4 rows x 2 vectors of fp32.
+# CPU tiles: Br a multiple of 4 (the kernels pad a tile's rows to 4), Bc a multiple of 32 floats
+# (a whole number of vectors at every ISA's width).
 CPU_ROW_BLOCK = 4
 CPU_COL_MULTIPLE = 32
-# The micro-kernel streams the K^T panel (d x Bc fp32) once per 4 query rows, so the panel
-# must stay in L1: Bc <= L1_FRACTION * L1 / (4 d). Measured on a 48 KiB-L1 machine, d=64, N=2048
-# (bench/bench_cpu.py --sweep): Bc=128 210 GFLOP/s, Bc=256 (64 KiB panel) 77 GFLOP/s.
-CPU_L1_FRACTION = 0.75
+# The micro-kernel's register block (include/attncc/cpu/primitives.h `gemm_block`): at most 8
+# rows, 1, 2 or 4 vectors (powers of two divide Bc and the padded head dims evenly), and at least
+# FMA latency x ports accumulators so the FMA pipes never wait on a result.
+CPU_GEMM_MAX_ROWS = 8
+CPU_GEMM_VECS = (1, 2, 4)
+CPU_FMA_LATENCY = 4
+# Registers left beside the accumulators: one broadcast of A plus the B vectors in flight; the
+# FMAs take B from memory where registers run out. Measured on Zen 3 (AVX2, 16 registers, d=64,
+# Bc=128 tile products, GFLOP/s per core): 4x2 28, 5x2 35, 6x2 50, 4x3 55, 3x4 62.
+CPU_GEMM_SPARE_REGISTERS = 4
+# The micro-kernel streams the packed K^T panel (d x Bc fp32) once per row block, so the panel
+# should stay in L1: Bc <= L1_FRACTION * L1 / (4 d), and at most CPU_MAX_BC. Measured
+# (bench/bench_cpu.py --sweep, dense fwd N=2048, GFLOP/s): a 48 KiB-L1 AVX-512 machine, d=64:
+# Bc=128 210, Bc=256 (64 KiB panel) 77; Zen 3 (32 KiB L1, AVX2, packed panels), d=64, Br=64:
+# Bc=32 74, 64 80, 128 85, 256 82; d=128: Bc=32 79, 64 80, 128 89, 256 88.
+CPU_L1_FRACTION = 1.0
+CPU_MAX_BC = 128
 # Rows per task: more rows reuse each K/V tile more, but fewer tasks balance worse over cores.
 CPU_MAX_BR = 64
 
@@ -59,11 +73,29 @@ class TilePlan:
 
 
 @dataclass(frozen=True)
+class CpuMicroKernel:
+    """The CPU kernels' instruction set and gemm register block, chosen from the target's facts;
+    part of the IR, so of the kernel's cache key."""
+
+    isa: str
+    vector_bytes: int
+    rows: int
+    vecs: int
+    compile_flags: tuple[str, ...]
+
+    def describe(self) -> str:
+        return (
+            f"ISA {self.isa} ({8 * self.vector_bytes}-bit vectors), gemm block {self.rows} rows x {self.vecs} vectors"
+        )
+
+
+@dataclass(frozen=True)
 class TilingTable:
     """Plans per head dim (rounded up to 16); None where no tiling fits the target."""
 
     target: str
     plans: tuple[TilePlan | None, ...]
+    micro_kernel: CpuMicroKernel | None = None  # CPU targets only
 
     def for_head_dim(self, d: int, backward: bool = False) -> TilePlan:
         """The forward plan for head dim `d` (its `backward` field holds the backward's), or with
@@ -87,8 +119,8 @@ class TilingTable:
 
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
-        if p.warps == 0:
-            layout = f"{p.threads} fp32 lanes per vector, one task per (b, h, query tile)"
+        if self.micro_kernel is not None:
+            layout = f"{self.micro_kernel.describe()}, one task per (b, h, query tile)"
         else:
             layout = f"{p.warps} warps ({p.threads} threads), {p.stages} K/V stage(s), ~{p.registers_per_thread} registers/thread"
         b = p.backward
@@ -134,8 +166,33 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None) -> G
     plans = tuple(plan_or_none(d) for d in range(HEAD_DIM_STEP, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
     if all(p is None for p in plans):
         raise AttnccError(f"no tiling fits target {target.name}" + (f" with tiles {override}" if override else ""))
-    g.nodes[node]["op"] = replace(op, tiling=TilingTable(target.name, plans))
+    micro_kernel = choose_micro_kernel(target) if target.kind == "cpu" else None
+    g.nodes[node]["op"] = replace(op, tiling=TilingTable(target.name, plans, micro_kernel))
     return g
+
+
+def choose_micro_kernel(target: Target) -> CpuMicroKernel:
+    """The gemm register block for the target's ISA: the most accumulators that leave
+    CPU_GEMM_SPARE_REGISTERS of its vector registers free (and no fewer than FMA latency x
+    ports), ties broken by the fewest loads per FMA ((rows + vecs) / (rows x vecs)). A CPU target
+    written without ISA facts gets the portable level's."""
+    if not target.isa:
+        generic = CPU_ISAS["generic"]
+        target = replace(
+            target, isa=generic.name, vector_bytes=generic.vector_bytes, vector_registers=generic.vector_registers,
+            fma_ports=2, compile_flags=NATIVE_FLAGS,
+        )  # fmt: skip
+    budget = target.vector_registers - CPU_GEMM_SPARE_REGISTERS
+    candidates = [
+        (rows, vecs)
+        for rows in range(1, CPU_GEMM_MAX_ROWS + 1)
+        for vecs in CPU_GEMM_VECS
+        if CPU_FMA_LATENCY * target.fma_ports <= rows * vecs <= budget
+    ]
+    if not candidates:
+        raise AttnccError(f"target {target.name}: {target.vector_registers} vector registers hold no gemm block")
+    rows, vecs = max(candidates, key=lambda rv: (rv[0] * rv[1], -(rv[0] + rv[1]) / (rv[0] * rv[1])))
+    return CpuMicroKernel(target.isa, target.vector_bytes, rows, vecs, target.compile_flags)
 
 
 def cpu_onchip_bytes(br: int, bc: int, d: int) -> int:
@@ -155,11 +212,11 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             )
     else:
         l1_bc = int(CPU_L1_FRACTION * target.l1_bytes) // (4 * d)
-        bc = max(CPU_COL_MULTIPLE, min(paper_bc, l1_bc) // CPU_COL_MULTIPLE * CPU_COL_MULTIPLE)
+        bc = max(CPU_COL_MULTIPLE, min(paper_bc, l1_bc, CPU_MAX_BC) // CPU_COL_MULTIPLE * CPU_COL_MULTIPLE)
         br = max(CPU_ROW_BLOCK, min(CPU_MAX_BR, paper_br) // CPU_ROW_BLOCK * CPU_ROW_BLOCK)
         reason = (
-            f"paper's blocks with M = L2; Bc cut so the K^T panel fits {CPU_L1_FRACTION:.0%} of L1, Br capped at "
-            f"{CPU_MAX_BR}, both rounded to the {CPU_ROW_BLOCK} x {CPU_COL_MULTIPLE} micro-kernel"
+            f"paper's blocks with M = L2; Bc cut so the K^T panel fits {CPU_L1_FRACTION:.0%} of L1 and to at most "
+            f"{CPU_MAX_BC}, Br capped at {CPU_MAX_BR}, rounded to multiples of {CPU_ROW_BLOCK} x {CPU_COL_MULTIPLE}"
         )
         while cpu_onchip_bytes(br, bc, d) > target.onchip_bytes and bc > CPU_COL_MULTIPLE:
             bc -= CPU_COL_MULTIPLE

@@ -1,7 +1,7 @@
 """JIT build of generated C++ with ninja, and an on-disk cache with a contract.
 
 Contract: `build_library(source, name)` returns the path of a shared library compiled from
-exactly `source` with `FLAGS`, or raises `BuildError` carrying the compiler output and the
+exactly `source` with `FLAGS` (and the target's ISA flags), or raises `BuildError` carrying the compiler output and the
 command to reproduce it. The cache directory is keyed by a hash of the source, the package's
 headers, the flags, the compiler version, the CPU and torch's version; several processes
 building the same variant take a file lock, re-check the cache inside it, and build once.
@@ -10,6 +10,7 @@ Sources are rewritten only when they change, so ninja's own up-to-date check hol
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import fcntl
 import hashlib
@@ -17,6 +18,7 @@ import os
 import shutil
 import subprocess
 import threading
+import warnings
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -24,12 +26,14 @@ from pathlib import Path
 import torch
 
 from attncc.errors import BuildError
+from attncc.targets import NATIVE_FLAGS
 
 INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"
+# -march comes from the target's kernel ISA (targets.CPU_ISAS), passed as `isa_flags`; sources
+# built without a target (tests' harnesses) get the machine's own (NATIVE_FLAGS).
 FLAGS = (
     "-std=c++17",
     "-O3",
-    "-march=native",
     "-fopenmp",
     "-fPIC",
     "-shared",
@@ -96,26 +100,34 @@ def _write_if_changed(path: Path, text: str) -> None:
         tmp.replace(path)
 
 
-def build_library(source: str, name: str, includes: dict[str, str] | None = None, cuda_arch: str | None = None) -> Path:
+def build_library(
+    source: str,
+    name: str,
+    includes: dict[str, str] | None = None,
+    cuda_arch: str | None = None,
+    isa_flags: tuple[str, ...] = NATIVE_FLAGS,
+) -> Path:
     """Compile `source` (once per cache key) and return the shared library's path.
 
     `includes` are further files written beside it (name -> text) that the source includes,
     e.g. the exact generated `.cu` text that the CUDA emulator wraps. With `cuda_arch` (e.g.
-    "sm90") the source is CUDA, compiled by nvcc for that architecture.
+    "sm90") the source is CUDA, compiled by nvcc for that architecture; otherwise C++ compiled
+    with FLAGS and `isa_flags`.
     """
     includes = includes or {}
     key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items())) + f"\n//--arch {cuda_arch}"
+    key_text += "\n//--isa " + " ".join(isa_flags)
     if cuda_arch:
         from attncc.runtime.nvcc import nvcc_fingerprint
 
         key_text += "\n//--nvcc\n" + nvcc_fingerprint()
     directory = cache_dir() / f"{name}-{cache_key(key_text)}"
     library = directory / "kernel.so"
-    if library.exists():
+    if _digest_path(library).exists():  # written after the library: the build is complete
         return library
     directory.mkdir(parents=True, exist_ok=True)
     with _file_lock(directory / ".lock"):
-        if library.exists():
+        if _digest_path(library).exists():
             return library
         source_name = "kernel.cu" if cuda_arch else "kernel.cpp"
         _write_if_changed(directory / source_name, source)
@@ -127,7 +139,7 @@ def build_library(source: str, name: str, includes: dict[str, str] | None = None
             sm = "sm_" + cuda_arch.removeprefix("sm")
             command = f"{find_nvcc()} -arch={sm} {' '.join(NVCC_FLAGS)} -shared -Xcompiler -fPIC -I{INCLUDE_DIR} -I. $in -o $out.tmp"
         else:
-            command = f"{compiler()} {' '.join(FLAGS)} -I{INCLUDE_DIR} -I. $in -o $out.tmp"
+            command = f"{compiler()} {' '.join(FLAGS + isa_flags)} -I{INCLUDE_DIR} -I. $in -o $out.tmp"
         ninja_file = (
             "ninja_required_version = 1.3\n"
             "rule compile_shared\n"
@@ -137,18 +149,63 @@ def build_library(source: str, name: str, includes: dict[str, str] | None = None
             "default kernel.so\n"
         )
         _write_if_changed(directory / "build.ninja", ninja_file)
-        cmd = [_ninja(), "-C", str(directory)]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if result.returncode != 0 or not library.exists():
-            raise BuildError(
-                f"building {name} failed (reproduce: {' '.join(cmd)}):\n{result.stdout[-4000:]}{result.stderr[-4000:]}"
-            )
+        _run_ninja(directory, name)
     return library
 
 
-def load_library(path: Path) -> ctypes.CDLL:
-    """dlopen a built kernel library once per process."""
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _digest(library: Path) -> str:
+    return hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+def _run_ninja(directory: Path, name: str) -> None:
+    """Build kernel.so in `directory` (caller holds its lock) and record its digest, which
+    load_library checks: a truncated library would crash dlopen (SIGBUS), not fail it."""
+    cmd = [_ninja(), "-C", str(directory)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    library = directory / "kernel.so"
+    if result.returncode != 0 or not library.exists():
+        raise BuildError(
+            f"building {name} failed (reproduce: {' '.join(cmd)}):\n{result.stdout[-4000:]}{result.stderr[-4000:]}"
+        )
+    _write_if_changed(_digest_path(library), _digest(library))
+
+
+def _open(path: Path, required_symbol: str | None) -> ctypes.CDLL:
+    recorded = _digest_path(path)
+    if not recorded.exists() or recorded.read_text().strip() != _digest(path):
+        raise OSError("its contents differ from the library that was built")
+    library = ctypes.CDLL(str(path))
+    if required_symbol is not None and not hasattr(library, required_symbol):
+        _ctypes.dlclose(library._handle)  # else the next dlopen of this path returns the same object
+        raise OSError(f"{path}: not an attncc kernel library (no symbol {required_symbol})")
+    return library
+
+
+def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
+    """dlopen a built kernel library once per process. A cached library that is not the one
+    built (its digest differs: truncated, corrupted, replaced), fails to load or is foreign
+    (without `required_symbol`) is rebuilt once from the sources beside it, with a one-line
+    warning; a second failure is a BuildError."""
     with _LOAD_LOCK:
         if path not in _LOADED:
-            _LOADED[path] = ctypes.CDLL(str(path))
+            try:
+                _LOADED[path] = _open(path, required_symbol)
+            except OSError as exc:
+                directory = path.parent
+                if not (directory / "build.ninja").exists():
+                    raise BuildError(f"cannot load {path}: {exc}") from None
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                warnings.warn(f"attncc: cached kernel {path} failed to load ({reason}); rebuilding it", stacklevel=2)
+                with _file_lock(directory / ".lock"):
+                    _digest_path(path).unlink(missing_ok=True)
+                    path.unlink(missing_ok=True)
+                    _run_ninja(directory, directory.name)
+                try:
+                    _LOADED[path] = _open(path, required_symbol)
+                except OSError as again:
+                    raise BuildError(f"{path} failed to load after a rebuild: {again}") from None
         return _LOADED[path]

@@ -198,8 +198,10 @@ class Kernel:
         """The compiled library for q/k/v of `dtype` (built once, then from the disk cache)."""
         with self._lock:
             if dtype not in self._libraries:
-                path = build_library(self.source(dtype), f"{self.name}-{dtype}")
-                self._libraries[dtype] = load_library(path)
+                assert self.op.tiling is not None and self.op.tiling.micro_kernel is not None
+                flags = self.op.tiling.micro_kernel.compile_flags
+                path = build_library(self.source(dtype), f"{self.name}-{dtype}", isa_flags=flags)
+                self._libraries[dtype] = load_library(path, "attncc_forward")
             return self._libraries[dtype]
 
     # ------------------------------------------------------------------ validation

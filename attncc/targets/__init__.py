@@ -1,11 +1,14 @@
 """Targets as data: the hardware facts the tiling pass and the cost model read.
 
-Adding a GPU is adding a table row. `cpu()` reads the cache sizes of the machine it runs on.
+Adding a GPU is adding a table row. `cpu()` reads the cache sizes and the instruction-set
+features of the machine it runs on, and picks the best CPU kernel ISA the machine has (or the
+one `ATTNCC_CPU_ISA` forces, which may only be lower).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -18,7 +21,10 @@ class Target:
     """Facts about one compilation target.
 
     onchip_bytes: the fast memory a tile set must fit (per core L2 on CPUs, shared memory per
-    block on GPUs); l1_bytes: the innermost cache (CPU) or 0; vector_bytes: SIMD width (CPU);
+    block on GPUs); l1_bytes: the innermost cache (CPU) or 0; isa: the CPU kernel ISA (a key of
+    CPU_ISAS), whose vector_bytes (SIMD width), vector_registers and compile_flags are copied
+    here; fma_ports: vector FMA issue per cycle (CPU); features: the ISA extensions the machine
+    reports (CPU, for the plan's printout);
     registers_per_sm / max_registers_per_thread / warp_size / mma_shape: GPU facts;
     multiprocessors: the SM count of the target's reference part (T4, A100, A40, H100 SXM),
     for call-time decisions where no device can be asked (the emulator); a real GPU's own
@@ -31,6 +37,11 @@ class Target:
     l1_bytes: int = 0
     vector_bytes: int = 64
     cores: int = 1
+    isa: str = ""
+    vector_registers: int = 0
+    fma_ports: int = 0
+    compile_flags: tuple[str, ...] = ()
+    features: tuple[str, ...] = ()
     sm_version: int = 0
     shared_bytes_per_sm: int = 0
     registers_per_sm: int = 0
@@ -57,13 +68,90 @@ def _cache_sizes() -> dict[tuple[int, str], int]:
     return sizes
 
 
+@dataclass(frozen=True)
+class CpuIsa:
+    """One level of CPU kernel: what the machine must report (`requires`, /proc/cpuinfo flag
+    names), the SIMD registers it gives the micro-kernels and the compiler flags that select it."""
+
+    name: str
+    requires: frozenset[str]
+    vector_bytes: int
+    vector_registers: int
+    march: str
+
+
+# Best first. The kernels are generated for a level's vector width and register count
+# (passes/tiling.py `choose_micro_kernel`); each level's -march is the x86-64 micro-architecture
+# level (gcc >= 11) holding exactly the features it requires, so a forced lower level really
+# runs the lower instructions on a better machine. -mtune=native keeps the machine's scheduling.
+CPU_ISAS: dict[str, CpuIsa] = {
+    "avx512": CpuIsa("avx512", frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"}), 64, 32,
+                     "x86-64-v4"),
+    "avx2": CpuIsa("avx2", frozenset({"avx2", "fma", "f16c", "bmi2"}), 32, 16, "x86-64-v3"),
+    "generic": CpuIsa("generic", frozenset(), 16, 16, "x86-64-v2"),
+}  # fmt: skip
+# Reported for the plan (attncc explain), not yet used by a kernel: AMX and the bf16/fp16
+# dot-product extensions (README, "CPU kernels").
+REPORTED_FEATURES = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2", "fma")
+ISA_ENV = "ATTNCC_CPU_ISA"
+NATIVE_FLAGS = ("-march=native",)  # for code built for no particular level (off x86, test harnesses)
+
+
+def cpu_features() -> frozenset[str]:
+    """The instruction-set flags of cpu0 (/proc/cpuinfo); empty where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def best_cpu_isa(features: frozenset[str], machine: str | None = None) -> str:
+    """The first level of CPU_ISAS whose requirements the machine meets (x86-64 only: elsewhere
+    the portable level, compiled for the host's own -march)."""
+    if (machine or platform.machine()) not in ("x86_64", "AMD64"):
+        return "generic"
+    return next(name for name, isa in CPU_ISAS.items() if isa.requires <= features)
+
+
+def select_cpu_isa(features: frozenset[str], forced: str | None) -> str:
+    """The machine's best level, or `forced` (ATTNCC_CPU_ISA) when it names a level the machine
+    runs; a level above the machine's best or an unknown name is an error, not a silent fallback."""
+    best = best_cpu_isa(features)
+    if not forced:
+        return best
+    if forced not in CPU_ISAS:
+        raise AttnccError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(CPU_ISAS)}")
+    order = list(CPU_ISAS)
+    if order.index(forced) < order.index(best):
+        raise AttnccError(
+            f"{ISA_ENV}={forced!r}: this machine's best CPU kernel ISA is {best}; a level can only be forced lower"
+        )
+    return forced
+
+
 @cache
-def cpu() -> Target:
-    """The host CPU: L1d and L2 per core read from the machine (defaults 32 KiB / 1 MiB)."""
+def _cpu_target(isa_name: str) -> Target:
     sizes = _cache_sizes()
     l1 = sizes.get((1, "Data"), 32 * 1024)
     l2 = sizes.get((2, "Unified"), 1024 * 1024)
-    return Target("cpu", "cpu", onchip_bytes=l2, l1_bytes=l1, vector_bytes=64, cores=os.cpu_count() or 1)
+    isa = CPU_ISAS[isa_name]
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    flags = (f"-march={isa.march}", "-mtune=native") if x86 else NATIVE_FLAGS
+    features = cpu_features()
+    return Target(
+        "cpu", "cpu", onchip_bytes=l2, l1_bytes=l1, vector_bytes=isa.vector_bytes, cores=os.cpu_count() or 1,
+        isa=isa.name, vector_registers=isa.vector_registers, fma_ports=2, compile_flags=flags,
+        features=tuple(f for f in REPORTED_FEATURES if f in features),
+    )  # fmt: skip
+
+
+def cpu() -> Target:
+    """The host CPU: L1d and L2 per core read from the machine (defaults 32 KiB / 1 MiB), and the
+    kernel ISA: the best the machine has, or the lower one ATTNCC_CPU_ISA names. Every x86 server
+    core of the families we run on (Zen 3/4, Sapphire Rapids) issues two vector FMAs per cycle."""
+    return _cpu_target(select_cpu_isa(cpu_features(), os.environ.get(ISA_ENV, "").strip() or None))
 
 
 # Shared memory is the opt-in per-block maximum; registers per SM are 64K 32-bit registers.

@@ -3,8 +3,26 @@
 // translation unit compiles in seconds.
 //
 // The including file defines ATTNCC_ACC_T (float or double) and ATTNCC_STORAGE_T (the
-// q/k/v element type: float, double, attncc::bf16_t or attncc::fp16_t).
+// q/k/v element type: float, double, attncc::bf16_t or attncc::fp16_t). A generated kernel also
+// defines the micro-kernel the tiling pass chose for the target's ISA (passes/tiling.py
+// `choose_micro_kernel`): ATTNCC_VECTOR_BYTES (the SIMD width it is compiled for) and
+// ATTNCC_GEMM_ROWS x ATTNCC_GEMM_VECS (gemm's register block). Other includers get the widest
+// vector the compiler targets and a block that fits 16 registers.
 #pragma once
+
+#ifndef ATTNCC_VECTOR_BYTES
+#if defined(__AVX512F__)
+#define ATTNCC_VECTOR_BYTES 64
+#elif defined(__AVX2__)
+#define ATTNCC_VECTOR_BYTES 32
+#else
+#define ATTNCC_VECTOR_BYTES 16
+#endif
+#endif
+#ifndef ATTNCC_GEMM_ROWS
+#define ATTNCC_GEMM_ROWS 6
+#define ATTNCC_GEMM_VECS 2
+#endif
 
 #include <omp.h>
 
@@ -27,8 +45,11 @@ struct fp16_t { uint16_t bits; };
 
 using acc_t = ATTNCC_ACC_T;
 using storage_t = ATTNCC_STORAGE_T;
-typedef acc_t vec_t __attribute__((vector_size(64)));
-constexpr int VL = 64 / sizeof(acc_t);  // lanes per vector
+// One SIMD register of acc_t. Wider GCC vectors than the ISA has are split into several
+// registers and, in a register-blocked loop, spill: 64-byte vectors on an AVX2 machine ran gemm
+// at 3 GFLOP/s instead of 45.
+typedef acc_t vec_t __attribute__((vector_size(ATTNCC_VECTOR_BYTES)));
+constexpr int VL = ATTNCC_VECTOR_BYTES / sizeof(acc_t);  // lanes per vector
 constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
 
 inline float to_acc_float(bf16_t x) { return bf16_bits_to_float(x.bits); }
@@ -69,11 +90,11 @@ inline acc_t math_abs(acc_t x) { return std::abs(x); }
 // exp for a float or a vector of floats: Cody-Waite range reduction and a degree-6 polynomial
 // for 2^f (relative error < 2e-7), exactly 0 below the underflow threshold (so for -inf).
 // Branch- and call-free, so scalar loops over score maps vectorise too.
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef double v8d __attribute__((vector_size(64)));
+typedef float vfloat_t __attribute__((vector_size(ATTNCC_VECTOR_BYTES)));
+typedef int32_t vint_t __attribute__((vector_size(ATTNCC_VECTOR_BYTES)));
+typedef double vdouble_t __attribute__((vector_size(ATTNCC_VECTOR_BYTES)));
 inline int32_t to_int_lanes(float n) { return int32_t(n); }
-inline v16i to_int_lanes(v16f n) { return __builtin_convertvector(n, v16i); }
+inline vint_t to_int_lanes(vfloat_t n) { return __builtin_convertvector(n, vint_t); }
 
 template <typename F>
 inline F exp_cody_waite(F x) {
@@ -165,63 +186,80 @@ inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t r
   }
 }
 
-inline void transpose(acc_t* dst, int64_t ld_dst, const acc_t* src, int64_t ld_src, int rows, int cols) {
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
-}
-
 // ---------------------------------------------------------------------------------- vectors
 inline vec_t vload(const acc_t* p) { vec_t v; std::memcpy(&v, p, sizeof v); return v; }
 inline void vstore(acc_t* p, vec_t v) { std::memcpy(p, &v, sizeof v); }
 inline vec_t vbroadcast(acc_t x) { return vec_t{} + x; }
 
-// C[R x Cn] (+)= A[R x K] . B[K x Cn]; R a multiple of 4, Cn a multiple of VL; row-major with
-// leading dimensions lda, ldb, ldc. Register-blocked 4 rows x 2 vectors (8 accumulators).
-template <bool Accumulate>
-inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                 const acc_t* __restrict B, int64_t ldb, int R, int Cn, int K) {
-  for (int r = 0; r < R; r += 4) {
-    const acc_t* a0 = A + (r + 0) * lda;
-    const acc_t* a1 = A + (r + 1) * lda;
-    const acc_t* a2 = A + (r + 2) * lda;
-    const acc_t* a3 = A + (r + 3) * lda;
-    int c = 0;
-    for (; c + 2 * VL <= Cn; c += 2 * VL) {
-      vec_t acc[4][2];
-      for (int x = 0; x < 4; ++x)
-        for (int y = 0; y < 2; ++y)
-          acc[x][y] = Accumulate ? vload(C + (r + x) * ldc + c + y * VL) : vec_t{};
-      for (int k = 0; k < K; ++k) {
-        const vec_t b0 = vload(B + k * ldb + c), b1 = vload(B + k * ldb + c + VL);
-        const vec_t x0 = vbroadcast(a0[k]), x1 = vbroadcast(a1[k]), x2 = vbroadcast(a2[k]), x3 = vbroadcast(a3[k]);
-        acc[0][0] += x0 * b0; acc[0][1] += x0 * b1;
-        acc[1][0] += x1 * b0; acc[1][1] += x1 * b1;
-        acc[2][0] += x2 * b0; acc[2][1] += x2 * b1;
-        acc[3][0] += x3 * b0; acc[3][1] += x3 * b1;
-      }
-      for (int x = 0; x < 4; ++x)
-        for (int y = 0; y < 2; ++y) vstore(C + (r + x) * ldc + c + y * VL, acc[x][y]);
+// One register block of gemm: C[Rows x Vecs*VL] (+)= op(A)[Rows x K] . B[K x Vecs*VL], where
+// op(A) is A (stored Rows x K, row stride lda) or, with TransA, A^T (A stored K x Rows): the
+// backward's P^T dO and dS^T Q products read P and dS as they are, with no transposed copy.
+// The Rows x Vecs accumulators, Vecs B vectors and a broadcast must fit the vector registers
+// (the tiling pass sizes ATTNCC_GEMM_ROWS/VECS from the target's register count and FMA ports).
+template <bool Accumulate, bool TransA, int Rows, int Vecs>
+inline void gemm_block(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
+                       const acc_t* __restrict B, int64_t ldb, int K) {
+  vec_t acc[Rows][Vecs];
+#pragma GCC unroll 16
+  for (int x = 0; x < Rows; ++x)
+#pragma GCC unroll 4
+    for (int y = 0; y < Vecs; ++y) acc[x][y] = Accumulate ? vload(C + x * ldc + y * VL) : vec_t{};
+  for (int k = 0; k < K; ++k) {
+    vec_t b[Vecs];
+#pragma GCC unroll 4
+    for (int y = 0; y < Vecs; ++y) b[y] = vload(B + k * ldb + y * VL);
+#pragma GCC unroll 16
+    for (int x = 0; x < Rows; ++x) {
+      const vec_t a = vbroadcast(TransA ? A[k * lda + x] : A[x * lda + k]);
+#pragma GCC unroll 4
+      for (int y = 0; y < Vecs; ++y) acc[x][y] += a * b[y];
     }
-    for (; c < Cn; c += VL) {
-      vec_t acc[4];
-      for (int x = 0; x < 4; ++x) acc[x] = Accumulate ? vload(C + (r + x) * ldc + c) : vec_t{};
-      for (int k = 0; k < K; ++k) {
-        const vec_t b0 = vload(B + k * ldb + c);
-        acc[0] += vbroadcast(a0[k]) * b0;
-        acc[1] += vbroadcast(a1[k]) * b0;
-        acc[2] += vbroadcast(a2[k]) * b0;
-        acc[3] += vbroadcast(a3[k]) * b0;
-      }
-      for (int x = 0; x < 4; ++x) vstore(C + (r + x) * ldc + c, acc[x]);
-    }
+  }
+#pragma GCC unroll 16
+  for (int x = 0; x < Rows; ++x)
+#pragma GCC unroll 4
+    for (int y = 0; y < Vecs; ++y) vstore(C + x * ldc + y * VL, acc[x][y]);
+}
+
+// The rows of one row block (Rows of them, fewer at the end) across all columns: Vecs vectors
+// at a time, then one at a time for a column tail.
+template <bool Accumulate, bool TransA, int Rows>
+inline void gemm_rows(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
+                      const acc_t* __restrict B, int64_t ldb, int Cn, int K) {
+  constexpr int Vecs = ATTNCC_GEMM_VECS;
+  int c = 0;
+  for (; c + Vecs * VL <= Cn; c += Vecs * VL) gemm_block<Accumulate, TransA, Rows, Vecs>(C + c, ldc, A, lda, B + c, ldb, K);
+  for (; c < Cn; c += VL) gemm_block<Accumulate, TransA, Rows, 1>(C + c, ldc, A, lda, B + c, ldb, K);
+}
+
+// Row tails (R % ATTNCC_GEMM_ROWS rows): each count is its own register block.
+template <bool Accumulate, bool TransA, int Rows = ATTNCC_GEMM_ROWS - 1>
+inline void gemm_tail(int rows, acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
+                      const acc_t* __restrict B, int64_t ldb, int Cn, int K) {
+  if constexpr (Rows > 0) {
+    if (rows == Rows) return gemm_rows<Accumulate, TransA, Rows>(C, ldc, A, lda, B, ldb, Cn, K);
+    gemm_tail<Accumulate, TransA, Rows - 1>(rows, C, ldc, A, lda, B, ldb, Cn, K);
   }
 }
 
-inline v16f vexp_impl(v16f x) { return exp_cody_waite(x); }
+// C[R x Cn] (+)= op(A)[R x K] . B[K x Cn]; Cn a multiple of VL; row-major with leading
+// dimensions lda, ldb, ldc; op(A) = A (R x K) or, with TransA, A^T (A stored K x R).
+// Register-blocked ATTNCC_GEMM_ROWS rows x ATTNCC_GEMM_VECS vectors.
+template <bool Accumulate, bool TransA = false>
+inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
+                 const acc_t* __restrict B, int64_t ldb, int R, int Cn, int K) {
+  constexpr int Rows = ATTNCC_GEMM_ROWS;
+  const int64_t a_step = TransA ? 1 : lda;  // A offset of the next row of op(A)
+  int r = 0;
+  for (; r + Rows <= R; r += Rows) gemm_rows<Accumulate, TransA, Rows>(C + r * ldc, ldc, A + r * a_step, lda, B, ldb, Cn, K);
+  if (r < R) gemm_tail<Accumulate, TransA>(R - r, C + r * ldc, ldc, A + r * a_step, lda, B, ldb, Cn, K);
+}
 
-inline v8d vexp_impl(v8d x) {  // double builds (gradcheck): exact libm exp per lane
-  v8d r;
-  for (int l = 0; l < 8; ++l) r[l] = std::exp(x[l]);
+inline vfloat_t vexp_impl(vfloat_t x) { return exp_cody_waite(x); }
+
+inline vdouble_t vexp_impl(vdouble_t x) {  // double builds (gradcheck): exact libm exp per lane
+  vdouble_t r;
+  for (int l = 0; l < int(ATTNCC_VECTOR_BYTES / sizeof(double)); ++l) r[l] = std::exp(x[l]);
   return r;
 }
 

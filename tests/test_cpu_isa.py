@@ -1,0 +1,190 @@
+"""CPU kernel ISAs: the level chosen from the machine's features, forced lower levels, the
+micro-kernel's register blocks, K/V panel batches, and golden tests on every level this machine
+runs (ATTNCC_CPU_ISA forces each one below the best)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+import attncc
+import attncc.codegen.cpu as cpu_codegen
+from attncc.errors import AttnccError
+from attncc.passes.tiling import choose_micro_kernel
+from attncc.runtime.build import build_library, load_library
+from attncc.runtime.check import check
+from attncc.runtime.inputs import Shape, adapt
+from attncc.targets import CPU_ISAS, ISA_ENV, best_cpu_isa, cpu, cpu_features, select_cpu_isa
+from tests.conftest import EXAMPLES, ROOT
+
+ZEN3 = frozenset("fma avx f16c avx2 bmi2 sse4_2".split())
+ZEN4 = ZEN3 | frozenset("avx512f avx512bw avx512dq avx512vl avx512_bf16".split())
+SAPPHIRE_RAPIDS = ZEN4 | frozenset("avx512_fp16 amx_bf16 amx_tile amx_int8".split())
+LEVELS_HERE = list(CPU_ISAS)[list(CPU_ISAS).index(best_cpu_isa(cpu_features())) :]
+
+
+def test_best_isa_from_the_machine_features() -> None:
+    assert best_cpu_isa(SAPPHIRE_RAPIDS, "x86_64") == "avx512"
+    assert best_cpu_isa(ZEN4, "x86_64") == "avx512"
+    assert best_cpu_isa(ZEN3, "x86_64") == "avx2"
+    assert best_cpu_isa(ZEN3 - {"fma"}, "x86_64") == "generic"  # AVX2 without FMA: no avx2 kernel
+    assert best_cpu_isa(frozenset(), "x86_64") == "generic"
+    assert best_cpu_isa(SAPPHIRE_RAPIDS, "aarch64") == "generic"
+
+
+def test_forcing_a_level_only_lowers_it() -> None:
+    assert select_cpu_isa(ZEN4, None) == "avx512"
+    assert select_cpu_isa(ZEN4, "avx2") == "avx2"
+    assert select_cpu_isa(ZEN4, "generic") == "generic"
+    with pytest.raises(AttnccError, match=r"ATTNCC_CPU_ISA='avx512': this machine's best CPU kernel ISA is avx2"):
+        select_cpu_isa(ZEN3, "avx512")
+    with pytest.raises(AttnccError, match=r"ATTNCC_CPU_ISA='sse9': expected one of avx512, avx2, generic"):
+        select_cpu_isa(ZEN3, "sse9")
+
+
+def test_the_default_kernel_runs_on_the_best_level_the_machine_has(monkeypatch) -> None:
+    """The chosen path is the machine's best: in the target, the generated source and the
+    compiler command that built the library."""
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    best = best_cpu_isa(cpu_features())
+    assert cpu().isa == best and cpu().vector_bytes == CPU_ISAS[best].vector_bytes
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    source = kern.source("float32")
+    assert f"#define ATTNCC_VECTOR_BYTES {CPU_ISAS[best].vector_bytes}\n" in source
+    assert f"ISA {best} ({8 * CPU_ISAS[best].vector_bytes}-bit vectors)" in kern.op.tiling.describe(64)
+    flags = kern.op.tiling.micro_kernel.compile_flags
+    library = build_library(source, f"{kern.name}-float32", isa_flags=flags)
+    assert " ".join(flags) in (library.parent / "build.ninja").read_text()
+
+
+def test_micro_kernel_blocks_follow_the_register_count() -> None:
+    """16 registers (AVX2, SSE): 12 accumulators as 3 rows x 4 vectors (fewer loads per FMA than
+    6 x 2); 32 registers (AVX-512): 28 accumulators, 7 x 4."""
+    for name, rows, vecs in (("avx2", 3, 4), ("generic", 3, 4), ("avx512", 7, 4)):
+        isa = CPU_ISAS[name]
+        target = replace(cpu(), isa=name, vector_bytes=isa.vector_bytes, vector_registers=isa.vector_registers)
+        block = choose_micro_kernel(target)
+        assert (block.rows, block.vecs, block.vector_bytes) == (rows, vecs, isa.vector_bytes)
+        assert block.rows * block.vecs >= 4 * target.fma_ports  # FMA latency x ports in flight
+
+
+GEMM_HARNESS = """
+#define ATTNCC_ACC_T float
+#define ATTNCC_STORAGE_T float
+#define ATTNCC_VECTOR_BYTES {vector_bytes}
+#define ATTNCC_GEMM_ROWS {rows}
+#define ATTNCC_GEMM_VECS {vecs}
+#include "attncc/cpu/primitives.h"
+using namespace attncc;
+extern "C" int lanes() {{ return VL; }}
+extern "C" void matmul(float* c, const float* a, const float* b, int r, int n, int k, int accumulate, int trans_a) {{
+  const int64_t lda = trans_a ? r : k;
+  if (accumulate) trans_a ? gemm<true, true>(c, n, a, lda, b, n, r, n, k) : gemm<true>(c, n, a, lda, b, n, r, n, k);
+  else trans_a ? gemm<false, true>(c, n, a, lda, b, n, r, n, k) : gemm<false>(c, n, a, lda, b, n, r, n, k);
+}}
+"""
+
+
+@pytest.mark.parametrize("vector_bytes,rows,vecs", [(16, 3, 4), (32, 3, 4), (32, 6, 2), (64, 7, 4), (64, 1, 1)])
+def test_gemm_register_blocks_with_row_and_column_tails(vector_bytes: int, rows: int, vecs: int) -> None:
+    """Every block shape the planner can pick, on row counts with every tail and column counts
+    that leave single vectors, plain and A-transposed, overwriting and accumulating. (Vectors
+    wider than the machine's are split by the compiler: slow, still exact.)"""
+    source = GEMM_HARNESS.format(vector_bytes=vector_bytes, rows=rows, vecs=vecs)
+    lib = load_library(build_library(source, f"gemm-{vector_bytes}-{rows}x{vecs}"))
+    lanes = lib.lanes()
+    assert lanes == vector_bytes // 4
+    gen = torch.Generator().manual_seed(0)
+    for r in (1, 2, 3, 4, 7, 8, 13, 64):
+        for n in (lanes, 3 * lanes, 4 * vecs * lanes + lanes):
+            for trans_a in (0, 1):
+                k = 37
+                a = torch.randn(k, r, generator=gen) if trans_a else torch.randn(r, k, generator=gen)
+                b, c = torch.randn(k, n, generator=gen), torch.randn(r, n, generator=gen)
+                want = (a.t() if trans_a else a).double() @ b.double()
+                for accumulate in (0, 1):
+                    out = c.clone()
+                    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (out, a, b)]
+                    lib.matmul(*ptrs, r, n, k, accumulate, trans_a)
+                    expected = want + c.double() if accumulate else want
+                    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+# Every example at odd shapes (N = 1, tails, D 16/48/80/256, several key tiles per row, GQA),
+# fp32/bf16/fp16, forward and backward, on each level below the machine's best (the best level
+# is what every other test runs on).
+ISA_SHAPES = (
+    Shape(1, 2, 1, 1, 1, 16),
+    Shape(2, 4, 2, 150, 300, 48),
+    Shape(1, 3, 1, 67, 201, 80),
+    Shape(1, 1, 1, 40, 70, 256),
+)
+
+
+@pytest.mark.parametrize("isa", LEVELS_HERE[1:] or ["none"])
+def test_every_example_on_each_forced_lower_level(isa: str, monkeypatch) -> None:
+    if isa == "none":
+        pytest.skip("this machine's best CPU level is the portable one: no lower level to force")
+    monkeypatch.setenv(ISA_ENV, isa)
+    for name in EXAMPLES:
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn")
+        assert kern.op.tiling.micro_kernel.isa == isa
+        for shape in ISA_SHAPES:
+            for dtype in (torch.float32, torch.bfloat16, torch.float16) if shape.D in (48, 80) else (torch.float32,):
+                result = check(kern, adapt(shape, kern), dtype)
+                assert result.ok, f"{isa} {name} {dtype}: {result.describe()}"
+
+
+@pytest.mark.parametrize("isa", LEVELS_HERE)
+def test_small_tiles_and_panel_batches(isa: str, monkeypatch) -> None:
+    """Many key tiles per row (8 x 32 tiles) and K/V panels packed a kv head at a time (a budget
+    of one byte), with GQA heads sharing a kv head's panels, on each level."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    monkeypatch.setattr(cpu_codegen, "PANEL_BUDGET_BYTES", 1)
+    for name in ("causal", "alibi", "document"):
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn", tiles=(8, 32))
+        for dtype in (torch.float32, torch.bfloat16):
+            result = check(kern, adapt(Shape(3, 4, 2, 45, 110, 24), kern), dtype)
+            assert result.ok, f"{isa} {name} {dtype}: {result.describe()}"
+
+
+CACHED_RUN = """
+import sys, warnings, torch, attncc
+warnings.simplefilter("always")
+program = "attention corrupt_cache_test\\ns = q @ k.T * scale\\ns = s * 0.5\\np = softmax(s)\\no = p @ v\\noutput o\\n"
+q = torch.randn(1, 2, 9, 16, generator=torch.Generator().manual_seed(0))
+torch.save(attncc.compile(program)(q, q, q), sys.argv[1])
+"""
+
+
+def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> None:
+    """Truncated, corrupted and foreign (no attncc entry points) libraries in the cache: a new
+    process rebuilds each once with a one-line warning, and the kernel's answer is unchanged.
+    (Processes of their own: overwriting a library this process has mapped would fault.)"""
+    env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+
+    def run(out: str) -> tuple[torch.Tensor, str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", CACHED_RUN, str(tmp_path / out)], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+        return torch.load(tmp_path / out), proc.stderr
+
+    want, stderr = run("want.pt")
+    assert "rebuilding" not in stderr
+    (library,) = (tmp_path / "cache").glob("*/kernel.so")
+    good = library.read_bytes()
+    foreign = build_library('extern "C" int other() { return 1; }', "foreign").read_bytes()
+    for damaged in (good[:1000], b"\x7fELF" + bytes(4000), foreign):
+        library.write_bytes(damaged)
+        got, stderr = run("got.pt")
+        warned = [line for line in stderr.splitlines() if "failed to load" in line]
+        assert len(warned) == 1 and "rebuilding it" in warned[0], stderr
+        assert "Traceback" not in stderr and library.read_bytes() != damaged
+        assert torch.equal(got, want)
