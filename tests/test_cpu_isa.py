@@ -116,15 +116,12 @@ def test_gemm_register_blocks_with_row_and_column_tails(vector_bytes: int, rows:
                     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-# Every example at odd shapes (N = 1, tails, D 16/48/80/256, several key tiles per row, GQA),
-# fp32/bf16/fp16, forward and backward, on each level below the machine's best (the best level
-# is what every other test runs on).
-ISA_SHAPES = (
-    Shape(1, 2, 1, 1, 1, 16),
-    Shape(2, 4, 2, 150, 300, 48),
-    Shape(1, 3, 1, 67, 201, 80),
-    Shape(1, 1, 1, 40, 70, 256),
-)
+# Odd shapes on each level below the machine's best (the best level is what every other test
+# runs on): every example in fp32 at N = 1 and at tails with several key tiles per row and GQA;
+# a score map, a runtime mask and plain causal also in bf16/fp16 and at D = 16 and 256.
+ISA_SHAPES = (Shape(1, 2, 1, 1, 1, 16), Shape(2, 4, 2, 67, 201, 80))
+ISA_LOW_PRECISION = ("alibi", "causal", "document")
+ISA_LOW_PRECISION_SHAPES = (Shape(2, 4, 2, 150, 300, 48), Shape(1, 1, 1, 40, 70, 256), Shape(1, 2, 2, 3, 90, 16))
 
 
 @pytest.mark.parametrize("isa", LEVELS_HERE[1:] or ["none"])
@@ -135,10 +132,12 @@ def test_every_example_on_each_forced_lower_level(isa: str, monkeypatch) -> None
     for name in EXAMPLES:
         kern = attncc.compile(ROOT / "examples" / f"{name}.attn")
         assert kern.op.tiling.micro_kernel.isa == isa
-        for shape in ISA_SHAPES:
-            for dtype in (torch.float32, torch.bfloat16, torch.float16) if shape.D in (48, 80) else (torch.float32,):
-                result = check(kern, adapt(shape, kern), dtype)
-                assert result.ok, f"{isa} {name} {dtype}: {result.describe()}"
+        runs = [(shape, torch.float32) for shape in ISA_SHAPES]
+        if name in ISA_LOW_PRECISION:
+            runs += [(shape, dtype) for shape in ISA_LOW_PRECISION_SHAPES for dtype in (torch.bfloat16, torch.float16)]
+        for shape, dtype in runs:
+            result = check(kern, adapt(shape, kern), dtype)
+            assert result.ok, f"{isa} {name} {dtype} {shape}: {result.describe()}"
 
 
 @pytest.mark.parametrize("isa", LEVELS_HERE)
@@ -147,9 +146,9 @@ def test_small_tiles_and_panel_batches(isa: str, monkeypatch) -> None:
     of one byte), with GQA heads sharing a kv head's panels, on each level."""
     monkeypatch.setenv(ISA_ENV, isa)
     monkeypatch.setattr(cpu_codegen, "PANEL_BUDGET_BYTES", 1)
-    for name in ("causal", "alibi", "document"):
+    for name, dtypes in (("causal", (torch.float32, torch.bfloat16)), ("alibi", (torch.float32,))):
         kern = attncc.compile(ROOT / "examples" / f"{name}.attn", tiles=(8, 32))
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             result = check(kern, adapt(Shape(3, 4, 2, 45, 110, 24), kern), dtype)
             assert result.ok, f"{isa} {name} {dtype}: {result.describe()}"
 
@@ -164,7 +163,7 @@ torch.save(attncc.compile(program)(q, q, q), sys.argv[1])
 
 
 def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> None:
-    """Truncated, corrupted and foreign (no attncc entry points) libraries in the cache: a new
+    """Truncated and foreign (no attncc entry points) libraries in the cache: a new
     process rebuilds each once with a one-line warning, and the kernel's answer is unchanged.
     (Processes of their own: overwriting a library this process has mapped would fault.)"""
     env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
@@ -181,7 +180,7 @@ def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> 
     (library,) = (tmp_path / "cache").glob("*/kernel.so")
     good = library.read_bytes()
     foreign = build_library('extern "C" int other() { return 1; }', "foreign").read_bytes()
-    for damaged in (good[:1000], b"\x7fELF" + bytes(4000), foreign):
+    for damaged in (good[:1000], foreign):
         library.write_bytes(damaged)
         got, stderr = run("got.pt")
         warned = [line for line in stderr.splitlines() if "failed to load" in line]

@@ -189,7 +189,9 @@ inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t r
 // ---------------------------------------------------------------------------------- vectors
 inline vec_t vload(const acc_t* p) { vec_t v; std::memcpy(&v, p, sizeof v); return v; }
 inline void vstore(acc_t* p, vec_t v) { std::memcpy(p, &v, sizeof v); }
-inline vec_t vbroadcast(acc_t x) { return vec_t{} + x; }
+// x - (+0) is x for every x (0 + x is not: -0 becomes +0), so the compiler drops it and
+// broadcasts straight from memory
+inline vec_t vbroadcast(acc_t x) { return x - vec_t{}; }
 
 // One register block of gemm: C[Rows x Vecs*VL] (+)= op(A)[Rows x K] . B[K x Vecs*VL], where
 // op(A) is A (stored Rows x K, row stride lda) or, with TransA, A^T (A stored K x Rows): the
