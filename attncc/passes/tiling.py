@@ -30,10 +30,10 @@ CPU_COL_MULTIPLE = 32
 CPU_GEMM_MAX_ROWS = 8
 CPU_GEMM_VECS = (1, 2, 4)
 CPU_FMA_LATENCY = 4
-# Registers left beside the accumulators: one broadcast of A plus the B vectors in flight; the
-# FMAs take B from memory where registers run out. Measured on Zen 3 (AVX2, 16 registers, d=64,
-# Bc=128 tile products, GFLOP/s per core): 4x2 28, 5x2 35, 6x2 50, 4x3 55, 3x4 62.
-CPU_GEMM_SPARE_REGISTERS = 4
+# Beside the accumulators, the block's B vectors and one broadcast of A stay in registers: a block
+# that leaves them fewer reloads B from memory for every row. Measured on Zen 3 (AVX2, 16
+# registers; d=64, Bc=128 tile products, GFLOP/s per core, bench-style harness): 4x2 39-46,
+# 4x3 50-58, 3x4 (B reloaded) 56-69, 6x2 69-81.
 # The micro-kernel streams the packed K^T panel (d x Bc fp32) once per row block, so the panel
 # should stay in L1: Bc <= L1_FRACTION * L1 / (4 d), and at most CPU_MAX_BC. Measured
 # (bench/bench_cpu.py --sweep, dense fwd N=2048, GFLOP/s): a 48 KiB-L1 AVX-512 machine, d=64:
@@ -172,22 +172,21 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None) -> G
 
 
 def choose_micro_kernel(target: Target) -> CpuMicroKernel:
-    """The gemm register block for the target's ISA: the most accumulators that leave
-    CPU_GEMM_SPARE_REGISTERS of its vector registers free (and no fewer than FMA latency x
-    ports), ties broken by the fewest loads per FMA ((rows + vecs) / (rows x vecs)). A CPU target
-    written without ISA facts gets the portable level's."""
+    """The gemm register block for the target's ISA: the most accumulators (rows x vecs) that
+    fit its vector registers beside the vecs B vectors and one broadcast (and no fewer than FMA
+    latency x ports), ties broken by the fewest loads per FMA ((rows + vecs) / (rows x vecs)).
+    A CPU target written without ISA facts gets the portable level's."""
     if not target.isa:
         generic = CPU_ISAS["generic"]
         target = replace(
             target, isa=generic.name, vector_bytes=generic.vector_bytes, vector_registers=generic.vector_registers,
             fma_ports=2, compile_flags=NATIVE_FLAGS,
         )  # fmt: skip
-    budget = target.vector_registers - CPU_GEMM_SPARE_REGISTERS
     candidates = [
         (rows, vecs)
         for rows in range(1, CPU_GEMM_MAX_ROWS + 1)
         for vecs in CPU_GEMM_VECS
-        if CPU_FMA_LATENCY * target.fma_ports <= rows * vecs <= budget
+        if CPU_FMA_LATENCY * target.fma_ports <= rows * vecs <= target.vector_registers - vecs - 1
     ]
     if not candidates:
         raise AttnccError(f"target {target.name}: {target.vector_registers} vector registers hold no gemm block")
