@@ -195,9 +195,35 @@ def test_cli_explain_shows_the_split_kv_decision_for_gpu_targets() -> None:
     assert "// split-KV on sm90 (132 SMs): 8 query blocks, 64 key tiles: 16 block(s) per query tile" in proc.stdout
 
 
-def test_cli_check_passes_and_fails(tmp_path) -> None:
+def test_cli_check_passes_and_fails(monkeypatch, capsys) -> None:
+    """`attncc check` exits 0 on a correct kernel and 1, saying MISMATCH, on a kernel planted
+    wrong in its forward (one output element) or its backward (one dk element)."""
     proc = cli("check", "examples/softcap.attn", "--shape", "1,2,1,33,40,24", "--dtype", "float32")
     assert proc.returncode == 0 and "all ok" in proc.stdout, proc.stdout + proc.stderr
+    from attncc.cli import main
+    from attncc.runtime.kernel import Kernel
+
+    args = ["check", "examples/softcap.attn", "--shape", "1,2,1,33,40,24", "--dtype", "float32"]
+    forward, backward = Kernel.forward_impl, Kernel.backward_impl
+
+    def wrong_forward(self, *a, **kw):
+        out, lse = forward(self, *a, **kw)
+        out.view(-1)[17] += 1e-3
+        return out, lse
+
+    def wrong_backward(self, *a, **kw):
+        dq, dk, dv, rest = backward(self, *a, **kw)
+        dk.view(-1)[5] += 1e-2
+        return dq, dk, dv, rest
+
+    for name, planted, wrong in (("forward_impl", wrong_forward, "out "), ("backward_impl", wrong_backward, "dk ")):
+        with monkeypatch.context() as patch:
+            patch.setattr(Kernel, name, planted)
+            assert main(args) == 1
+        report = capsys.readouterr().out
+        assert "MISMATCH" in report and "1 mismatch(es)" in report, report
+        assert f"{wrong}inf" not in report and report.count("/") >= 5, report  # errors printed per tensor
+    assert main(args) == 0 and "all ok" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------- primitives
@@ -209,7 +235,7 @@ using namespace attncc;
 extern "C" void to_bf16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_bf16(x[i]).bits; }
 extern "C" void to_fp16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_fp16(x[i]).bits; }
 extern "C" void from_fp16(const uint16_t* x, float* y, int n) { for (int i = 0; i < n; ++i) y[i] = to_acc_float(fp16_t{x[i]}); }
-extern "C" void vector_exp(const float* x, float* y, int n) { for (int i = 0; i < n; i += VL) vstore(y + i, vexp(vload(x + i))); }
+extern "C" void vector_exp(const float* x, float* y, int n) { for (int i = 0; i < n; i += VL) vstore(y + i, vexp_nonpositive(vload(x + i))); }
 extern "C" void scalar_math(const float* x, float* e, float* th, int n) {
   for (int i = 0; i < n; ++i) { e[i] = math_exp(x[i]); th[i] = math_tanh(x[i]); }
 }
@@ -249,13 +275,17 @@ def test_half_conversions_round_like_torch(harness) -> None:
 
 
 def test_vector_exp_accuracy(harness) -> None:
-    x = torch.cat([torch.linspace(-100, 0, 16000), torch.tensor([-float("inf")] * 16 + [-87.0] * 16)])
+    """The softmax's exp (arguments s - max <= 0): accurate, exactly 0 below float's range and
+    for -inf (masked scores), NaN for NaN (a NaN score must reach the row sum)."""
+    special = [-float("inf")] * 16 + [-87.0] * 16 + [float("nan")] * 16 + [-87.34, -87.3366, -88.0, -0.0] * 4
+    x = torch.cat([torch.linspace(-100, 0, 16000), torch.tensor(special)])
     y = torch.empty_like(x)
     harness.vector_exp(ptr(x), ptr(y), x.numel())
     ref = torch.exp(x.double())
     rel = ((y.double() - ref).abs() / ref.clamp_min(1e-300))[ref > 1e-37]
     assert rel.max() < 3e-7
     assert torch.equal(y[ref == 0], torch.zeros_like(y[ref == 0]))
+    assert torch.equal(y.isnan(), x.isnan())
 
 
 def test_scalar_exp_and_tanh_accuracy(harness) -> None:
@@ -277,6 +307,30 @@ def test_gemm_matches_matmul(harness) -> None:
         c = torch.empty(r, n)
         harness.matmul(ptr(c), ptr(a), ptr(b), r, n, k)
         assert torch.allclose(c, a @ b, atol=1e-4)
+
+
+#: Random123's published known answers for Philox4x32-10 (its tests/kat_vectors): counter, key, output.
+PHILOX_KNOWN_ANSWERS = (
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+)
+
+
+@pytest.mark.parametrize("ctr, key, want", PHILOX_KNOWN_ANSWERS, ids=["zeros", "ones", "pi"])
+def test_philox_known_answers(harness, ctr: tuple[int, ...], key: tuple[int, int], want: tuple[int, ...]) -> None:
+    """The torch implementation (the reference for every dropout mask) and the C++ header (which
+    the CPU kernels and, compiled by nvcc or the emulator, the CUDA kernels include) give
+    Random123's answers; test_cuda checks the emulated kernels' bits against the torch mask."""
+    assert tuple(int(w) for w in philox4x32_10(ctr, key)) == want
+    c32 = torch.tensor(ctr, dtype=torch.int64).to(torch.int32)  # same bits
+    out = torch.empty(4, dtype=torch.int32)
+    harness.philox(ptr(c32), ctypes.c_uint32(key[0]), ctypes.c_uint32(key[1]), ptr(out))
+    assert tuple(int(x) & 0xFFFFFFFF for x in out) == want
 
 
 def test_philox_cpp_matches_torch(harness) -> None:

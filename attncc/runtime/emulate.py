@@ -11,21 +11,17 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import replace
-from functools import cached_property
 
 import torch
 
 from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
-from attncc.passes.sparsity import host_read_tensors
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.kernel import CallPlan, Kernel, acc_dtype, delta_rows
 from attncc.targets import GPUS
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
-#: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
-PREPARED_CALLS_KEPT = 32
 _LOCK = threading.Lock()
 
 
@@ -87,12 +83,6 @@ class EmulatedKernel(Kernel):
     schedule = "lockstep"
     cuda_abi = True
 
-    _PER_PROCESS = (*Kernel._PER_PROCESS, "_calls")
-
-    def _register(self) -> None:
-        super()._register()
-        self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
-
     #: dQ by a second kernel instead of fp32 atomics, and gradients of learnable inputs as exact
     #: fixed-point sums (a bounds pass, then the sums; see `fixed_point_shifts`), so every gradient is
     #: bit-reproducible on a GPU; also on under torch.use_deterministic_algorithms(True).
@@ -133,52 +123,6 @@ class EmulatedKernel(Kernel):
             raise InputError(
                 f"q: the {self.target} tensor cores take {' or '.join(storage_dtypes(self.target))}, got {q.dtype}"
             )
-
-    def _prepare(self, plan, dtype, tensors, scalars):  # noqa: ANN001, ANN202 - as Kernel
-        """As Kernel's, placed on the kernel's device. Unless some runtime tensor's values decide
-        the tile classes or the read checks (`host_read_tensors`: a padding or document mask,
-        an index read), the classes depend only on the sizes, scalars and tensor shapes: they
-        are classified and copied once per such key (a GPU call then costs no host
-        classification, no host-to-device copy and no synchronisation), and the runtime tensors
-        (ALiBi slopes, bias tables) are converted per call where they live."""
-        names = [d.name for d in self.inputs if d.role == "tensor"]
-        if self._host_reads & set(names):
-            on_host = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
-            return self._to_device(super()._prepare(plan, dtype, on_host, scalars))
-        tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
-        shapes = tuple(tuple(t.shape) for t in tensors)
-        key = (plan.problem, tiles, plan.scale_value, tuple(scalars), shapes, self._device_index())
-        with self._lock:
-            call = self._calls.get(key)
-        if call is None:
-            call = self._to_device(super()._prepare(plan, dtype, tensors, scalars))
-            per_call = {slot.ident for slot in self.abi.tensors if slot.name in names}
-            call["tensors"] = {
-                ident: t for ident, t in call["tensors"].items() if ident not in per_call
-            }  # layout grids
-            with self._lock:
-                if len(self._calls) >= PREPARED_CALLS_KEPT:
-                    self._calls.pop(next(iter(self._calls)))  # the oldest key
-                self._calls[key] = call
-        fresh = self._kernel_tensors(dict(zip(names, tensors)), acc_dtype(dtype))
-        return dict(call, tensors={**call["tensors"], **fresh})
-
-    @cached_property
-    def _host_reads(self) -> frozenset[str]:
-        """The runtime tensors whose values the host reads at call time (a property of the
-        program: computed once, not per call)."""
-        return host_read_tensors(self.op.mask, self.op.score)
-
-    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` where the host can read its values (the emulator's tensors already are)."""
-        return t
-
-    def _to_device(self, call: dict) -> dict:
-        """The call's tensors on the kernel's device (the emulator runs on the host)."""
-        return call
-
-    def _device_index(self) -> int | None:
-        return None
 
     def cuda_source(self, dtype: str, head_dim: int) -> str:
         assert self.op.tiling is not None

@@ -18,6 +18,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,7 +28,13 @@ from attncc.errors import InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
 from attncc.passes import Stage
-from attncc.passes.sparsity import Problem, check_reads_and_divisors, classify_tiles, runtime_tensors
+from attncc.passes.sparsity import (
+    Problem,
+    check_reads_and_divisors,
+    classify_tiles,
+    host_read_tensors,
+    runtime_tensors,
+)
 from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.reference import evaluate, reference_attention
@@ -44,6 +51,8 @@ PER_THREAD_GRAD_BUFFERS_MAX = 256 * 2**20
 FUSED_BACKWARD_TASKS_PER_THREAD = 2
 #: Its per-thread dQ buffer (group x N x D fp32) above which the two passes run instead.
 FUSED_BACKWARD_MAX_BUFFER = 256 * 2**20
+#: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
+PREPARED_CALLS_KEPT = 32
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,7 +78,7 @@ class Kernel:
     #: "auto" (see `backward_entries`), "fused" or "two-pass".
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
-    _PER_PROCESS: tuple[str, ...] = ("_libraries", "_lock", "call_key")
+    _PER_PROCESS: tuple[str, ...] = ("_libraries", "_lock", "call_key", "_calls")
 
     def __init__(self, stages: list[Stage], target: str) -> None:
         self.stages = stages
@@ -86,6 +95,7 @@ class Kernel:
     def _register(self) -> None:
         self._libraries: dict[str, ctypes.CDLL] = {}
         self._lock = threading.Lock()
+        self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
         self.call_key = f"{self.key}#{next(_KEYS)}"
@@ -406,6 +416,54 @@ class Kernel:
         return ("attncc_backward_dkdv", "attncc_backward_dq")
 
     def _prepare(
+        self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]
+    ) -> dict[str, object]:
+        """`_prepare_call`'s result, placed on the kernel's device. Unless some runtime tensor's
+        values decide the tile classes or the read checks (`host_read_tensors`: a padding or
+        document mask, an index read), the classes depend only on the sizes, scalars and tensor
+        shapes: they are classified (and copied to a GPU) once per such key, which takes ~0.5 ms
+        of host work off every call, and the runtime tensors (ALiBi slopes, bias tables) are
+        converted per call where they live."""
+        names = [d.name for d in self.inputs if d.role == "tensor"]
+        if self._host_reads & set(names):
+            on_host = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
+            return self._to_device(self._prepare_call(plan, dtype, on_host, scalars))
+        tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        key = (plan.problem, tiles, dtype, plan.scale_value, tuple(scalars), shapes, self._device_index())
+        with self._lock:
+            call = self._calls.get(key)
+        if call is None:
+            call = self._to_device(self._prepare_call(plan, dtype, tensors, scalars))
+            per_call = {slot.ident for slot in self.abi.tensors if slot.name in names}
+            call["tensors"] = {
+                ident: t for ident, t in call["tensors"].items() if ident not in per_call
+            }  # layout grids
+            with self._lock:
+                if len(self._calls) >= PREPARED_CALLS_KEPT:
+                    self._calls.pop(next(iter(self._calls)))  # the oldest key
+                self._calls[key] = call
+        fresh = self._kernel_tensors(dict(zip(names, tensors)), acc_dtype(dtype))
+        return dict(call, tensors={**call["tensors"], **fresh})
+
+    @cached_property
+    def _host_reads(self) -> frozenset[str]:
+        """The runtime tensors whose values the host reads at call time (a property of the
+        program: computed once, not per call)."""
+        return host_read_tensors(self.op.mask, self.op.score)
+
+    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` where the host can read its values (CPU kernels' tensors already are)."""
+        return t
+
+    def _to_device(self, call: dict) -> dict:
+        """The call's tensors on the kernel's device (CPU kernels and the emulator run on the host)."""
+        return call
+
+    def _device_index(self) -> int | None:
+        return None
+
+    def _prepare_call(
         self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]
     ) -> dict[str, object]:
         """Kernel-ready runtime tensors (converted, contiguous), layout grids and tile classes."""

@@ -96,14 +96,12 @@ typedef double vdouble_t __attribute__((vector_size(ATTNCC_VECTOR_BYTES)));
 inline int32_t to_int_lanes(float n) { return int32_t(n); }
 inline vint_t to_int_lanes(vfloat_t n) { return __builtin_convertvector(n, vint_t); }
 
+// e^x for x in [-87.34, 88.72] (the float range of e^x): n = round(x / ln2), f = x - n ln2,
+// e^x = 2^n p(f).
 template <typename F>
-inline F exp_cody_waite(F x) {
-  const F lo = F{} - 87.3365f, hi = F{} + 88.7228f;
-  const auto underflow = x < lo;
-  F xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  const F n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round (1.5 * 2^23 trick)
-  const F f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;            // x - n ln2 in two parts
+inline F exp_in_range(F x) {
+  const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round (1.5 * 2^23 trick)
+  const F f = (x - n * 0.693359375f) + n * 2.12194440e-4f;             // x - n ln2 in two parts
   F p = F{} + 1.9875691500e-4f;
   p = p * f + 1.3981999507e-3f;
   p = p * f + 8.3334519073e-3f;
@@ -116,7 +114,25 @@ inline F exp_cody_waite(F x) {
   bits += to_int_lanes(n) << 23;  // times 2^n
   F r;
   std::memcpy(&r, &bits, sizeof r);
-  return underflow ? F{} : (x > hi ? F{} + __builtin_huge_valf() : r);  // overflow: inf, as libm
+  return r;
+}
+
+template <typename F>
+inline F exp_cody_waite(F x) {
+  const F lo = F{} - 87.3365f, hi = F{} + 88.7228f;
+  F xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const F r = exp_in_range(xc);
+  return x < lo ? F{} : (x > hi ? F{} + __builtin_huge_valf() : r);  // overflow: inf, as libm
+}
+
+// e^x for softmax arguments x = s - max <= 0 (or NaN, which stays NaN): no overflow path.
+template <typename F>
+inline F exp_nonpositive(F x) {
+  const F lo = F{} - 87.3365f;
+  const auto underflow = x < lo;
+  const F r = exp_in_range(underflow ? lo : x);
+  return underflow ? F{} : r;
 }
 inline float exp_poly(float x) { return exp_cody_waite(x); }
 
@@ -223,67 +239,71 @@ inline void gemm_block(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict
     for (int y = 0; y < Vecs; ++y) vstore(C + x * ldc + y * VL, acc[x][y]);
 }
 
-// The rows of one row block (Rows of them, fewer at the end) across all columns: Vecs vectors
-// at a time, then one at a time for a column tail.
-template <bool Accumulate, bool TransA, int Rows>
-inline void gemm_rows(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                      const acc_t* __restrict B, int64_t ldb, int Cn, int K) {
-  constexpr int Vecs = ATTNCC_GEMM_VECS;
-  int c = 0;
-  for (; c + Vecs * VL <= Cn; c += Vecs * VL) gemm_block<Accumulate, TransA, Rows, Vecs>(C + c, ldc, A, lda, B + c, ldb, K);
-  for (; c < Cn; c += VL) gemm_block<Accumulate, TransA, Rows, 1>(C + c, ldc, A, lda, B + c, ldb, K);
+// Row tails (R % ATTNCC_GEMM_ROWS rows) of one column block: each count is its own register block.
+template <bool Accumulate, bool TransA, int Vecs, int Rows = ATTNCC_GEMM_ROWS - 1>
+inline void gemm_tail(int rows, acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
+                      const acc_t* __restrict B, int64_t ldb, int K) {
+  if constexpr (Rows > 0) {
+    if (rows == Rows) return gemm_block<Accumulate, TransA, Rows, Vecs>(C, ldc, A, lda, B, ldb, K);
+    gemm_tail<Accumulate, TransA, Vecs, Rows - 1>(rows, C, ldc, A, lda, B, ldb, K);
+  }
 }
 
-// Row tails (R % ATTNCC_GEMM_ROWS rows): each count is its own register block.
-template <bool Accumulate, bool TransA, int Rows = ATTNCC_GEMM_ROWS - 1>
-inline void gemm_tail(int rows, acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                      const acc_t* __restrict B, int64_t ldb, int Cn, int K) {
-  if constexpr (Rows > 0) {
-    if (rows == Rows) return gemm_rows<Accumulate, TransA, Rows>(C, ldc, A, lda, B, ldb, Cn, K);
-    gemm_tail<Accumulate, TransA, Rows - 1>(rows, C, ldc, A, lda, B, ldb, Cn, K);
-  }
+// One column block (Vecs vectors wide) down all R rows: the block's B columns stay in L1 while
+// the rows of op(A) stream past them.
+template <bool Accumulate, bool TransA, int Vecs>
+inline void gemm_columns(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
+                         const acc_t* __restrict B, int64_t ldb, int R, int K) {
+  constexpr int Rows = ATTNCC_GEMM_ROWS;
+  const int64_t a_step = TransA ? 1 : lda;  // A offset of the next row of op(A)
+  int r = 0;
+  for (; r + Rows <= R; r += Rows) gemm_block<Accumulate, TransA, Rows, Vecs>(C + r * ldc, ldc, A + r * a_step, lda, B, ldb, K);
+  if (r < R) gemm_tail<Accumulate, TransA, Vecs>(R - r, C + r * ldc, ldc, A + r * a_step, lda, B, ldb, K);
 }
 
 // C[R x Cn] (+)= op(A)[R x K] . B[K x Cn]; Cn a multiple of VL; row-major with leading
 // dimensions lda, ldb, ldc; op(A) = A (R x K) or, with TransA, A^T (A stored K x R).
-// Register-blocked ATTNCC_GEMM_ROWS rows x ATTNCC_GEMM_VECS vectors.
+// Register-blocked ATTNCC_GEMM_ROWS rows x ATTNCC_GEMM_VECS vectors, column blocks outermost.
 template <bool Accumulate, bool TransA = false>
 inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
                  const acc_t* __restrict B, int64_t ldb, int R, int Cn, int K) {
-  constexpr int Rows = ATTNCC_GEMM_ROWS;
-  const int64_t a_step = TransA ? 1 : lda;  // A offset of the next row of op(A)
-  int r = 0;
-  for (; r + Rows <= R; r += Rows) gemm_rows<Accumulate, TransA, Rows>(C + r * ldc, ldc, A + r * a_step, lda, B, ldb, Cn, K);
-  if (r < R) gemm_tail<Accumulate, TransA>(R - r, C + r * ldc, ldc, A + r * a_step, lda, B, ldb, Cn, K);
+  constexpr int Vecs = ATTNCC_GEMM_VECS;
+  int c = 0;
+  for (; c + Vecs * VL <= Cn; c += Vecs * VL) gemm_columns<Accumulate, TransA, Vecs>(C + c, ldc, A, lda, B + c, ldb, R, K);
+  for (; c < Cn; c += VL) gemm_columns<Accumulate, TransA, 1>(C + c, ldc, A, lda, B + c, ldb, R, K);
 }
 
-inline vfloat_t vexp_impl(vfloat_t x) { return exp_cody_waite(x); }
+// e^x lane by lane for x <= 0 (softmax's x = s - max): polynomial for float, libm for double
+// builds (gradcheck).
+inline vfloat_t vexp_nonpositive(vfloat_t x) { return exp_nonpositive(x); }
 
-inline vdouble_t vexp_impl(vdouble_t x) {  // double builds (gradcheck): exact libm exp per lane
+inline vdouble_t vexp_nonpositive(vdouble_t x) {
   vdouble_t r;
   for (int l = 0; l < int(ATTNCC_VECTOR_BYTES / sizeof(double)); ++l) r[l] = std::exp(x[l]);
   return r;
 }
 
-inline vec_t vexp(vec_t x) { return vexp_impl(x); }
-
-// max that keeps NaN (std::max and a plain compare drop it): a NaN score makes its row NaN,
-// as in eager softmax, instead of looking fully masked
-inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || b != b) ? b : a; }
-
+// The row's largest value, NaN lanes ignored (the max instruction keeps the running max when
+// a lane is NaN); a NaN still reaches the softmax through exp(NaN - max) in its row sum.
 inline acc_t row_max(const acc_t* x, int n) {
   vec_t m = vbroadcast(-kInf);
-  for (int c = 0; c < n; c += VL) { vec_t v = vload(x + c); m = (v > m) | (v != v) ? v : m; }
+  for (int c = 0; c < n; c += VL) { const vec_t v = vload(x + c); m = v > m ? v : m; }
   acc_t r = -kInf;
-  for (int l = 0; l < VL; ++l) r = nan_max(r, acc_t(m[l]));
+  for (int l = 0; l < VL; ++l) r = m[l] > r ? acc_t(m[l]) : r;
   return r;
 }
 
-// x[c] = exp(x[c] - shift) in place; returns the row sum. n a multiple of VL.
+inline bool has_nan(const acc_t* x, int n) {
+  for (int c = 0; c < n; ++c)
+    if (x[c] != x[c]) return true;
+  return false;
+}
+
+// x[c] = exp(x[c] - shift) in place for shift >= max x; returns the row sum. n a multiple of VL.
 inline acc_t exp_shift_sum(acc_t* x, int n, acc_t shift) {
   vec_t sum{};
   const vec_t s = vbroadcast(shift);
-  for (int c = 0; c < n; c += VL) { vec_t v = vexp(vload(x + c) - s); vstore(x + c, v); sum += v; }
+  for (int c = 0; c < n; c += VL) { vec_t v = vexp_nonpositive(vload(x + c) - s); vstore(x + c, v); sum += v; }
   acc_t r = 0;
   for (int l = 0; l < VL; ++l) r += sum[l];
   return r;
