@@ -164,6 +164,24 @@ def test_split_kv_on_the_emulator() -> None:
             assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
 
 
+@pytest.mark.parametrize("name", ["vanilla", "causal", "alibi"])
+def test_split_kv_merges_several_non_empty_partials(name: str) -> None:
+    """Forced 3 and 4 splits where most rows see keys in several splits (dense, causal, and
+    ALiBi's learnable slopes): forward and backward within the eager error, like unsplit."""
+    kern = emulated(name)
+    shape = Shape(1, 2, 1, 150, 200, 40)  # 4 key tiles of 64: rows >= 128 see 3+ of them causally
+    for splits in (3, 4):
+        kern.kv_splits = splits
+        try:
+            q, k, _, _ = make_inputs(kern, shape, torch.float16)
+            plan = kern.plan(q, k, None)
+            assert plan.kv_splits == splits and -(-shape.M // plan.tiles.block_cols) >= splits
+            result = check(kern, shape, torch.float16)
+        finally:
+            kern.kv_splits = None
+        assert result.ok, f"kv_splits={splits}: {result.describe()}"
+
+
 def test_split_kv_keeps_nan_rows_and_empty_calls() -> None:
     """A NaN in a query row: its lse is NaN split or not (not -inf, which the backward would
     take for a fully masked row), and dV is NaN in the same places. Empty calls stay empty."""

@@ -13,6 +13,22 @@ from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
 from tests.conftest import EXAMPLES, kernel
 
 LOW_PRECISION_SHAPES = (AWKWARD_SHAPES[1], AWKWARD_SHAPES[4])
+#: Long enough for every example's mask and layout to take effect: N, M >= 2x sliding_window's
+#: window (256) and strided's span (32 x 4), blocks beyond local(width=2) and butterfly
+#: partners 4+ blocks apart, |i - j| > relative_bias's max_distance (128); every row crosses
+#: at least 3 key tiles (Bc <= 128 on the CPU). B = 2: per-batch lengths include 0.
+MASK_SPAN_SHAPE = Shape(2, 2, 1, 600, 600, 40)
+DECODING_SHAPES = (Shape(2, 4, 2, 3, 300, 40), Shape(1, 2, 1, 1, 513, 64))
+LARGE_SCORES = (30.0, 100.0)
+
+#: (shape, dtype, q scale) of every configuration the tests below run on every example
+#: (tests/test_mutants.py checks that planted mistakes are caught by one of them).
+GOLDEN_CONFIGS = (
+    [(s, torch.float32, 1.0) for s in (*AWKWARD_SHAPES, MASK_SPAN_SHAPE, *DECODING_SHAPES)]
+    + [(AWKWARD_SHAPES[1], torch.float32, q_scale) for q_scale in LARGE_SCORES]
+    + [(s, d, 1.0) for s in LOW_PRECISION_SHAPES for d in (torch.bfloat16, torch.float16)]
+    + [(s, torch.bfloat16, 1.0) for s in (MASK_SPAN_SHAPE, *DECODING_SHAPES)]
+)
 
 
 @pytest.mark.parametrize("shape", AWKWARD_SHAPES, ids=str)
@@ -28,7 +44,22 @@ def test_low_precision_within_eager_error(example: attncc.Kernel, shape: Shape, 
     assert result.ok, result.describe()
 
 
-@pytest.mark.parametrize("shape", [Shape(2, 4, 2, 3, 300, 40), Shape(1, 2, 1, 1, 513, 64)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_masks_take_effect(example: attncc.Kernel, dtype: torch.dtype) -> None:
+    q = torch.empty(MASK_SPAN_SHAPE.B, MASK_SPAN_SHAPE.H, MASK_SPAN_SHAPE.N, MASK_SPAN_SHAPE.D)
+    assert MASK_SPAN_SHAPE.M >= 3 * example.plan(q, q, None).tiles.block_cols  # rows cross 3+ key tiles
+    result = check(example, adapt(MASK_SPAN_SHAPE, example), dtype)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("q_scale", LARGE_SCORES)
+def test_large_scores(example: attncc.Kernel, q_scale: float) -> None:
+    """|s| up to ~100 x typical: the running max must be subtracted right, softcap saturates."""
+    result = check(example, adapt(AWKWARD_SHAPES[1], example), torch.float32, q_scale=q_scale)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("shape", DECODING_SHAPES, ids=str)
 def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
     """N < 4: the forward's row-by-row path (dot products, axpys) instead of the 4-row gemm."""
     for dtype in (torch.float32, torch.bfloat16):

@@ -139,7 +139,26 @@ def test_single_comparisons_are_classified_exactly(pred: ex.Expr) -> None:
         assert torch.equal(got, brute_classes(pred, problem, tensors, {}, br, bc)), str(pred)
 
 
-def test_document_mask_is_exact_for_sorted_ids() -> None:
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "padding"])
+def test_the_readme_masks_are_classified_exactly(name: str) -> None:
+    """README: classification is exact for the causal, window, prefix and padding masks (every
+    tile the mask leaves empty is skipped, every full tile skips the predicate), at the tiles
+    the kernel plans and at tiles that do not divide N, M or the window."""
+    kern = attncc.compile(ROOT / "examples" / f"{name}.attn")
+    pred = kern.op.sparsity.predicate
+    rng = random.Random(11)
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        problem = Problem(3, 2, 1, rng.randint(1, 700), rng.randint(1, 700), 64)
+        tensors = {d.name: torch.randint(0, problem.M + 1, (3,), generator=gen) for d in kern.inputs}
+        br, bc = (64, 128) if trial % 2 else rng.choice([(4, 32), (12, 96), (48, 40)])
+        got = classify_tiles(kern.op.sparsity, problem, {}, tensors, br, bc).expand(problem.B, problem.H, -1, -1)
+        assert torch.equal(got, brute_classes(pred, problem, tensors, {}, br, bc)), (name, problem, br, bc)
+
+
+def test_document_mask_is_sound_and_skips_most_empty_tiles() -> None:
+    """A document mask is not a single comparison: classification is sound (never empty or full
+    where the mask says otherwise) and finds most empty tiles, as the README promises."""
     pred = bin_(
         "and", bin_("eq", ex.Read("doc", (B_, VI), ex.INT), ex.Read("doc", (B_, VJ), ex.INT)), bin_("le", VJ, VI)
     )

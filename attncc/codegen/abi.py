@@ -57,7 +57,7 @@ class KernelAbi:
         """(member, C type) of every pointer, in order."""
         slots = [(n, t) for n, t in OPERANDS] + list(ROW_BUFFERS) + list(SPLIT_BUFFERS if self.cuda else ())
         slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
-        slots += [(f"grad_{self.ident_of(n)}", "acc_t*") for n in self.grads]
+        slots += [(f"grad_{self.ident_of(n)}", "grad_t*") for n in self.grads]
         for kind, ctype in EXACT_GRAD_BUFFERS if self.cuda else ():
             slots += [(f"grad_{kind}_{self.ident_of(n)}", ctype) for n in self.grads]
         return slots

@@ -270,6 +270,12 @@ class Kernel:
                     raise InputError(
                         f"{decl.name}: expected a scalar ({decl.dtype}), got a tensor of shape {tuple(value.shape)}"
                     )
+                if value.requires_grad and torch.is_grad_enabled():  # its gradient would be dropped silently
+                    raise InputError(
+                        f"{decl.name}: a scalar input (`input {decl.name}: {decl.dtype}`) gets no gradient, but "
+                        f"this tensor requires grad; pass it detached, or declare `input {decl.name}: float[1]` "
+                        f"and read `{decl.name}[0]` to learn it"
+                    )
                 value = value.item()
             ok = isinstance(value, (bool, int, float)) and (decl.dtype == "float" or float(value).is_integer())  # type: ignore[arg-type]
             if not ok or (decl.dtype == "float" and not math.isfinite(float(value))):  # type: ignore[arg-type]
@@ -354,10 +360,11 @@ class Kernel:
         learnable = [
             (d, t) for d, t, wanted in zip(tensor_decls, tensors, grad_inputs) if wanted and d.name in self.abi.grads
         ]
-        threads = self.backward_threads(sum(t.numel() for _, t in learnable) * acc.itemsize)
+        grad_dtype = torch.float64  # the kernels' grad_t: sums of N x M terms
+        threads = self.backward_threads(sum(t.numel() for _, t in learnable) * grad_dtype.itemsize)
         for decl, t in learnable:
-            slices = threads if threads * t.numel() * acc.itemsize <= PER_THREAD_GRAD_BUFFERS_MAX else 1
-            grads[decl.name] = torch.zeros((slices, *t.shape), dtype=acc)
+            slices = threads if threads * t.numel() * grad_dtype.itemsize <= PER_THREAD_GRAD_BUFFERS_MAX else 1
+            grads[decl.name] = torch.zeros((slices, *t.shape), dtype=grad_dtype)
         call["threads"] = threads
         call["grad_slices"] = {self.abi.ident_of(n): g[0].numel() if len(g) > 1 else 0 for n, g in grads.items()}
         if q.numel() and k.numel():

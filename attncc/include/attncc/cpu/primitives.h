@@ -44,6 +44,9 @@ struct bf16_t { uint16_t bits; };
 struct fp16_t { uint16_t bits; };
 
 using acc_t = ATTNCC_ACC_T;
+// Learnable-input gradients sum one term per score into one entry (ALiBi: N x M terms per
+// slope): in double, an fp32 sum of ~1e6 terms would lose ~1e-3 relative.
+using grad_t = double;
 using storage_t = ATTNCC_STORAGE_T;
 // One SIMD register of acc_t. Wider GCC vectors than the ISA has are split into several
 // registers and, in a register-blocked loop, spill: 64-byte vectors on an AVX2 machine ran gemm
@@ -337,8 +340,9 @@ inline void scale_row(acc_t* x, int n, acc_t a) {
 }
 
 // ---------------------------------------------------------------------------------- atomics
-inline void atomic_add(acc_t* target, acc_t value) {
-  acc_t expected, desired;
+template <typename T>
+inline void atomic_add(T* target, T value) {
+  T expected, desired;
   __atomic_load(target, &expected, __ATOMIC_RELAXED);
   do { desired = expected + value; } while (!__atomic_compare_exchange(target, &expected, &desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
 }
