@@ -111,7 +111,7 @@ def test_gradient_buffers_beyond_the_budget_under_deterministic_mode(monkeypatch
 
     kern = kernel("alibi")
     q, k, v, runtime = make_inputs(kern, Shape(2, 2, 2, 70, 70, 16), torch.float32)
-    monkeypatch.setattr(kernel_module, "PER_THREAD_GRAD_BUFFERS_MAX", 8)  # slopes: 2 x 4 bytes, one thread's
+    monkeypatch.setattr(kernel_module, "PER_THREAD_GRAD_BUFFERS_MAX", 16)  # slopes: 2 doubles, one thread's
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
