@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attncc
+from attncc.passes.tiling import CPU_STREAMING_BR
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
 from tests.conftest import EXAMPLES, kernel
@@ -50,6 +51,25 @@ def test_masks_take_effect(example: attncc.Kernel, dtype: torch.dtype) -> None:
     assert MASK_SPAN_SHAPE.M >= 3 * example.plan(q, q, None).tiles.block_cols  # rows cross 3+ key tiles
     result = check(example, adapt(MASK_SPAN_SHAPE, example), dtype)
     assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi", "padding", "gpt2"])
+def test_long_keys_take_more_rows_per_task(name: str) -> None:
+    """Past the key count where a kv head's K/V panels outgrow L2 the forward takes
+    CPU_STREAMING_BR query rows per task (a tail tile here), the backward keeps its tiles."""
+    kern = kernel(name)
+    shape = adapt(Shape(2, 2, 1, 300, 1100, 64), kern)
+    q = torch.empty(shape.B, shape.H, shape.N, shape.D)
+    k = torch.empty(shape.B, shape.Hkv, shape.M, shape.D)
+    forward, backward = kern.plan(q, k, None).tiles, kern.plan(q, k, None, backward=True).tiles
+    assert (
+        forward.block_rows == CPU_STREAMING_BR
+        and shape.N % forward.block_rows
+        and backward.block_rows < CPU_STREAMING_BR
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        result = check(kern, shape, dtype)
+        assert result.ok, result.describe()
 
 
 @pytest.mark.parametrize("q_scale", LARGE_SCORES)

@@ -197,6 +197,8 @@ class Kernel:
         problem = _problem(q, k)
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(problem.D, backward)
+        if not backward:
+            tiles = tiles.for_keys(problem.M)
         value = scale if scale is not None else self.default_scale(q, k)
         multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
         return CallPlan(problem, tiles, multiplier, value)
