@@ -13,12 +13,13 @@ from attncc.errors import AttnccError, BuildError, DslError, InputError
 from attncc.frontend.parser import decode_source
 from attncc.passes import Stage, run_pipeline
 from attncc.runtime.kernel import Kernel
+from attncc.runtime.merge import merge_states
 from attncc.runtime.philox import dropout_mask
 from attncc.targets import get_target
 
 __all__ = [
     "AttnccError", "BuildError", "DslError", "InputError", "Kernel", "compile", "dropout_mask",
-    "include_dir", "lower",
+    "include_dir", "lower", "merge_states",
 ]  # fmt: skip
 __version__ = "0.1.0"
 

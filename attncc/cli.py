@@ -1,4 +1,4 @@
-"""The `attncc` command line: compile, explain, check and examples.
+"""The `attncc` command line: compile, explain, check, examples and prebuild.
 
 Every user mistake (a DSL error, a missing file, bad input) is printed as one clean message
 and exits with status 1; no traceback.
@@ -238,6 +238,34 @@ def cmd_examples(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def cmd_prebuild(args: argparse.Namespace) -> int:
+    """Build every program's libraries for the given targets, dtypes and head dims into one
+    directory that a server ships and names in ATTNCC_PREBUILT_DIR (loaded there without a
+    compiler; the directory may be read-only)."""
+    from attncc.runtime.build import PREBUILT_ENV, prebuilding_into
+    from attncc.runtime.gpu import GpuKernel
+
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    dtypes = [DTYPES[d] for d in args.dtypes]
+    total = 0
+    with prebuilding_into(output):
+        for program in args.programs:
+            for target in args.targets:
+                stages = attncc.lower(program, target)
+                kern = attncc.Kernel(stages, target) if target == "cpu" else GpuKernel(stages, target)
+                start = time.perf_counter()
+                paths = kern.prebuild(dtypes, args.head_dims)
+                total += len(paths)
+                what = "head dims " + ",".join(map(str, args.head_dims)) if target != "cpu" else "any head dim"
+                print(
+                    f"{program}: {target}, {len(paths)} "
+                    f"{'library' if len(paths) == 1 else 'libraries'} ({what}) in {time.perf_counter() - start:.1f} s"
+                )
+    print(f"{total} libraries in {output}/; where the kernels run, set {PREBUILT_ENV}={output.resolve()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attncc", description="Compile attention variants to fused kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--emulate", action="store_true", help="run a GPU target's CUDA kernel on the host emulator")
     p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("prebuild", help="build kernels ahead of time into a directory a server ships")
+    p.add_argument("programs", nargs="+", metavar="PROGRAM")
+    p.add_argument("--targets", nargs="+", default=["cpu"], choices=["cpu", *GPUS])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="head dims for GPU targets")
+    p.add_argument("-o", "--output", required=True, help="the directory to fill")
+    p.set_defaults(fn=cmd_prebuild)
 
     p = sub.add_parser("examples", help="compile, check and time every example")
     p.add_argument("directory", nargs="?", default=str(EXAMPLES_DIR))

@@ -112,10 +112,13 @@ def test_nan_in_a_mask_input_proves_nothing() -> None:
 
 
 def test_file_names_cannot_inject_lines_into_generated_code(tmp_path: Path) -> None:
+    """Generated code does not depend on where the program came from: a file (whatever its
+    name) and the same text give one source, so one cached or prebuilt library."""
     path = tmp_path / "a\r#error INJECTED\r.attn"
     path.write_text(program("s = q @ k.T * scale\n"))
     kern = attncc.compile(str(path))
     assert "#error" not in kern.source("float32") and "\r" not in kern.source("float32")
+    assert kern.source("float32") == attncc.compile(program("s = q @ k.T * scale\n")).source("float32")
     q, k, v = qkv()
     assert torch.allclose(kern(q, k, v), masked_attention(q, k, v, torch.ones(40, 40, dtype=torch.bool)))
 
@@ -155,3 +158,16 @@ def test_a_call_scale_sets_the_name_scale_everywhere() -> None:
     emulated = attncc.compile(program("s = q @ k.T * scale\ns = s - scale * abs(i - j)\n"), target="sm80", emulate=True)
     out = emulated(q.half(), k.half(), v.half(), scale=0.5)
     assert (out.double() - manual(0.5, 0.5)).abs().max() < 1e-2
+
+
+def test_infinite_literals_in_a_score_map_on_the_cpu_and_the_cuda_emulator() -> None:
+    """`-inf` in a score map (a mask written as a score) compiles for the host and for CUDA
+    device code: the literal was once emitted as a host-only constant, which broke every CUDA
+    build of such a program (found by tests/test_fuzz_programs.py's emulator programs)."""
+    text = program("s = q @ k.T * scale\ns = where(j > i, -inf, s)\n")
+    q, k, v = qkv(N=37, M=37)
+    n = torch.arange(37)
+    want = masked_attention(q, k, v, n[None, :] <= n[:, None])
+    assert torch.allclose(attncc.compile(text)(q, k, v), want, atol=1e-12)
+    emulated = attncc.compile(text, target="sm80", emulate=True)
+    assert (emulated(q.half(), k.half(), v.half()).double() - want).abs().max() < 1e-2

@@ -15,7 +15,7 @@ import torch
 
 import attncc
 from attncc.errors import InputError
-from attncc.runtime.build import build_library, load_library
+from attncc.runtime.build import DEBUG_BUILD_ENV, build_library, load_library
 from attncc.runtime.inputs import Shape, make_inputs
 from attncc.runtime.philox import philox4x32_10
 from tests.conftest import ROOT, kernel
@@ -115,7 +115,8 @@ def test_concurrent_builds_succeed_once_and_reload_from_disk(tmp_path) -> None:
     program.write_text(
         "attention unique_cache_test\ns = q @ k.T * scale\ns = s * 0.5 + 0.25\np = softmax(s)\no = p @ v\noutput o\n"
     )
-    env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    # debug builds (-O0, seconds less each): the cache's locking is under test, not the code
+    env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), ATTNCC_DEBUG_BUILD="1")
     procs = [_run(env, program) for _ in range(3)]
     for p in procs:
         _, err = p.communicate(timeout=300)
@@ -370,3 +371,19 @@ def test_each_kernel_object_gets_its_own_op_dispatch_key() -> None:
     assert a.key == b.key and a.call_key != b.call_key  # same build, separate objects
     q = torch.randn(1, 1, 5, 16)
     assert torch.equal(a(q, q, q), b(q, q, q))
+
+
+def test_debug_builds_are_unoptimised_with_debug_info_and_cached_apart(monkeypatch) -> None:
+    """ATTNCC_DEBUG_BUILD=1 builds -O0 -g (to step through generated code) into its own cache
+    entry; unset or "0" builds -O3."""
+    source = 'extern "C" int debug_build_probe() { return 7; }'
+    paths = {}
+    for value in ("", "0", "1"):
+        monkeypatch.setenv(DEBUG_BUILD_ENV, value)
+        paths[value] = build_library(source, "debug-build-probe")
+        command = next(
+            line for line in (paths[value].parent / "build.ninja").read_text().splitlines() if "command" in line
+        )
+        assert (" -O0 -g " in command) == (value == "1") and (" -O3 " in command) == (value != "1"), command
+        assert load_library(paths[value]).debug_build_probe() == 7
+    assert paths[""] == paths["0"] != paths["1"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from functools import cache
 from pathlib import Path
 
@@ -33,12 +32,6 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-
-
-def comment_safe(text: str) -> str:
-    """`text` (a file name) for a `//` comment: anything but letters, digits and `._-` becomes `_`,
-    so no line break (a lone CR ends a line for the preprocessor too) reaches the C++ text."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
 
 
 def render(template: str, **values: object) -> str:

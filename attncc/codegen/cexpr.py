@@ -114,8 +114,9 @@ def _literal(c: ex.Const) -> str:
     if c.ty == ex.INT:
         return f"int64_t({int(c.value)})"
     value = float(c.value)
+    # compiler builtins: the same text compiles in host C++ and in CUDA device code
     if math.isinf(value):
-        return "attncc::kInf" if value > 0 else "(-attncc::kInf)"
+        return "acc_t(__builtin_huge_valf())" if value > 0 else "acc_t(-__builtin_huge_valf())"
     if math.isnan(value):
-        return "std::numeric_limits<acc_t>::quiet_NaN()"
+        return 'acc_t(__builtin_nanf(""))'
     return f"acc_t({value!r})"

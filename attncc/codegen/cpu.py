@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attncc.codegen import comment_safe, render
+from attncc.codegen import render
 from attncc.codegen.abi import KernelAbi, kernel_abi
 from attncc.codegen.cexpr import emit
 from attncc.ir import expr as ex
@@ -65,7 +65,6 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
     hooks = hook_values(g)
     return render(
         "cpu/attention.cpp.jinja",
-        source_name=comment_safe(g.graph["path"].rsplit("/", 1)[-1]),
         variant=g.graph["name"],
         variant_key=variant_key,
         storage_type=storage,

@@ -6,7 +6,7 @@ compiler on attncc's CUDA emulator.
 
 from __future__ import annotations
 
-from attncc.codegen import comment_safe, render
+from attncc.codegen import render
 from attncc.codegen.abi import kernel_abi
 from attncc.codegen.cpu import hook_values
 from attncc.errors import AttnccError
@@ -45,7 +45,6 @@ def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> s
     _, op = fused_node(g)
     return render(
         "cuda/attention.cu.jinja",
-        source_name=comment_safe(g.graph["path"].rsplit("/", 1)[-1]),
         variant_name=g.graph["name"],
         arch=arch,
         arch_number=arch_number(arch),

@@ -1,11 +1,15 @@
 """JIT build of generated C++ with ninja, and an on-disk cache with a contract.
 
 Contract: `build_library(source, name)` returns the path of a shared library compiled from
-exactly `source` with `FLAGS` (and the target's ISA flags), or raises `BuildError` carrying the compiler output and the
-command to reproduce it. The cache directory is keyed by a hash of the source, the package's
+exactly `source` with `FLAGS`, the optimisation flags and the target's ISA flags, or raises
+`BuildError` carrying the compiler output and the command to reproduce it. The cache directory is keyed by a hash of the source, the package's
 headers, the flags, the compiler version, the CPU and torch's version; several processes
 building the same variant take a file lock, re-check the cache inside it, and build once.
 Sources are rewritten only when they change, so ninja's own up-to-date check holds.
+
+Prebuilt libraries (`attncc prebuild`, for servers that ship kernels and have no compiler) are
+found first, in the read-only directories ATTNCC_PREBUILT_DIR lists, by a key without the
+compiler's version or the machine's CPU flags (`portable_key`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import shutil
 import subprocess
 import threading
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -33,14 +38,24 @@ INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"
 # built without a target (tests' harnesses) get the machine's own (NATIVE_FLAGS).
 FLAGS = (
     "-std=c++17",
-    "-O3",
     "-fopenmp",
     "-fPIC",
     "-shared",
     "-fno-strict-aliasing",
     "-fno-math-errno",
 )
+OPTIMIZED_FLAGS = ("-O3",)
+# The CUDA emulator's host builds: it checks what kernels compute, not how fast, and its fiber
+# switches gain little from -O3; -O1 builds the emulated alibi kernel in 2.4 s instead of 7.4 s.
+EMULATOR_FLAGS = ("-O1",)
+# ATTNCC_DEBUG_BUILD=1: host kernels (CPU and emulated CUDA) unoptimised with debug info, to
+# step through generated code in gdb; they build ~5x faster (the fuzz tests build many programs).
+DEBUG_BUILD_ENV = "ATTNCC_DEBUG_BUILD"
+DEBUG_FLAGS = ("-O0", "-g")
+PREBUILT_ENV = "ATTNCC_PREBUILT_DIR"
 _LOADED: dict[Path, ctypes.CDLL] = {}
+_PREBUILDING_INTO: list[Path] = []  # innermost `prebuilding_into` directory last
+_DAMAGED_PREBUILT: set[Path] = set()  # warned about once per process
 _LOAD_LOCK = threading.Lock()
 
 
@@ -49,11 +64,24 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def optimization_flags(optimized: tuple[str, ...] = OPTIMIZED_FLAGS) -> tuple[str, ...]:
+    """`optimized`, or DEBUG_FLAGS where ATTNCC_DEBUG_BUILD is set to anything but "" or "0"."""
+    return DEBUG_FLAGS if os.environ.get(DEBUG_BUILD_ENV, "").strip() not in ("", "0") else optimized
+
+
 def compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise BuildError("no C++ compiler found: install g++ or set CXX")
+    if not cxx or not shutil.which(cxx):
+        where = f"CXX={cxx!r} is not an executable" if cxx else "no C++ compiler found"
+        raise BuildError(f"{where}: install g++, set CXX, or point {PREBUILT_ENV} at kernels from `attncc prebuild`")
     return cxx
+
+
+@cache
+def _headers_fingerprint() -> str:
+    """attncc's headers, the host flags and torch's version: what every library depends on."""
+    headers = "".join(p.read_text() for p in sorted(INCLUDE_DIR.rglob("*")) if p.suffix in (".h", ".cuh"))
+    return "\n".join([headers, " ".join(FLAGS), torch.__version__])
 
 
 @cache
@@ -63,12 +91,55 @@ def _toolchain_fingerprint() -> str:
         cpu_flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         cpu_flags = ""
-    headers = "".join(p.read_text() for p in sorted(INCLUDE_DIR.rglob("*")) if p.suffix in (".h", ".cuh"))
-    return "\n".join([version, cpu_flags, headers, " ".join(FLAGS), torch.__version__])
+    return "\n".join([version, cpu_flags, _headers_fingerprint()])
 
 
-def cache_key(source: str) -> str:
-    return hashlib.sha256((_toolchain_fingerprint() + "\n" + source).encode()).hexdigest()[:20]
+def cache_key(key_text: str) -> str:
+    """The JIT cache's key: the build's text (source, includes, target, flags) and the toolchain
+    that builds it, so a compiler or machine change rebuilds."""
+    return hashlib.sha256((_toolchain_fingerprint() + "\n" + key_text).encode()).hexdigest()[:20]
+
+
+def portable_key(key_text: str) -> str:
+    """A prebuilt library's key: the build's text with attncc's headers and torch's version, not
+    the compiler (the machine that loads it may have none). The source holds every machine
+    fact the kernel was generated for (ISA level, vector width, tiles from the cache sizes), so
+    another kind of machine looks for another key and builds its own."""
+    return hashlib.sha256((_headers_fingerprint() + "\n" + key_text).encode()).hexdigest()[:20]
+
+
+def prebuilt_dirs() -> list[Path]:
+    """The directories ATTNCC_PREBUILT_DIR lists (os.pathsep-separated), searched in order."""
+    return [Path(p) for p in os.environ.get(PREBUILT_ENV, "").split(os.pathsep) if p.strip()]
+
+
+@contextmanager
+def prebuilding_into(directory: Path):  # noqa: ANN201 - context manager
+    """Within it, build_library builds into `directory` under portable keys (`attncc prebuild`)."""
+    _PREBUILDING_INTO.append(Path(directory))
+    try:
+        yield
+    finally:
+        _PREBUILDING_INTO.pop()
+
+
+def _find_prebuilt(name: str, key: str) -> Path | None:
+    """The first complete, undamaged `name-key` library in the prebuilt directories; a damaged one
+    is skipped with a warning (a read-only directory cannot be repaired in place)."""
+    for root in prebuilt_dirs():
+        library = root / f"{name}-{key}" / "kernel.so"
+        recorded = _digest_path(library)
+        if not recorded.exists():
+            continue
+        try:
+            if library.exists() and recorded.read_text().strip() == _digest(library):
+                return library
+        except OSError:
+            pass
+        if library not in _DAMAGED_PREBUILT:
+            _DAMAGED_PREBUILT.add(library)
+            warnings.warn(f"attncc: prebuilt kernel {library} is damaged; ignoring it", stacklevel=3)
+    return None
 
 
 @contextmanager
@@ -106,22 +177,36 @@ def build_library(
     includes: dict[str, str] | None = None,
     cuda_arch: str | None = None,
     isa_flags: tuple[str, ...] = NATIVE_FLAGS,
+    optimized: tuple[str, ...] = OPTIMIZED_FLAGS,
+    before_build: Callable[[], None] | None = None,
 ) -> Path:
     """Compile `source` (once per cache key) and return the shared library's path.
 
     `includes` are further files written beside it (name -> text) that the source includes,
     e.g. the exact generated `.cu` text that the CUDA emulator wraps. With `cuda_arch` (e.g.
     "sm90") the source is CUDA, compiled by nvcc for that architecture; otherwise C++ compiled
-    with FLAGS and `isa_flags`.
+    with FLAGS, `isa_flags` and `optimized` (or DEBUG_FLAGS: `optimization_flags`).
+    `before_build` runs before compiling (not for a prebuilt or cached library).
     """
     includes = includes or {}
     key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items())) + f"\n//--arch {cuda_arch}"
-    key_text += "\n//--isa " + " ".join(isa_flags)
+    host_flags = FLAGS + optimization_flags(optimized) + isa_flags
+    key_text += "\n//--flags " + " ".join(host_flags)
     if cuda_arch:
-        from attncc.runtime.nvcc import nvcc_fingerprint
+        from attncc.runtime.nvcc import NVCC_FLAGS
 
-        key_text += "\n//--nvcc\n" + nvcc_fingerprint()
-    directory = cache_dir() / f"{name}-{cache_key(key_text)}"
+        key_text += "\n//--nvcc-flags " + " ".join(NVCC_FLAGS)
+    if _PREBUILDING_INTO:
+        directory = _PREBUILDING_INTO[-1] / f"{name}-{portable_key(key_text)}"
+    else:
+        prebuilt = _find_prebuilt(name, portable_key(key_text))
+        if prebuilt is not None:
+            return prebuilt
+        if cuda_arch:
+            from attncc.runtime.nvcc import nvcc_fingerprint
+
+            key_text += "\n//--nvcc\n" + nvcc_fingerprint()
+        directory = cache_dir() / f"{name}-{cache_key(key_text)}"
     library = directory / "kernel.so"
     if _digest_path(library).exists():  # written after the library: the build is complete
         return library
@@ -139,7 +224,7 @@ def build_library(
             sm = "sm_" + cuda_arch.removeprefix("sm")
             command = f"{find_nvcc()} -arch={sm} {' '.join(NVCC_FLAGS)} -shared -Xcompiler -fPIC -I{INCLUDE_DIR} -I. $in -o $out.tmp"
         else:
-            command = f"{compiler()} {' '.join(FLAGS + isa_flags)} -I{INCLUDE_DIR} -I. $in -o $out.tmp"
+            command = f"{compiler()} {' '.join(host_flags)} -I{INCLUDE_DIR} -I. $in -o $out.tmp"
         ninja_file = (
             "ninja_required_version = 1.3\n"
             "rule compile_shared\n"
@@ -149,6 +234,8 @@ def build_library(
             "default kernel.so\n"
         )
         _write_if_changed(directory / "build.ninja", ninja_file)
+        if before_build is not None:
+            before_build()
         _run_ninja(directory, name)
     return library
 
@@ -198,6 +285,10 @@ def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
                 directory = path.parent
                 if not (directory / "build.ninja").exists():
                     raise BuildError(f"cannot load {path}: {exc}") from None
+                if any(directory.parent.resolve() == root.resolve() for root in prebuilt_dirs()):
+                    raise BuildError(
+                        f"cannot load the prebuilt kernel {path} ({exc}): rebuild that directory with `attncc prebuild`"
+                    ) from None
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 warnings.warn(f"attncc: cached kernel {path} failed to load ({reason}); rebuilding it", stacklevel=2)
                 with _file_lock(directory / ".lock"):

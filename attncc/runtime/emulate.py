@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
-from attncc.runtime.build import build_library, load_library
+from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.kernel import CallPlan, Kernel, acc_dtype, delta_rows
 from attncc.targets import GPUS
 
@@ -128,14 +130,28 @@ class EmulatedKernel(Kernel):
         assert self.op.tiling is not None
         return generate_cuda(self.graph, dtype, self.op.tiling.for_head_dim(head_dim), self.target)
 
+    def library_path_for(self, dtype: str, head_dim: int) -> Path:
+        """The emulator's library for storage `dtype` and the plan's head dim, built, not loaded."""
+        return build_library(
+            EMULATION_WRAPPER,
+            f"{self.name}-{self.target}-emu-{dtype}-{head_dim}",
+            {"kernel.cu": self.cuda_source(dtype, head_dim)},
+            optimized=EMULATOR_FLAGS,
+        )
+
     def emulated_library(self, dtype: str, head_dim: int) -> ctypes.CDLL:
-        key = f"emu-{dtype}-{head_dim}"
         with self._lock:
-            if key not in self._libraries:
-                source = self.cuda_source(dtype, head_dim)
-                path = build_library(EMULATION_WRAPPER, f"{self.name}-{self.target}-{key}", {"kernel.cu": source})
-                self._libraries[key] = load_library(path)
-            return self._libraries[key]
+            if (dtype, head_dim) not in self._libraries:
+                self._libraries[(dtype, head_dim)] = load_library(self.library_path_for(dtype, head_dim))
+            return self._libraries[(dtype, head_dim)]
+
+    def prebuild(self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[Path]:
+        """Build, without loading, the libraries for q/k/v of `dtypes` (their tensor-core storage
+        dtypes) at the plans of `head_dims`."""
+        assert self.op.tiling is not None
+        storages = dict.fromkeys(str(self.storage_dtype(d)).removeprefix("torch.") for d in dtypes)
+        plans = dict.fromkeys(self.op.tiling.for_head_dim(d).head_dim for d in head_dims)
+        return [self.library_path_for(s, d) for s in storages for d in plans]
 
     def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed):  # noqa: ANN001, ANN201 - as Kernel
         storage = self.storage_dtype(q.dtype)

@@ -9,11 +9,12 @@ wherever torch sees a GPU.
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 
 from attncc.errors import AttnccError
-from attncc.runtime.build import build_library, load_library
+from attncc.runtime.build import build_library
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.nvcc import check_driver_runs_nvcc_builds
 from attncc.targets import GPUS
@@ -45,23 +46,25 @@ def device_target() -> str:
     )
 
 
+def _check_driver() -> None:
+    """Before nvcc builds a library: can this machine's driver run what it builds?"""
+    driver_version = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if driver_version is not None:
+        check_driver_runs_nvcc_builds(driver_version())
+
+
 class GpuKernel(EmulatedKernel):
     """The generated CUDA kernels compiled by nvcc and launched on torch's current stream."""
 
     device_type = "cuda"
 
-    def emulated_library(self, dtype: str, head_dim: int) -> ctypes.CDLL:  # the nvcc-built library
-        key = f"gpu-{dtype}-{head_dim}"
-        with self._lock:
-            if key not in self._libraries:
-                driver_version = getattr(torch._C, "_cuda_getDriverVersion", None)
-                if driver_version is not None:
-                    check_driver_runs_nvcc_builds(driver_version())
-                path = build_library(
-                    self.cuda_source(dtype, head_dim), f"{self.name}-{self.target}-{key}", cuda_arch=self.target
-                )
-                self._libraries[key] = load_library(path)
-            return self._libraries[key]
+    def library_path_for(self, dtype: str, head_dim: int) -> Path:  # the nvcc-built library
+        return build_library(
+            self.cuda_source(dtype, head_dim),
+            f"{self.name}-{self.target}-gpu-{dtype}-{head_dim}",
+            cuda_arch=self.target,
+            before_build=_check_driver,
+        )
 
     def forward_impl(self, q, *args):  # noqa: ANN001, ANN002, ANN201 - as Kernel
         with torch.cuda.device(q.device):  # launch on q's GPU, whichever is current

@@ -16,9 +16,10 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
@@ -206,15 +207,24 @@ class Kernel:
     def source(self, dtype: str = "float32") -> str:
         return generate_cpu(self.graph, dtype, self.key)
 
+    def library_path(self, dtype: str) -> Path:
+        """The built library for q/k/v of `dtype` (prebuilt, cached or built now), not loaded."""
+        assert self.op.tiling is not None and self.op.tiling.micro_kernel is not None
+        flags = self.op.tiling.micro_kernel.compile_flags
+        return build_library(self.source(dtype), f"{self.name}-{dtype}", isa_flags=flags)
+
     def library(self, dtype: str) -> ctypes.CDLL:
         """The compiled library for q/k/v of `dtype` (built once, then from the disk cache)."""
         with self._lock:
             if dtype not in self._libraries:
-                assert self.op.tiling is not None and self.op.tiling.micro_kernel is not None
-                flags = self.op.tiling.micro_kernel.compile_flags
-                path = build_library(self.source(dtype), f"{self.name}-{dtype}", isa_flags=flags)
-                self._libraries[dtype] = load_library(path, "attncc_forward")
+                self._libraries[dtype] = load_library(self.library_path(dtype), "attncc_forward")
             return self._libraries[dtype]
+
+    def prebuild(self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[Path]:
+        """Build, without loading, every library that calls with q/k/v of `dtypes` and these head
+        dims use (`attncc prebuild`). A CPU library serves every head dim."""
+        del head_dims  # the CPU kernels take D at run time
+        return [self.library_path(_DTYPES[d]) for d in dict.fromkeys(dtypes)]
 
     # ------------------------------------------------------------------ validation
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: Mapping[str, object]) -> None:

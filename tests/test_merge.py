@@ -1,0 +1,110 @@
+"""attncc.merge_states: partial attention results over disjoint key sets, combined by their
+log-sum-exp, equal attention over all the keys, forward and backward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import InputError
+from tests.conftest import ROOT
+
+
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Eager attention where batch entry b sees its first lengths[b] keys (none: output 0)."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    keep = torch.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, M]
+    s = s.masked_fill(~keep[:, None, None, :], -math.inf)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_key_chunks_merged_equal_attention_over_all_keys(dtype: torch.dtype) -> None:
+    """Keys cut into three chunks (one ragged), each attended by the padding kernel with the
+    lengths it holds: merged, out and every gradient (through each chunk's out and lse) match
+    float64 eager attention over all keys. Batch 0 has no keys at all (its merged rows are
+    0 with lse -inf), batch 1 only keys of the first chunk (the other chunks' rows are empty)."""
+    kern = attncc.compile(ROOT / "examples" / "padding.attn")
+    gen = torch.Generator().manual_seed(0)
+    B, H, N, M, D = 3, 2, 9, 70, 24
+    q = torch.randn(B, H, N, D, generator=gen, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, H, M, D, generator=gen, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, H, M, D, generator=gen, dtype=dtype, requires_grad=True)
+    lengths = torch.tensor([0, 20, 61])
+    outs, lses = [], []
+    for start, stop in ((0, 32), (32, 64), (64, M)):
+        held = (lengths - start).clamp(0, stop - start)
+        out, lse = kern(q, k[:, :, start:stop], v[:, :, start:stop], lengths=held, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    merged, lse = attncc.merge_states(outs, lses)
+    assert merged.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = padded_attention(*leaves, lengths)
+    s = leaves[0] @ leaves[1].transpose(-1, -2) / math.sqrt(D)
+    keep = torch.arange(M)[None, :] < lengths[:, None]
+    want_lse = s.masked_fill(~keep[:, None, None, :], -math.inf).logsumexp(-1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    assert torch.allclose(merged.double(), want, atol=tol, rtol=0)
+    assert torch.equal(lse[0], torch.full_like(lse[0], -math.inf))
+    assert torch.allclose(lse[1:].double(), want_lse[1:], atol=tol, rtol=0)
+
+    dout = torch.randn(merged.shape, generator=gen, dtype=dtype)
+    dlse = torch.randn(lse.shape, generator=gen, dtype=lse.dtype)
+    dlse[0] = 0  # lse = -inf there: its gradient is not defined
+    got = torch.autograd.grad((merged * dout).sum() + (torch.where(lse.isinf(), 0, lse) * dlse).sum(), (q, k, v))
+    total = (want * dout.double()).sum() + (torch.where(want_lse.isinf(), 0, want_lse) * dlse.double()).sum()
+    expected = torch.autograd.grad(total, leaves)
+    for name, g, e in zip("qkv", got, expected):
+        assert torch.allclose(g.double(), e, atol=10 * tol, rtol=0), f"d{name}: {(g.double() - e).abs().max()}"
+
+
+def test_merge_rules_and_gradients() -> None:
+    """Empty parts weigh nothing; all-empty rows give out 0 and lse -inf with zero (not NaN)
+    gradients; a NaN stays NaN; gradcheck in float64 elsewhere; a stacked tensor works as a
+    sequence does."""
+    out = torch.randn(3, 4, 5, dtype=torch.float64)
+    lse = torch.randn(3, 4, dtype=torch.float64)
+    lse[1, 0] = -math.inf  # row 0: part 1 empty
+    lse[:, 1] = -math.inf  # row 1: every part empty
+    out[1, 0] = 0.0
+    out[:, 1] = 0.0
+    merged, total = attncc.merge_states(list(out), list(lse))
+    w = torch.softmax(lse[:, 0], 0)
+    assert torch.allclose(merged[0], (w[:, None] * out[:, 0]).sum(0))
+    assert torch.allclose(total[0], torch.logsumexp(lse[:, 0], 0))
+    assert torch.equal(merged[1], torch.zeros(5, dtype=torch.float64)) and total[1] == -math.inf
+    stacked = attncc.merge_states(out, lse)
+    assert torch.equal(stacked[0], merged) and torch.equal(stacked[1], total)
+
+    out_leaf, lse_leaf = out.clone().requires_grad_(), lse.clone().requires_grad_()
+    m, t = attncc.merge_states(out_leaf, lse_leaf)
+    (m.sum() + torch.where(t.isinf(), 0, t).sum()).backward()
+    assert torch.isfinite(out_leaf.grad).all() and torch.isfinite(lse_leaf.grad).all()
+    assert torch.equal(lse_leaf.grad[:, 1], torch.zeros(3, dtype=torch.float64))
+
+    finite_out = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    finite_lse = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda o, s: attncc.merge_states(o, s), (finite_out, finite_lse))
+
+    nan_lse = lse.clone()
+    nan_lse[2, 2] = math.nan
+    merged_nan, total_nan = attncc.merge_states(out, nan_lse)
+    assert torch.isnan(merged_nan[2]).all() and torch.isnan(total_nan[2])
+    assert not torch.isnan(merged_nan[3]).any()
+
+
+def test_merge_errors_name_the_argument() -> None:
+    out = torch.randn(2, 4, 5)
+    with pytest.raises(InputError, match=r"lses: expected shape \(2, 4\) .* got \(2, 5\)"):
+        attncc.merge_states(out, torch.randn(2, 5))
+    with pytest.raises(InputError, match=r"outs: the partial results differ in shape"):
+        attncc.merge_states([out[0], out[0, :3]], [torch.randn(4), torch.randn(3)])
+    with pytest.raises(InputError, match=r"outs: expected at least one partial result"):
+        attncc.merge_states([], [])
+    with pytest.raises(InputError, match=r"outs, lses: expected floating-point tensors"):
+        attncc.merge_states(out.long(), torch.randn(2, 4))

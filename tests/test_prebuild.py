@@ -1,0 +1,132 @@
+"""Ahead-of-time builds (`attncc prebuild`): a directory of libraries that loads where no
+compiler is installed, read-only, found by ATTNCC_PREBUILT_DIR; anything not in it is built as
+before (or, without a compiler, a clear error); a damaged entry is skipped with a warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attncc
+from attncc.cli import main as cli_main
+from attncc.errors import AttnccError
+from attncc.runtime.build import PREBUILT_ENV
+from attncc.runtime.nvcc import find_nvcc
+from tests.conftest import ROOT
+
+try:
+    find_nvcc()
+    HAVE_NVCC = True
+except AttnccError:
+    HAVE_NVCC = False
+
+ALIBI, CAUSAL = str(ROOT / "examples" / "alibi.attn"), str(ROOT / "examples" / "causal.attn")
+
+SERVER = """
+import json, sys, torch, attncc
+kern = attncc.compile(sys.argv[1])
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 4, 33, 40, generator=gen, requires_grad=True) for _ in range(3))
+slopes = torch.rand(4, generator=gen)
+out = kern(q, k, v, slopes=slopes)
+grads = torch.autograd.grad(out.sum(), (q, k, v))
+torch.save([out.detach(), *grads], sys.argv[2])
+try:  # bf16 was not prebuilt, and there is no compiler
+    kern(q.bfloat16(), k.bfloat16(), v.bfloat16(), slopes=slopes)
+    print(json.dumps("built"))
+except attncc.BuildError as exc:
+    print(json.dumps(str(exc)))
+"""
+
+
+def _files(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*"))}
+
+
+def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_directory(tmp_path, monkeypatch, capsys) -> None:
+    prebuilt = tmp_path / "prebuilt"
+    assert cli_main(["prebuild", ALIBI, CAUSAL, "--dtypes", "float32", "-o", str(prebuilt)]) == 0
+    printed = capsys.readouterr().out
+    assert f"2 libraries in {prebuilt}/; where the kernels run, set {PREBUILT_ENV}=" in printed, printed
+    assert len(list(prebuilt.glob("*/kernel.so"))) == 2
+    before = _files(prebuilt)
+    for path in [prebuilt, *prebuilt.rglob("*")]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            ATTNCC_CACHE_DIR=str(tmp_path / "cache"),
+            CXX=str(tmp_path / "no-compiler" / "g++"),  # and no fallback to g++ on PATH
+            **{PREBUILT_ENV: str(prebuilt)},
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", SERVER, ALIBI, str(tmp_path / "server.pt")],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        error = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert "is not an executable" in error and PREBUILT_ENV in error, error
+        assert _files(prebuilt) == before  # nothing written: no lock, no rebuild
+        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+        # the same libraries in this process give the same bits, and match the float64 reference
+        monkeypatch.setenv(PREBUILT_ENV, str(prebuilt))
+        kern = attncc.compile(ALIBI)
+        assert kern.library_path("float32").parent.parent == prebuilt
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 33, 40, generator=gen, requires_grad=True) for _ in range(3))
+        slopes = torch.rand(4, generator=gen)
+        out = kern(q, k, v, slopes=slopes)
+        served = torch.load(tmp_path / "server.pt")
+        assert torch.equal(served[0], out.detach())
+        assert all(torch.equal(a, b) for a, b in zip(served[1:], torch.autograd.grad(out.sum(), (q, k, v))))
+        reference = kern.reference(q.double(), k.double(), v.double(), slopes=slopes.double())[0]
+        assert torch.allclose(out.double(), reference, atol=1e-5)
+    finally:
+        for path in [prebuilt, *prebuilt.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_a_damaged_prebuilt_library_is_skipped_with_a_warning(tmp_path, monkeypatch) -> None:
+    prebuilt = tmp_path / "prebuilt"
+    program = "attention prebuilt_damage_test\ns = q @ k.T * scale\ns = s * 0.75\np = softmax(s)\no = p @ v\noutput o\n"
+    source = tmp_path / "damage.attn"
+    source.write_text(program)
+    assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(prebuilt)]) == 0
+    (library,) = prebuilt.glob("*/kernel.so")
+    library.write_bytes(library.read_bytes()[:1000])
+    monkeypatch.setenv(PREBUILT_ENV, str(prebuilt))
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path / "cache"))
+    kern = attncc.compile(program)
+    with pytest.warns(UserWarning, match=r"prebuilt kernel .* is damaged; ignoring it"):
+        path = kern.library_path("float32")
+    assert path.parent.parent == tmp_path / "cache"  # built by the JIT instead
+    q = torch.randn(1, 2, 5, 16)
+    assert torch.allclose(kern(q, q, q), torch.softmax(q @ q.transpose(-1, -2) * 0.75 / 4, -1) @ q, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_gpu_targets_prebuild_per_storage_dtype_and_head_dim_plan(tmp_path, capsys) -> None:
+    """fp32 and bf16 inputs share the bf16 library on sm80; head dims 64 and 60 share the d=64
+    plan: one nvcc library per (storage dtype, plan), named by the same key a GPU machine's
+    `attncc.compile(..., target="cuda")` looks for."""
+    prebuilt = tmp_path / "prebuilt"
+    args = ["prebuild", CAUSAL, "--targets", "sm80", "--dtypes", "float32", "bfloat16", "--head-dims", "64", "60"]
+    assert cli_main([*args, "-o", str(prebuilt)]) == 0
+    assert "causal.attn: sm80, 1 library (head dims 64,60)" in capsys.readouterr().out
+    (build_dir,) = [p.parent for p in prebuilt.glob("*/kernel.so")]
+    assert "-arch=sm_80" in (build_dir / "build.ninja").read_text() and "bfloat16-64" in build_dir.name
+
+
+def test_prebuild_errors_are_one_line(tmp_path, capsys) -> None:
+    assert cli_main(["prebuild", str(tmp_path / "missing.attn"), "-o", str(tmp_path / "out")]) == 1
+    assert "missing.attn: no such program file" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)
