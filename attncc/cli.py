@@ -53,13 +53,10 @@ def predict_io(op: FusedAttention, shape: Shape, elt: int, tiles: TilePlan, dens
 def plan_text(op: FusedAttention, shape: Shape, elt: int = 4) -> str:
     """Tiles, threads, on-chip bytes and predicted traffic at `shape` (dense tile count)."""
     assert op.tiling is not None and op.cost is not None and op.sparsity is not None
-    tiles = op.tiling.for_head_dim(shape.D).for_keys(shape.M)
+    head_dim_tiles = op.tiling.for_head_dim(shape.D)
+    tiles = head_dim_tiles.for_keys(shape.M)
     report = predict_io(op, shape, elt, tiles)
-    rows = (
-        f" (this shape's forward: Br={tiles.block_rows})"
-        if tiles.block_rows != op.tiling.for_head_dim(shape.D).block_rows
-        else ""
-    )
+    rows = f" (this shape's forward: Br={tiles.block_rows})" if tiles is not head_dim_tiles else ""
     return "\n".join(
         [
             f"  tiles   {op.tiling.describe(shape.D)}{rows}",

@@ -2,9 +2,10 @@
 
 Contract: `build_library(source, name)` returns the path of a shared library compiled from
 exactly `source` with `FLAGS`, the optimisation flags and the target's ISA flags, or raises
-`BuildError` carrying the compiler output and the command to reproduce it. The cache directory is keyed by a hash of the source, the package's
-headers, the flags, the compiler version, the CPU and torch's version; several processes
-building the same variant take a file lock, re-check the cache inside it, and build once.
+`BuildError` carrying the compiler output and the command to reproduce it. The cache directory
+is keyed by a hash of the source, the package's headers, the flags, the compiler version, the
+CPU and torch's version; several processes building the same variant take a file lock,
+re-check the cache inside it, and build once.
 Sources are rewritten only when they change, so ninja's own up-to-date check holds.
 
 Prebuilt libraries (`attncc prebuild`, for servers that ship kernels and have no compiler) are
@@ -179,6 +180,7 @@ def build_library(
     isa_flags: tuple[str, ...] = NATIVE_FLAGS,
     optimized: tuple[str, ...] = OPTIMIZED_FLAGS,
     before_build: Callable[[], None] | None = None,
+    parts: int = 1,
 ) -> Path:
     """Compile `source` (once per cache key) and return the shared library's path.
 
@@ -186,7 +188,10 @@ def build_library(
     e.g. the exact generated `.cu` text that the CUDA emulator wraps. With `cuda_arch` (e.g.
     "sm90") the source is CUDA, compiled by nvcc for that architecture; otherwise C++ compiled
     with FLAGS, `isa_flags` and `optimized` (or DEBUG_FLAGS: `optimization_flags`).
-    `before_build` runs before compiling (not for a prebuilt or cached library).
+    `before_build` runs before compiling (not for a prebuilt or cached library). With `parts`
+    = 2 (C++ only) the source is compiled twice, with ATTNCC_PART=1 and 2, as two objects that
+    ninja builds in parallel and links: a CPU kernel's forward and backward halves, which halves
+    the wall time of a cold build on two cores.
     """
     includes = includes or {}
     key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items())) + f"\n//--arch {cuda_arch}"
@@ -225,14 +230,28 @@ def build_library(
             command = f"{find_nvcc()} -arch={sm} {' '.join(NVCC_FLAGS)} -shared -Xcompiler -fPIC -I{INCLUDE_DIR} -I. $in -o $out.tmp"
         else:
             command = f"{compiler()} {' '.join(host_flags)} -I{INCLUDE_DIR} -I. $in -o $out.tmp"
-        ninja_file = (
-            "ninja_required_version = 1.3\n"
-            "rule compile_shared\n"
-            f"  command = {command} && mv $out.tmp $out\n"
-            "  description = attncc: compiling $out\n"
-            f"build kernel.so: compile_shared {source_name}\n"
-            "default kernel.so\n"
-        )
+        ninja_file = "ninja_required_version = 1.3\n"
+        if parts > 1 and not cuda_arch:
+            object_flags = " ".join(f for f in host_flags if f != "-shared")
+            objects = " ".join(f"part{n}.o" for n in range(1, parts + 1))
+            ninja_file += (
+                "rule compile_part\n"
+                f"  command = {compiler()} {object_flags} -I{INCLUDE_DIR} -I. -DATTNCC_PART=$part -c $in -o $out\n"
+                "  description = attncc: compiling $out\n"
+                "rule link_shared\n"
+                f"  command = {compiler()} {' '.join(host_flags)} $in -o $out.tmp && mv $out.tmp $out\n"
+                "  description = attncc: linking $out\n"
+                + "".join(f"build part{n}.o: compile_part {source_name}\n  part = {n}\n" for n in range(1, parts + 1))
+                + f"build kernel.so: link_shared {objects}\n"
+            )
+        else:
+            ninja_file += (
+                "rule compile_shared\n"
+                f"  command = {command} && mv $out.tmp $out\n"
+                "  description = attncc: compiling $out\n"
+                f"build kernel.so: compile_shared {source_name}\n"
+            )
+        ninja_file += "default kernel.so\n"
         _write_if_changed(directory / "build.ninja", ninja_file)
         if before_build is not None:
             before_build()

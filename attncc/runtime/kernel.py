@@ -211,7 +211,7 @@ class Kernel:
         """The built library for q/k/v of `dtype` (prebuilt, cached or built now), not loaded."""
         assert self.op.tiling is not None and self.op.tiling.micro_kernel is not None
         flags = self.op.tiling.micro_kernel.compile_flags
-        return build_library(self.source(dtype), f"{self.name}-{dtype}", isa_flags=flags)
+        return build_library(self.source(dtype), f"{self.name}-{dtype}", isa_flags=flags, parts=2)
 
     def library(self, dtype: str) -> ctypes.CDLL:
         """The compiled library for q/k/v of `dtype` (built once, then from the disk cache)."""
