@@ -1226,6 +1226,17 @@ def compare_with_oracle(
     return problems
 
 
+def check_cpu_kernel_program(n: int) -> None:
+    """The n-th kernel program built as an fp32 CPU kernel (the n-th of the auto, two-pass and
+    fused backward), forward and backward within KERNEL_LIMITS of the oracle."""
+    prog, shape, recipe = kernel_case(n)
+    kern = attncc.compile(prog.text, tiles=shape[-1])
+    kern.backward = ("auto", "two-pass", "fused")[n % 3]
+    problems = compare_with_oracle(kern, prog, shape, recipe, torch.float32, KERNEL_LIMITS)
+    context = f"shape {shape[:-1]} (B H Hkv N M D), tiles {shape[-1]}, backward {kern.backward}"
+    assert not problems, describe(prog, "kernel differs from the oracle: " + "; ".join(problems) + f"\n{context}")
+
+
 @pytest.mark.parametrize("n", range(KERNEL_PROGRAMS))
 def test_kernel_matches_the_oracle(n: int) -> None:
     """A generated program built as a CPU kernel (fp32, tiles small enough that every row
@@ -1234,12 +1245,7 @@ def test_kernel_matches_the_oracle(n: int) -> None:
     learnable-input gradients within 2e-4 (relative to max(1, |oracle|)); every input that
     requires grad gets a gradient. The oracle differentiates its own float64 evaluation. A
     second call with other values of the non-learnable runtime inputs matches too."""
-    prog, shape, recipe = kernel_case(n)
-    kern = attncc.compile(prog.text, tiles=shape[-1])
-    kern.backward = ("auto", "two-pass", "fused")[n % 3]
-    problems = compare_with_oracle(kern, prog, shape, recipe, torch.float32, KERNEL_LIMITS)
-    context = f"shape {shape[:-1]} (B H Hkv N M D), tiles {shape[-1]}, backward {kern.backward}"
-    assert not problems, describe(prog, "kernel differs from the oracle: " + "; ".join(problems) + f"\n{context}")
+    check_cpu_kernel_program(n)
 
 
 @pytest.mark.parametrize("n", range(KERNEL_PROGRAMS, KERNEL_PROGRAMS + DEBUG_KERNEL_PROGRAMS))
@@ -1248,12 +1254,7 @@ def test_debug_built_kernel_matches_the_oracle(n: int, monkeypatch) -> None:
     (ATTNCC_DEBUG_BUILD, ~5x faster to build), which changes how fast the generated code runs,
     not what it computes (the optimised builds above and every golden test cover the -O3 code)."""
     monkeypatch.setenv(DEBUG_BUILD_ENV, "1")
-    prog, shape, recipe = kernel_case(n)
-    kern = attncc.compile(prog.text, tiles=shape[-1])
-    kern.backward = ("auto", "two-pass", "fused")[n % 3]
-    problems = compare_with_oracle(kern, prog, shape, recipe, torch.float32, KERNEL_LIMITS)
-    context = f"shape {shape[:-1]} (B H Hkv N M D), tiles {shape[-1]}, backward {kern.backward}"
-    assert not problems, describe(prog, "kernel differs from the oracle: " + "; ".join(problems) + f"\n{context}")
+    check_cpu_kernel_program(n)
 
 
 EMULATOR_SHAPES = (
