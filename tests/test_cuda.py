@@ -347,6 +347,25 @@ def test_tile_classes_are_prepared_once_per_shape(monkeypatch) -> None:
     assert len(counted) == 4 + 1 + 2  # alibi classified once, each fresh kernel once
 
 
+def test_backward_blocks_whose_keys_no_query_sees_wait_for_their_copies() -> None:
+    """Causal with M > N: no query sees keys beyond N, so their backward blocks skip every
+    query tile; they must still wait for their K/V copies before exiting (on a GPU a copy in
+    flight lands in the shared memory of the SM's next block). The emulator fails a block that
+    exits with copies in flight; found by reading the kernel (issue 14, item 1). Likewise the
+    deterministic dQ kernel's blocks whose query tile sees no key (a batch entry of length 0)
+    with their Q and dO copies (found by the emulator check)."""
+    kern = emulated("causal")
+    result = check(kern, adapt(Shape(1, 2, 1, 20, 100, 32), kern), torch.float16)
+    assert result.ok, result.describe()
+    padding = emulated("padding")
+    padding.deterministic = True
+    q, k, v, _ = make_inputs(padding, Shape(2, 2, 1, 20, 40, 32), torch.float16, requires_grad=True)
+    out = padding(q, k, v, lengths=torch.tensor([0, 9]))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    for grad in (dq, dk, dv):  # batch 0 sees nothing: no gradient reaches it
+        assert torch.equal(grad[0], torch.zeros_like(grad[0])) and torch.isfinite(grad).all()
+
+
 def test_fully_masked_rows_on_the_emulator() -> None:
     kern = emulated("padding")
     q, k, v, _ = make_inputs(kern, Shape(2, 2, 1, 20, 40, 32), torch.float16, requires_grad=False)

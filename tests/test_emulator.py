@@ -62,6 +62,11 @@ __global__ void mixed_collective_kernel(float* out) {
   if (lane_id() == 3) ldmatrix_x4<false>(r, shared_memory<char>());
   else out[0] = shfl_xor(1.0f, 1);
 }
+// A block that exits with a copy in flight (on a GPU it would land in the next block's memory).
+__global__ void exit_with_copy_in_flight_kernel(const f16* src) {
+  cp_async_16(shared_memory<f16>(), src);
+  cp_async_commit();
+}
 extern "C" int bad_kernel(int which, float* out, int s) {
   return run(s, [&] {
     if (which == 0) ATTNCC_LAUNCH(divergent_barrier_kernel, dim3(1), dim3(128), 0, nullptr);
@@ -71,6 +76,7 @@ extern "C" int bad_kernel(int which, float* out, int s) {
     if (which == 4) ATTNCC_LAUNCH(partial_warp_shuffle_kernel, dim3(1, 65536), dim3(32), 0, nullptr, out);
     if (which == 5) ATTNCC_LAUNCH(partial_warp_shuffle_kernel, dim3(0), dim3(32), 0, nullptr, out);
     if (which == 6) ATTNCC_LAUNCH(divergent_barrier_kernel, dim3(1), dim3(1056), 0, nullptr);
+    if (which == 7) ATTNCC_LAUNCH(exit_with_copy_in_flight_kernel, dim3(1), dim3(1), 64, nullptr, reinterpret_cast<const f16*>(out));
   });
 }
 
@@ -83,6 +89,10 @@ __global__ void copy_kernel(const f16* src, float* out) {
   if (kWait) cp_async_wait<0>();
   block_sync();
   out[thread_id()] = to_float(sm[8 * ((thread_id() + 1) % 32)]);
+  if (!kWait) {  // read too early above (after every thread's read); still, no copy may outlive the block
+    block_sync();
+    cp_async_wait<0>();
+  }
 }
 extern "C" int async_copy(const f16* src, float* out, int wait, int s) {
   return run(s, [&] {
@@ -190,6 +200,7 @@ def test_planted_missing_barrier_changes_the_result_between_schedules(emu) -> No
         (4, "invalid launch configuration: grid (1, 65536, 1)"),  # gridDim.y stops at 65535
         (5, "invalid launch configuration: grid (0, 1, 1)"),
         (6, "block (1056, 1, 1)"),  # at most 1024 threads
+        (7, "thread 0 exited with 1 cp.async copies in flight"),
     ],
 )
 def test_kernel_bugs_are_reported_not_aborted(emu, which: int, message: str) -> None:

@@ -180,6 +180,11 @@ inline void fail(const std::string& message) {
 inline void fiber_main() {
   BlockState* b = tls_block;
   b->body();
+  // On a GPU an exited block's shared memory goes to the next block: a copy still in flight
+  // would land in it.
+  if (const size_t pending = b->copies[b->current].size())
+    fail("thread " + std::to_string(b->current) + " exited with " + std::to_string(pending) +
+         " cp.async copies in flight (no cp.async.wait_group covers them)");
   b->fibers[b->current].state = State::kDone;
   yield_to_scheduler();
 }
