@@ -94,7 +94,7 @@ class Kernel:
         self._register()
 
     def _register(self) -> None:
-        self._libraries: dict[str, ctypes.CDLL] = {}
+        self._libraries: dict[str | tuple[str, int], ctypes.CDLL] = {}  # CPU: dtype; CUDA: (dtype, head dim)
         self._lock = threading.Lock()
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         # The op dispatches on this key; one per object, so per-object settings (an emulated
