@@ -1,4 +1,4 @@
-"""The `attncc` command line: compile, explain, check, examples and prebuild.
+"""The `attncc` command line: compile, explain, check, profile, examples and prebuild.
 
 Every user mistake (a DSL error, a missing file, bad input) is printed as one clean message
 and exits with status 1; no traceback.
@@ -263,6 +263,36 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from attncc.runtime.profile import profile, ptxas_registers, report_text, scaled
+
+    if args.target not in GPUS or not args.emulate:
+        raise AttnccError(
+            "profile counts what the CUDA emulator executes: give a GPU target and --emulate "
+            f"(e.g. --target sm80 --emulate); got --target {args.target}{' --emulate' if args.emulate else ''}"
+        )
+    kern = attncc.compile(args.file, args.target, emulate=True)
+    shape = adapt(args.shape, kern)
+    dtype = DTYPES[args.dtype]
+    counts = profile(kern, shape, dtype, backward=not args.forward_only)
+    if args.batch_heads:
+        counts = scaled(counts, shape, *args.batch_heads)
+    storage = str(kern.storage_dtype(dtype)).removeprefix("torch.")
+    assert kern.op.tiling is not None
+    source = kern.cuda_source(storage, kern.op.tiling.for_head_dim(shape.D).head_dim)
+    print(f"// {args.file} at {shape}" + (f", scaled to B x H = {args.batch_heads}" if args.batch_heads else ""))
+    print(report_text(counts, args.target, source, ptxas_registers(kern, dtype, shape.D), top=args.lines))
+    return 0
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        b, h = (int(x) for x in text.split(","))
+        return b, h
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected B,H such as 4,16") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attncc", description="Compile attention variants to fused kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -299,6 +329,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="head dims for GPU targets")
     p.add_argument("-o", "--output", required=True, help="the directory to fill")
     p.set_defaults(fn=cmd_prebuild)
+
+    p = sub.add_parser("profile", help="performance counters of the CUDA kernels on the emulator, roofline estimate")
+    p.add_argument("file")
+    p.add_argument("--target", default="sm80", choices=list(GPUS))
+    p.add_argument("--emulate", action="store_true", help="required: the counters come from the host emulator")
+    p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64), help="B,H,Hkv,N,M,D to emulate")
+    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    p.add_argument("--forward-only", action="store_true")
+    p.add_argument(
+        "--batch-heads", type=_pair, default=None, metavar="B,H",
+        help="estimate for B x H: the emulated sequences' counts repeated (programs whose work is alike per (b, h))",
+    )  # fmt: skip
+    p.add_argument("--lines", type=int, default=8, help="costliest source lines to show per kernel")
+    p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("examples", help="compile, check and time every example")
     p.add_argument("directory", nargs="?", default=str(EXAMPLES_DIR))

@@ -92,4 +92,11 @@ extern "C" int attncc_emulated_backward_grad_bounds(void* const* ptrs, const int
   return emulated(schedule, [&] { return attncc_backward_grad_bounds(ptrs, ints, reals, nullptr); });
 }
 extern "C" const char* attncc_emulator_error() { return last_error.c_str(); }
+// Performance counters (attncc/runtime/profile.py): on() starts counting from zero, off() stops.
+extern "C" void attncc_emulator_profile(int on) { attncc_emu::profile_on(on != 0); }
+extern "C" const char* attncc_emulator_counters() {
+  static std::string text;
+  text = attncc_emu::counters_json();
+  return text.c_str();
+}
 """

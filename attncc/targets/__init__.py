@@ -171,6 +171,43 @@ GPUS = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class GpuRates:
+    """Throughputs of a GPU target's reference part, for the emulator's roofline estimate
+    (attncc/runtime/profile.py). Published figures (datasheets, whitepapers, the CUDA
+    programming guide's throughput table), not measured by attncc; calibrate them on a GPU.
+
+    clock_hz: boost clock; mma_flops_per_sm_clock: dense fp16/bf16 FLOPs per SM and clock that
+    mma.sync reaches (on sm90 about 2/3 of wgmma's peak, FlashAttention-3 paper section 2);
+    ex2_per_sm_clock: special-function unit results; fp32_per_sm_clock: FMA lanes;
+    l2_bytes_per_sm_clock: L2 to SM bandwidth per SM; dram_bytes_per_s: HBM/GDDR bandwidth;
+    shared memory serves one 128-byte wavefront per SM and clock on all of them; the SM runs
+    up to max_threads_per_sm threads in max_blocks_per_sm blocks, a warp on one of 4 sub-partitions
+    (each with its own tensor core and quarter of the SFUs); reserved_shared_per_block: shared
+    memory the runtime keeps per resident block (sm80+).
+    """
+
+    part: str
+    clock_hz: float
+    mma_flops_per_sm_clock: int
+    ex2_per_sm_clock: int
+    fp32_per_sm_clock: int
+    l2_bytes_per_sm_clock: int
+    dram_bytes_per_s: float
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    reserved_shared_per_block: int
+    sub_partitions: int = 4
+
+
+GPU_RATES = {
+    "sm75": GpuRates("Tesla T4", 1.59e9, 1024, 16, 64, 64, 320e9, 1024, 16, 0),
+    "sm80": GpuRates("A100 SXM4 80GB", 1.41e9, 2048, 16, 64, 64, 2039e9, 2048, 32, 1024),
+    "sm86": GpuRates("A40", 1.74e9, 1024, 16, 128, 64, 696e9, 1536, 16, 1024),
+    "sm90": GpuRates("H100 SXM5", 1.83e9, 2731, 16, 128, 64, 3350e9, 2048, 32, 1024),
+}  # fmt: skip
+
+
 def get_target(name: str | Target) -> Target:
     if isinstance(name, Target):
         return name

@@ -21,9 +21,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <functional>
+#include <map>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <unordered_set>
 #include <vector>
 
 // x86-64 uses a hand-written context switch; elsewhere (or with ATTNCC_EMULATE_UCONTEXT) ucontext.
@@ -92,6 +96,170 @@ struct BlockState {
 };
 
 inline thread_local BlockState* tls_block = nullptr;
+
+// ------------------------------------------------------------------------ performance counters
+// With profiling on (`profile_on`), the primitives report every shared- and global-memory
+// access, every mma, ldmatrix, shuffle, exp2 and barrier, with the kernel source line that
+// issued it (`__builtin_LINE()` at the call). Per-lane accesses are grouped into warp requests
+// as a GPU issues them: the lanes of one warp that executed the same operation on the same line
+// for the same n-th time since the warp's last barrier or collective (all lanes pass those
+// together). A request is then costed as Nsight Compute counts it:
+//  - shared memory: 32 banks of 4 bytes; lanes go in phases of 128 / size lanes (32 for
+//    accesses of up to 4 bytes, 16 for 8, 8 for 16; each 8-row matrix of an ldmatrix is one
+//    phase); a phase takes as many wavefronts as the most distinct 4-byte words any one bank
+//    holds among its lanes' bytes (lanes reading the same word share it);
+//  - global memory: the distinct 32-byte sectors the active lanes' bytes touch.
+// Each request also counts its ideal: a wavefront per phase with an active lane, and the
+// sectors its distinct bytes would fill if contiguous and aligned. Per kernel, the distinct
+// sectors of the whole launch (what DRAM must move at least, if L2 kept everything).
+// A lane that skips an instance in divergent code (a tail `if`) shifts its later instances
+// of that line until the next barrier or collective: counts there are approximate.
+enum Op { kOpLdShared, kOpStShared, kOpLdGlobal, kOpStGlobal, kOpAtomicGlobal, kOpCpAsyncGlobal,
+          kOpCpAsyncShared, kOpLdmatrix, kOpMma, kOpShfl, kOpExp2, kOpBarrier, kOpCount };
+inline const char* const kOpNames[kOpCount] = {"ld.shared", "st.shared", "ld.global", "st.global", "atom.global",
+                                               "cp.async.global", "cp.async.shared", "ldmatrix", "mma", "shfl",
+                                               "ex2", "bar.sync"};
+inline bool is_shared(int op) { return op == kOpLdShared || op == kOpStShared || op == kOpCpAsyncShared || op == kOpLdmatrix; }
+inline bool is_global(int op) {
+  return op == kOpLdGlobal || op == kOpStGlobal || op == kOpAtomicGlobal || op == kOpCpAsyncGlobal;
+}
+
+struct SiteCounter {
+  long long requests = 0, lanes = 0, wavefronts = 0, ideal_wavefronts = 0, sectors = 0, ideal_sectors = 0, bytes = 0;
+};
+struct KernelCounters {
+  long long launches = 0, blocks = 0;
+  std::unordered_set<uintptr_t> distinct_sectors;
+  int threads_per_block = 0;
+  size_t shared_bytes = 0;
+  std::map<std::pair<int, int>, SiteCounter> sites;  // (line, op)
+};
+struct Profile {
+  std::map<std::string, KernelCounters> kernels;
+};
+inline Profile*& active_profile() {
+  static Profile* profile = nullptr;
+  return profile;
+}
+inline void profile_on(bool on) {
+  static Profile profile;
+  profile = Profile{};
+  active_profile() = on ? &profile : nullptr;
+}
+
+// One warp request being gathered: lane addresses of one (line, op, occurrence).
+struct PendingRequest {
+  unsigned mask = 0;
+  int bytes = 0;
+  uintptr_t addr[32] = {};
+};
+struct WarpTrace {
+  std::map<std::tuple<int, int, long long>, PendingRequest> pending;  // (line, op, occurrence)
+  std::vector<std::map<std::pair<int, int>, long long>> occurrences = std::vector<std::map<std::pair<int, int>, long long>>(32);
+};
+inline thread_local std::vector<WarpTrace>* tls_traces = nullptr;
+inline thread_local KernelCounters* tls_counters = nullptr;
+
+// Wavefronts of one shared-memory phase: the most distinct 4-byte words in any one bank.
+inline long long phase_wavefronts(const uintptr_t* addr, const bool* active, int lanes, int bytes) {
+  std::vector<uintptr_t> words[32];
+  bool any = false;
+  for (int l = 0; l < lanes; ++l) {
+    if (!active[l]) continue;
+    any = true;
+    for (uintptr_t w = addr[l] / 4; w <= (addr[l] + bytes - 1) / 4; ++w) {
+      auto& bank = words[w % 32];
+      if (std::find(bank.begin(), bank.end(), w) == bank.end()) bank.push_back(w);
+    }
+  }
+  size_t most = any ? 1 : 0;
+  for (auto& bank : words) most = std::max(most, bank.size());
+  return static_cast<long long>(most);
+}
+
+inline void count_request(int line, int op, unsigned mask, int bytes, const uintptr_t* addr) {
+  SiteCounter& c = tls_counters->sites[{line, op}];
+  const int lanes = __builtin_popcount(mask);
+  ++c.requests;
+  c.lanes += lanes;
+  c.bytes += static_cast<long long>(lanes) * bytes;
+  bool active[32];
+  for (int l = 0; l < 32; ++l) active[l] = (mask >> l) & 1u;
+  if (is_shared(op)) {  // an ldmatrix: four 8x8 matrices of 16-byte rows, a phase each
+    const int phase = op == kOpLdmatrix ? 8 : bytes <= 4 ? 32 : 128 / bytes;
+    for (int p = 0; p < 32; p += phase) {
+      const long long wavefronts = phase_wavefronts(addr + p, active + p, phase, op == kOpLdmatrix ? 16 : bytes);
+      c.wavefronts += wavefronts;
+      c.ideal_wavefronts += wavefronts > 0;
+    }
+  } else if (is_global(op)) {
+    std::vector<uintptr_t> sectors, distinct_bytes;
+    for (int l = 0; l < 32; ++l) {
+      if (!active[l]) continue;
+      for (uintptr_t s = addr[l] / 32; s <= (addr[l] + bytes - 1) / 32; ++s)
+        if (std::find(sectors.begin(), sectors.end(), s) == sectors.end()) sectors.push_back(s);
+      for (int i = 0; i < bytes; ++i) distinct_bytes.push_back(addr[l] + i);
+    }
+    std::sort(distinct_bytes.begin(), distinct_bytes.end());
+    const auto unique_bytes = std::unique(distinct_bytes.begin(), distinct_bytes.end()) - distinct_bytes.begin();
+    c.sectors += static_cast<long long>(sectors.size());
+    c.ideal_sectors += (unique_bytes + 31) / 32;
+    tls_counters->distinct_sectors.insert(sectors.begin(), sectors.end());
+  }
+}
+
+// A lane's access (or instruction, for addr == nullptr, bytes == 0); grouped per warp.
+inline void record(int op, const void* addr, int bytes, int line) {
+  if (tls_traces == nullptr) return;
+  const int tid = tls_block->current;
+  WarpTrace& w = (*tls_traces)[tid / kWarpSize];
+  const int lane = tid % kWarpSize;
+  const long long n = w.occurrences[lane][{line, op}]++;
+  PendingRequest& r = w.pending[{line, op, n}];
+  r.mask |= 1u << lane;
+  r.bytes = bytes;
+  r.addr[lane] = reinterpret_cast<uintptr_t>(addr);
+}
+
+// Every lane of warp `w` is at a barrier or collective (or done): its requests are complete.
+inline void flush_warp(int w) {
+  if (tls_traces == nullptr) return;
+  WarpTrace& trace = (*tls_traces)[w];
+  for (auto& [key, r] : trace.pending) count_request(std::get<0>(key), std::get<1>(key), r.mask, r.bytes, r.addr);
+  trace.pending.clear();
+  for (auto& lane : trace.occurrences) lane.clear();
+}
+inline void flush_all_warps() {
+  if (tls_traces == nullptr) return;
+  for (size_t w = 0; w < tls_traces->size(); ++w) flush_warp(int(w));
+}
+
+// The counters as JSON, for attncc/runtime/profile.py.
+inline std::string counters_json() {
+  std::string text = "{";
+  const Profile* profile = active_profile();
+  bool first_kernel = true;
+  for (const auto& [name, k] : profile ? profile->kernels : std::map<std::string, KernelCounters>{}) {
+    text += (first_kernel ? "\"" : ", \"") + name + "\": {\"launches\": " + std::to_string(k.launches) +
+            ", \"blocks\": " + std::to_string(k.blocks) + ", \"threads_per_block\": " +
+            std::to_string(k.threads_per_block) + ", \"shared_bytes\": " + std::to_string(k.shared_bytes) +
+            ", \"distinct_sectors\": " + std::to_string(k.distinct_sectors.size()) +
+            ", \"sites\": [";
+    first_kernel = false;
+    bool first_site = true;
+    for (const auto& [site, c] : k.sites) {
+      text += std::string(first_site ? "" : ", ") + "{\"line\": " + std::to_string(site.first) + ", \"op\": \"" +
+              kOpNames[site.second] + "\", \"requests\": " + std::to_string(c.requests) +
+              ", \"lanes\": " + std::to_string(c.lanes) + ", \"wavefronts\": " + std::to_string(c.wavefronts) +
+              ", \"ideal_wavefronts\": " + std::to_string(c.ideal_wavefronts) + ", \"sectors\": " +
+              std::to_string(c.sectors) + ", \"ideal_sectors\": " + std::to_string(c.ideal_sectors) +
+              ", \"bytes\": " + std::to_string(c.bytes) + "}";
+      first_site = false;
+    }
+    text += "]}";
+  }
+  return text + "}";
+}
 
 // ------------------------------------------------------------------------ context switch
 #if defined(ATTNCC_EMU_ASM_SWITCH)
@@ -199,7 +367,8 @@ inline dim3 thread_idx() {
 inline int lane_id() { return thread_index() % kWarpSize; }
 
 // ------------------------------------------------------------------------ barrier
-inline void syncthreads() {
+inline void syncthreads(int line = 0) {
+  record(kOpBarrier, nullptr, 0, line);
   BlockState* b = tls_block;
   b->fibers[b->current].state = State::kBarrier;
   yield_to_scheduler();
@@ -226,7 +395,7 @@ inline const char* op_name(int op) {
 }
 
 inline void warp_collective(int op, unsigned mask, const uint32_t* in, int n_in, const void* addr, uint32_t* out,
-                            int n_out, Compute compute) {
+                            int n_out, Compute compute, int line = 0) {
   BlockState* b = tls_block;
   const int tid = b->current, lane = tid % kWarpSize, warp = tid / kWarpSize;
   WarpSlot& slot = b->warps[warp];
@@ -247,6 +416,13 @@ inline void warp_collective(int op, unsigned mask, const uint32_t* in, int n_in,
   const unsigned my_generation = slot.generation;
   if (slot.arrived == mask) {
     compute(slot, mask);
+    if (tls_traces != nullptr) {  // every lane has arrived: its requests since the last sync are complete
+      flush_warp(warp);
+      const int counted = op == kLdmatrix || op == kLdmatrixTrans ? kOpLdmatrix : op == kShflXor ? kOpShfl : kOpMma;
+      uintptr_t addresses[kWarpSize];
+      for (int l = 0; l < kWarpSize; ++l) addresses[l] = reinterpret_cast<uintptr_t>(slot.addr[l]);
+      count_request(line, counted, mask, counted == kOpLdmatrix ? 16 : 0, addresses);
+    }
     slot.arrived = 0;
     slot.op = -1;
     ++slot.generation;
@@ -261,7 +437,9 @@ inline void warp_collective(int op, unsigned mask, const uint32_t* in, int n_in,
 }
 
 // ------------------------------------------------------------------------ cp.async
-inline void cp_async(void* dst_shared, const void* src_global, int bytes) {
+inline void cp_async(void* dst_shared, const void* src_global, int bytes, int line = 0) {
+  record(kOpCpAsyncGlobal, src_global, bytes, line);
+  record(kOpCpAsyncShared, dst_shared, bytes, line);
   BlockState* b = tls_block;
   PendingCopy copy{dst_shared, std::vector<unsigned char>(bytes), b->committed[b->current]};
   std::memcpy(copy.bytes.data(), src_global, bytes);  // the source is read at issue
@@ -346,8 +524,12 @@ inline std::string run_block(BlockState& b, Schedule schedule) {
       done += f.state == State::kDone;
       in_collective += f.state == State::kCollective;
     }
-    if (done == n) return "";
+    if (done == n) {
+      flush_all_warps();
+      return "";
+    }
     if (at_barrier > 0 && at_barrier + in_collective == n && in_collective == 0) {
+      flush_all_warps();  // every thread is at the barrier: its requests since the last sync are complete
       for (Fiber& f : b.fibers) f.state = State::kReady;
       continue;
     }
@@ -372,9 +554,10 @@ inline Schedule& current_schedule() {
   return schedule;
 }
 
-// Runs `kernel()` for every block of the grid, blocks one after another.
+// Runs `kernel()` for every block of the grid, blocks one after another; `name` labels its
+// performance counters.
 template <typename Kernel>
-void launch(dim3 grid, dim3 block, size_t smem_bytes, Kernel kernel) {
+void launch(const char* name, dim3 grid, dim3 block, size_t smem_bytes, Kernel kernel) {
   // The CUDA runtime's limits on a launch configuration: a kernel that relies on more fails on
   // a GPU (cudaErrorInvalidConfiguration), so it fails here too.
   const bool grid_ok = grid.x >= 1 && grid.x <= 0x7fffffffu && grid.y >= 1 && grid.y <= 65535 && grid.z >= 1 &&
@@ -397,6 +580,24 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, Kernel kernel) {
   b.body = [&kernel]() { kernel(); };
   BlockState* saved = tls_block;
   tls_block = &b;
+  std::vector<WarpTrace> traces(b.warps.size());
+  if (Profile* profile = active_profile()) {
+    KernelCounters& k = profile->kernels[name];
+    ++k.launches;
+    k.blocks += 1ll * grid.x * grid.y * grid.z;
+    k.threads_per_block = b.threads;
+    k.shared_bytes = smem_bytes;
+    tls_counters = &k;
+    tls_traces = &traces;
+  }
+  struct Restore {  // also when a kernel bug ends the launch
+    BlockState* saved;
+    ~Restore() {
+      tls_block = saved;
+      tls_traces = nullptr;
+      tls_counters = nullptr;
+    }
+  } restore{saved};
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
@@ -414,12 +615,10 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, Kernel kernel) {
         }
         const std::string error = run_block(b, current_schedule());
         if (!error.empty()) {
-          tls_block = saved;
           throw EmulationError("block (" + std::to_string(x) + ", " + std::to_string(y) + ", " + std::to_string(z) +
                                "): " + error);
         }
       }
-  tls_block = saved;
 }
 
 }  // namespace attncc_emu

@@ -47,6 +47,17 @@ typedef void* cudaStream_t;
 #include <cstdio>
 #endif
 
+// The emulator's performance counters attribute each operation to the kernel source line that
+// issued it: under ATTNCC_EMULATE every primitive takes that line as a defaulted last argument
+// (ATTNCC_SITE; a primitive calling another passes it on with ATTNCC_AT_SITE). nvcc sees neither.
+#if defined(ATTNCC_EMULATE)
+#define ATTNCC_SITE , int line = __builtin_LINE()
+#define ATTNCC_AT_SITE , line
+#else
+#define ATTNCC_SITE
+#define ATTNCC_AT_SITE
+#endif
+
 namespace attncc {
 
 // ------------------------------------------------------------------------------ types
@@ -64,6 +75,7 @@ template <> inline f16 from_float<f16>(float f) { return f16{float_to_fp16_bits(
 template <> inline float from_float<float>(float f) { return f; }
 inline uint16_t bits_of(f16 x) { return x.bits; }
 inline uint16_t bits_of(bf16 x) { return x.bits; }
+struct alignas(8) f32x2 { float x, y; };  // CUDA's float2
 #else
 using f16 = __half;
 using bf16 = __nv_bfloat16;
@@ -76,6 +88,7 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float f) { return _
 template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
 __device__ __forceinline__ uint16_t bits_of(f16 x) { return __half_as_ushort(x); }
 __device__ __forceinline__ uint16_t bits_of(bf16 x) { return __bfloat16_as_ushort(x); }
+using f32x2 = float2;
 #endif
 
 // Two floats rounded to T and packed low-first into one 32-bit register (an mma operand pair).
@@ -91,7 +104,7 @@ __device__ __forceinline__ int warp_id() { return int(threadIdx.x) >> 5; }
 
 #if defined(ATTNCC_EMULATE)
 template <typename T> inline T* shared_memory() { return reinterpret_cast<T*>(attncc_emu::tls_block->smem); }
-inline void block_sync() { attncc_emu::syncthreads(); }
+inline void block_sync(int line = __builtin_LINE()) { attncc_emu::syncthreads(line); }
 #else
 template <typename T> __device__ __forceinline__ T* shared_memory() {
   extern __shared__ __align__(16) unsigned char attncc_shared[];
@@ -99,6 +112,38 @@ template <typename T> __device__ __forceinline__ T* shared_memory() {
 }
 __device__ __forceinline__ void block_sync() { __syncthreads(); }
 #endif
+
+// ------------------------------------------------------------------------------ memory
+// Plain loads and stores of shared and global memory (1 to 16 bytes per lane). On a GPU they
+// are ordinary accesses; on the emulator they are also counted (bank conflicts, sectors).
+template <typename T>
+__device__ __forceinline__ T ld_shared(const T* address ATTNCC_SITE) {
+#if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpLdShared, address, int(sizeof(T)), line);
+#endif
+  return *address;
+}
+template <typename T>
+__device__ __forceinline__ void st_shared(T* address, T value ATTNCC_SITE) {
+#if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpStShared, address, int(sizeof(T)), line);
+#endif
+  *address = value;
+}
+template <typename T>
+__device__ __forceinline__ T ld_global(const T* address ATTNCC_SITE) {
+#if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpLdGlobal, address, int(sizeof(T)), line);
+#endif
+  return *address;
+}
+template <typename T>
+__device__ __forceinline__ void st_global(T* address, T value ATTNCC_SITE) {
+#if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpStGlobal, address, int(sizeof(T)), line);
+#endif
+  *address = value;
+}
 
 // ------------------------------------------------------------------------------ emulated collectives
 #if defined(ATTNCC_EMULATE)
@@ -166,10 +211,10 @@ inline void shfl_xor_compute(attncc_emu::WarpSlot& s, unsigned) {
 
 // ------------------------------------------------------------------------------ warp primitives
 // Butterfly exchange over the full warp: lane l gets lane (l ^ lane_mask)'s value.
-__device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
   uint32_t in[2] = {float_to_bits(v), uint32_t(lane_mask)}, out;
-  attncc_emu::warp_collective(emu_ops::kShflXor, 0xffffffffu, in, 2, nullptr, &out, 1, emu_ops::shfl_xor_compute);
+  attncc_emu::warp_collective(emu_ops::kShflXor, 0xffffffffu, in, 2, nullptr, &out, 1, emu_ops::shfl_xor_compute, line);
   return bits_to_float(out);
 #else
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);
@@ -177,11 +222,11 @@ __device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
 }
 
 // c[0..3] += A (16x8, 2 regs) . B (8x8, 1 reg): fp16 inputs, fp32 accumulation (sm_75+).
-__device__ __forceinline__ void mma_m16n8k8_f16(float c[4], const uint32_t a[2], uint32_t b) {
+__device__ __forceinline__ void mma_m16n8k8_f16(float c[4], const uint32_t a[2], uint32_t b ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
   uint32_t in[7] = {a[0], a[1], b, float_to_bits(c[0]), float_to_bits(c[1]), float_to_bits(c[2]), float_to_bits(c[3])};
   uint32_t out[4];
-  attncc_emu::warp_collective(emu_ops::kMmaF16K8, 0xffffffffu, in, 7, nullptr, out, 4, emu_ops::mma_compute<f16, 8>);
+  attncc_emu::warp_collective(emu_ops::kMmaF16K8, 0xffffffffu, in, 7, nullptr, out, 4, emu_ops::mma_compute<f16, 8>, line);
   for (int i = 0; i < 4; ++i) c[i] = bits_to_float(out[i]);
 #else
   asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
@@ -192,19 +237,19 @@ __device__ __forceinline__ void mma_m16n8k8_f16(float c[4], const uint32_t a[2],
 
 // c[0..3] += A (16x16, 4 regs) . B (16x8, 2 regs): fp16/bf16 inputs, fp32 accumulation.
 template <typename T>
-__device__ __forceinline__ void mma_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+__device__ __forceinline__ void mma_m16n8k16(float c[4], const uint32_t a[4], const uint32_t b[2] ATTNCC_SITE) {
 #if ATTNCC_ARCH < 80
   // Turing: k = 0..7 are A registers 0, 1 and B register 0; k = 8..15 are A 2, 3 and B 1.
   static_assert(std::is_same<T, f16>::value, "sm_75 tensor cores take fp16, not bf16");
-  mma_m16n8k8_f16(c, a, b[0]);
-  mma_m16n8k8_f16(c, a + 2, b[1]);
+  mma_m16n8k8_f16(c, a, b[0] ATTNCC_AT_SITE);
+  mma_m16n8k8_f16(c, a + 2, b[1] ATTNCC_AT_SITE);
 #elif defined(ATTNCC_EMULATE)
   uint32_t in[10] = {a[0], a[1], a[2], a[3], b[0], b[1], float_to_bits(c[0]), float_to_bits(c[1]), float_to_bits(c[2]), float_to_bits(c[3])};
   uint32_t out[4];
   if constexpr (std::is_same<T, bf16>::value) {
-    attncc_emu::warp_collective(emu_ops::kMmaBf16, 0xffffffffu, in, 10, nullptr, out, 4, emu_ops::mma_compute<bf16, 16>);
+    attncc_emu::warp_collective(emu_ops::kMmaBf16, 0xffffffffu, in, 10, nullptr, out, 4, emu_ops::mma_compute<bf16, 16>, line);
   } else {
-    attncc_emu::warp_collective(emu_ops::kMmaF16, 0xffffffffu, in, 10, nullptr, out, 4, emu_ops::mma_compute<f16, 16>);
+    attncc_emu::warp_collective(emu_ops::kMmaF16, 0xffffffffu, in, 10, nullptr, out, 4, emu_ops::mma_compute<f16, 16>, line);
   }
   for (int i = 0; i < 4; ++i) c[i] = bits_to_float(out[i]);
 #else
@@ -222,10 +267,10 @@ __device__ __forceinline__ void mma_m16n8k16(float c[4], const uint32_t a[4], co
 
 // Four 8x8 b16 matrices from shared memory; lanes 8m..8m+7 give the row addresses of matrix m.
 template <bool Trans>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row_address) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row_address ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
   attncc_emu::warp_collective(Trans ? emu_ops::kLdmatrixTrans : emu_ops::kLdmatrix, 0xffffffffu, nullptr, 0, row_address, r, 4,
-                              emu_ops::ldmatrix_compute<Trans>);
+                              emu_ops::ldmatrix_compute<Trans>, line);
 #else
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(row_address));
   if constexpr (Trans) {
@@ -241,13 +286,15 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row_addre
 // ------------------------------------------------------------------------------ async copies
 // 16 bytes global -> shared without registers; lands at cp_async_wait. sm_75 has no cp.async:
 // there the copy is synchronous and commit/wait do nothing (the barrier after them remains).
-__device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global_src) {
+__device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global_src ATTNCC_SITE) {
 #if ATTNCC_ARCH < 80 && defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpLdGlobal, global_src, 16, line);  // a load and a store on Turing
+  attncc_emu::record(attncc_emu::kOpStShared, shared_dst, 16, line);
   std::memcpy(shared_dst, global_src, 16);
 #elif ATTNCC_ARCH < 80
   *static_cast<uint4*>(shared_dst) = *static_cast<const uint4*>(global_src);
 #elif defined(ATTNCC_EMULATE)
-  attncc_emu::cp_async(shared_dst, global_src, 16);
+  attncc_emu::cp_async(shared_dst, global_src, 16, line);
 #else
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global_src));
@@ -296,40 +343,45 @@ __device__ __forceinline__ int64_t pymod(int64_t a, int64_t b) {
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
+__device__ __forceinline__ float fast_exp2(float x ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpExp2, nullptr, 0, line);
   return std::exp2(x);
 #else
   return exp2f(x);
 #endif
 }
 
-__device__ __forceinline__ void atomic_add(float* address, float value) {
+__device__ __forceinline__ void atomic_add(float* address, float value ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, int(sizeof(*address)), line);
   *address += value;  // fibers of a block never run concurrently; blocks run one by one
 #else
   atomicAdd(address, value);
 #endif
 }
 
-__device__ __forceinline__ void atomic_add(int64_t* address, int64_t value) {  // wraps as two's complement
+__device__ __forceinline__ void atomic_add(int64_t* address, int64_t value ATTNCC_SITE) {  // wraps as two's complement
 #if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, int(sizeof(*address)), line);
   *address = int64_t(uint64_t(*address) + uint64_t(value));
 #else
   atomicAdd(reinterpret_cast<unsigned long long*>(address), static_cast<unsigned long long>(value));
 #endif
 }
 
-__device__ __forceinline__ void atomic_max(int32_t* address, int32_t value) {
+__device__ __forceinline__ void atomic_max(int32_t* address, int32_t value ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, int(sizeof(*address)), line);
   if (value > *address) *address = value;
 #else
   atomicMax(address, value);
 #endif
 }
 
-__device__ __forceinline__ void atomic_or(int32_t* address, int32_t value) {
+__device__ __forceinline__ void atomic_or(int32_t* address, int32_t value ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, int(sizeof(*address)), line);
   *address |= value;
 #else
   atomicOr(address, value);
@@ -360,7 +412,7 @@ __device__ __forceinline__ int32_t float_bits(float value) {
 
 #if defined(ATTNCC_EMULATE)
 #define ATTNCC_LAUNCH(kernel, grid, block, smem, stream, ...) \
-  attncc_emu::launch(grid, block, smem, [&]() { kernel(__VA_ARGS__); })
+  attncc_emu::launch(#kernel, grid, block, smem, [&]() { kernel(__VA_ARGS__); })
 #else
 namespace attncc {
 // What the CUDA runtime said when it refused a launch (read through attncc_cuda_error()).

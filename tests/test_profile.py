@@ -1,0 +1,263 @@
+"""The emulator's performance counters, exact against hand-computed counts, and the estimate.
+
+Planted layouts (bank conflicts, uncoalesced and misaligned accesses) run as hand-written
+kernels on the emulator; a generated forward kernel's counts are derived by hand from its
+tiles; the occupancy and roofline arithmetic is checked on made-up counts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+import attncc
+from attncc.cli import main
+from attncc.runtime.build import build_library, load_library
+from attncc.runtime.inputs import Shape
+from attncc.runtime.profile import KernelCounts, Site, blocks_per_sm, estimate, parse_counters, profile, scaled
+from tests.conftest import ROOT
+
+HARNESS = r"""
+#define ATTNCC_EMULATE 1
+#include "attncc/cuda/primitives.cuh"
+using namespace attncc;
+
+// Each kernel is one warp (or two) doing one thing per source line; the test finds the lines
+// by their LINE markers.
+__global__ void shared_layouts(float* global) {
+  float* sm = shared_memory<float>();
+  const int lane = lane_id();
+  st_shared(sm + lane * 32, 1.0f);  // LINE column: every lane in bank 0
+  st_shared(sm + lane, 1.0f);  // LINE row: conflict-free
+  st_shared(sm + lane * 2, 1.0f);  // LINE stride2: two words per bank
+  const float b = ld_shared(sm + 0);  // LINE broadcast: one word for all
+  f32x2* pairs = reinterpret_cast<f32x2*>(sm);
+  st_shared(pairs + lane, f32x2{b, b});  // LINE pairs: two phases of 16 lanes
+  st_shared(pairs + lane * 8, f32x2{b, b});  // LINE pairs_strided: 8 words per bank and phase
+  if (lane < 16) st_shared(sm + 64 + lane, b);  // LINE half: 16 lanes active
+  for (int i = 0; i < 4; ++i) st_shared(sm + 32 * i + lane, b);  // LINE loop: four requests
+  block_sync();
+  st_global(global + lane, b);
+}
+
+__global__ void matrices(const uint16_t* global) {
+  uint16_t* sm = shared_memory<uint16_t>();
+  const int lane = lane_id();
+  uint32_t r[4];
+  ldmatrix_x4<false>(r, sm + lane * 64);  // LINE ldmatrix_unpadded: rows 128 B apart
+  ldmatrix_x4<false>(r, sm + lane * 72);  // LINE ldmatrix_padded: rows 144 B apart
+  cp_async_16(sm + lane * 8, global + lane * 8);  // LINE copy: 512 contiguous bytes
+  cp_async_16(sm + 4096 + lane * 64, global + lane * 64);  // LINE copy_strided: 128 B apart
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
+__global__ void global_patterns(float* global) {
+  const int lane = lane_id();
+  float v = ld_global(global + lane);  // LINE coalesced: 128 aligned bytes
+  v += ld_global(global + lane + 1);  // LINE misaligned: 128 bytes over five sectors
+  v += ld_global(global + lane * 32);  // LINE scattered: a sector per lane
+  v += ld_global(global + 7);  // LINE uniform: one word for all
+  atomic_add(global + 2048 + lane, v);  // LINE atomics: one per lane
+  atomic_add(global + 4096, v);  // LINE same_address: one word
+}
+
+__global__ void instructions(float* global) {
+  const int lane = lane_id();
+  float c[4] = {0, 0, 0, 0};
+  const uint32_t a[4] = {0, 0, 0, 0}, bb[2] = {0, 0};
+  mma_m16n8k16<f16>(c, a, bb);  // LINE mma: instruction
+  float x = shfl_xor(c[0] + float(lane), 1);  // LINE shfl: instruction
+  x = fast_exp2(x);  // LINE ex2: instruction
+  if (lane < 8) x = fast_exp2(x);  // LINE ex2_divergent: instruction
+  block_sync();  // LINE barrier: every warp
+  st_global(global + thread_id(), x);
+}
+
+extern "C" void profile(int on) { attncc_emu::profile_on(on != 0); }
+extern "C" const char* counters() {
+  static std::string text;
+  text = attncc_emu::counters_json();
+  return text.c_str();
+}
+extern "C" void run(int which, void* global) {
+  if (which == 0) ATTNCC_LAUNCH(shared_layouts, dim3(1), dim3(32), 4096, nullptr, static_cast<float*>(global));
+  if (which == 1) ATTNCC_LAUNCH(matrices, dim3(1), dim3(32), 16384, nullptr, static_cast<const uint16_t*>(global));
+  if (which == 2) ATTNCC_LAUNCH(global_patterns, dim3(1), dim3(32), 0, nullptr, static_cast<float*>(global));
+  if (which == 3) ATTNCC_LAUNCH(instructions, dim3(3), dim3(64), 0, nullptr, static_cast<float*>(global));
+}
+"""
+
+
+def line_of(marker: str) -> int:
+    """The harness line whose comment says `LINE marker:`."""
+    found = [n for n, text in enumerate(HARNESS.splitlines(), 1) if f"// LINE {marker}:" in text]
+    assert len(found) == 1, marker
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def harness() -> ctypes.CDLL:
+    lib = load_library(build_library(HARNESS, "emulator-profile-test"))
+    lib.counters.restype = ctypes.c_char_p
+    return lib
+
+
+def counted(lib: ctypes.CDLL, which: int) -> KernelCounts:
+    storage = torch.zeros((1 << 16) + 128, dtype=torch.float32)
+    memory = storage[(-storage.data_ptr() % 512) // 4 :]  # 512-byte aligned: sector counts are exact
+    assert memory.data_ptr() % 512 == 0
+    lib.profile(1)
+    try:
+        lib.run(which, ctypes.c_void_p(memory.data_ptr()))
+        (counts,) = parse_counters(lib.counters().decode()).values()
+    finally:
+        lib.profile(0)
+    return counts
+
+
+def site(counts: KernelCounts, marker: str, op: str) -> Site:
+    (found,) = [s for s in counts.sites if s.line == line_of(marker) and s.op == op]
+    return found
+
+
+def test_shared_memory_bank_conflicts_are_counted_exactly(harness: ctypes.CDLL) -> None:
+    k = counted(harness, 0)
+    expected = {  # marker: (requests, lanes, wavefronts, ideal wavefronts)
+        "column": (1, 32, 32, 1),
+        "row": (1, 32, 1, 1),
+        "stride2": (1, 32, 2, 1),
+        "pairs": (1, 32, 2, 2),
+        "pairs_strided": (1, 32, 16, 2),  # lane l: words 16 l, 16 l + 1: banks 0, 1 or 16, 17, 8 lanes each
+        "half": (1, 16, 1, 1),
+        "loop": (4, 128, 4, 4),
+    }
+    for marker, (requests, lanes, wavefronts, ideal) in expected.items():
+        s = site(k, marker, "st.shared")
+        assert (s.requests, s.lanes, s.wavefronts, s.ideal_wavefronts) == (requests, lanes, wavefronts, ideal), marker
+    b = site(k, "broadcast", "ld.shared")
+    assert (b.requests, b.wavefronts, b.bytes) == (1, 1, 128)
+    assert (k.launches, k.blocks, k.threads_per_block, k.shared_bytes) == (1, 1, 32, 4096)
+
+
+def test_ldmatrix_and_async_copies_are_counted_exactly(harness: ctypes.CDLL) -> None:
+    k = counted(harness, 1)
+    unpadded, padded = site(k, "ldmatrix_unpadded", "ldmatrix"), site(k, "ldmatrix_padded", "ldmatrix")
+    # 8 rows of 16 bytes per matrix: 128 B apart they all sit in banks 0-3 (8 words each)
+    assert (unpadded.wavefronts, unpadded.ideal_wavefronts) == (32, 4)
+    assert (padded.wavefronts, padded.ideal_wavefronts) == (4, 4)
+    copy_shared, copy_global = site(k, "copy", "cp.async.shared"), site(k, "copy", "cp.async.global")
+    assert (copy_shared.wavefronts, copy_shared.ideal_wavefronts) == (4, 4)
+    assert (copy_global.sectors, copy_global.ideal_sectors, copy_global.bytes) == (16, 16, 512)
+    strided_shared, strided_global = (
+        site(k, "copy_strided", "cp.async.shared"),
+        site(k, "copy_strided", "cp.async.global"),
+    )
+    assert (strided_shared.wavefronts, strided_shared.ideal_wavefronts) == (32, 4)  # 8 lanes per phase in banks 0-3
+    assert (strided_global.sectors, strided_global.ideal_sectors) == (32, 16)
+    # distinct sectors of the launch: 16 of the first copy, 32 of the second (sectors 0, 4, 8, 12 in both)
+    assert k.distinct_sectors == 16 + 32 - 4
+
+
+def test_global_sectors_are_counted_exactly(harness: ctypes.CDLL) -> None:
+    k = counted(harness, 2)
+    expected = {  # marker: (op, sectors, ideal sectors)
+        "coalesced": ("ld.global", 4, 4),
+        "misaligned": ("ld.global", 5, 4),
+        "scattered": ("ld.global", 32, 4),
+        "uniform": ("ld.global", 1, 1),
+        "atomics": ("atom.global", 4, 4),
+        "same_address": ("atom.global", 1, 1),
+    }
+    for marker, (op, sectors, ideal) in expected.items():
+        s = site(k, marker, op)
+        assert (s.requests, s.sectors, s.ideal_sectors) == (1, sectors, ideal), marker
+
+
+def test_instructions_are_counted_per_warp(harness: ctypes.CDLL) -> None:
+    k = counted(harness, 3)  # 3 blocks of 2 warps
+    assert (k.blocks, k.threads_per_block) == (3, 64)
+    for marker, op, requests, lanes in (
+        ("mma", "mma", 6, 192),
+        ("shfl", "shfl", 6, 192),
+        ("ex2", "ex2", 6, 192),
+        ("ex2_divergent", "ex2", 6, 48),
+        ("barrier", "bar.sync", 6, 192),
+    ):
+        s = site(k, marker, op)
+        assert (s.requests, s.lanes) == (requests, lanes), marker
+
+
+def test_a_generated_forward_counts_what_its_tiles_imply() -> None:
+    """vanilla at N = M = D = 64 on sm80: one block of 4 warps, one key tile, no split."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", "sm80", emulate=True)
+    counts = profile(kern, Shape(1, 1, 1, 64, 64, 64), torch.float16, backward=False)
+    assert set(counts) == {"attention_forward"}
+    k = counts["attention_forward"]
+    assert (k.blocks, k.threads_per_block) == (1, 128)
+    warps = 4
+    per_warp = {
+        "ldmatrix": 4 + 16 + 16,  # Q: D/16; K: (D/16) x (Bc/16); V: (Bc/16) x (D/16)
+        "mma": 2 * 16 + 2 * 16,  # two n8 halves per 16x16 block of S = QK^T and of O = PV
+        "cp.async.shared": 3 * 64 * 8 // 128,  # Q, K, V: 64 rows of 8 16-byte chunks over 128 threads
+        "ex2": 2 * (1 + 8 * 2),  # per row pair: alpha, then 8 key blocks x 2 scores
+        "shfl": 2 * 4,  # max and sum over the quad, per row pair
+        "bar.sync": 3,  # Q landed; per key tile: buffer free, tile landed
+        "st.global": 2 * 8 * 2 + 2,  # O: 2 rows x 8 column blocks x 2; lse: 2 rows (lanes t = 0)
+    }
+    for op, n in per_warp.items():
+        assert k.warp_instructions(op) == warps * n, op
+    ldmatrix = sum(s.wavefronts for s in k.sites if s.op == "ldmatrix")
+    assert ldmatrix == warps * 36 * 4  # rows padded to 72 halves: every ldmatrix conflict-free
+    copies = [s for s in k.sites if s.op == "cp.async.global"]
+    assert sum(s.sectors for s in copies) == 3 * 64 * 64 * 2 // 32  # Q, K, V read once, whole sectors
+    # O is stored 2 bytes per lane, 8 rows x 4 lanes per request: 8 sectors for 64 bytes
+    (out_store,) = [s for s in k.sites if s.op == "st.global" and s.lanes == 32 * s.requests]
+    assert out_store.sectors == 8 * out_store.requests and out_store.ideal_sectors == 2 * out_store.requests
+
+
+def test_backward_accumulators_are_free_of_bank_conflicts() -> None:
+    """dK and dV accumulate in fp32 shared memory as float2 per lane (XOR-swizzled rows): the
+    minimum of 2 wavefronts per request; unswizzled rows of D floats give 8 per request."""
+    kern = attncc.compile(ROOT / "examples" / "causal.attn", "sm80", emulate=True)
+    for d in (64, 48):  # rows of 64 floats (swizzle by row % 4) and of 48 (by row / 2 % 2)
+        k = profile(kern, Shape(1, 1, 1, 80, 80, d), torch.bfloat16)["attention_backward"]
+        pairs = [s for s in k.sites if s.op in ("ld.shared", "st.shared") and s.bytes == 8 * s.lanes]
+        assert len(pairs) == 2 and all(s.requests > 0 for s in pairs)
+        assert all(s.wavefronts == s.ideal_wavefronts == 2 * s.requests for s in pairs), pairs
+
+
+def test_occupancy_follows_the_calculator_rules() -> None:
+    # A100: 164 KiB shared memory per SM, 1 KiB reserved per block
+    assert blocks_per_sm(128, 87040, 204, "sm80") == (1, "shared memory")
+    assert blocks_per_sm(128, 40000, 204, "sm80") == (2, "registers")  # 204 -> 6656 per warp, 4 warps
+    assert blocks_per_sm(128, 0, 16, "sm80") == (16, "threads")
+    assert blocks_per_sm(32, 0, 16, "sm80") == (32, "blocks")
+
+
+def test_estimate_takes_the_largest_term() -> None:
+    mma = Site(1, "mma", 108 * 4 * 1000, 108 * 4 * 1000 * 32, 0, 0, 0, 0, 0)
+    lds = Site(2, "ldmatrix", 108 * 4 * 100, 0, 108 * 4 * 100 * 8, 108 * 4 * 100 * 4, 0, 0, 0)
+    counts = KernelCounts("k", 1, 108, 128, 1024, 1000, (mma, lds))
+    est = estimate(counts, "sm80", registers=64)
+    # one block per SM, 4 warps: 4000 mma x 4096 FLOP at 2048 FLOP per clock at 1.41 GHz
+    assert est.terms["tensor"] == pytest.approx(4000 * 4096 / 2048 / 1.41e9)
+    assert est.terms["shared memory"] == pytest.approx(4 * 100 * 8 / 1.41e9)
+    assert est.terms["DRAM"] == pytest.approx(32000 / 2039e9)
+    assert est.bound == "tensor" and est.seconds == est.terms["tensor"]
+    # 8 warps' worth of blocks on half the SMs: the grid leaves most SMs idle
+    assert estimate(KernelCounts("k", 1, 20, 128, 1024, 1000, (mma, lds)), "sm80", 64).bound == "latency/occupancy"
+    doubled = scaled({"k": counts}, Shape(1, 1, 1, 64, 64, 64), 2, 1)["k"]
+    assert (doubled.blocks, doubled.sites[0].requests, doubled.distinct_sectors) == (216, 2 * mma.requests, 2000)
+
+
+def test_profile_command(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(ROOT / "examples" / "causal.attn")
+    assert main(["profile", path, "--target", "sm80", "--emulate", "--shape", "1,1,1,64,64,64", "--lines", "3"]) == 0
+    text = capsys.readouterr().out
+    for expected in ("attention_forward:", "attention_backward:", "per warp: mma", "bound:", "line "):
+        assert expected in text
+    assert main(["profile", path, "--target", "sm80"]) == 1
+    assert "--emulate" in capsys.readouterr().err
