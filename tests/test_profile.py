@@ -14,9 +14,12 @@ import torch
 
 import attncc
 from attncc.cli import main
+from attncc.ir.graph import fused_node
+from attncc.passes.roofline import MMA_FLOPS, Work, blocks_per_sm, estimate, forward_work
+from attncc.passes.tiling import Q_IN_REGISTERS_MAX_HEAD_DIM
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.inputs import Shape
-from attncc.runtime.profile import KernelCounts, Site, blocks_per_sm, estimate, parse_counters, profile, scaled
+from attncc.runtime.profile import KernelCounts, Site, parse_counters, profile, scaled
 from tests.conftest import ROOT
 
 HARNESS = r"""
@@ -191,8 +194,8 @@ def test_instructions_are_counted_per_warp(harness: ctypes.CDLL) -> None:
 
 
 def test_a_generated_forward_counts_what_its_tiles_imply() -> None:
-    """vanilla at N = M = D = 64 on sm80: one block of 4 warps, one key tile, no split."""
-    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", "sm80", emulate=True)
+    """vanilla at N = M = D = 64 on sm80 with 64 x 64 tiles: one block of 4 warps, one key tile."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", "sm80", tiles=(64, 64), emulate=True)
     counts = profile(kern, Shape(1, 1, 1, 64, 64, 64), torch.float16, backward=False)
     assert set(counts) == {"attention_forward"}
     k = counts["attention_forward"]
@@ -241,16 +244,62 @@ def test_estimate_takes_the_largest_term() -> None:
     mma = Site(1, "mma", 108 * 4 * 1000, 108 * 4 * 1000 * 32, 0, 0, 0, 0, 0)
     lds = Site(2, "ldmatrix", 108 * 4 * 100, 0, 108 * 4 * 100 * 8, 108 * 4 * 100 * 4, 0, 0, 0)
     counts = KernelCounts("k", 1, 108, 128, 1024, 1000, (mma, lds))
-    est = estimate(counts, "sm80", registers=64)
+    work = counts.work("sm80")
+    assert (work.mma_flops, work.shared_wavefronts, work.dram_bytes) == (
+        mma.requests * MMA_FLOPS,
+        lds.wavefronts,
+        32000,
+    )
+    est = estimate(work, "sm80", registers=64)
     # one block per SM, 4 warps: 4000 mma x 4096 FLOP at 2048 FLOP per clock at 1.41 GHz
     assert est.terms["tensor"] == pytest.approx(4000 * 4096 / 2048 / 1.41e9)
     assert est.terms["shared memory"] == pytest.approx(4 * 100 * 8 / 1.41e9)
     assert est.terms["DRAM"] == pytest.approx(32000 / 2039e9)
     assert est.bound == "tensor" and est.seconds == est.terms["tensor"]
-    # 8 warps' worth of blocks on half the SMs: the grid leaves most SMs idle
-    assert estimate(KernelCounts("k", 1, 20, 128, 1024, 1000, (mma, lds)), "sm80", 64).bound == "latency/occupancy"
+    # one warp per block on 108 SMs: 1 of 4 sub-partitions' tensor cores works
+    one_warp = Work(108, 32, 1024, 108 * 1000 * 4096, 0, 0, 0, 0)
+    assert estimate(one_warp, "sm80").terms["tensor"] == pytest.approx(4 * 1000 * 4096 / 2048 / 1.41e9)
+    # 20 blocks: the grid leaves most SMs idle
+    assert estimate(KernelCounts("k", 1, 20, 128, 1024, 1000, (mma, lds)).work("sm80"), "sm80", 64).bound == (
+        "latency/occupancy"
+    )
     doubled = scaled({"k": counts}, Shape(1, 1, 1, 64, 64, 64), 2, 1)["k"]
     assert (doubled.blocks, doubled.sites[0].requests, doubled.distinct_sectors) == (216, 2 * mma.requests, 2000)
+
+
+@pytest.mark.parametrize(
+    ("arch", "shape"),
+    [
+        ("sm80", Shape(1, 2, 1, 256, 256, 64)),
+        ("sm90", Shape(2, 1, 1, 256, 192, 128)),
+        ("sm86", Shape(1, 1, 1, 128, 256, 32)),
+    ],
+)
+def test_the_tiling_pass_cost_model_counts_what_the_emulator_counts(arch: str, shape: Shape) -> None:
+    """passes/roofline.py `forward_work` (the tiling pass's model of the forward) against the
+    emulator's counters of the generated kernel, at shapes whose N and M are multiples of the
+    plan's tiles (128 x 128, 128 x 64, 64 x 128): every modelled quantity exactly."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", arch, emulate=True)
+    kern.kv_splits = 1  # the model is of the unsplit forward
+    plan = fused_node(kern.graph)[1].tiling.for_head_dim(shape.D)
+    assert shape.N % plan.block_rows == 0 and shape.M % plan.block_cols == 0
+    measured = profile(kern, shape, torch.bfloat16, backward=False)["attention_forward"].work(arch)
+    model = forward_work(shape.D, plan.block_rows, plan.block_cols, shape, shape.D <= Q_IN_REGISTERS_MAX_HEAD_DIM)
+    assert measured == model
+
+
+def test_the_forward_tiles_follow_the_roofline() -> None:
+    """On sm80 the 16-row warps make the forward shared-memory bound at every tile (an
+    ldmatrix.x4, 4 wavefronts, feeds two mma, 4 clocks of tensor work); 128-row blocks halve
+    the L2 traffic for K and V: the pass takes Br = 128, and Bc as large as registers allow."""
+    table = fused_node(attncc.lower(ROOT / "examples" / "causal.attn", "sm80")[-1].graph)[1].tiling
+    assert [(table.for_head_dim(d).block_rows, table.for_head_dim(d).block_cols) for d in (64, 128)] == [
+        (128, 128),
+        (128, 64),
+    ]
+    assert "roofline" in table.for_head_dim(64).reason and "shared memory-bound" in table.for_head_dim(64).reason
+    for d in (64, 128):
+        assert table.for_head_dim(d).backward.block_rows == 64  # the backward's tiles stay at most 64
 
 
 def test_profile_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,16 +11,10 @@ from attncc.codegen.abi import kernel_abi
 from attncc.codegen.cpu import hook_values
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, fused_node
-from attncc.passes.tiling import TilePlan
+from attncc.passes.tiling import Q_IN_REGISTERS_MAX_HEAD_DIM, TilePlan
 
 #: torch dtype name -> the storage type in generated CUDA.
 CUDA_STORAGE_TYPES = {"float16": "attncc::f16", "bfloat16": "attncc::bf16"}
-#: Above this head dim the Q fragments (d/4 registers per thread) are re-read from shared
-#: memory for every key tile instead of held in registers: at d=256 holding them pushed ptxas
-#: to 255 registers with spills (padding.attn: 116 B spill stores).
-Q_IN_REGISTERS_MAX_HEAD_DIM = 128
-
-
 #: Turing (sm75) has fp16 tensor cores only; bf16 mma starts with sm80.
 TURING = 75
 

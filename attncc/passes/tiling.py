@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, clone, fused_node
-from attncc.targets import CPU_ISAS, NATIVE_FLAGS, Target
+from attncc.passes.roofline import estimate, forward_work
+from attncc.passes.sparsity import Problem
+from attncc.targets import CPU_ISAS, GPU_RATES, NATIVE_FLAGS, Target
 
 HEAD_DIM_STEP = 16
 MAX_HEAD_DIM = 256
@@ -271,15 +273,69 @@ def gpu_registers(bc: int, d: int) -> int:
 
 
 GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
-# The CUDA template keeps one 32-bit word of dropout keep bits per lane and tile row, and the
-# backward runs a warp per 16 keys: Br and Bc up to 64.
+# The backward keeps one 32-bit word of dropout keep bits per lane for 4 x Br / 8 (or Bc / 8)
+# scores and runs a warp per 16 keys: its Br and Bc (and `tiles=` overrides) go up to 64.
 GPU_MAX_TILE = 64
 GPU_STAGES = 2  # the forward template double-buffers K/V: tile n + 1 loads while tile n computes
+# The forward's candidates: 4 or 8 warps of 16 rows, Bc a multiple of 16 up to 128 (a row's
+# dropout keep bits, 2 per 8 keys, fill one 32-bit word), chosen by the roofline estimate at a
+# long-prefill problem (the shape FlashAttention's benchmarks report).
+GPU_FORWARD_ROWS = (64, 128)
+GPU_FORWARD_MAX_BC = 128
+# ... and whose fragment state per thread (S: Bc / 2, O: d / 2, Q: d / 4 fp32 registers) is at
+# most that of d = 128, Bc = 64, which every example compiles without spills (relative_bias:
+# 254 registers on sm90). ptxas on sm90 (bf16, Br = 128): d = 96, Bc = 128 (state 136) spills
+# 32 B in alibi; d = 128, Bc = 96 (state 128 + 16) spills 68 B; d = 64, Bc = 128 (state 112)
+# compiles at 255 registers without spills (alibi, relative_bias); above d = 128, where Q is
+# re-read per tile, d = 144, Bc = 96 spills 112 B on sm80 though its S and O state is 120.
+GPU_MAX_FRAGMENT_REGISTERS = 128
+GPU_REFERENCE_PROBLEM = Problem(4, 16, 16, 4096, 4096, 0)
+# Above this head dim the Q fragments (d/4 registers per thread) are re-read from shared memory
+# for every key tile instead of held in registers (the code generator's choice; the cost model
+# counts the reloads): at d=256 holding them pushed ptxas to 255 registers with spills
+# (padding.attn: 116 B spill stores).
+Q_IN_REGISTERS_MAX_HEAD_DIM = 128
+
+
+def fastest_forward(target: Target, d: int, paper_br: int, paper_bc: int) -> TilePlan | None:
+    """The forward tiles with the smallest roofline estimate (passes/roofline.py: the largest
+    term, then the sum of all terms, which overlap imperfectly) at GPU_REFERENCE_PROBLEM, among
+    the candidates whose shared memory, register estimate and fragment state fit; None if none
+    does; None above d = 128 and for targets without rates in GPU_RATES (plan_gpu's fallback)."""
+    if d > Q_IN_REGISTERS_MAX_HEAD_DIM:  # Q reloaded per tile: ptxas's needs outgrow the state (d=144, 128 x 96 spills)
+        return None
+    if target.name not in GPU_RATES:  # a target row without published rates: plan_gpu's fallback
+        return None
+    problem = replace(GPU_REFERENCE_PROBLEM, D=d)
+    best: tuple[tuple[float, float], TilePlan] | None = None
+    for br in GPU_FORWARD_ROWS:
+        for bc in range(16, GPU_FORWARD_MAX_BC + 1, 16):
+            shared, registers = gpu_shared_bytes(br, bc, d, GPU_STAGES), gpu_registers(bc, d)
+            fragments = bc // 2 + d // 2 + d // 4
+            too_many = registers > target.max_registers_per_thread - 32 or fragments > GPU_MAX_FRAGMENT_REGISTERS
+            if shared > target.onchip_bytes or too_many:
+                continue
+            work = forward_work(d, br, bc, problem, d <= Q_IN_REGISTERS_MAX_HEAD_DIM)
+            est = estimate(work, target.name, registers)
+            reason = (
+                f"the smallest roofline estimate at {problem} ({1e6 * est.seconds:.0f} us, {est.bound}-bound) "
+                f"of Br in {GPU_FORWARD_ROWS}, Bc in 16..{GPU_FORWARD_MAX_BC} fitting shared memory and registers"
+            )
+            warps = br // GPU_ROWS_PER_WARP
+            plan = TilePlan(
+                d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_STAGES, shared, registers, reason
+            )
+            key = (est.seconds, sum(est.terms.values()))
+            if best is None or key < best[0]:
+                best = (key, plan)
+    return best[1] if best else None
 
 
 def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
-    """Forward: Br = 16 x warps (4 warps); Bc from the paper's formula capped so the per-thread
-    state fits the register file without spills; two K/V stages. Backward: the same start, cut
+    """Forward: the candidate (Br, Bc) with the smallest roofline estimate (`fastest_forward`);
+    where none fits the registers (d = 256), or with `override`, Br = 16 x 4 warps and Bc from
+    the paper's formula capped so the per-thread state fits the register file without spills;
+    two K/V stages. Backward: Br = 64, Bc from the paper capped at 64 and by registers, cut
     separately until its larger working set (Q, dO, K, V, dS and fp32 dK, dV) fits, so a small
     shared memory shrinks the backward's tiles without shrinking the forward's; where even
     16 x 16 does not fit, the fewest dV columns held in registers that make it fit."""
@@ -317,7 +373,8 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             d, rows, cols, paper_br, paper_bc, n * target.warp_size, n, GPU_STAGES, shared(rows, cols), regs, why
         )
 
-    forward = fit(
+    forward = fastest_forward(target, d, paper_br, paper_bc) if override is None else None
+    forward = forward or fit(
         "forward",
         lambda rows, cols: gpu_shared_bytes(rows, cols, d, GPU_STAGES),
         lambda rows, cols: rows // GPU_ROWS_PER_WARP,  # a warp per 16 query rows

@@ -3,9 +3,9 @@
 The emulator runs the exact generated `.cu` text and sees every shared- and global-memory
 access, mma, ldmatrix, shuffle, exp2 and barrier with the source line that issued it
 (attncc/include/attncc/cuda/emulator.h, "performance counters"). `profile` runs a kernel's
-forward (and backward) on the emulator with counting on; `estimate` combines the counts with
-the target's published rates (`GPU_RATES`) and occupancy (ptxas registers, shared memory per
-block) into a time per kernel and its bound. No GPU is needed; the rates are the reference
+forward (and backward) on the emulator with counting on; `report_text` prices them with
+attncc/passes/roofline.py (the target's published rates, occupancy from ptxas registers and
+shared memory per block) into a time per kernel and its bound. No GPU is needed; the rates are the reference
 part's datasheet figures, to be calibrated against measured times when a GPU is lent.
 """
 
@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 from dataclasses import dataclass
 
 import torch
 
 from attncc.errors import AttnccError, BuildError
+from attncc.passes.roofline import MMA_FLOPS, SECTOR_BYTES, Work, estimate
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import Shape, make_inputs
-from attncc.targets import GPU_RATES, GPUS, GpuRates
+from attncc.targets import GPU_RATES
 
 SHARED_OPS = ("ld.shared", "st.shared", "cp.async.shared", "ldmatrix")
 GLOBAL_OPS = ("ld.global", "st.global", "atom.global", "cp.async.global")
-#: FLOPs of one warp-wide mma instruction (m16n8k16; sm75's m16n8k8 halves are counted as such).
-MMA_FLOPS = {"sm75": 2 * 16 * 8 * 8}
-MMA_FLOPS_DEFAULT = 2 * 16 * 8 * 16
 
 
 @dataclass(frozen=True)
@@ -63,17 +60,19 @@ class KernelCounts:
     def warp_instructions(self, op: str) -> int:
         return sum(s.requests for s in self.sites if s.op == op)
 
-
-@dataclass(frozen=True)
-class Estimate:
-    """A kernel's roofline estimate: seconds per term, the largest, and why."""
-
-    blocks_per_sm: int
-    limiter: str  # what caps blocks_per_sm
-    registers: int | None
-    terms: dict[str, float]
-    seconds: float
-    bound: str
+    def work(self, target: str) -> Work:
+        """The counts in the roofline's units (sm75 issues each m16n8k16 as two m16n8k8)."""
+        mma_flops = MMA_FLOPS // (2 if target == "sm75" else 1)
+        return Work(
+            blocks=self.blocks,
+            threads_per_block=self.threads_per_block,
+            shared_bytes=self.shared_bytes,
+            mma_flops=mma_flops * self.warp_instructions("mma"),
+            ex2=32 * self.warp_instructions("ex2"),
+            shared_wavefronts=self.total("wavefronts", SHARED_OPS),
+            l2_sectors=self.total("sectors", GLOBAL_OPS),
+            dram_bytes=SECTOR_BYTES * self.distinct_sectors,
+        )
 
 
 def parse_counters(text: str) -> dict[str, KernelCounts]:
@@ -121,58 +120,6 @@ def ptxas_registers(kern: EmulatedKernel, dtype: torch.dtype, head_dim: int) -> 
     return {k.name: k.registers for k in report.kernels}
 
 
-def blocks_per_sm(threads: int, shared_bytes: int, registers: int | None, target: str) -> tuple[int, str]:
-    """Resident blocks per SM and what limits them (the occupancy calculator's rules: registers
-    allocated per warp in units of 256, shared memory plus the runtime's reserve per block)."""
-    gpu, rates = GPUS[target], GPU_RATES[target]
-    warps = -(-threads // gpu.warp_size)
-    limits = {
-        "blocks": rates.max_blocks_per_sm,
-        "threads": rates.max_threads_per_sm // threads,
-    }
-    if shared_bytes:
-        limits["shared memory"] = gpu.shared_bytes_per_sm // (shared_bytes + rates.reserved_shared_per_block)
-    if registers:
-        per_warp = -(-registers * gpu.warp_size // 256) * 256
-        limits["registers"] = gpu.registers_per_sm // (per_warp * warps)
-    limiter = min(limits, key=lambda name: limits[name])
-    return limits[limiter], limiter
-
-
-def estimate(counts: KernelCounts, target: str, registers: int | None = None) -> Estimate:
-    """Time of one launch set of `counts` on the target's reference part, per resource:
-
-    - per-SM resources (tensor cores, SFU exp2, shared-memory wavefronts, L2 to SM sectors): the
-      busiest SM runs ceil(blocks / SMs) blocks, at the SM's rate; a block's warps can use only
-      as many of the SM's 4 sub-partitions (tensor cores, SFUs) as there are resident warps;
-    - DRAM: the launch's distinct sectors once, at the part's bandwidth.
-    The estimate is the largest term; its bound is that term's resource, or latency/occupancy
-    where the grid leaves most SMs idle or fewer warps than sub-partitions are resident (there
-    the throughput terms are lower bounds)."""
-    gpu, rates = GPUS[target], GPU_RATES[target]
-    resident, limiter = blocks_per_sm(counts.threads_per_block, counts.shared_bytes, registers, target)
-    if resident == 0:
-        raise AttnccError(f"{counts.name}: one block needs more than an SM of {target} has ({limiter})")
-    blocks = max(counts.blocks, 1)
-    per_sm_blocks = math.ceil(blocks / gpu.multiprocessors)
-    warps = -(-counts.threads_per_block // gpu.warp_size) * min(resident, per_sm_blocks)
-    partitions = min(rates.sub_partitions, warps) / rates.sub_partitions
-    per_block = 1 / blocks
-    sm_seconds = per_sm_blocks / rates.clock_hz  # x (work per block) / (rate per SM and clock)
-    mma_flops = MMA_FLOPS.get(target, MMA_FLOPS_DEFAULT) * counts.warp_instructions("mma")
-    terms = {
-        "tensor": sm_seconds * mma_flops * per_block / (rates.mma_flops_per_sm_clock * partitions),
-        "exp2": sm_seconds * 32 * counts.warp_instructions("ex2") * per_block / (rates.ex2_per_sm_clock * partitions),
-        "shared memory": sm_seconds * counts.total("wavefronts", SHARED_OPS) * per_block,
-        "L2": sm_seconds * 32 * counts.total("sectors", GLOBAL_OPS) * per_block / rates.l2_bytes_per_sm_clock,
-        "DRAM": 32 * counts.distinct_sectors / rates.dram_bytes_per_s,
-    }
-    worst = max(terms, key=lambda name: terms[name])
-    idle = blocks < gpu.multiprocessors / 2 or warps < rates.sub_partitions
-    bound = "latency/occupancy" if idle else worst
-    return Estimate(resident, limiter, registers, terms, terms[worst], bound)
-
-
 def _ratio(value: int, ideal: int) -> str:
     return f"{value / ideal:.2f}x ideal" if ideal else "-"
 
@@ -182,13 +129,13 @@ def report_text(
 ) -> str:
     """What `attncc profile` prints: per kernel, the instruction mix per warp, memory requests
     against their ideal, occupancy and the estimate; then its costliest source lines."""
-    rates: GpuRates = GPU_RATES[target]
+    rates = GPU_RATES[target]
     lines = source.splitlines()
     out = [f"// counters from the CUDA emulator; estimate for {target} ({rates.part}, published rates)"]
     for name, k in counts.items():
         warps = k.blocks * -(-k.threads_per_block // 32)
-        est = estimate(k, target, registers.get(name))
-        regs = f"{est.registers} registers (ptxas)" if est.registers else "registers unknown (no nvcc)"
+        est = estimate(k.work(target), target, registers.get(name), name)
+        regs = f"{registers[name]} registers (ptxas)" if name in registers else "registers unknown (no nvcc)"
         out.append(
             f"{name}: {k.launches} launch(es), {k.blocks} blocks x {k.threads_per_block} threads, "
             f"{k.shared_bytes} B shared, {regs}: {est.blocks_per_sm} block(s)/SM (limit: {est.limiter})"

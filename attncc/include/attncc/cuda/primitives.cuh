@@ -116,32 +116,25 @@ __device__ __forceinline__ void block_sync() { __syncthreads(); }
 // ------------------------------------------------------------------------------ memory
 // Plain loads and stores of shared and global memory (1 to 16 bytes per lane). On a GPU they
 // are ordinary accesses; on the emulator they are also counted (bank conflicts, sectors).
-template <typename T>
-__device__ __forceinline__ T ld_shared(const T* address ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
-  attncc_emu::record(attncc_emu::kOpLdShared, address, int(sizeof(T)), line);
+#define ATTNCC_COUNT(op, address) attncc_emu::record(attncc_emu::op, address, int(sizeof(*(address))), line)
+#else
+#define ATTNCC_COUNT(op, address)
 #endif
+template <typename T> __device__ __forceinline__ T ld_shared(const T* address ATTNCC_SITE) {
+  ATTNCC_COUNT(kOpLdShared, address);
   return *address;
 }
-template <typename T>
-__device__ __forceinline__ void st_shared(T* address, T value ATTNCC_SITE) {
-#if defined(ATTNCC_EMULATE)
-  attncc_emu::record(attncc_emu::kOpStShared, address, int(sizeof(T)), line);
-#endif
+template <typename T> __device__ __forceinline__ void st_shared(T* address, T value ATTNCC_SITE) {
+  ATTNCC_COUNT(kOpStShared, address);
   *address = value;
 }
-template <typename T>
-__device__ __forceinline__ T ld_global(const T* address ATTNCC_SITE) {
-#if defined(ATTNCC_EMULATE)
-  attncc_emu::record(attncc_emu::kOpLdGlobal, address, int(sizeof(T)), line);
-#endif
+template <typename T> __device__ __forceinline__ T ld_global(const T* address ATTNCC_SITE) {
+  ATTNCC_COUNT(kOpLdGlobal, address);
   return *address;
 }
-template <typename T>
-__device__ __forceinline__ void st_global(T* address, T value ATTNCC_SITE) {
-#if defined(ATTNCC_EMULATE)
-  attncc_emu::record(attncc_emu::kOpStGlobal, address, int(sizeof(T)), line);
-#endif
+template <typename T> __device__ __forceinline__ void st_global(T* address, T value ATTNCC_SITE) {
+  ATTNCC_COUNT(kOpStGlobal, address);
   *address = value;
 }
 
@@ -354,7 +347,7 @@ __device__ __forceinline__ float fast_exp2(float x ATTNCC_SITE) {
 
 __device__ __forceinline__ void atomic_add(float* address, float value ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
-  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, int(sizeof(*address)), line);
+  ATTNCC_COUNT(kOpAtomicGlobal, address);
   *address += value;  // fibers of a block never run concurrently; blocks run one by one
 #else
   atomicAdd(address, value);
@@ -363,7 +356,7 @@ __device__ __forceinline__ void atomic_add(float* address, float value ATTNCC_SI
 
 __device__ __forceinline__ void atomic_add(int64_t* address, int64_t value ATTNCC_SITE) {  // wraps as two's complement
 #if defined(ATTNCC_EMULATE)
-  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, int(sizeof(*address)), line);
+  ATTNCC_COUNT(kOpAtomicGlobal, address);
   *address = int64_t(uint64_t(*address) + uint64_t(value));
 #else
   atomicAdd(reinterpret_cast<unsigned long long*>(address), static_cast<unsigned long long>(value));
@@ -372,7 +365,7 @@ __device__ __forceinline__ void atomic_add(int64_t* address, int64_t value ATTNC
 
 __device__ __forceinline__ void atomic_max(int32_t* address, int32_t value ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
-  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, int(sizeof(*address)), line);
+  ATTNCC_COUNT(kOpAtomicGlobal, address);
   if (value > *address) *address = value;
 #else
   atomicMax(address, value);
@@ -381,7 +374,7 @@ __device__ __forceinline__ void atomic_max(int32_t* address, int32_t value ATTNC
 
 __device__ __forceinline__ void atomic_or(int32_t* address, int32_t value ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
-  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, int(sizeof(*address)), line);
+  ATTNCC_COUNT(kOpAtomicGlobal, address);
   *address |= value;
 #else
   atomicOr(address, value);

@@ -1,0 +1,154 @@
+"""Roofline estimates of the CUDA kernels: what a launch does, priced at a GPU target's rates.
+
+`Work` is a launch in the units the roofline prices (tensor-core FLOPs, exp2 results,
+shared-memory wavefronts, L2 sectors, DRAM bytes); `estimate` turns it into time per resource
+with the occupancy calculator's rules. Two sources of Work: the emulator's counters of the
+generated code (`attncc profile`, attncc/runtime/profile.py) and `forward_work`, the forward
+kernel's counts derived from its tiles, which the tiling pass uses to choose tiles (tests check
+that it equals the emulator's counts at tile-aligned shapes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+from attncc.errors import AttnccError
+from attncc.passes.sparsity import Problem
+from attncc.targets import GPU_RATES, GPUS
+
+MMA_FLOPS = 2 * 16 * 8 * 16  # one warp-wide mma.m16n8k16
+SECTOR_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Work:
+    """One kernel launch (or the sum of a kernel's launches in one call)."""
+
+    blocks: int
+    threads_per_block: int
+    shared_bytes: int  # per block
+    mma_flops: int
+    ex2: int  # exp2 results (lanes)
+    shared_wavefronts: int
+    l2_sectors: int  # global-memory sectors the SMs request
+    dram_bytes: int  # distinct bytes touched: what DRAM moves at least
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Seconds per resource, the largest, and the bound."""
+
+    blocks_per_sm: int
+    limiter: str  # what caps blocks_per_sm
+    terms: dict[str, float]
+    seconds: float
+    bound: str
+
+
+def blocks_per_sm(threads: int, shared_bytes: int, registers: int | None, target: str) -> tuple[int, str]:
+    """Resident blocks per SM and what limits them (the occupancy calculator's rules: registers
+    allocated per warp in units of 256, shared memory plus the runtime's reserve per block)."""
+    gpu, rates = GPUS[target], GPU_RATES[target]
+    warps = -(-threads // gpu.warp_size)
+    limits = {"blocks": rates.max_blocks_per_sm, "threads": rates.max_threads_per_sm // threads}
+    if shared_bytes:
+        limits["shared memory"] = gpu.shared_bytes_per_sm // (shared_bytes + rates.reserved_shared_per_block)
+    if registers:
+        per_warp = -(-registers * gpu.warp_size // 256) * 256
+        limits["registers"] = gpu.registers_per_sm // (per_warp * warps)
+    limiter = min(limits, key=lambda name: limits[name])
+    return limits[limiter], limiter
+
+
+def estimate(work: Work, target: str, registers: int | None = None, name: str = "kernel") -> Estimate:
+    """Time of `work` on the target's reference part, per resource:
+
+    - per-SM resources (tensor cores, SFU exp2, shared-memory wavefronts, L2 to SM sectors): the
+      busiest SM runs ceil(blocks / SMs) blocks, at the SM's rate; a block's warps can use only
+      as many of the SM's 4 sub-partitions (tensor cores, SFUs) as there are resident warps;
+    - DRAM: the distinct bytes once, at the part's bandwidth.
+    The estimate is the largest term; its bound is that term's resource, or latency/occupancy
+    where the grid leaves most SMs idle or fewer warps than sub-partitions are resident (there
+    the throughput terms are lower bounds)."""
+    gpu, rates = GPUS[target], GPU_RATES[target]
+    resident, limiter = blocks_per_sm(work.threads_per_block, work.shared_bytes, registers, target)
+    if resident == 0:
+        raise AttnccError(f"{name}: one block needs more than an SM of {target} has ({limiter})")
+    blocks = max(work.blocks, 1)
+    per_sm_blocks = math.ceil(blocks / gpu.multiprocessors)
+    warps = -(-work.threads_per_block // gpu.warp_size) * min(resident, per_sm_blocks)
+    partitions = min(rates.sub_partitions, warps) / rates.sub_partitions
+    sm_seconds = per_sm_blocks / blocks / rates.clock_hz  # x work / (rate per SM and clock)
+    terms = {
+        "tensor": sm_seconds * work.mma_flops / (rates.mma_flops_per_sm_clock * partitions),
+        "exp2": sm_seconds * work.ex2 / (rates.ex2_per_sm_clock * partitions),
+        "shared memory": sm_seconds * work.shared_wavefronts,
+        "L2": sm_seconds * SECTOR_BYTES * work.l2_sectors / rates.l2_bytes_per_sm_clock,
+        "DRAM": work.dram_bytes / rates.dram_bytes_per_s,
+    }
+    worst = max(terms, key=lambda term: terms[term])
+    idle = blocks < gpu.multiprocessors / 2 or warps < rates.sub_partitions
+    return Estimate(resident, limiter, terms, terms[worst], "latency/occupancy" if idle else worst)
+
+
+def phase_wavefronts(addresses: list[int], size: int) -> int:
+    """Shared-memory wavefronts of one phase: the most distinct 4-byte words in one of the 32
+    banks (the emulator's rule, include/attncc/cuda/emulator.h)."""
+    banks: dict[int, set[int]] = {}
+    for address in addresses:
+        for word in range(address // 4, (address + size - 1) // 4 + 1):
+            banks.setdefault(word % 32, set()).add(word)
+    return max((len(words) for words in banks.values()), default=0)
+
+
+@cache
+def copy_wavefronts(rows: int, head_dim: int) -> int:
+    """Wavefronts of `load_tile`'s 16-byte cp.async destinations for `rows` rows of head_dim
+    halves padded to head_dim + 8 (chunk c of the tile: row c / (D/8), column 8 (c % (D/8)));
+    a warp's 32 consecutive chunks are one request, 8 lanes a phase. Conflict-free where a phase
+    stays in one row (D a multiple of 64); two rows per phase can share banks (D = 32: 2-way)."""
+    chunks_per_row, stride = head_dim // 8, 2 * (head_dim + 8)
+    addresses = [(c // chunks_per_row) * stride + (c % chunks_per_row) * 16 for c in range(rows * chunks_per_row)]
+    return sum(phase_wavefronts(addresses[p : p + 8], 16) for p in range(0, len(addresses), 8))
+
+
+def forward_work(
+    head_dim: int, br: int, bc: int, problem: Problem, q_in_registers: bool, visible_tiles: int | None = None
+) -> Work:
+    """The forward kernel (templates/cuda/attention.cu.jinja `attention_forward`, unsplit) at
+    `problem` with Br x Bc tiles, 16 rows per warp, fp16/bf16 storage, from its loops:
+
+    per block: Q's cp.async copies (16 bytes each, `copy_wavefronts`) and, with Q in registers,
+    its D/16 ldmatrix per warp; per visible key tile and warp: (D/16)(Bc/16) ldmatrix each for K
+    and V (4 wavefronts: rows are padded to D + 8 halves) and D/16 more for Q when it is
+    reloaded, 4 (D/16)(Bc/16) mma, 2 + Bc/2 exp2 instructions, K and V's copies; per row: O
+    stored 2 bytes per lane (a sector per row and column pair), the lse. `visible_tiles` counts
+    the (b, h, query tile, key tile) pairs the sparsity analysis keeps (all by default). Exact
+    for N and M multiples of the tiles and D = head_dim; the tail tiles' zero-filled rows are
+    not modelled."""
+    d = head_dim
+    query_tiles, key_tiles = -(-problem.N // br), -(-problem.M // bc)
+    blocks = problem.B * problem.H * query_tiles
+    visible = blocks * key_tiles if visible_tiles is None else visible_tiles
+    warps = br // 16
+    ldmatrix_per_tile = 2 * (d // 16) * (bc // 16) + (0 if q_in_registers else d // 16)
+    chunks_per_tile = 2 * bc * d // 8  # K and V: 16-byte copies
+    chunks_per_block = br * d // 8  # Q
+    rows = problem.B * problem.H * problem.N
+    return Work(
+        blocks=blocks,
+        threads_per_block=warps * 32,
+        shared_bytes=2 * (br + 4 * bc) * (d + 8),
+        mma_flops=visible * warps * 4 * (d // 16) * (bc // 16) * MMA_FLOPS,
+        ex2=visible * warps * 32 * (2 + bc // 2),
+        shared_wavefronts=4 * visible * warps * ldmatrix_per_tile
+        + 4 * blocks * warps * (d // 16 if q_in_registers else 0)
+        + 2 * visible * copy_wavefronts(bc, d)
+        + blocks * copy_wavefronts(br, d),
+        l2_sectors=(visible * chunks_per_tile + blocks * chunks_per_block) * 16 // SECTOR_BYTES
+        + rows * d // 4
+        + rows * 4 // SECTOR_BYTES,
+        dram_bytes=2 * (2 * rows * d + 2 * problem.B * problem.Hkv * problem.M * d) + 4 * rows,
+    )
