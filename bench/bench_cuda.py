@@ -1,11 +1,20 @@
 """GPU benchmark: attncc's CUDA kernels against torch SDPA (flash backend) and FlexAttention.
 
 Runs side by side in one process on the same inputs: bf16, B*H*N = 16K*16 tokens per case,
-N from 512 to 16K, d 64 and 128, dense and causal, forward and forward+backward; then decoding
-(one query per sequence against M = 4K..64K keys, H = 32, d = 128), where attncc's split-KV
-forward runs against itself unsplit (`kv_splits = 1`) and the anchors (with --decode). Times are medians of
-CUDA-event timings; ratios are anchor / attncc (> 1: attncc faster). Raw results go to JSON
-with the device name and versions.
+N from 512 to 16K, d 64 and 128, forward and forward+backward, for the cases asked
+(`--cases`: dense and causal against SDPA-flash and FlexAttention; sliding window 256, ALiBi
+and softcap against FlexAttention with the same block mask / score_mod); then decoding (one
+query per sequence against M = 4K..64K keys, H = 32, d = 128), where attncc's split-KV forward
+runs against itself unsplit (`kv_splits = 1`) and the anchors (with --decode).
+
+Each time is the median of `--repeats` measurements, taken two ways: one call between CUDA
+events (host overhead included: validation, packing, the ctypes call) and `--calls`
+back-to-back calls between events, per call (the GPU's pace). Ratios are anchor / attncc
+(> 1: attncc faster), back-to-back. Beside each forward, the roofline estimate of the tiling
+pass's model (attncc/passes/roofline.py) and measured / estimate, for
+calibrating its rates. Rows go to JSON with the device name and versions after every case;
+`--budget-s` stops starting new cases past that many seconds, so a device call stays within
+its limit and still returns what it measured.
 
     python bench/bench_cuda.py --json bench/results/cuda-<device>.json
 """
@@ -15,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -25,31 +35,67 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
+from attncc.targets import GPU_RATES  # noqa: E402
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int, calls: int = 1) -> float:
+    """Median over `repeats` of the time of `calls` back-to-back calls between CUDA events, per call."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return sorted(times)[len(times) // 2]
+
+
+#: The sliding_window and softcap examples' constants, for FlexAttention's block mask and score_mod.
+WINDOW, CAP = 256, 30.0
+
+
+def live_fraction(case: str, N: int) -> float:
+    if case in ("dense", "softcap"):
+        return 1.0
+    if case in ("causal", "alibi"):
+        return (N + 1) / (2 * N)
+    w = min(WINDOW, N)  # sliding window: row i sees min(i + 1, W) keys
+    return (N * w - w * (w - 1) / 2) / (N * N)
+
+
+def flex_args(case: str, N: int, H: int) -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, i, j):
+        return j <= i
+
+    def window(b, h, i, j):
+        return (j <= i) & (i - j < WINDOW)
+
+    if case == "dense":
+        return {}
+    if case == "softcap":
+        return {"score_mod": lambda score, b, h, i, j: CAP * torch.tanh(score / CAP)}
+    mask = window if case == "sliding_window" else causal
+    args = {"block_mask": create_block_mask(mask, None, None, N, N)}
+    if case == "alibi":
+        slopes = alibi_slopes(H)
+        args["score_mod"] = lambda score, b, h, i, j: score - slopes[h] * (i - j)
+    return args
+
+
+def alibi_slopes(H: int) -> torch.Tensor:
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda")
 
 
 def step(fn, backward: bool) -> None:
     out = fn()
     if backward:
         out.backward(torch.ones_like(out))
-
-
-def flops(B: int, H: int, N: int, D: int, causal: bool, backward: bool) -> float:
-    f = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
-    return f * (3.5 if backward else 1.0)
 
 
 def decode_cases(kern: attncc.Kernel, flex, repeats: int) -> list[dict]:
@@ -84,68 +130,94 @@ def decode_cases(kern: attncc.Kernel, flex, repeats: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per timing")
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    cases = ["dense", "causal", "sliding_window", "alibi", "softcap"]
+    parser.add_argument("--cases", nargs="+", default=["dense", "causal"], choices=cases)
+    parser.add_argument("--budget-s", type=float, default=480.0, help="start no case after this many seconds")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--decode", action="store_true", help="also the decoding cases (split-KV)")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
+    from attncc.runtime.profile import forward_estimate
+
+    began = time.monotonic()
     # One compiled FlexAttention per shape: past dynamo's default recompile limit (8) it would
     # fall back to eager flex_attention, which materialises the scores.
     torch._dynamo.config.cache_size_limit = 256
     flex = torch.compile(flex_attention)
     kernels = {
-        False: attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
-        True: attncc.compile(ROOT / "examples" / "causal.attn", target="cuda"),
+        case: attncc.compile(ROOT / "examples" / f"{'vanilla' if case == 'dense' else case}.attn", target="cuda")
+        for case in args.cases
     }
     device = torch.cuda.get_device_name()
-    print(f"{device}, torch {torch.__version__}, CUDA {torch.version.cuda}; ratio = anchor / attncc")
-    results = []
+    meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "attncc": attncc.__version__}
+    if kernels:  # the part whose published rates the estimates use (attncc.targets.GPU_RATES)
+        meta["estimate_rates_of"] = GPU_RATES[next(iter(kernels.values())).target].part
+    print(f"{device}, torch {torch.__version__}, CUDA {torch.version.cuda}; ratio = anchor / attncc (back-to-back)")
+    results: list[dict] = []
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
     for D in args.dims:
         for N in args.sizes:
             B, H = max(1, 16384 // N), 2048 // D
-            for causal in (False, True):
+            for case in args.cases:
+                if time.monotonic() - began > args.budget_s:
+                    print(f"budget of {args.budget_s:.0f} s reached: the remaining cases were not run", flush=True)
+                    save()
+                    return
                 q, k, v = (
                     torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
                 )
-                kern = kernels[causal]
-                block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, N, N) if causal else None
+                kern = kernels[case]
+                runtime = {"slopes": alibi_slopes(H)} if case == "alibi" else {}
+                flex_kwargs = flex_args(case, N, H)
+                # occupancy from the plan's register estimate (ptxas's count costs nvcc time per kernel)
+                est = forward_estimate(kern, q, k, kern.plan(q, k, None).tiles.registers_per_thread, **runtime)
                 for backward in (False, True):
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        sdpa = median_ms(
-                            partial(step, partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal), backward),
-                            args.repeats,
-                        )
-                    ours = median_ms(partial(step, partial(kern, q, k, v), backward), args.repeats)
-                    flex_ms = median_ms(
-                        partial(step, partial(flex, q, k, v, block_mask=block_mask), backward), args.repeats
-                    )
-                    tflops = flops(B, H, N, D, causal, backward) / ours / 1e9
-                    row = {
-                        "D": D,
-                        "N": N,
-                        "B": B,
-                        "H": H,
-                        "causal": causal,
-                        "backward": backward,
-                        "attncc_ms": ours,
-                        "sdpa_flash_ms": sdpa,
-                        "flex_ms": flex_ms,
-                        "attncc_tflops": tflops,
-                    }
+                    row = {"case": case, "D": D, "N": N, "B": B, "H": H, "backward": backward}
+                    ours_fn = partial(step, partial(kern, q, k, v, **runtime), backward)
+                    row["attncc_single_ms"] = median_ms(ours_fn, args.repeats)
+                    row["attncc_ms"] = ours = median_ms(ours_fn, args.repeats, args.calls)
+                    if case in ("dense", "causal"):
+                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                            sdpa_fn = partial(F.scaled_dot_product_attention, q, k, v, is_causal=case == "causal")
+                            row["sdpa_flash_ms"] = median_ms(partial(step, sdpa_fn, backward), args.repeats, args.calls)
+                    flex_fn = partial(step, partial(flex, q, k, v, **flex_kwargs), backward)
+                    row["flex_ms"] = median_ms(flex_fn, args.repeats, args.calls)
+                    f = 4 * B * H * N * N * D * live_fraction(case, N) * (3.5 if backward else 1.0)
+                    row["attncc_tflops"] = f / ours / 1e9
+                    if not backward:
+                        row["estimate_ms"], row["estimate_bound"] = 1e3 * est.seconds, est.bound
                     results.append(row)
+                    save()
+                    anchors = "  ".join(
+                        f"{name} {row[key] / ours:5.2f}x"
+                        for name, key in (("sdpa-flash", "sdpa_flash_ms"), ("flex", "flex_ms"))
+                        if key in row
+                    )
+                    model = (
+                        f"  measured/estimate {ours / row['estimate_ms']:5.2f} ({est.bound})" if not backward else ""
+                    )
                     print(
-                        f"d={D:3d} N={N:5d} {'causal' if causal else 'dense ':6s} {'fwd+bwd' if backward else 'fwd    '}: attncc {ours:7.3f} ms ({tflops:6.1f} TFLOP/s)  sdpa-flash {sdpa / ours:5.2f}x  flex {flex_ms / ours:5.2f}x",
+                        f"d={D:3d} N={N:5d} {case:14s} {'fwd+bwd' if backward else 'fwd    '}: attncc {ours:7.3f} ms "
+                        f"(single call {row['attncc_single_ms']:7.3f}, {row['attncc_tflops']:6.1f} TFLOP/s)  {anchors}{model}",
                         flush=True,
                     )
     if args.decode:
-        results += decode_cases(kernels[False], flex, args.repeats)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "attncc": attncc.__version__}
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        results += decode_cases(
+            kernels.get("dense") or attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
+            flex,
+            args.repeats,
+        )
+        save()
 
 
 if __name__ == "__main__":

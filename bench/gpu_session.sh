@@ -2,13 +2,17 @@
 # Everything a session with a lent GPU runs, in as few device calls as possible.
 #
 # The device image has torch, jinja2, networkx, ninja, pytest and nvcc, but not lark: carry its
-# wheel. Once, here:   echo /.whl/ >> .git/info/exclude
-#                      python3 -m pip download --no-deps --only-binary=:all: lark -d .whl
-# Then, with the device tool (each under its 10-minute limit):
-#   run(command="bash bench/gpu_session.sh check", carry=[".whl"])       probe, prebuild, golden tests
-#   run(command="bash bench/gpu_session.sh bench 64", carry=[".whl"])    benchmark at d=64
-#   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl"])   benchmark at d=128
-# Results land in $OUT (JSON with the device name and versions): commit them under bench/results/.
+# wheel (.whl/ is in .gitignore, so only `carry` takes it). Once, on the development machine:
+#   python3 -m pip download --no-deps --only-binary=:all: lark -d .whl
+# Then, with the device tool, in this order (each call under its 10-minute limit, also on a bare
+# machine: bench cases stop starting past --budget-s and keep what they measured):
+#   run(command="bash bench/gpu_session.sh check", carry=[".whl"])        probe, prebuild, golden tests
+#   run(command="bash bench/gpu_session.sh bench 64", carry=[".whl"])     dense, causal at d=64
+#   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl"])    dense, causal at d=128, decoding
+#   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl"])    sliding window, ALiBi, softcap
+#   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl"])     racecheck, synccheck logs
+# Results land in $OUT (JSON with the device name and versions; the forwards with the roofline
+# estimate beside them): commit them under bench/results/ with the device name.
 set -uo pipefail
 OUT=${OUT:-/tmp/attncc-gpu}
 mkdir -p "$OUT"
@@ -41,6 +45,34 @@ PY
     ;;
   bench)
     dims=${2:-64}
-    python3 bench/bench_cuda.py --dims "$dims" $([ "$dims" = 128 ] && echo --decode) --json "$OUT/cuda-$device-d$dims.json" 2>&1 | tee "$OUT/bench-d$dims.log"
+    python3 bench/bench_cuda.py --dims "$dims" --budget-s 450 $([ "$dims" = 128 ] && echo --decode) \
+      --json "$OUT/cuda-$device-d$dims.json" 2>&1 | tee "$OUT/bench-d$dims.log"
+    ;;
+  masks)
+    dims=${2:-128}
+    python3 bench/bench_cuda.py --dims "$dims" --budget-s 480 --cases sliding_window alibi softcap \
+      --sizes 1024 4096 16384 --json "$OUT/cuda-$device-masks-d$dims.json" 2>&1 | tee "$OUT/bench-masks-d$dims.log"
+    ;;
+  sanitize)
+    # A causal backward (N=64 queries, M=1024 keys: key blocks no query sees) and a sliding-window
+    # forward under racecheck (shared-memory hazards) and synccheck (barrier misuse).
+    cat > /tmp/sanitize_case.py <<'PY'
+import torch
+import attncc
+torch.manual_seed(0)
+for name, n, m, backward in (("causal", 64, 1024, True), ("sliding_window", 1024, 1024, False)):
+    kern = attncc.compile(f"examples/{name}.attn", target="cuda")
+    q = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+    k, v = (torch.randn(1, 2, m, 64, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(2))
+    out = kern(q, k, v)
+    if backward:
+        out.float().sum().backward()
+    torch.cuda.synchronize()
+    print(name, "ran")
+PY
+    python3 /tmp/sanitize_case.py  # build outside the sanitizer
+    for tool in racecheck synccheck; do
+      compute-sanitizer --tool "$tool" python3 /tmp/sanitize_case.py 2>&1 | tee "$OUT/sanitize-$tool.log" | tail -5
+    done
     ;;
 esac

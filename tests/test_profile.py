@@ -18,8 +18,8 @@ from attncc.ir.graph import fused_node
 from attncc.passes.roofline import MMA_FLOPS, Work, blocks_per_sm, estimate, forward_work
 from attncc.passes.tiling import Q_IN_REGISTERS_MAX_HEAD_DIM
 from attncc.runtime.build import build_library, load_library
-from attncc.runtime.inputs import Shape
-from attncc.runtime.profile import KernelCounts, Site, parse_counters, profile, scaled
+from attncc.runtime.inputs import Shape, make_inputs
+from attncc.runtime.profile import KernelCounts, Site, forward_estimate, parse_counters, profile, scaled
 from tests.conftest import ROOT
 
 HARNESS = r"""
@@ -310,3 +310,13 @@ def test_profile_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert expected in text
     assert main(["profile", path, "--target", "sm80"]) == 1
     assert "--emulate" in capsys.readouterr().err
+
+
+def test_forward_estimate_counts_only_visible_tiles() -> None:
+    """Causal at N = M = 512 with 128 x 128 tiles: 10 of 16 tiles per (b, h) are visible, so
+    the tensor work is 10/16 of the dense program's."""
+    causal = attncc.compile(ROOT / "examples" / "causal.attn", "sm80", emulate=True)
+    dense = attncc.compile(ROOT / "examples" / "vanilla.attn", "sm80", emulate=True)
+    q, k, _, _ = make_inputs(causal, Shape(2, 4, 4, 512, 512, 64), torch.bfloat16, requires_grad=False)
+    ours, theirs = forward_estimate(causal, q, k, registers=200), forward_estimate(dense, q, k, registers=200)
+    assert ours.terms["tensor"] == pytest.approx(theirs.terms["tensor"] * 10 / 16)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from attncc.errors import AttnccError, BuildError
-from attncc.passes.roofline import MMA_FLOPS, SECTOR_BYTES, Work, estimate
+from attncc.passes.roofline import MMA_FLOPS, SECTOR_BYTES, Estimate, Work, estimate, forward_work
+from attncc.passes.tiling import Q_IN_REGISTERS_MAX_HEAD_DIM
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import Shape, make_inputs
 from attncc.targets import GPU_RATES
@@ -191,3 +192,20 @@ def scaled(counts: dict[str, KernelCounts], shape: Shape, batch: int, heads: int
             name, k.launches, times(k.blocks), k.threads_per_block, k.shared_bytes, times(k.distinct_sectors), sites
         )
     return result
+
+
+def forward_estimate(
+    kern: EmulatedKernel, q: torch.Tensor, k: torch.Tensor, registers: int | None = None, **runtime: object
+) -> Estimate:
+    """The tiling pass's model of the unsplit forward (`forward_work`) at this call's shape and
+    visible tiles (the sparsity analysis's classes), priced for the kernel's target: what
+    bench/bench_cuda.py prints beside each measured forward, to calibrate the rates."""
+    plan = kern.plan(q, k, None)
+    classes = kern.tile_classes(q, k, **runtime)
+    p = plan.problem
+    visible = int((classes != 0).sum()) * (p.B // classes.shape[0]) * (p.H // classes.shape[1])
+    tiles = plan.tiles
+    work = forward_work(
+        tiles.head_dim, tiles.block_rows, tiles.block_cols, p, tiles.head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM, visible
+    )
+    return estimate(work, kern.target, registers, kern.name)
