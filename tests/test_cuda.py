@@ -475,7 +475,9 @@ def test_learnable_input_grads_are_exact_sums_in_deterministic_mode(name: str) -
 
     atomics = [input_grads(schedule, False) for schedule in ("lockstep", "warp-greedy")]
     exact = [input_grads(schedule, True) for schedule in ("lockstep", "warp-greedy")]
-    assert not all(torch.equal(a, b) for a, b in zip(*atomics))  # float sums depend on the order
+    if name == "relative_bias":  # an atomic per score: the float sums depend on the order
+        assert not all(torch.equal(a, b) for a, b in zip(*atomics))
+    # (alibi's slopes: per-warp sums, one atomic per warp and tile; their order may not change the bits here)
     assert all(torch.equal(a, b) for a, b in zip(*exact))
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(exact[0], atomics[0]))
     torch.use_deterministic_algorithms(True)  # torch's flag selects the same path, no warning

@@ -208,7 +208,7 @@ def test_a_generated_forward_counts_what_its_tiles_imply() -> None:
         "ex2": 2 * (1 + 8 * 2),  # per row pair: alpha, then 8 key blocks x 2 scores
         "shfl": 2 * 4,  # max and sum over the quad, per row pair
         "bar.sync": 3,  # Q landed; per key tile: buffer free, tile landed
-        "st.global": 2 * 8 * 2 + 2,  # O: 2 rows x 8 column blocks x 2; lse: 2 rows (lanes t = 0)
+        "st.global": 2 * 8 + 2,  # O: 2 rows x 8 column blocks (a column pair per lane); lse: 2 rows (t = 0)
     }
     for op, n in per_warp.items():
         assert k.warp_instructions(op) == warps * n, op
@@ -216,9 +216,10 @@ def test_a_generated_forward_counts_what_its_tiles_imply() -> None:
     assert ldmatrix == warps * 36 * 4  # rows padded to 72 halves: every ldmatrix conflict-free
     copies = [s for s in k.sites if s.op == "cp.async.global"]
     assert sum(s.sectors for s in copies) == 3 * 64 * 64 * 2 // 32  # Q, K, V read once, whole sectors
-    # O is stored 2 bytes per lane, 8 rows x 4 lanes per request: 8 sectors for 64 bytes
+    # O is stored 4 bytes (a bf16 pair) per lane, 8 rows x 4 lanes per request: 8 sectors for 128 bytes
     (out_store,) = [s for s in k.sites if s.op == "st.global" and s.lanes == 32 * s.requests]
-    assert out_store.sectors == 8 * out_store.requests and out_store.ideal_sectors == 2 * out_store.requests
+    assert out_store.bytes == 4 * out_store.lanes
+    assert out_store.sectors == 8 * out_store.requests and out_store.ideal_sectors == 4 * out_store.requests
 
 
 def test_backward_accumulators_are_free_of_bank_conflicts() -> None:
@@ -320,3 +321,13 @@ def test_forward_estimate_counts_only_visible_tiles() -> None:
     q, k, _, _ = make_inputs(causal, Shape(2, 4, 4, 512, 512, 64), torch.bfloat16, requires_grad=False)
     ours, theirs = forward_estimate(causal, q, k, registers=200), forward_estimate(dense, q, k, registers=200)
     assert ours.terms["tensor"] == pytest.approx(theirs.terms["tensor"] * 10 / 16)
+
+
+def test_per_head_input_gradients_take_one_atomic_per_warp_and_tile() -> None:
+    """ALiBi's slopes[h] gradient: summed over a tile's scores and the warp, then one atomic,
+    not one per live score (65,792 here, all to two addresses)."""
+    kern = attncc.compile(ROOT / "examples" / "alibi.attn", "sm80", emulate=True)
+    k = profile(kern, Shape(1, 2, 2, 256, 256, 64), torch.bfloat16)["attention_backward"]
+    (slopes,) = [s for s in k.sites if s.op == "atom.global" and s.lanes == s.requests]
+    # 64 x 64 backward tiles, causal: 4 + 3 + 2 + 1 visible (key tile, query tile) pairs per head
+    assert slopes.requests == 4 * 10 * 2  # warps x pairs x heads

@@ -28,6 +28,7 @@ class InputGradHook:
     ident: str
     offset: str
     derivative: str
+    per_tile: bool  # the element depends only on b and h (passes/backward.py InputGradient)
 
 
 def hook_values(g: Graph) -> dict[str, object]:
@@ -39,7 +40,7 @@ def hook_values(g: Graph) -> dict[str, object]:
     for grad in op.backward.inputs:
         ident = abi.ident_of(grad.read.tensor)
         offset = " + ".join(f"({emit(i)}) * x.st_{ident}_{d}" for d, i in enumerate(grad.read.index)) or "0"
-        grads.append(InputGradHook(ident, offset, emit(grad.derivative)))
+        grads.append(InputGradHook(ident, offset, emit(grad.derivative), grad.per_tile))
     needs_s0 = ex.SCORE_VAR in ex.free_vars(op.backward.dscore) or any(
         ex.SCORE_VAR in ex.free_vars(gr.derivative) for gr in op.backward.inputs
     )

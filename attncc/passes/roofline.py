@@ -124,7 +124,7 @@ def forward_work(
     its D/16 ldmatrix per warp; per visible key tile and warp: (D/16)(Bc/16) ldmatrix each for K
     and V (4 wavefronts: rows are padded to D + 8 halves) and D/16 more for Q when it is
     reloaded, 4 (D/16)(Bc/16) mma, 2 + Bc/2 exp2 instructions, K and V's copies; per row: O
-    stored 2 bytes per lane (a sector per row and column pair), the lse. `visible_tiles` counts
+    stored a column pair per lane (a sector per row and 8 columns), the lse. `visible_tiles` counts
     the (b, h, query tile, key tile) pairs the sparsity analysis keeps (all by default). Exact
     for N and M multiples of the tiles and D = head_dim; the tail tiles' zero-filled rows are
     not modelled."""
@@ -148,7 +148,7 @@ def forward_work(
         + 2 * visible * copy_wavefronts(bc, d)
         + blocks * copy_wavefronts(br, d),
         l2_sectors=(visible * chunks_per_tile + blocks * chunks_per_block) * 16 // SECTOR_BYTES
-        + rows * d // 4
+        + rows * d // 8
         + rows * 4 // SECTOR_BYTES,
         dram_bytes=2 * (2 * rows * d + 2 * problem.B * problem.Hkv * problem.M * d) + 4 * rows,
     )

@@ -289,6 +289,10 @@ GPU_FORWARD_MAX_BC = 128
 # compiles at 255 registers without spills (alibi, relative_bias); above d = 128, where Q is
 # re-read per tile, d = 144, Bc = 96 spills 112 B on sm80 though its S and O state is 120.
 GPU_MAX_FRAGMENT_REGISTERS = 128
+# Bc above 64 only up to d = 64: the mask and score map are unrolled over Bc / 2 scores per
+# thread, whose temporaries come on top of the state (d = 80, Bc = 128, state 124: alibi fp16
+# spills 16 B on sm80).
+GPU_WIDE_BC_MAX_HEAD_DIM = 64
 GPU_REFERENCE_PROBLEM = Problem(4, 16, 16, 4096, 4096, 0)
 # Above this head dim the Q fragments (d/4 registers per thread) are re-read from shared memory
 # for every key tile instead of held in registers (the code generator's choice; the cost model
@@ -312,7 +316,11 @@ def fastest_forward(target: Target, d: int, paper_br: int, paper_bc: int) -> Til
         for bc in range(16, GPU_FORWARD_MAX_BC + 1, 16):
             shared, registers = gpu_shared_bytes(br, bc, d, GPU_STAGES), gpu_registers(bc, d)
             fragments = bc // 2 + d // 2 + d // 4
-            too_many = registers > target.max_registers_per_thread - 32 or fragments > GPU_MAX_FRAGMENT_REGISTERS
+            too_many = (
+                registers > target.max_registers_per_thread - 32
+                or fragments > GPU_MAX_FRAGMENT_REGISTERS
+                or (bc > 64 and d > GPU_WIDE_BC_MAX_HEAD_DIM)
+            )
             if shared > target.onchip_bytes or too_many:
                 continue
             work = forward_work(d, br, bc, problem, d <= Q_IN_REGISTERS_MAX_HEAD_DIM)

@@ -214,6 +214,17 @@ __device__ __forceinline__ float shfl_xor(float v, int lane_mask ATTNCC_SITE) {
 #endif
 }
 
+// The same for 32-bit integers (moved bit for bit).
+__device__ __forceinline__ uint32_t shfl_xor(uint32_t v, int lane_mask ATTNCC_SITE) {
+#if defined(ATTNCC_EMULATE)
+  uint32_t in[2] = {v, uint32_t(lane_mask)}, out;
+  attncc_emu::warp_collective(emu_ops::kShflXor, 0xffffffffu, in, 2, nullptr, &out, 1, emu_ops::shfl_xor_compute, line);
+  return out;
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#endif
+}
+
 // c[0..3] += A (16x8, 2 regs) . B (8x8, 1 reg): fp16 inputs, fp32 accumulation (sm_75+).
 __device__ __forceinline__ void mma_m16n8k8_f16(float c[4], const uint32_t a[2], uint32_t b ATTNCC_SITE) {
 #if defined(ATTNCC_EMULATE)
@@ -425,10 +436,18 @@ inline bool launch_failed(const char* kernel, cudaError_t error, int smem) {
 extern "C" __attribute__((weak)) const char* attncc_cuda_error() { return attncc::launch_error_text(); }
 // Launches on `stream`; returns 4 from the calling entry point if the runtime refuses the launch
 // (shared memory above the device's limit, too many registers, a bad configuration): a
-// refused launch must not leave outputs silently unwritten.
+// refused launch must not leave outputs silently unwritten. The kernel's dynamic shared memory
+// (a compile-time constant) is allowed once per device, not on every launch. Launches are
+// asynchronous: with CUDA_LAUNCH_BLOCKING=1 a kernel's own failure surfaces at its call.
 #define ATTNCC_LAUNCH(kernel, grid, block, smem, stream, ...)                                                  \
   do {                                                                                                         \
-    cudaError_t attncc_error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); \
+    static bool attncc_allowed[64] = {};                                                                       \
+    int attncc_device = 0;                                                                                     \
+    cudaError_t attncc_error = cudaGetDevice(&attncc_device);                                                  \
+    if (attncc_error == cudaSuccess && (attncc_device >= 64 || !attncc_allowed[attncc_device])) {              \
+      attncc_error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));     \
+      if (attncc_error == cudaSuccess && attncc_device < 64) attncc_allowed[attncc_device] = true;              \
+    }                                                                                                          \
     if (attncc_error == cudaSuccess) {                                                                         \
       kernel<<<grid, block, smem, static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__);                           \
       attncc_error = cudaGetLastError();                                                                       \
