@@ -3,6 +3,7 @@ the host emulator, golden-tested like the CPU backend."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -19,7 +20,7 @@ from attncc.passes.tiling import gpu_backward_shared_bytes, gpu_shared_bytes
 from attncc.runtime.check import check
 from attncc.runtime.emulate import NAN, NEG_INF, POS_INF, fixed_point_shifts, from_fixed_point
 from attncc.runtime.inputs import Shape, adapt, make_inputs
-from attncc.runtime.nvcc import compile_cuda, find_nvcc
+from attncc.runtime.nvcc import compile_cuda, find_nvcc, nvcc_install_hint
 from attncc.targets import GPUS
 from tests.conftest import EXAMPLES, ROOT
 
@@ -564,8 +565,24 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     with pytest.raises(AttnccError, match=r"nvcc not found \(looked in PATH.*attncc\[cuda\]"):
         find_nvcc()
+
+
+@pytest.mark.parametrize(
+    ("torch_cuda", "says"),
+    [
+        ("13.0", r"^`pip install 'attncc\[cuda\]'`"),
+        ("12.8", r"CUDA 12.8: .*attncc\[cuda\].*driver supports CUDA 13.*CUDA 12 toolkit.*no pip wheel"),
+        (None, r"CPU build.*emulate=True"),
+    ],
+)
+def test_nvcc_install_hint_follows_torchs_cuda(torch_cuda: str | None, says: str) -> None:
+    """The nvcc to install depends on torch's CUDA major: the CUDA 13 wheels for CUDA 13, the
+    same where a CUDA 12 torch's driver runs CUDA 13 or a CUDA 12 toolkit (no CUDA 12 nvcc
+    wheel exists), none for a CPU build."""
+    assert re.search(says, nvcc_install_hint(torch_cuda))
 
 
 @pytest.mark.parametrize(

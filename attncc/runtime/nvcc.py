@@ -27,6 +27,29 @@ def _matches_torch(wheel_nvcc: Path) -> bool:
     return major is not None and major == (torch.version.cuda or "").split(".")[0]
 
 
+def nvcc_install_hint(torch_cuda: str | None) -> str:
+    """How to get an nvcc that builds kernels for this torch (torch.version.cuda).
+
+    `attncc[cuda]` pulls `nvidia-cuda-nvcc` >= 13, a whole toolchain (it requires the nvvm, crt
+    and cudart wheels). No wheel carries a CUDA 12 nvcc: `nvidia-cuda-nvcc-cu12` (12.4.131,
+    12.9.86) holds ptxas only. A CUDA 12 torch can still use the CUDA 13 wheel where the driver
+    runs CUDA 13 (the kernels link their own CUDA runtime statically), else a CUDA 12 toolkit.
+    """
+    major = (torch_cuda or "").split(".")[0]
+    if not major:
+        return (
+            "this torch is a CPU build, which runs no CUDA kernels: emulate them on the host "
+            "(emulate=True, `attncc check --emulate`), or install a CUDA toolkit to only emit and compile them"
+        )
+    if int(major) >= 13:
+        return "`pip install 'attncc[cuda]'` (the nvidia-cuda-nvcc 13 wheels), or install the CUDA toolkit and set CUDA_HOME"
+    return (
+        f"torch is built for CUDA {torch_cuda}: `pip install 'attncc[cuda]'` (nvcc 13) works where the GPU driver "
+        f"supports CUDA 13 (driver 580 or newer); otherwise install a CUDA {major} toolkit and set CUDA_HOME "
+        f"(no pip wheel carries a CUDA {major} nvcc)"
+    )
+
+
 def find_nvcc() -> str:
     """nvcc from $CUDA_HOME, then PATH, then the nvidia-cuda-nvcc wheel; a clear error if none."""
     looked = []
@@ -44,16 +67,13 @@ def find_nvcc() -> str:
     nvidia = importlib.util.find_spec("nvidia")  # the wheels' namespace package
     roots = list(nvidia.submodule_search_locations or []) if nvidia else []
     for root in roots:
-        # nvidia-cuda-nvcc: nvidia/cuda_nvcc/bin (CUDA 12 wheels), nvidia/cu13/bin (CUDA 13);
-        # with both, the one of torch's CUDA major first (the driver runs torch's)
+        # nvidia-cuda-nvcc: nvidia/cu13/bin (CUDA 13); nvidia/cuda_nvcc/bin is the CUDA 12 wheels'
+        # layout, which hold ptxas only today; with both, the one of torch's CUDA major first
         looked.append(str(Path(root) / "*" / "bin" / "nvcc"))
         for candidate in sorted(Path(root).glob("*/bin/nvcc"), key=lambda c: (not _matches_torch(c), str(c))):
             if candidate.is_file():
                 return str(candidate)
-    raise BuildError(
-        "nvcc not found (looked in " + ", ".join(looked) + "); install the CUDA toolkit and set CUDA_HOME, "
-        "or `pip install 'attncc[cuda]'` for the nvidia-cuda-nvcc wheel"
-    )
+    raise BuildError("nvcc not found (looked in " + ", ".join(looked) + "); " + nvcc_install_hint(torch.version.cuda))
 
 
 @dataclass(frozen=True)
