@@ -331,3 +331,17 @@ def test_per_head_input_gradients_take_one_atomic_per_warp_and_tile() -> None:
     (slopes,) = [s for s in k.sites if s.op == "atom.global" and s.lanes == s.requests]
     # 64 x 64 backward tiles, causal: 4 + 3 + 2 + 1 visible (key tile, query tile) pairs per head
     assert slopes.requests == 4 * 10 * 2  # warps x pairs x heads
+
+
+def test_dq_atomics_are_float2_on_sm90() -> None:
+    """dQ's fp32 atomics add a column pair per lane with one vector atomic on sm90 (float2
+    atomicAdd), two scalar ones on sm80: the same bytes in half the requests."""
+    counts = {}
+    for arch in ("sm80", "sm90"):
+        kern = attncc.compile(ROOT / "examples" / "causal.attn", arch, emulate=True)
+        k = profile(kern, Shape(1, 1, 1, 128, 128, 64), torch.bfloat16)["attention_backward"]
+        counts[arch] = [s for s in k.sites if s.op == "atom.global"]  # causal has no learnable inputs: dQ only
+    sm80, sm90 = (sum(s.bytes for s in counts[a]) for a in ("sm80", "sm90"))
+    assert sm80 == sm90 > 0
+    assert {s.bytes // s.lanes for s in counts["sm80"]} == {4} and {s.bytes // s.lanes for s in counts["sm90"]} == {8}
+    assert sum(s.requests for s in counts["sm80"]) == 2 * sum(s.requests for s in counts["sm90"])

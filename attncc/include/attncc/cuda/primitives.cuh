@@ -365,6 +365,21 @@ __device__ __forceinline__ void atomic_add(float* address, float value ATTNCC_SI
 #endif
 }
 
+// address[0] += lo, address[1] += hi (address 8-byte aligned): one vector atomic on sm_90
+// (atomicAdd on float2, global memory), two scalar ones before.
+__device__ __forceinline__ void atomic_add_pair(float* address, float lo, float hi ATTNCC_SITE) {
+#if ATTNCC_ARCH >= 90 && defined(ATTNCC_EMULATE)
+  attncc_emu::record(attncc_emu::kOpAtomicGlobal, address, 8, line);
+  address[0] += lo;
+  address[1] += hi;
+#elif ATTNCC_ARCH >= 90
+  atomicAdd(reinterpret_cast<float2*>(address), make_float2(lo, hi));
+#else
+  atomic_add(address, lo ATTNCC_AT_SITE);
+  atomic_add(address + 1, hi ATTNCC_AT_SITE);
+#endif
+}
+
 __device__ __forceinline__ void atomic_add(int64_t* address, int64_t value ATTNCC_SITE) {  // wraps as two's complement
 #if defined(ATTNCC_EMULATE)
   ATTNCC_COUNT(kOpAtomicGlobal, address);
