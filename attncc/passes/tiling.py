@@ -264,12 +264,18 @@ def gpu_backward_shared_bytes(br: int, bc: int, d: int, dv_register_columns: int
     return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * (2 * d - dv_register_columns) + 2 * br)
 
 
-def gpu_registers(bc: int, d: int) -> int:
-    """Per-thread registers of the forward's live state (each warp owns 16 rows whatever Br):
+def gpu_fragment_registers(bc: int, d: int) -> int:
+    """Per-thread registers of the forward's fragments (each warp owns 16 rows whatever Br):
     the S fragment (16 x Bc fp32 per warp), the O accumulator (16 x d fp32), the Q fragments
-    (16 x d halves), plus ~40 for addressing, statistics and loop state. The backward kernels'
-    state is of the same order; ptxas's reports are checked by the tests."""
-    return bc // 2 + d // 2 + d // 4 + 40
+    (16 x d halves)."""
+    return bc // 2 + d // 2 + d // 4
+
+
+def gpu_registers(bc: int, d: int) -> int:
+    """Per-thread registers of the forward's live state: its fragments plus ~40 for addressing,
+    statistics and loop state. The backward kernels' state is of the same order; ptxas's
+    reports are checked by the tests."""
+    return gpu_fragment_registers(bc, d) + 40
 
 
 GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
@@ -315,10 +321,9 @@ def fastest_forward(target: Target, d: int, paper_br: int, paper_bc: int) -> Til
     for br in GPU_FORWARD_ROWS:
         for bc in range(16, GPU_FORWARD_MAX_BC + 1, 16):
             shared, registers = gpu_shared_bytes(br, bc, d, GPU_STAGES), gpu_registers(bc, d)
-            fragments = bc // 2 + d // 2 + d // 4
             too_many = (
                 registers > target.max_registers_per_thread - 32
-                or fragments > GPU_MAX_FRAGMENT_REGISTERS
+                or gpu_fragment_registers(bc, d) > GPU_MAX_FRAGMENT_REGISTERS
                 or (bc > 64 and d > GPU_WIDE_BC_MAX_HEAD_DIM)
             )
             if shared > target.onchip_bytes or too_many:

@@ -152,7 +152,7 @@ def report_text(
         sectors, ideal_s = k.total("sectors", GLOBAL_OPS), k.total("ideal_sectors", GLOBAL_OPS)
         out.append(
             f"  shared: {wavefronts} wavefronts ({_ratio(wavefronts, ideal_w)}); global: {sectors} sectors "
-            f"({_ratio(sectors, ideal_s)}), {32 * k.distinct_sectors} distinct bytes"
+            f"({_ratio(sectors, ideal_s)}), {SECTOR_BYTES * k.distinct_sectors} distinct bytes"
         )
         terms = ", ".join(f"{t} {1e6 * s:.2f}" for t, s in est.terms.items())
         out.append(f"  estimate {1e6 * est.seconds:.2f} us, bound: {est.bound} (us: {terms})")
