@@ -16,7 +16,7 @@ import attncc
 from attncc.codegen.cuda import generate_cuda
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import fused_node
-from attncc.passes.tiling import gpu_backward_shared_bytes, gpu_shared_bytes
+from attncc.passes.tiling import GPU_MAX_BACKWARD_STATE, gpu_backward_shared_bytes, gpu_shared_bytes
 from attncc.runtime.check import check
 from attncc.runtime.emulate import NAN, NEG_INF, POS_INF, fixed_point_shifts, from_fixed_point
 from attncc.runtime.inputs import Shape, adapt, make_inputs
@@ -74,8 +74,9 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
     score map with a learnable input (alibi) and dropout (gpt2) on sm80 fp16, sm75 and sm86 bf16:
     39 nvcc runs (every example at every arch and both head dims was 84 runs, 8 minutes on 2 busy
     cores; register use grows with the head dim and the variant's extra state, which these cover);
-    and the heaviest score maps at d = 64, where the roofline's choice gives 128 x 128 forward
-    tiles (sm86: 64 x 128)."""
+    the heaviest score maps at d = 64, where the roofline's choice gives 128 x 128 forward
+    tiles (sm86: 64 x 128), and the register-heavy ones on sm80 at d = 64, whose backward holds
+    dK and dV wholly in registers with 8 warps: 45 runs."""
     jobs = [(n, "sm90", 128, "bfloat16") for n in EXAMPLES]
     jobs += [(n, "sm80", 128, "bfloat16") for n in REGISTER_HEAVY]
     jobs += [(n, "sm80", d, "float16") for n in ("alibi", "gpt2") for d in (16, 80, 256)]
@@ -83,7 +84,8 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
     jobs += [("alibi", "sm86", d, "bfloat16") for d in (128, 256)]  # backward tiles smaller than the forward's
     jobs += [(n, "sm90", 64, "bfloat16") for n in ("alibi", "relative_bias")]  # 128 x 128 forward tiles
     jobs += [("alibi", "sm86", 64, "bfloat16")]  # 64 x 128
-    assert len(jobs) == 39
+    jobs += [(n, "sm80", 64, "bfloat16") for n in REGISTER_HEAVY]  # dK, dV in registers, 8 warps
+    assert len(jobs) == 45
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(_ptxas, jobs))
     for (name, arch, head_dim, dtype), plan, report in results:
@@ -121,11 +123,16 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
         backward = plan.backward
         assert backward is not None and table.for_head_dim(d, backward=True) == backward
         assert backward.onchip_bytes == gpu_backward_shared_bytes(
-            backward.block_rows, backward.block_cols, d, backward.dv_register_columns
+            backward.block_rows, backward.block_cols, d, backward.dv_register_columns, backward.dk_register_columns
         )
-        # 64 KiB: fp32 dK and dV do not both fit; 32 columns of dV go to registers
-        assert backward.dv_register_columns == (32 if arch == "sm75" and d == 256 else 0)
+        if d <= 128:  # the roofline's choice: dK and dV split alike, the state within the budget
+            assert backward.dk_register_columns == backward.dv_register_columns
+            assert backward.block_rows + backward.dv_register_columns <= GPU_MAX_BACKWARD_STATE
+        else:  # 64 KiB: fp32 dK and dV do not both fit; 32 columns of dV go to registers
+            assert backward.dk_register_columns == 0
+            assert backward.dv_register_columns == (32 if arch == "sm75" and d == 256 else 0)
         assert f"constexpr int kDvRegisterColumns = {backward.dv_register_columns};" in source
+        assert f"constexpr int kDkRegisterColumns = {backward.dk_register_columns};" in source
         assert backward.onchip_bytes <= GPUS[arch].shared_bytes_per_sm
         assert f"constexpr int kBwdBr = {backward.block_rows};" in source
         assert f"constexpr int kBwdBc = {backward.block_cols};" in source
@@ -135,7 +142,7 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
     # the backward's larger working set no longer shrinks the forward's tiles
     sm86 = table.for_head_dim(128) if arch == "sm86" else None
     if sm86 is not None:
-        assert (sm86.block_rows, sm86.block_cols) == (64, 64) and sm86.backward.block_cols == 32
+        assert (sm86.block_rows, sm86.block_cols) == (64, 64) and sm86.backward.block_rows == 32
 
 
 SHAPES = (Shape(2, 4, 2, 77, 130, 48), Shape(1, 2, 1, 129, 300, 64))
@@ -385,8 +392,9 @@ def test_fully_masked_rows_on_the_emulator() -> None:
 
 
 def test_more_batch_entries_than_a_grid_dimension_holds() -> None:
-    """B * H beyond 65535 (gridDim.y/z's limit, which the emulator enforces): one-dimensional grids."""
-    kern = emulated("vanilla")
+    """B * H beyond 65535 (gridDim.y/z's limit, which the emulator enforces): one-dimensional grids
+    (16 x 16 tiles: a warp per block, the fewest emulated threads for 65536 blocks)."""
+    kern = emulated("vanilla", tiles=(16, 16))
     q, k, v = (torch.randn(65536, 1, n, 16, dtype=torch.float16) for n in (1, 3, 3))
     reference = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
     assert (kern(q, k, v).double() - reference).abs().max() < 2e-3
@@ -406,7 +414,7 @@ def test_turing_kernels_on_the_emulator(name: str) -> None:
 
 def test_forward_and_backward_tiles_are_planned_separately() -> None:
     """Where shared memory is small the backward gets smaller tiles than the forward (sm86
-    d=128: 64 x 64 forward, 64 x 32 backward; d=256: 32 x 16, its dQ kernel on fewer warps than
+    d=128: 64 x 64 forward, 32 x 64 backward; d=256: 32 x 16, its dQ kernel on fewer warps than
     the forward; each call classifies tiles for its own plan), and on sm75 at d=256 (16 x 16,
     one warp) the backward keeps 32 columns of dV in registers."""
     for name, arch, head_dim in (("document", "sm86", 128), ("alibi", "sm86", 256), ("alibi", "sm75", 256)):

@@ -152,3 +152,96 @@ def forward_work(
         + rows * 4 // SECTOR_BYTES,
         dram_bytes=2 * (2 * rows * d + 2 * problem.B * problem.Hkv * problem.M * d) + 4 * rows,
     )
+
+
+def backward_work(
+    head_dim: int,
+    br: int,
+    bc: int,
+    problem: Problem,
+    register_columns: tuple[int, int] = (0, 0),
+    pair_atomics: bool = False,
+    visible_tiles: int | None = None,
+) -> Work:
+    """The backward kernel (`attention_backward`, atomic dQ, no dropout or learnable inputs) at
+    `problem` with Br x Bc tiles, a warp per 16 keys, the last `register_columns` = (dK, dV)
+    columns of each warp's accumulators in registers and the rest in fp32 shared memory, from
+    its loops:
+
+    per block: K and V copied in once, the shared accumulator columns zeroed, then stored
+    (a column per thread) and the register columns stored as column pairs; per visible
+    (query tile, key tile) pair: Q and dO copied in, their rows' lse and delta (a float per
+    thread); per warp S^T = K Q^T and dP^T = V dO^T ((D/16) ldmatrix each for K and V, (D/16)
+    (Br/16) for Q and dO, 4 per pair of them mma), an exp2 and two shared reads (lse, delta)
+    per score, dV and dK ((D/16)(Br/16) ldmatrix.trans for dO and Q, 4 mma per pair), 16
+    wavefronts (2 float2 loads and stores per row pair and half) per shared 16-column block of
+    each accumulator, dS^T stored as halves pairs; dQ = dS K in (Br/16) query blocks times
+    slices of D over the warps (an ldmatrix.trans of dS^T per 16 keys, one of K per 16 columns, 2
+    mma) and its fp32 atomics, a column pair per atomic where `pair_atomics` (sm90). Exact for
+    N and M multiples of the tiles and D = head_dim."""
+    d, (dk_registers, dv_registers) = head_dim, register_columns
+    query_tiles, key_tiles = -(-problem.N // br), -(-problem.M // bc)
+    blocks = problem.B * problem.Hkv * key_tiles
+    visible = problem.B * problem.H * query_tiles * key_tiles if visible_tiles is None else visible_tiles
+    warps = bc // 16
+    threads = 32 * warps
+    rows, kv_rows = problem.B * problem.H * problem.N, problem.B * problem.Hkv * problem.M
+    shared_columns = 2 * d - dk_registers - dv_registers
+    dq_blocks = br // 16
+    slices = warps // dq_blocks if warps > dq_blocks and (d // 16) % (warps // dq_blocks) == 0 else 1
+    # per visible pair and warp: ldmatrix and mma of S^T, dP^T, dV, dK; dQ's over all warps
+    ldmatrix = warps * ((d // 16) * (2 + 2 * (br // 16)) + 2 * (d // 16) * (br // 16))
+    ldmatrix += dq_blocks * slices * (bc // 16) * (1 + d // slices // 16)
+    mma = warps * 8 * (d // 16) * (br // 16) + dq_blocks * (bc // 16) * 2 * (d // 16)
+    # lse and delta: a float per thread, rows of one tile per request of up to 32 lanes
+    row_requests = 2 * -(-br // 32)
+    row_sectors = 2 * br * 4 // SECTOR_BYTES
+    accumulator_wavefronts = warps * 16 * (shared_columns // 16)
+    ds_store_addresses = [(g * (br + 8) + 2 * t) * 2 for g in range(8) for t in range(4)]
+    ds_stores = warps * 2 * (br // 8) * phase_wavefronts(ds_store_addresses, 4)
+    per_visible_wavefronts = (
+        4 * ldmatrix
+        + 2 * copy_wavefronts(br, d)
+        + row_requests
+        + warps * br  # lse and delta per score: one (broadcast) wavefront each
+        + accumulator_wavefronts
+        + ds_stores
+    )
+    # per block: copies of K, V; zeroing and storing the shared accumulator columns (a float per
+    # thread and request); the accumulator reads when stored
+    zero_requests = -(-bc * shared_columns // threads) * warps
+    per_block_wavefronts = 2 * copy_wavefronts(bc, d) + zero_requests + bc * shared_columns // 32
+    # dQ atomics: per (query block, slice) and row pair, a request per 8 columns (two where a
+    # column pair takes two atomics), 8 rows of 4 lanes: 8 sectors each
+    atomic_requests = dq_blocks * slices * 2 * (d // slices // 8) * (1 if pair_atomics else 2)
+    # dK and dV out: register columns as column pairs (8 rows of 16 bytes per request: 8
+    # sectors), shared columns a column per thread
+    store_sectors = sum(
+        8 * warps * 2 * (registers // 16) * 2 + _column_store_sectors(bc, d - registers, d, threads)
+        for registers in register_columns
+    )
+    return Work(
+        blocks=blocks,
+        threads_per_block=threads,
+        shared_bytes=2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * shared_columns + 2 * br),
+        mma_flops=visible * mma * MMA_FLOPS,
+        ex2=visible * warps * 32 * (br // 2),
+        shared_wavefronts=visible * per_visible_wavefronts + blocks * per_block_wavefronts,
+        l2_sectors=visible * (2 * br * d * 2 // SECTOR_BYTES + row_sectors + 8 * atomic_requests)
+        + blocks * (2 * bc * d * 2 // SECTOR_BYTES + store_sectors),
+        # q, dO, k, v read, lse and delta, the fp32 dQ accumulator, dK and dV written
+        dram_bytes=2 * (2 * rows * d + 2 * kv_rows * d) + 8 * rows + 4 * rows * d + 2 * 2 * kv_rows * d,
+    )
+
+
+@cache
+def _column_store_sectors(keys: int, columns: int, head_dim: int, threads: int) -> int:
+    """Sectors of storing `columns` columns of `keys` rows (2-byte elements, rows head_dim
+    apart) a column per thread: element e of the loop goes to thread e % threads, a warp's 32
+    consecutive elements are one request."""
+    sectors = 0
+    for start in range(0, keys * columns, threads):
+        for warp in range(start, min(start + threads, keys * columns), 32):
+            elements = range(warp, min(warp + 32, start + threads, keys * columns))
+            sectors += len({(e // columns * head_dim + e % columns) * 2 // SECTOR_BYTES for e in elements})
+    return sectors

@@ -10,12 +10,12 @@ limits; `TilePlan.reason` says which refinement applied.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, clone, fused_node
-from attncc.passes.roofline import estimate, forward_work
+from attncc.passes.roofline import Estimate, Work, backward_work, estimate, forward_work
 from attncc.passes.sparsity import Problem
 from attncc.targets import CPU_ISAS, GPU_RATES, NATIVE_FLAGS, Target
 
@@ -78,6 +78,8 @@ class TilePlan:
     #: GPU backward: the last columns of each warp's dV accumulator held in registers, where
     #: fp32 dK and dV do not both fit the shared memory (a multiple of 16; 0: all shared).
     dv_register_columns: int = 0
+    #: GPU backward: the same for dK (d where FlashAttention-2-style register accumulators fit).
+    dk_register_columns: int = 0
     #: CPU forward: from this many keys on, a kv head's K/V panels outgrow L2 and a task takes
     #: `streaming_block_rows` query rows (0: never).
     streaming_keys: int = 0
@@ -257,11 +259,14 @@ def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
     return 2 * (br + stages * 2 * bc) * (d + 8)
 
 
-def gpu_backward_shared_bytes(br: int, bc: int, d: int, dv_register_columns: int = 0) -> int:
+def gpu_backward_shared_bytes(
+    br: int, bc: int, d: int, dv_register_columns: int = 0, dk_register_columns: int = 0
+) -> int:
     """The backward kernel's shared memory: Q, dO (Br rows) and K, V (Bc rows) tiles, dS^T
-    (Bc x (Br + 8) halves), fp32 dK (Bc x d) and dV (Bc x (d - dv_register_columns))
-    accumulators and the rows' lse and delta."""
-    return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * (2 * d - dv_register_columns) + 2 * br)
+    (Bc x (Br + 8) halves), the shared columns of the fp32 dK and dV accumulators (Bc x (d -
+    register columns) each) and the rows' lse and delta."""
+    shared_columns = 2 * d - dv_register_columns - dk_register_columns
+    return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * shared_columns + 2 * br)
 
 
 def gpu_fragment_registers(bc: int, d: int) -> int:
@@ -307,41 +312,108 @@ GPU_REFERENCE_PROBLEM = Problem(4, 16, 16, 4096, 4096, 0)
 Q_IN_REGISTERS_MAX_HEAD_DIM = 128
 
 
+def cheapest(target: Target, problem: Problem, candidates: Iterable[tuple[TilePlan, Work]]) -> TilePlan | None:
+    """The candidate plan whose work has the smallest roofline estimate at `problem` (the
+    largest term, then the sum of all terms, which overlap imperfectly), its reason prefixed
+    with the estimate; None for no candidates."""
+    best: tuple[tuple[float, float], TilePlan, Estimate] | None = None
+    for plan, work in candidates:
+        est = estimate(work, target.name, plan.registers_per_thread)
+        key = (est.seconds, sum(est.terms.values()))
+        if best is None or key < best[0]:
+            best = (key, plan, est)
+    if best is None:
+        return None
+    _, plan, est = best
+    why = f"the smallest roofline estimate at {problem} ({1e6 * est.seconds:.0f} us, {est.bound}-bound) {plan.reason}"
+    return replace(plan, reason=why)
+
+
 def fastest_forward(target: Target, d: int, paper_br: int, paper_bc: int) -> TilePlan | None:
-    """The forward tiles with the smallest roofline estimate (passes/roofline.py: the largest
-    term, then the sum of all terms, which overlap imperfectly) at GPU_REFERENCE_PROBLEM, among
-    the candidates whose shared memory, register estimate and fragment state fit; None if none
-    does; None above d = 128 and for targets without rates in GPU_RATES (plan_gpu's fallback)."""
+    """The forward tiles with the smallest roofline estimate (passes/roofline.py `forward_work`)
+    at GPU_REFERENCE_PROBLEM among the candidates whose shared memory, register estimate and
+    fragment state fit; None if none does; None above d = 128 and for targets without rates in
+    GPU_RATES (plan_gpu's fallback)."""
     if d > Q_IN_REGISTERS_MAX_HEAD_DIM:  # Q reloaded per tile: ptxas's needs outgrow the state (d=144, 128 x 96 spills)
         return None
     if target.name not in GPU_RATES:  # a target row without published rates: plan_gpu's fallback
         return None
     problem = replace(GPU_REFERENCE_PROBLEM, D=d)
-    best: tuple[tuple[float, float], TilePlan] | None = None
-    for br in GPU_FORWARD_ROWS:
-        for bc in range(16, GPU_FORWARD_MAX_BC + 1, 16):
-            shared, registers = gpu_shared_bytes(br, bc, d, GPU_STAGES), gpu_registers(bc, d)
-            too_many = (
-                registers > target.max_registers_per_thread - 32
-                or gpu_fragment_registers(bc, d) > GPU_MAX_FRAGMENT_REGISTERS
-                or (bc > 64 and d > GPU_WIDE_BC_MAX_HEAD_DIM)
-            )
-            if shared > target.onchip_bytes or too_many:
-                continue
-            work = forward_work(d, br, bc, problem, d <= Q_IN_REGISTERS_MAX_HEAD_DIM)
-            est = estimate(work, target.name, registers)
-            reason = (
-                f"the smallest roofline estimate at {problem} ({1e6 * est.seconds:.0f} us, {est.bound}-bound) "
-                f"of Br in {GPU_FORWARD_ROWS}, Bc in 16..{GPU_FORWARD_MAX_BC} fitting shared memory and registers"
-            )
-            warps = br // GPU_ROWS_PER_WARP
-            plan = TilePlan(
-                d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_STAGES, shared, registers, reason
-            )
-            key = (est.seconds, sum(est.terms.values()))
-            if best is None or key < best[0]:
-                best = (key, plan)
-    return best[1] if best else None
+    reason = f"of Br in {GPU_FORWARD_ROWS}, Bc in 16..{GPU_FORWARD_MAX_BC} fitting shared memory and registers"
+
+    def candidates() -> Iterator[tuple[TilePlan, Work]]:
+        for br in GPU_FORWARD_ROWS:
+            for bc in range(16, GPU_FORWARD_MAX_BC + 1, 16):
+                shared, registers = gpu_shared_bytes(br, bc, d, GPU_STAGES), gpu_registers(bc, d)
+                too_many = (
+                    registers > target.max_registers_per_thread - 32
+                    or gpu_fragment_registers(bc, d) > GPU_MAX_FRAGMENT_REGISTERS
+                    or (bc > 64 and d > GPU_WIDE_BC_MAX_HEAD_DIM)
+                )
+                if shared > target.onchip_bytes or too_many:
+                    continue
+                warps = br // GPU_ROWS_PER_WARP
+                plan = TilePlan(
+                    d,
+                    br,
+                    bc,
+                    paper_br,
+                    paper_bc,
+                    warps * target.warp_size,
+                    warps,
+                    GPU_STAGES,
+                    shared,
+                    registers,
+                    reason,
+                )
+                yield plan, forward_work(d, br, bc, problem, d <= Q_IN_REGISTERS_MAX_HEAD_DIM)
+
+    return cheapest(target, problem, candidates())
+
+
+# The backward's candidates: Br up to 64 (a lane's dropout keep bits for 4 Br / 8 scores fill
+# one 32-bit word), a warp per 16 keys up to 8 warps, and the last r columns of each warp's dK
+# and dV accumulators in registers (r / 2 + r / 2 registers per thread beside the Br of the S^T
+# and dP^T fragments). ptxas on sm90 (bf16, alibi, Bc = 128): d = 64, Br = 64, r = 64 (state
+# 128): 245 registers, no spill; d = 128, r = 64: Br = 64 230 registers, no spill; r = 128:
+# Br = 16 (state 144) 238, no spill, but Br = 32 (160) spills 16 B and Br = 64 (192) 52 B.
+GPU_BACKWARD_ROWS = (16, 32, 48, 64)
+# Bc above 64 only where the deterministic dQ kernel can take the key tile in two equal parts
+# of at most 64 keys (its score fragments and dropout keep bits are sized for 64).
+GPU_BACKWARD_COLS = (16, 32, 48, 64, 96, 128)
+GPU_MAX_BACKWARD_STATE = 112
+# What ptxas gives the backward kernel (197 to 255 registers at d = 64..128): the estimate's
+# occupancy assumes the most.
+GPU_BACKWARD_REGISTERS = 255
+
+
+def fastest_backward(target: Target, d: int, paper_br: int, paper_bc: int) -> TilePlan | None:
+    """The backward tiles and register accumulator columns with the smallest roofline estimate
+    (`backward_work`) at GPU_REFERENCE_PROBLEM among the candidates whose shared memory and
+    fragment state fit; None above d = 128 and for targets without rates (plan_gpu's fallback)."""
+    if d > Q_IN_REGISTERS_MAX_HEAD_DIM or target.name not in GPU_RATES:
+        return None
+    problem = replace(GPU_REFERENCE_PROBLEM, D=d)
+
+    def candidates() -> Iterator[tuple[TilePlan, Work]]:
+        for br in GPU_BACKWARD_ROWS:
+            for bc in GPU_BACKWARD_COLS:
+                for columns in range(0, d + 1, HEAD_DIM_STEP):
+                    shared = gpu_backward_shared_bytes(br, bc, d, columns, columns)
+                    if br + columns > GPU_MAX_BACKWARD_STATE or shared > target.onchip_bytes:
+                        continue
+                    held = "none" if columns == 0 else "all" if columns == d else f"columns {d - columns}..{d - 1}"
+                    reason = (
+                        f"of the backward's candidates fitting shared memory and registers; dK, dV in registers: {held}"
+                    )
+                    warps = bc // GPU_ROWS_PER_WARP
+                    plan = TilePlan(
+                        d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_STAGES, shared,
+                        GPU_BACKWARD_REGISTERS, reason, dv_register_columns=columns, dk_register_columns=columns,
+                    )  # fmt: skip
+                    yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
+
+    return cheapest(target, problem, candidates())
 
 
 def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
@@ -398,7 +470,8 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     def backward_warps(rows: int, cols: int) -> int:  # a warp per 16 keys (dK/dV) or query rows (dQ)
         return max(rows, cols) // GPU_ROWS_PER_WARP
 
-    backward = fit("backward", lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), backward_warps)
+    backward = fastest_backward(target, d, paper_br, paper_bc) if override is None else None
+    backward = backward or fit("backward", lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), backward_warps)
     if backward is None:  # part of dV in registers: as few 16-column blocks as make the rest fit,
         # at most half of it (d / 4 registers per thread; sm75 at d=256 needs 32 columns: 198
         # registers, no spills)
