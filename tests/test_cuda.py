@@ -16,7 +16,12 @@ import attncc
 from attncc.codegen.cuda import generate_cuda
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import fused_node
-from attncc.passes.tiling import GPU_MAX_BACKWARD_STATE, gpu_backward_shared_bytes, gpu_shared_bytes
+from attncc.passes.tiling import (
+    GPU_MAX_BACKWARD_STATE,
+    gpu_backward_shared_bytes,
+    gpu_dq_shared_bytes,
+    gpu_shared_bytes,
+)
 from attncc.runtime.check import check
 from attncc.runtime.emulate import NAN, NEG_INF, POS_INF, fixed_point_shifts, from_fixed_point
 from attncc.runtime.inputs import Shape, adapt, make_inputs
@@ -76,7 +81,8 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
     cores; register use grows with the head dim and the variant's extra state, which these cover);
     the heaviest score maps at d = 64, where the roofline's choice gives 128 x 128 forward
     tiles (sm86: 64 x 128), and the register-heavy ones on sm80 at d = 64, whose backward holds
-    dK and dV wholly in registers with 8 warps: 45 runs."""
+    dK and dV wholly in registers with 8 warps; causal bf16 at d = 256, whose backward kernels
+    spilled 20-52 B before their dQ columns were bounded at 128 per thread and Br at 32: 47 runs."""
     jobs = [(n, "sm90", 128, "bfloat16") for n in EXAMPLES]
     jobs += [(n, "sm80", 128, "bfloat16") for n in REGISTER_HEAVY]
     jobs += [(n, "sm80", d, "float16") for n in ("alibi", "gpt2") for d in (16, 80, 256)]
@@ -85,7 +91,8 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
     jobs += [(n, "sm90", 64, "bfloat16") for n in ("alibi", "relative_bias")]  # 128 x 128 forward tiles
     jobs += [("alibi", "sm86", 64, "bfloat16")]  # 64 x 128
     jobs += [(n, "sm80", 64, "bfloat16") for n in REGISTER_HEAVY]  # dK, dV in registers, 8 warps
-    assert len(jobs) == 45
+    jobs += [("causal", a, 256, "bfloat16") for a in ("sm80", "sm90")]  # spilled in both backward kernels
+    assert len(jobs) == 47
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(_ptxas, jobs))
     for (name, arch, head_dim, dtype), plan, report in results:
@@ -131,6 +138,8 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
         else:  # 64 KiB: fp32 dK and dV do not both fit; 32 columns of dV go to registers
             assert backward.dk_register_columns == 0
             assert backward.dv_register_columns == (32 if arch == "sm75" and d == 256 else 0)
+        # the deterministic dQ kernel, launched with the same plan, needs no more
+        assert gpu_dq_shared_bytes(backward.block_rows, backward.block_cols, d) <= backward.onchip_bytes
         assert f"constexpr int kDvRegisterColumns = {backward.dv_register_columns};" in source
         assert f"constexpr int kDkRegisterColumns = {backward.dk_register_columns};" in source
         assert backward.onchip_bytes <= GPUS[arch].shared_bytes_per_sm
@@ -463,6 +472,23 @@ def test_torch_deterministic_mode_selects_the_atomic_free_dq() -> None:
     # the atomic dQ is rounded once from fp32, the dQ kernel's too: same values up to rounding order
     assert torch.allclose(grads["atomics"][0].float(), grads["torch flag"][0].float(), atol=2e-3)
     assert torch.equal(grads["atomics"][1], grads["torch flag"][1])  # dK, dV never use atomics
+
+
+def test_deterministic_dq_beyond_128_columns_on_the_emulator() -> None:
+    """Above d = 128 the dQ kernel accumulates the columns before the last 128 in fp32 shared
+    memory (16 at d = 144, 128 at d = 256) and the rest in registers: golden and repeatable."""
+    kern = emulated("causal")
+    kern.deterministic = True
+    try:
+        for head_dim in (144, 256):
+            shape = Shape(1, 2, 1, 40, 70, head_dim)
+            result = check(kern, shape, torch.float16)
+            assert result.ok, f"d={head_dim}: {result.describe()}"
+            q, k, v, _ = make_inputs(kern, shape, torch.float16)
+            first, second = (torch.autograd.grad(kern(q, k, v).sum(), [q])[0] for _ in range(2))
+            assert torch.equal(first, second)
+    finally:
+        kern.deterministic = False
 
 
 @pytest.mark.parametrize("name", ["alibi", "relative_bias"])

@@ -269,6 +269,13 @@ def gpu_backward_shared_bytes(
     return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * shared_columns + 2 * br)
 
 
+def gpu_dq_shared_bytes(br: int, bc: int, d: int) -> int:
+    """The deterministic dQ kernel's shared memory: Q, dO (Br rows) and K, V parts of at most 64
+    keys (halves of a Bc above 64), and the fp32 dQ columns before the last 128 (d > 128)."""
+    part = bc if bc <= 64 else bc // 2
+    return 2 * (2 * br + 2 * part) * (d + 8) + 4 * br * max(d - 128, 0)
+
+
 def gpu_fragment_registers(bc: int, d: int) -> int:
     """Per-thread registers of the forward's fragments (each warp owns 16 rows whatever Br):
     the S fragment (16 x Bc fp32 per warp), the O accumulator (16 x d fp32), the Q fragments
@@ -440,9 +447,11 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             bc -= 16
         reason = "Br = 16 rows x 4 warps; Bc from the paper, capped at 64 and cut to keep registers below the limit"
 
-    def fit(kernel: str, shared: Callable[[int, int], int], warps: Callable[[int, int], int]) -> TilePlan | None:
-        """From (br, bc), cut Bc then Br until `shared` bytes fit; None if 16 x 16 does not."""
-        rows, cols, why = br, bc, reason
+    def fit(
+        kernel: str, shared: Callable[[int, int], int], warps: Callable[[int, int], int], first_rows: int = br
+    ) -> TilePlan | None:
+        """From (first_rows, bc), cut Bc then Br until `shared` bytes fit; None if 16 x 16 does not."""
+        rows, cols, why = first_rows, bc, reason
         if override is None and shared(rows, cols) > target.onchip_bytes:
             why += f"; then cut until the {kernel} fits the shared memory"
         while override is None and shared(rows, cols) > target.onchip_bytes and (cols > 16 or rows > 16):
@@ -471,7 +480,12 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
         return max(rows, cols) // GPU_ROWS_PER_WARP
 
     backward = fastest_backward(target, d, paper_br, paper_bc) if override is None else None
-    backward = backward or fit("backward", lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), backward_warps)
+    # Above d = 128 (Q re-read per tile) the backward starts from 32 query rows: at 64, ptxas
+    # spills 20-40 B in attention_backward for causal bf16 at d = 256 on sm80 and sm90.
+    backward_rows = br if override is not None or d <= Q_IN_REGISTERS_MAX_HEAD_DIM else min(br, 32)
+    backward = backward or fit(
+        "backward", lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), backward_warps, backward_rows
+    )
     if backward is None:  # part of dV in registers: as few 16-column blocks as make the rest fit,
         # at most half of it (d / 4 registers per thread; sm75 at d=256 needs 32 columns: 198
         # registers, no spills)
@@ -480,6 +494,7 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
                 "backward",
                 lambda rows, cols, n=register_columns: gpu_backward_shared_bytes(rows, cols, d, n),
                 backward_warps,
+                backward_rows,
             )
             if backward is not None:
                 why = f"{backward.reason}; dV columns {d - register_columns}..{d - 1} in registers"
