@@ -16,12 +16,8 @@ import attncc
 from attncc.codegen.cuda import generate_cuda
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import fused_node
-from attncc.passes.tiling import (
-    GPU_MAX_BACKWARD_STATE,
-    gpu_backward_shared_bytes,
-    gpu_dq_shared_bytes,
-    gpu_shared_bytes,
-)
+from attncc.passes.roofline import gpu_dq_shared_bytes
+from attncc.passes.tiling import GPU_MAX_BACKWARD_STATE, gpu_backward_shared_bytes, gpu_shared_bytes
 from attncc.runtime.check import check
 from attncc.runtime.emulate import NAN, NEG_INF, POS_INF, fixed_point_shifts, from_fixed_point
 from attncc.runtime.inputs import Shape, adapt, make_inputs

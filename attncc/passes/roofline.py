@@ -3,9 +3,10 @@
 `Work` is a launch in the units the roofline prices (tensor-core FLOPs, exp2 results,
 shared-memory wavefronts, L2 sectors, DRAM bytes); `estimate` turns it into time per resource
 with the occupancy calculator's rules. Two sources of Work: the emulator's counters of the
-generated code (`attncc profile`, attncc/runtime/profile.py) and `forward_work`, the forward
-kernel's counts derived from its tiles, which the tiling pass uses to choose tiles (tests check
-that it equals the emulator's counts at tile-aligned shapes).
+generated code (`attncc profile`, attncc/runtime/profile.py) and `forward_work` /
+`backward_work`, the kernels' counts derived from their tiles, which the tiling pass uses to
+choose tiles (tests check that they equal the emulator's counts at tile-aligned shapes). The
+kernels' shared-memory layouts (`gpu_*shared_bytes`) live here, for both.
 """
 
 from __future__ import annotations
@@ -114,6 +115,29 @@ def copy_wavefronts(rows: int, head_dim: int) -> int:
     return sum(phase_wavefronts(addresses[p : p + 8], 16) for p in range(0, len(addresses), 8))
 
 
+def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
+    """fp16/bf16 shared memory of templates/cuda/attention.cu.jinja: the Q tile plus `stages`
+    buffers of K and V tiles, rows padded by 8 halves (16 bytes) against bank conflicts."""
+    return 2 * (br + stages * 2 * bc) * (d + 8)
+
+
+def gpu_backward_shared_bytes(
+    br: int, bc: int, d: int, dv_register_columns: int = 0, dk_register_columns: int = 0
+) -> int:
+    """The backward kernel's shared memory: Q, dO (Br rows) and K, V (Bc rows) tiles, dS^T
+    (Bc x (Br + 8) halves), the shared columns of the fp32 dK and dV accumulators (Bc x (d -
+    register columns) each) and the rows' lse and delta."""
+    shared_columns = 2 * d - dv_register_columns - dk_register_columns
+    return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * shared_columns + 2 * br)
+
+
+def gpu_dq_shared_bytes(br: int, bc: int, d: int) -> int:
+    """The deterministic dQ kernel's shared memory: Q, dO (Br rows) and K, V parts of at most 64
+    keys (halves of a Bc above 64), and the fp32 dQ columns before the last 128 (d > 128)."""
+    part = bc if bc <= 64 else bc // 2
+    return 2 * (2 * br + 2 * part) * (d + 8) + 4 * br * max(d - 128, 0)
+
+
 def forward_work(
     head_dim: int, br: int, bc: int, problem: Problem, q_in_registers: bool, visible_tiles: int | None = None
 ) -> Work:
@@ -140,7 +164,7 @@ def forward_work(
     return Work(
         blocks=blocks,
         threads_per_block=warps * 32,
-        shared_bytes=2 * (br + 4 * bc) * (d + 8),
+        shared_bytes=gpu_shared_bytes(br, bc, d, 2),  # two K/V stages (the template asserts it)
         mma_flops=visible * warps * 4 * (d // 16) * (bc // 16) * MMA_FLOPS,
         ex2=visible * warps * 32 * (2 + bc // 2),
         shared_wavefronts=4 * visible * warps * ldmatrix_per_tile
@@ -223,7 +247,7 @@ def backward_work(
     return Work(
         blocks=blocks,
         threads_per_block=threads,
-        shared_bytes=2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * shared_columns + 2 * br),
+        shared_bytes=gpu_backward_shared_bytes(br, bc, d, dv_registers, dk_registers),
         mma_flops=visible * mma * MMA_FLOPS,
         ex2=visible * warps * 32 * (br // 2),
         shared_wavefronts=visible * per_visible_wavefronts + blocks * per_block_wavefronts,

@@ -15,7 +15,15 @@ from dataclasses import dataclass, replace
 
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, clone, fused_node
-from attncc.passes.roofline import Estimate, Work, backward_work, estimate, forward_work
+from attncc.passes.roofline import (
+    Estimate,
+    Work,
+    backward_work,
+    estimate,
+    forward_work,
+    gpu_backward_shared_bytes,
+    gpu_shared_bytes,
+)
 from attncc.passes.sparsity import Problem
 from attncc.targets import CPU_ISAS, GPU_RATES, NATIVE_FLAGS, Target
 
@@ -251,29 +259,6 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             reason=f"{reason}; Br={CPU_STREAMING_BR} in the forward where a kv head's K/V panels outgrow L2",
         )
     return replace(plan, backward=plan)  # the CPU backward re-tiles nothing: same tasks, same tiles
-
-
-def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
-    """fp16/bf16 shared memory of templates/cuda/attention.cu.jinja: the Q tile plus `stages`
-    buffers of K and V tiles, rows padded by 8 halves (16 bytes) against bank conflicts."""
-    return 2 * (br + stages * 2 * bc) * (d + 8)
-
-
-def gpu_backward_shared_bytes(
-    br: int, bc: int, d: int, dv_register_columns: int = 0, dk_register_columns: int = 0
-) -> int:
-    """The backward kernel's shared memory: Q, dO (Br rows) and K, V (Bc rows) tiles, dS^T
-    (Bc x (Br + 8) halves), the shared columns of the fp32 dK and dV accumulators (Bc x (d -
-    register columns) each) and the rows' lse and delta."""
-    shared_columns = 2 * d - dv_register_columns - dk_register_columns
-    return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * shared_columns + 2 * br)
-
-
-def gpu_dq_shared_bytes(br: int, bc: int, d: int) -> int:
-    """The deterministic dQ kernel's shared memory: Q, dO (Br rows) and K, V parts of at most 64
-    keys (halves of a Bc above 64), and the fp32 dQ columns before the last 128 (d > 128)."""
-    part = bc if bc <= 64 else bc // 2
-    return 2 * (2 * br + 2 * part) * (d + 8) + 4 * br * max(d - 128, 0)
 
 
 def gpu_fragment_registers(bc: int, d: int) -> int:
