@@ -126,8 +126,14 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
         backward = plan.backward
         assert backward is not None and table.for_head_dim(d, backward=True) == backward
         assert backward.onchip_bytes == gpu_backward_shared_bytes(
-            backward.block_rows, backward.block_cols, d, backward.dv_register_columns, backward.dk_register_columns
+            backward.block_rows,
+            backward.block_cols,
+            d,
+            backward.dv_register_columns,
+            backward.dk_register_columns,
+            backward.stages,
         )
+        assert backward.stages == (2 if d <= 128 else 1)  # the next query tile prefetched
         if d <= 128:  # the roofline's choice: dK and dV split alike, the state within the budget
             assert backward.dk_register_columns == backward.dv_register_columns
             assert backward.block_rows + backward.dv_register_columns <= GPU_MAX_BACKWARD_STATE
@@ -142,7 +148,8 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
         assert f"constexpr int kBwdBr = {backward.block_rows};" in source
         assert f"constexpr int kBwdBc = {backward.block_cols};" in source
         assert (
-            "constexpr int kBwdSharedBytes = (2 * kBwdBr + 2 * kBwdBc) * kStride * int(sizeof(storage_t)) +" in source
+            "constexpr int kBwdSharedBytes = (2 * kBwdStages * kBwdBr + 2 * kBwdBc) * kStride * int(sizeof(storage_t)) +"
+            in source
         )
     # the backward's larger working set no longer shrinks the forward's tiles
     sm86 = table.for_head_dim(128) if arch == "sm86" else None

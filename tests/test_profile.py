@@ -311,7 +311,9 @@ def test_the_backward_cost_model_counts_what_the_emulator_counts(
     assert plan.dv_register_columns == plan.dk_register_columns
     measured = profile(kern, shape, torch.bfloat16)["attention_backward"].work(arch)
     columns = (plan.dk_register_columns, plan.dv_register_columns)
-    model = backward_work(shape.D, plan.block_rows, plan.block_cols, shape, columns, pair_atomics=arch == "sm90")
+    model = backward_work(
+        shape.D, plan.block_rows, plan.block_cols, shape, columns, pair_atomics=arch == "sm90", stages=plan.stages
+    )
     assert measured == model
 
 

@@ -122,13 +122,13 @@ def gpu_shared_bytes(br: int, bc: int, d: int, stages: int) -> int:
 
 
 def gpu_backward_shared_bytes(
-    br: int, bc: int, d: int, dv_register_columns: int = 0, dk_register_columns: int = 0
+    br: int, bc: int, d: int, dv_register_columns: int = 0, dk_register_columns: int = 0, stages: int = 1
 ) -> int:
-    """The backward kernel's shared memory: Q, dO (Br rows) and K, V (Bc rows) tiles, dS^T
-    (Bc x (Br + 8) halves), the shared columns of the fp32 dK and dV accumulators (Bc x (d -
-    register columns) each) and the rows' lse and delta."""
+    """The backward kernel's shared memory: `stages` buffers of the Q, dO (Br rows) tiles and
+    their rows' lse and delta, K, V (Bc rows) tiles, dS^T (Bc x (Br + 8) halves) and the shared
+    columns of the fp32 dK and dV accumulators (Bc x (d - register columns) each)."""
     shared_columns = 2 * d - dv_register_columns - dk_register_columns
-    return 2 * (2 * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * shared_columns + 2 * br)
+    return 2 * (2 * stages * br + 2 * bc) * (d + 8) + 2 * bc * (br + 8) + 4 * (bc * shared_columns + 2 * stages * br)
 
 
 def gpu_dq_shared_bytes(br: int, bc: int, d: int) -> int:
@@ -186,6 +186,7 @@ def backward_work(
     register_columns: tuple[int, int] = (0, 0),
     pair_atomics: bool = False,
     visible_tiles: int | None = None,
+    stages: int = 2,
 ) -> Work:
     """The backward kernel (`attention_backward`, atomic dQ, no dropout or learnable inputs) at
     `problem` with Br x Bc tiles, a warp per 16 keys, the last `register_columns` = (dK, dV)
@@ -201,8 +202,9 @@ def backward_work(
     wavefronts (2 float2 loads and stores per row pair and half) per shared 16-column block of
     each accumulator, dS^T stored as halves pairs; dQ = dS K in (Br/16) query blocks times
     slices of D over the warps (an ldmatrix.trans of dS^T per 16 keys, one of K per 16 columns, 2
-    mma) and its fp32 atomics, a column pair per atomic where `pair_atomics` (sm90). Exact for
-    N and M multiples of the tiles and D = head_dim."""
+    mma) and its fp32 atomics, a column pair per atomic where `pair_atomics` (sm90). `stages`
+    Q/dO buffers (2: the next query tile prefetched) change only the shared memory. Exact for N
+    and M multiples of the tiles and D = head_dim."""
     d, (dk_registers, dv_registers) = head_dim, register_columns
     query_tiles, key_tiles = -(-problem.N // br), -(-problem.M // bc)
     blocks = problem.B * problem.Hkv * key_tiles
@@ -247,7 +249,7 @@ def backward_work(
     return Work(
         blocks=blocks,
         threads_per_block=threads,
-        shared_bytes=gpu_backward_shared_bytes(br, bc, d, dv_registers, dk_registers),
+        shared_bytes=gpu_backward_shared_bytes(br, bc, d, dv_registers, dk_registers, stages),
         mma_flops=visible * mma * MMA_FLOPS,
         ex2=visible * warps * 32 * (br // 2),
         shared_wavefronts=visible * per_visible_wavefronts + blocks * per_block_wavefronts,

@@ -374,6 +374,12 @@ GPU_BACKWARD_ROWS = (16, 32, 48, 64)
 # of at most 64 keys (its score fragments and dropout keep bits are sized for 64).
 GPU_BACKWARD_COLS = (16, 32, 48, 64, 96, 128)
 GPU_MAX_BACKWARD_STATE = 112
+# sm75 (each m16n8k16 issued as two m16n8k8) with the prefetching loop: gpt2 at d = 128, Br = 16,
+# r = 96 (state 112) spilled 4 B; 96 keeps Turing spill-free.
+GPU_MAX_BACKWARD_STATE_SM75 = 96
+# Q/dO buffers of the roofline's backward candidates: the next visible query tile loads while
+# this one computes (as FA2's backward); the fallback plans (d > 128, small shared memory) keep one.
+GPU_BACKWARD_STAGES = 2
 # What ptxas gives the backward kernel (197 to 255 registers at d = 64..128): the estimate's
 # occupancy assumes the most.
 GPU_BACKWARD_REGISTERS = 255
@@ -386,13 +392,14 @@ def fastest_backward(target: Target, d: int, paper_br: int, paper_bc: int) -> Ti
     if d > Q_IN_REGISTERS_MAX_HEAD_DIM or target.name not in GPU_RATES:
         return None
     problem = replace(GPU_REFERENCE_PROBLEM, D=d)
+    state_budget = GPU_MAX_BACKWARD_STATE_SM75 if target.name == "sm75" else GPU_MAX_BACKWARD_STATE
 
     def candidates() -> Iterator[tuple[TilePlan, Work]]:
         for br in GPU_BACKWARD_ROWS:
             for bc in GPU_BACKWARD_COLS:
                 for columns in range(0, d + 1, HEAD_DIM_STEP):
-                    shared = gpu_backward_shared_bytes(br, bc, d, columns, columns)
-                    if br + columns > GPU_MAX_BACKWARD_STATE or shared > target.onchip_bytes:
+                    shared = gpu_backward_shared_bytes(br, bc, d, columns, columns, GPU_BACKWARD_STAGES)
+                    if br + columns > state_budget or shared > target.onchip_bytes:
                         continue
                     held = "none" if columns == 0 else "all" if columns == d else f"columns {d - columns}..{d - 1}"
                     reason = (
@@ -400,7 +407,7 @@ def fastest_backward(target: Target, d: int, paper_br: int, paper_bc: int) -> Ti
                     )
                     warps = bc // GPU_ROWS_PER_WARP
                     plan = TilePlan(
-                        d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_STAGES, shared,
+                        d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_BACKWARD_STAGES, shared,
                         GPU_BACKWARD_REGISTERS, reason, dv_register_columns=columns, dk_register_columns=columns,
                     )  # fmt: skip
                     yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
@@ -433,7 +440,11 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
         reason = "Br = 16 rows x 4 warps; Bc from the paper, capped at 64 and cut to keep registers below the limit"
 
     def fit(
-        kernel: str, shared: Callable[[int, int], int], warps: Callable[[int, int], int], first_rows: int = br
+        kernel: str,
+        shared: Callable[[int, int], int],
+        warps: Callable[[int, int], int],
+        first_rows: int = br,
+        stages: int = GPU_STAGES,
     ) -> TilePlan | None:
         """From (first_rows, bc), cut Bc then Br until `shared` bytes fit; None if 16 x 16 does not."""
         rows, cols, why = first_rows, bc, reason
@@ -449,7 +460,7 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             return None
         n = warps(rows, cols)
         return TilePlan(
-            d, rows, cols, paper_br, paper_bc, n * target.warp_size, n, GPU_STAGES, shared(rows, cols), regs, why
+            d, rows, cols, paper_br, paper_bc, n * target.warp_size, n, stages, shared(rows, cols), regs, why
         )
 
     forward = fastest_forward(target, d, paper_br, paper_bc) if override is None else None
@@ -469,7 +480,7 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     # spills 20-40 B in attention_backward for causal bf16 at d = 256 on sm80 and sm90.
     backward_rows = br if override is not None or d <= Q_IN_REGISTERS_MAX_HEAD_DIM else min(br, 32)
     backward = backward or fit(
-        "backward", lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), backward_warps, backward_rows
+        "backward", lambda rows, cols: gpu_backward_shared_bytes(rows, cols, d), backward_warps, backward_rows, 1
     )
     if backward is None:  # part of dV in registers: as few 16-column blocks as make the rest fit,
         # at most half of it (d / 4 registers per thread; sm75 at d=256 needs 32 columns: 198
@@ -480,6 +491,7 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
                 lambda rows, cols, n=register_columns: gpu_backward_shared_bytes(rows, cols, d, n),
                 backward_warps,
                 backward_rows,
+                1,
             )
             if backward is not None:
                 why = f"{backward.reason}; dV columns {d - register_columns}..{d - 1} in registers"
