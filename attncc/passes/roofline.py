@@ -204,7 +204,8 @@ def backward_work(
     slices of D over the warps (an ldmatrix.trans of dS^T per 16 keys, one of K per 16 columns, 2
     mma) and its fp32 atomics, a column pair per atomic where `pair_atomics` (sm90). `stages`
     Q/dO buffers (2: the next query tile prefetched) change only the shared memory. Exact for N
-    and M multiples of the tiles and D = head_dim."""
+    and M multiples of the tiles and D = head_dim <= 128 (above, the template also cuts the dQ
+    product into slices of at most 128 columns, which this model does not)."""
     d, (dk_registers, dv_registers) = head_dim, register_columns
     query_tiles, key_tiles = -(-problem.N // br), -(-problem.M // bc)
     blocks = problem.B * problem.Hkv * key_tiles

@@ -276,8 +276,10 @@ def gpu_registers(bc: int, d: int) -> int:
 
 
 GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
-# The backward keeps one 32-bit word of dropout keep bits per lane for 4 x Br / 8 (or Bc / 8)
-# scores and runs a warp per 16 keys: its Br and Bc (and `tiles=` overrides) go up to 64.
+# `tiles=` overrides apply to the forward and the backward alike: the backward keeps one 32-bit
+# word of dropout keep bits per lane for 4 x Br / 8 (or, in the dQ kernel, Bc / 8) scores, so
+# they go up to 64 (the roofline's backward plans reach Bc = 128 by splitting the dQ kernel's
+# key tiles in two).
 GPU_MAX_TILE = 64
 GPU_STAGES = 2  # the forward template double-buffers K/V: tile n + 1 loads while tile n computes
 # The forward's candidates: 4 or 8 warps of 16 rows, Bc a multiple of 16 up to 128 (a row's
@@ -419,10 +421,12 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     """Forward: the candidate (Br, Bc) with the smallest roofline estimate (`fastest_forward`);
     where none fits the registers (d = 256), or with `override`, Br = 16 x 4 warps and Bc from
     the paper's formula capped so the per-thread state fits the register file without spills;
-    two K/V stages. Backward: Br = 64, Bc from the paper capped at 64 and by registers, cut
-    separately until its larger working set (Q, dO, K, V, dS and fp32 dK, dV) fits, so a small
-    shared memory shrinks the backward's tiles without shrinking the forward's; where even
-    16 x 16 does not fit, the fewest dV columns held in registers that make it fit."""
+    two K/V stages. Backward: the candidate with the smallest estimate (`fastest_backward`, up
+    to d = 128); else (d > 128, targets without rates, `override`) Br = 64 (32 above d = 128), Bc
+    from the paper capped at 64 and by registers, one Q/dO buffer, cut separately until its
+    larger working set (Q, dO, K, V, dS and fp32 dK, dV) fits, so a small shared memory shrinks
+    the backward's tiles without shrinking the forward's; where even 16 x 16 does not fit, the
+    fewest dV columns held in registers that make it fit."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
     if override is not None:
