@@ -30,8 +30,10 @@ LEVELS_HERE = list(CPU_ISAS)[list(CPU_ISAS).index(best_cpu_isa(cpu_features())) 
 
 
 def test_best_isa_from_the_machine_features() -> None:
-    assert best_cpu_isa(SAPPHIRE_RAPIDS, "x86_64") == "avx512"
-    assert best_cpu_isa(ZEN4, "x86_64") == "avx512"
+    assert best_cpu_isa(SAPPHIRE_RAPIDS, "x86_64") == "amx"
+    assert best_cpu_isa(SAPPHIRE_RAPIDS - {"amx_tile"}, "x86_64") == "avx512bf16"
+    assert best_cpu_isa(ZEN4, "x86_64") == "avx512bf16"
+    assert best_cpu_isa(ZEN4 - {"avx512_bf16"}, "x86_64") == "avx512"
     assert best_cpu_isa(ZEN3, "x86_64") == "avx2"
     assert best_cpu_isa(ZEN3 - {"fma"}, "x86_64") == "generic"  # AVX2 without FMA: no avx2 kernel
     assert best_cpu_isa(frozenset(), "x86_64") == "generic"
@@ -39,12 +41,15 @@ def test_best_isa_from_the_machine_features() -> None:
 
 
 def test_forcing_a_level_only_lowers_it() -> None:
-    assert select_cpu_isa(ZEN4, None) == "avx512"
+    assert select_cpu_isa(ZEN4, None) == "avx512bf16"
+    assert select_cpu_isa(SAPPHIRE_RAPIDS, "avx512") == "avx512"
     assert select_cpu_isa(ZEN4, "avx2") == "avx2"
     assert select_cpu_isa(ZEN4, "generic") == "generic"
     with pytest.raises(AttnccError, match=r"ATTNCC_CPU_ISA='avx512': this machine's best CPU kernel ISA is avx2"):
         select_cpu_isa(ZEN3, "avx512")
-    with pytest.raises(AttnccError, match=r"ATTNCC_CPU_ISA='sse9': expected one of avx512, avx2, generic"):
+    with pytest.raises(AttnccError, match=r"ATTNCC_CPU_ISA='amx': this machine's best CPU kernel ISA is avx512bf16"):
+        select_cpu_isa(ZEN4, "amx")
+    with pytest.raises(AttnccError, match=r"'sse9': expected one of amx, avx512bf16, avx512, avx2, generic"):
         select_cpu_isa(ZEN3, "sse9")
 
 
@@ -57,16 +62,38 @@ def test_the_default_kernel_runs_on_the_best_level_the_machine_has(monkeypatch) 
     kern = attncc.compile(ROOT / "examples" / "causal.attn")
     source = kern.source("float32")
     assert f"#define ATTNCC_VECTOR_BYTES {CPU_ISAS[best].vector_bytes}\n" in source
-    assert f"ISA {best} ({8 * CPU_ISAS[best].vector_bytes}-bit vectors)" in kern.op.tiling.describe(64)
+    assert f"ISA {best} ({8 * CPU_ISAS[best].vector_bytes}-bit vectors" in kern.op.tiling.describe(64)
     flags = kern.op.tiling.micro_kernel.compile_flags
     library = build_library(source, f"{kern.name}-float32", isa_flags=flags)
     assert " ".join(flags) in (library.parent / "build.ninja").read_text()
+    # bf16 kernels multiply on the machine's bf16 unit (AMX tiles, vdpbf16ps) where it has one
+    products = {"amx": 1, "dpbf16": 2}.get(CPU_ISAS[best].bf16_products, 0)
+    assert "#define ATTNCC_BF16_PRODUCTS 0\n" in source
+    assert f"#define ATTNCC_BF16_PRODUCTS {products}\n" in kern.source("bfloat16")
+    assert "#define ATTNCC_BF16_PRODUCTS 0\n" in kern.source("float16")
+    if best == "amx":
+        assert "-mamx-bf16" in flags and "bf16 products on AMX tiles" in kern.op.tiling.describe(64)
+
+
+def test_amx_refused_by_the_os_falls_back_to_dot_products(monkeypatch) -> None:
+    """Linux may refuse the AMX tile state (arch_prctl): the target falls back a level, with a
+    one-line warning, instead of building kernels that would fault."""
+    import attncc.targets as targets
+
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    monkeypatch.setattr(targets, "cpu_features", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setattr(targets, "amx_permitted", lambda: False)
+    monkeypatch.setattr(targets.platform, "machine", lambda: "x86_64")
+    with pytest.warns(UserWarning, match="refused this process AMX tile data"):
+        assert targets.cpu().isa == "avx512bf16"
+    monkeypatch.setattr(targets, "amx_permitted", lambda: True)
+    assert targets.cpu().isa == "amx"
 
 
 def test_micro_kernel_blocks_follow_the_register_count() -> None:
     """16 registers (AVX2, SSE): 12 accumulators, 2 B vectors and a broadcast, 6 rows x 2 vectors;
     32 registers (AVX-512): 24 accumulators as 6 x 4."""
-    for name, rows, vecs in (("avx2", 6, 2), ("generic", 6, 2), ("avx512", 6, 4)):
+    for name, rows, vecs in (("avx2", 6, 2), ("generic", 6, 2), ("avx512", 6, 4), ("avx512bf16", 6, 4), ("amx", 6, 4)):
         isa = CPU_ISAS[name]
         target = replace(cpu(), isa=name, vector_bytes=isa.vector_bytes, vector_registers=isa.vector_registers)
         block = choose_micro_kernel(target)
@@ -128,7 +155,83 @@ ISA_LOW_PRECISION = ("alibi", "causal", "document")
 ISA_LOW_PRECISION_SHAPES = (Shape(2, 4, 2, 150, 300, 48), Shape(1, 1, 1, 40, 70, 256), Shape(1, 2, 2, 3, 90, 16))
 
 
-@pytest.mark.parametrize("isa", LEVELS_HERE[1:] or ["none"])
+BF16_HARNESS = """
+#define ATTNCC_ACC_T float
+#define ATTNCC_STORAGE_T attncc::bf16_t
+#define ATTNCC_VECTOR_BYTES 64
+#define ATTNCC_GEMM_ROWS 6
+#define ATTNCC_GEMM_VECS 4
+#define ATTNCC_BF16_PRODUCTS {products}
+#include "attncc/cpu/primitives.h"
+using namespace attncc;
+extern "C" int matmul(float* c, const uint16_t* a, const uint16_t* b_pairs, int r, int n, int k, int accumulate) {{
+#if ATTNCC_BF16_PRODUCTS == 1
+  if (!amx_permitted()) return 1;
+#endif
+  if (accumulate) gemm_bf16<true>(c, n, a, k, b_pairs, 2 * n, r, n, k);
+  else gemm_bf16<false>(c, n, a, k, b_pairs, 2 * n, r, n, k);
+  return 0;
+}}
+"""
+BF16_LEVELS = [name for name, isa in CPU_ISAS.items() if isa.bf16_products]
+
+
+def skip_unless_the_machine_runs(isa: str) -> None:
+    missing = CPU_ISAS[isa].requires - cpu_features()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))}: the {isa} kernels cannot run here")
+
+
+@pytest.mark.parametrize("isa", BF16_LEVELS)
+def test_bf16_tile_products_against_float64(isa: str) -> None:
+    """gemm_bf16 on AMX tiles and by vdpbf16ps: every row/column block edge (16-row and
+    16-column remainders of the 32 x 32 AMX block and of the 6 x 4 register block), K of one and
+    several steps, overwriting and accumulating, against the exact product of the bf16 inputs.
+    B is pair-packed here from its definition (B[k][n] -> Bp[k // 2][2 n + k % 2])."""
+    skip_unless_the_machine_runs(isa)
+    products = {"amx": 1, "dpbf16": 2}[CPU_ISAS[isa].bf16_products]
+    flags = ("-march=" + CPU_ISAS[isa].march, *CPU_ISAS[isa].extra_flags)
+    lib = load_library(build_library(BF16_HARNESS.format(products=products), f"gemm-bf16-{isa}", isa_flags=flags))
+    gen = torch.Generator().manual_seed(1)
+    for r, n, k in ((16, 16, 32), (32, 48, 64), (48, 128, 96), (96, 80, 32)):
+        a, b = torch.randn(r, k, generator=gen).bfloat16(), torch.randn(k, n, generator=gen).bfloat16()
+        pairs = b.view(k // 2, 2, n).transpose(1, 2).contiguous()  # [k/2][n][2]
+        want = a.double() @ b.double()
+        for accumulate in (0, 1):
+            c = torch.randn(r, n, generator=gen)
+            out = c.clone()
+            bits = [ctypes.c_void_p(t.data_ptr()) for t in (out, a, pairs)]
+            assert lib.matmul(*bits, r, n, k, accumulate) == 0
+            expected = want + c.double() if accumulate else want
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+# Every example with bf16 inputs on each bf16-product level (the best level also runs the whole
+# golden suite): masks, score maps before the folded scale, runtime tensors, dropout (P rounded
+# after the keep bits), tanh; decoding (N = 1, 3), tails, GQA, D from 16 to 256.
+# (Decoding as the golden tests decode, Shape(1, 2, 1, 1, 513, 64): at N = 1 with H = 4, Hkv = 2,
+# or M <= 37, D = 16, gpt2's bf16 dq is 1.5-2x check()'s floor of 2^-8 at every level, the
+# fp32-widened one included, measured before and after the bf16 products.)
+BF16_SHAPES = (Shape(1, 2, 1, 1, 513, 64), ISA_SHAPES[1], *ISA_LOW_PRECISION_SHAPES)
+
+
+@pytest.mark.parametrize("isa", BF16_LEVELS)
+def test_examples_with_bf16_products(isa: str, monkeypatch) -> None:
+    skip_unless_the_machine_runs(isa)
+    monkeypatch.setenv(ISA_ENV, isa)
+    for name in ISA_EXAMPLES:
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn")
+        assert kern.op.tiling.micro_kernel.bf16_products == CPU_ISAS[isa].bf16_products
+        for shape in BF16_SHAPES:
+            result = check(kern, adapt(shape, kern), torch.bfloat16)
+            assert result.ok, f"{isa} {name} {shape}: {result.describe()}"
+
+
+# (The bf16-product levels differ from avx512 only in bf16 kernels: the test above runs them.)
+LOWER_LEVELS = [name for name in LEVELS_HERE[1:] if not CPU_ISAS[name].bf16_products]
+
+
+@pytest.mark.parametrize("isa", LOWER_LEVELS or ["none"])
 def test_examples_on_each_forced_lower_level(isa: str, monkeypatch) -> None:
     if isa == "none":
         pytest.skip("this machine's best CPU level is the portable one: no lower level to force")

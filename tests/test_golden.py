@@ -58,7 +58,9 @@ def test_long_keys_take_more_rows_per_task(name: str) -> None:
     """Past the key count where a kv head's K/V panels outgrow L2 the forward takes
     CPU_STREAMING_BR query rows per task (a tail tile here), the backward keeps its tiles."""
     kern = kernel(name)
-    shape = adapt(Shape(2, 2, 1, 300, 1100, 64), kern)
+    # M past the threshold of this machine's L2 (4097 keys at d = 64 with 2 MiB, 1025 with 512 KiB)
+    keys = kern.op.tiling.for_head_dim(64).streaming_keys
+    shape = adapt(Shape(2, 2, 1, 300, keys + 75, 64), kern)
     q = torch.empty(shape.B, shape.H, shape.N, shape.D)
     k = torch.empty(shape.B, shape.Hkv, shape.M, shape.D)
     forward, backward = kern.plan(q, k, None).tiles, kern.plan(q, k, None, backward=True).tiles

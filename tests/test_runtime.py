@@ -236,7 +236,7 @@ using namespace attncc;
 extern "C" void to_bf16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_bf16(x[i]).bits; }
 extern "C" void to_fp16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_fp16(x[i]).bits; }
 extern "C" void from_fp16(const uint16_t* x, float* y, int n) { for (int i = 0; i < n; ++i) y[i] = to_acc_float(fp16_t{x[i]}); }
-extern "C" void vector_exp(const float* x, float* y, int n) { for (int i = 0; i < n; i += VL) vstore(y + i, vexp_nonpositive(vload(x + i))); }
+extern "C" void vector_exp(const float* x, float* y, int n) { for (int i = 0; i < n; i += VL) vstore(y + i, vexp2_nonpositive(vload(x + i))); }
 extern "C" void scalar_math(const float* x, float* e, float* th, int n) {
   for (int i = 0; i < n; ++i) { e[i] = math_exp(x[i]); th[i] = math_tanh(x[i]); }
 }
@@ -276,16 +276,19 @@ def test_half_conversions_round_like_torch(harness) -> None:
 
 
 def test_vector_exp_accuracy(harness) -> None:
-    """The softmax's exp (arguments s - max <= 0): accurate, exactly 0 below float's range and
-    for -inf (masked scores), NaN for NaN (a NaN score must reach the row sum)."""
-    special = [-float("inf")] * 16 + [-87.0] * 16 + [float("nan")] * 16 + [-87.34, -87.3366, -88.0, -0.0] * 4
-    x = torch.cat([torch.linspace(-100, 0, 16000), torch.tensor(special)])
+    """The softmax's exponential, 2^t for t = (s - max) log2(e) <= 0 (the AVX-512 polynomial and
+    vscalefps where the harness is built for AVX-512, the Cody-Waite one elsewhere): accurate over
+    float's normal range, below it 0 or a subnormal under 2^-126, exactly 0 for -inf (masked
+    scores) and far below the range, NaN for NaN (a NaN score must reach the row sum)."""
+    special = [-float("inf")] * 16 + [-126.0] * 16 + [float("nan")] * 16 + [-125.99, -150.0, -200.0, -0.0] * 4
+    x = torch.cat([torch.linspace(-130, 0, 16000), torch.tensor(special)])
     y = torch.empty_like(x)
     harness.vector_exp(ptr(x), ptr(y), x.numel())
-    ref = torch.exp(x.double())
-    rel = ((y.double() - ref).abs() / ref.clamp_min(1e-300))[ref > 1e-37]
+    ref = torch.exp2(x.double())
+    rel = ((y.double() - ref).abs() / ref.clamp_min(1e-300))[ref >= 2.0**-126]
     assert rel.max() < 3e-7
-    assert torch.equal(y[ref == 0], torch.zeros_like(y[ref == 0]))
+    assert (y[ref < 2.0**-126] <= 2.0**-126).all() and (y[~x.isnan()] >= 0).all()
+    assert torch.equal(y[x <= -150], torch.zeros_like(y[x <= -150]))
     assert torch.equal(y.isnan(), x.isnan())
 
 

@@ -18,6 +18,9 @@ STORAGE_TYPES = {
     "float16": ("attncc::fp16_t", "float"),
 }
 
+#: ATTNCC_BF16_PRODUCTS (include/attncc/cpu/primitives.h) of a bf16 kernel, by the ISA level's unit.
+BF16_PRODUCTS = {"amx": 1, "dpbf16": 2}
+
 #: The forward's packed K/V panels live at once (templates/cpu/attention.cpp.jinja `Panels`):
 #: kv heads are packed and processed in batches of at most this many bytes of panels.
 PANEL_BUDGET_BYTES = 64 << 20
@@ -72,6 +75,7 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         acc_type=acc,
         abi=kernel_abi(g),
         micro_kernel=op.tiling.micro_kernel,
+        bf16_products=BF16_PRODUCTS.get(op.tiling.micro_kernel.bf16_products, 0) if dtype == "bfloat16" else 0,
         panel_budget_bytes=PANEL_BUDGET_BYTES,
         has_dropout=op.dropout > 0,
         # tasks -> threads fixed when learnable inputs get gradients (reproducible sums)

@@ -25,7 +25,7 @@ import torch
 
 from attncc.codegen.abi import OPERANDS, KernelAbi, kernel_abi
 from attncc.codegen.cpu import generate_cpu
-from attncc.errors import InputError
+from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
 from attncc.passes import Stage
@@ -39,6 +39,7 @@ from attncc.passes.sparsity import (
 from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.reference import evaluate, reference_attention
+from attncc.targets import ISA_ENV
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # call_key -> kernel, weakly: a kernel nobody holds is freed (autograd contexts hold theirs)
@@ -54,6 +55,8 @@ FUSED_BACKWARD_TASKS_PER_THREAD = 2
 FUSED_BACKWARD_MAX_BUFFER = 256 * 2**20
 #: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
+#: Entry-point status of an AMX kernel that Linux refused the tile state (templates/cpu kAmxRefused).
+AMX_REFUSED = 3
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -199,7 +202,7 @@ class Kernel:
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(problem.D, backward)
         if not backward:
-            tiles = tiles.for_keys(problem.M)
+            tiles = tiles.for_dtype(str(q.dtype).removeprefix("torch.")).for_keys(problem.M)
         value = scale if scale is not None else self.default_scale(q, k)
         multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
         return CallPlan(problem, tiles, multiplier, value)
@@ -535,6 +538,11 @@ class Kernel:
         fn = getattr(self.library(dtype), entry)
         fn.restype = ctypes.c_int
         status = fn(*self.pack(plan, call, ptrs, dropout, seed))
+        if status == AMX_REFUSED:
+            raise AttnccError(
+                f"attncc kernel {entry} of {self.name}: Linux refused this process the AMX tile state "
+                f"(arch_prctl ARCH_REQ_XCOMP_PERM); set {ISA_ENV}=avx512bf16 to run without AMX"
+            )
         if status != 0:
             raise RuntimeError(f"attncc kernel {entry} of {self.name} failed with status {status}")
 

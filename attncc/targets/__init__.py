@@ -7,8 +7,10 @@ one `ATTNCC_CPU_ISA` forces, which may only be lower).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -78,20 +80,24 @@ class CpuIsa:
     vector_bytes: int
     vector_registers: int
     march: str
+    extra_flags: tuple[str, ...] = ()
+    bf16_products: str = ""  # "amx" | "dpbf16" | "": how bf16 tile products run (else widened to fp32)
 
 
 # Best first. The kernels are generated for a level's vector width and register count
 # (passes/tiling.py `choose_micro_kernel`); each level's -march is the x86-64 micro-architecture
 # level (gcc >= 11) holding exactly the features it requires, so a forced lower level really
 # runs the lower instructions on a better machine. -mtune=native keeps the machine's scheduling.
+_AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"})
 CPU_ISAS: dict[str, CpuIsa] = {
-    "avx512": CpuIsa("avx512", frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"}), 64, 32,
-                     "x86-64-v4"),
+    "amx": CpuIsa("amx", _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, 64, 32, "x86-64-v4",
+                  ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"), "amx"),
+    "avx512bf16": CpuIsa("avx512bf16", _AVX512 | {"avx512_bf16"}, 64, 32, "x86-64-v4", ("-mavx512bf16",), "dpbf16"),
+    "avx512": CpuIsa("avx512", _AVX512, 64, 32, "x86-64-v4"),
     "avx2": CpuIsa("avx2", frozenset({"avx2", "fma", "f16c", "bmi2"}), 32, 16, "x86-64-v3"),
     "generic": CpuIsa("generic", frozenset(), 16, 16, "x86-64-v2"),
 }  # fmt: skip
-# Reported for the plan (attncc explain), not yet used by a kernel: AMX and the bf16/fp16
-# dot-product extensions (README, "CPU kernels").
+# Reported for the plan (attncc explain).
 REPORTED_FEATURES = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2", "fma")
 ISA_ENV = "ATTNCC_CPU_ISA"
 NATIVE_FLAGS = ("-march=native",)  # for code built for no particular level (off x86, test harnesses)
@@ -138,7 +144,7 @@ def _cpu_target(isa_name: str) -> Target:
     l2 = sizes.get((2, "Unified"), 1024 * 1024)
     isa = CPU_ISAS[isa_name]
     x86 = platform.machine() in ("x86_64", "AMD64")
-    flags = (f"-march={isa.march}", "-mtune=native") if x86 else NATIVE_FLAGS
+    flags = (f"-march={isa.march}", "-mtune=native", *isa.extra_flags) if x86 else NATIVE_FLAGS
     features = cpu_features()
     return Target(
         "cpu", "cpu", onchip_bytes=l2, l1_bytes=l1, vector_bytes=isa.vector_bytes, cores=os.cpu_count() or 1,
@@ -151,7 +157,31 @@ def cpu() -> Target:
     """The host CPU: L1d and L2 per core read from the machine (defaults 32 KiB / 1 MiB), and the
     kernel ISA: the best the machine has, or the lower one ATTNCC_CPU_ISA names. Every x86 server
     core of the families we run on (Zen 3/4, Sapphire Rapids) issues two vector FMAs per cycle."""
-    return _cpu_target(select_cpu_isa(cpu_features(), os.environ.get(ISA_ENV, "").strip() or None))
+    name = select_cpu_isa(cpu_features(), os.environ.get(ISA_ENV, "").strip() or None)
+    if CPU_ISAS[name].bf16_products == "amx" and not amx_permitted():
+        warnings.warn(
+            "attncc: Linux refused this process AMX tile data (arch_prctl); CPU kernels use avx512bf16", stacklevel=2
+        )
+        name = "avx512bf16"
+    return _cpu_target(name)
+
+
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
+
+
+@cache
+def amx_permitted() -> bool:
+    """Whether this process may run AMX instructions: Linux (5.16+) faults on them until the
+    process asks for the tile-data state with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+    The permission is per process (kernels in any thread may then use it), so it is asked once
+    here, before any AMX kernel is built or run; the kernels ask again and fail cleanly if refused."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 # Shared memory is the opt-in per-block maximum; registers per SM are 64K 32-bit registers.

@@ -34,6 +34,10 @@
 #include <limits>
 #include <memory>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "attncc/halfbits.h"
 #include "attncc/philox.h"
 
@@ -157,18 +161,20 @@ inline acc_t math_sqrt(acc_t x) { return std::sqrt(x); }
 inline double pymod(double a, double b) { double r = std::fmod(a, b); return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
 
 // ---------------------------------------------------------------------------------- buffers
-// A 64-byte aligned scratch array owned by one thread.
-struct Scratch {
-  acc_t* data = nullptr;
-  explicit Scratch(size_t n) {
-    size_t bytes = ((n * sizeof(acc_t) + 63) / 64) * 64;
-    data = static_cast<acc_t*>(std::aligned_alloc(64, bytes ? bytes : 64));
-    std::memset(data, 0, bytes);
+// A 64-byte aligned, zeroed scratch array owned by one thread.
+template <typename T>
+struct Buffer {
+  T* data = nullptr;
+  explicit Buffer(size_t n) {
+    size_t bytes = ((n * sizeof(T) + 63) / 64) * 64;
+    data = static_cast<T*>(std::aligned_alloc(64, bytes ? bytes : 64));
+    std::memset(data, 0, bytes ? bytes : 64);
   }
-  ~Scratch() { std::free(data); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
+  ~Buffer() { std::free(data); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
 };
+using Scratch = Buffer<acc_t>;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -206,6 +212,25 @@ inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t r
 }
 
 // ---------------------------------------------------------------------------------- vectors
+// Sum and max of a vector's lanes by halving (log2 lanes dependent steps, not lanes - 1; the
+// compiler turns each step into one shuffle and one vector op).
+inline acc_t lanes_sum(vec_t v) {
+  acc_t a[VL];
+  std::memcpy(a, &v, sizeof a);
+#pragma GCC unroll 8
+  for (int w = VL / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) a[l] += a[l + w];
+  return a[0];
+}
+inline acc_t lanes_max(vec_t v) {
+  acc_t a[VL];
+  std::memcpy(a, &v, sizeof a);
+#pragma GCC unroll 8
+  for (int w = VL / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) a[l] = a[l + w] > a[l] ? a[l + w] : a[l];
+  return a[0];
+}
+
 inline vec_t vload(const acc_t* p) { vec_t v; std::memcpy(&v, p, sizeof v); return v; }
 inline void vstore(acc_t* p, vec_t v) { std::memcpy(p, &v, sizeof v); }
 // x - (+0) is x for every x (0 + x is not: -0 becomes +0), so the compiler drops it and
@@ -276,24 +301,59 @@ inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, in
   for (; c < Cn; c += VL) gemm_columns<Accumulate, TransA, 1>(C + c, ldc, A, lda, B + c, ldb, R, K);
 }
 
-// e^x lane by lane for x <= 0 (softmax's x = s - max): polynomial for float, libm for double
-// builds (gradcheck).
-inline vfloat_t vexp_nonpositive(vfloat_t x) { return exp_nonpositive(x); }
+// 2^t lane by lane for t <= 0 (softmax's exponent, in base 2: the scale and the row max are
+// multiplied by log2(e) once per row, so a score costs one FMA before the exponential).
+// AVX-512: n = round(t), 2^(t - n) by its Taylor polynomial (degree 6, relative error < 2e-7 on
+// [-1/2, 1/2]), times 2^n by one vscalefps, whose result underflows to exactly 0 below 2^-149 (t
+// is clamped at -160, not at the underflow threshold, so -inf still gives 0; NaN stays NaN).
+// Elsewhere e^(t ln 2) by the Cody-Waite polynomial; double builds (gradcheck) call libm.
+#if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
+inline vfloat_t vexp2_nonpositive(vfloat_t t) {
+  const __m512 tc = _mm512_max_ps(_mm512_set1_ps(-160.0f), (__m512)t);  // max returns t where t is NaN
+  const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(tc, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.5403530393e-4f), f, _mm512_set1_ps(1.3333558146e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return (vfloat_t)_mm512_scalef_ps(p, n);
+}
+#else
+// The same polynomial, 2^n by adding n to the exponent bits; exactly 0 below 2^-126.
+inline vfloat_t vexp2_nonpositive(vfloat_t t) {
+  const vint_t underflow = t < -126.0f;  // and -inf; false for NaN, which stays NaN
+  const vfloat_t tc = underflow ? vfloat_t{} - 126.0f : t;
+  const vfloat_t n = (tc + 12582912.0f) - 12582912.0f;  // round (1.5 * 2^23 trick)
+  const vfloat_t f = tc - n;
+  vfloat_t p = f * 1.5403530393e-4f + 1.3333558146e-3f;
+  p = p * f + 9.6181291076e-3f;
+  p = p * f + 5.5504108665e-2f;
+  p = p * f + 2.4022650696e-1f;
+  p = p * f + 6.9314718056e-1f;
+  p = p * f + 1.0f;
+  vint_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += to_int_lanes(n) << 23;
+  std::memcpy(&p, &bits, sizeof p);
+  return underflow ? vfloat_t{} : p;
+}
+#endif
 
-inline vdouble_t vexp_nonpositive(vdouble_t x) {
+inline vdouble_t vexp2_nonpositive(vdouble_t t) {
   vdouble_t r;
-  for (int l = 0; l < int(ATTNCC_VECTOR_BYTES / sizeof(double)); ++l) r[l] = std::exp(x[l]);
+  for (int l = 0; l < int(ATTNCC_VECTOR_BYTES / sizeof(double)); ++l) r[l] = std::exp2(t[l]);
   return r;
 }
+constexpr acc_t kLog2e = acc_t(1.44269504088896340736);
 
 // The row's largest value, NaN lanes ignored (the max instruction keeps the running max when
 // a lane is NaN); a NaN still reaches the softmax through exp(NaN - max) in its row sum.
 inline acc_t row_max(const acc_t* x, int n) {
   vec_t m = vbroadcast(-kInf);
   for (int c = 0; c < n; c += VL) { const vec_t v = vload(x + c); m = v > m ? v : m; }
-  acc_t r = -kInf;
-  for (int l = 0; l < VL; ++l) r = m[l] > r ? acc_t(m[l]) : r;
-  return r;
+  return lanes_max(m);
 }
 
 inline bool has_nan(const acc_t* x, int n) {
@@ -302,14 +362,13 @@ inline bool has_nan(const acc_t* x, int n) {
   return false;
 }
 
-// x[c] = exp(x[c] - shift) in place for shift >= max x; returns the row sum. n a multiple of VL.
-inline acc_t exp_shift_sum(acc_t* x, int n, acc_t shift) {
+// x[c] = exp(scale x[c] - shift) in place for shift >= max scale x; returns the row sum. n a
+// multiple of VL. (The forward folds the softmax scale in here where nothing else reads it.)
+inline acc_t exp_shift_sum(acc_t* x, int n, acc_t shift, acc_t scale = 1) {
   vec_t sum{};
-  const vec_t s = vbroadcast(shift);
-  for (int c = 0; c < n; c += VL) { vec_t v = vexp_nonpositive(vload(x + c) - s); vstore(x + c, v); sum += v; }
-  acc_t r = 0;
-  for (int l = 0; l < VL; ++l) r += sum[l];
-  return r;
+  const vec_t s = vbroadcast(shift * kLog2e), a = vbroadcast(scale * kLog2e);
+  for (int c = 0; c < n; c += VL) { vec_t v = vexp2_nonpositive(vload(x + c) * a - s); vstore(x + c, v); sum += v; }
+  return lanes_sum(sum);
 }
 
 // sum a[k] b[k] over n (a multiple of VL): one query row against one key row, where a tile has
@@ -322,10 +381,7 @@ inline acc_t dot(const acc_t* __restrict a, const acc_t* __restrict b, int n) {
     odd += vload(a + k + VL) * vload(b + k + VL);
   }
   for (; k < n; k += VL) even += vload(a + k) * vload(b + k);
-  const vec_t sum = even + odd;
-  acc_t r = 0;
-  for (int l = 0; l < VL; ++l) r += sum[l];
-  return r;
+  return lanes_sum(even + odd);
 }
 
 // y += alpha x over n (a multiple of VL).
@@ -338,6 +394,171 @@ inline void scale_row(acc_t* x, int n, acc_t a) {
   const vec_t s = vbroadcast(a);
   for (int c = 0; c < n; c += VL) vstore(x + c, vload(x + c) * s);
 }
+
+// ---------------------------------------------------------------------------------- bf16 products
+// ATTNCC_BF16_PRODUCTS says how a bf16 kernel multiplies its tiles: 0 widened to fp32 (gemm
+// above), 1 on AMX tiles (tdpbf16ps: a 16 x 16 fp32 tile += 16 x 32 bf16 . 32 x 16 bf16), 2 with
+// AVX512-BF16 dot products (vdpbf16ps: 16 fp32 lanes += 16 pairs of bf16 products). Both read
+// the B operand pair-packed (Intel's "VNNI" layout): K/2 rows of N pairs, Bp[kp * ldb + 2 n + t]
+// = B[2 kp + t][n], so one 32-bit word holds the two K-neighbours a dot-product step multiplies;
+// A is row-major bf16. Products of bf16 are exact in fp32, and both units accumulate in fp32.
+#ifndef ATTNCC_BF16_PRODUCTS
+#define ATTNCC_BF16_PRODUCTS 0
+#endif
+constexpr int kBf16K = 32;  // every K of a bf16 product is padded to this (one AMX tile row)
+constexpr int kBf16Rows = 16;  // ... and every row count (one AMX tile's rows)
+
+#if ATTNCC_BF16_PRODUCTS == 1
+}  // namespace attncc
+#include <sys/syscall.h>
+#include <unistd.h>
+namespace attncc {
+#endif
+#if ATTNCC_BF16_PRODUCTS
+
+// n floats (a multiple of 16) -> bf16 bits, rounding to nearest even (vcvtneps2bf16).
+inline void store_bf16(uint16_t* dst, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void to_bf16_row(uint16_t* __restrict dst, const float* __restrict src, int n) {
+  for (int c = 0; c < n; c += 16) store_bf16(dst + c, _mm512_loadu_ps(src + c));
+}
+
+// exp_shift_sum writing P as bf16 to p only (the operand of the P V product): one pass over the
+// scores instead of exp, store, reload, convert.
+inline float exp_shift_sum_bf16(const float* __restrict x, uint16_t* __restrict p, int n, float shift, float scale) {
+  vec_t sum{};
+  const vec_t s = vbroadcast(shift * kLog2e), a = vbroadcast(scale * kLog2e);
+  for (int c = 0; c < n; c += VL) {
+    const vec_t v = vexp2_nonpositive(vload(x + c) * a - s);
+    store_bf16(p + c, (__m512)v);
+    sum += v;
+  }
+  return lanes_sum(sum);
+}
+#endif
+
+#if ATTNCC_BF16_PRODUCTS == 1
+// Linux faults on AMX instructions until the process asks for the tile-data state; the runtime
+// asks before it builds an AMX kernel (targets.amx_permitted), the kernel asks again (cheap, once).
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t column_bytes[16];
+  uint8_t rows[16];
+};
+
+// Eight 16 x 64-byte tiles: 0-3 a 2 x 2 block of C, 4-5 two A row blocks, 6-7 two B column
+// blocks. Loaded for every product, not once per thread: other code on the thread (oneDNN in
+// torch) may load its own configuration between our calls.
+inline void amx_configure() {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.column_bytes[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// C[R x N] (+)= A[R x K] . B[K x N] (B pair-packed, leading dimension ldb elements of bf16);
+// R, N multiples of 16, K a multiple of 32; 32 x 32 blocks of C, a 16-wide edge where needed.
+template <bool Accumulate>
+inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
+                      int K) {
+  amx_configure();
+  const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 2;
+  for (int r = 0; r < R; r += 32) {
+    const bool two_rows = r + 16 < R;
+    for (int n = 0; n < N; n += 32) {
+      const bool two_cols = n + 16 < N;
+      float* c = C + r * ldc + n;
+      if (Accumulate) {
+        _tile_loadd(0, c, sc);
+        if (two_cols) _tile_loadd(1, c + 16, sc);
+        if (two_rows) _tile_loadd(2, c + 16 * ldc, sc);
+        if (two_rows && two_cols) _tile_loadd(3, c + 16 * ldc + 16, sc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int k = 0; k < K; k += kBf16K) {
+        const uint16_t *a = A + r * lda + k, *b = B + (k / 2) * ldb + 2 * n;
+        _tile_loadd(4, a, sa);
+        _tile_loadd(6, b, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_cols) {
+          _tile_loadd(7, b + 32, sb);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_rows) {
+          _tile_loadd(5, a + 16 * lda, sa);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_cols) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c, sc);
+      if (two_cols) _tile_stored(1, c + 16, sc);
+      if (two_rows) _tile_stored(2, c + 16 * ldc, sc);
+      if (two_rows && two_cols) _tile_stored(3, c + 16 * ldc + 16, sc);
+    }
+  }
+}
+#elif ATTNCC_BF16_PRODUCTS == 2
+// One register block: Rows x Vecs accumulators of 16 fp32, a pair of A broadcast per row.
+template <bool Accumulate, int Rows, int Vecs>
+inline void gemm_bf16_block(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int K) {
+  __m512 acc[Rows][Vecs];
+#pragma GCC unroll 16
+  for (int x = 0; x < Rows; ++x)
+#pragma GCC unroll 4
+    for (int y = 0; y < Vecs; ++y) acc[x][y] = Accumulate ? _mm512_loadu_ps(C + x * ldc + 16 * y) : _mm512_setzero_ps();
+  for (int kp = 0; kp < K / 2; ++kp) {
+    __m512bh b[Vecs];
+#pragma GCC unroll 4
+    for (int y = 0; y < Vecs; ++y) b[y] = (__m512bh)_mm512_loadu_si512(B + kp * ldb + 32 * y);
+#pragma GCC unroll 16
+    for (int x = 0; x < Rows; ++x) {
+      int32_t pair;
+      std::memcpy(&pair, A + x * lda + 2 * kp, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int y = 0; y < Vecs; ++y) acc[x][y] = _mm512_dpbf16_ps(acc[x][y], a, b[y]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int x = 0; x < Rows; ++x)
+#pragma GCC unroll 4
+    for (int y = 0; y < Vecs; ++y) _mm512_storeu_ps(C + x * ldc + 16 * y, acc[x][y]);
+}
+
+// The rows of one column block: blocks of ATTNCC_GEMM_ROWS, then the tail's own block size.
+template <bool Accumulate, int Vecs, int Rows = ATTNCC_GEMM_ROWS>
+inline void gemm_bf16_rows(int rows, float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                           int K) {
+  if constexpr (Rows > 0) {
+    for (; rows >= Rows; rows -= Rows, C += Rows * ldc, A += Rows * lda)
+      gemm_bf16_block<Accumulate, Rows, Vecs>(C, ldc, A, lda, B, ldb, K);
+    if (rows > 0) gemm_bf16_rows<Accumulate, Vecs, Rows - 1>(rows, C, ldc, A, lda, B, ldb, K);
+  }
+}
+
+// Same contract as the AMX gemm_bf16 (R, N multiples of 16, K a multiple of 2).
+template <bool Accumulate>
+inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
+                      int K) {
+  constexpr int Vecs = ATTNCC_GEMM_VECS;
+  int n = 0;
+  for (; n + 16 * Vecs <= N; n += 16 * Vecs) gemm_bf16_rows<Accumulate, Vecs>(R, C + n, ldc, A, lda, B + 2 * n, ldb, K);
+  for (; n < N; n += 16) gemm_bf16_rows<Accumulate, 1>(R, C + n, ldc, A, lda, B + 2 * n, ldb, K);
+}
+#endif
 
 // ---------------------------------------------------------------------------------- atomics
 template <typename T>
