@@ -56,7 +56,11 @@ def plan_text(op: FusedAttention, shape: Shape, elt: int = 4) -> str:
     head_dim_tiles = op.tiling.for_head_dim(shape.D)
     tiles = head_dim_tiles.for_keys(shape.M)
     report = predict_io(op, shape, elt, tiles)
-    rows = f" (this shape's forward: Br={tiles.block_rows})" if tiles is not head_dim_tiles else ""
+    rows = (
+        f" (this shape's forward where a query tile sees all keys: Br={tiles.block_rows})"
+        if tiles is not head_dim_tiles
+        else ""
+    )
     return "\n".join(
         [
             f"  tiles   {op.tiling.describe(shape.D)}{rows}",
@@ -137,9 +141,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     )
     shape = adapt(shape, kern)
     q, k, _, runtime = make_inputs(kern, shape, requires_grad=False)
-    classes = kern.tile_classes(q, k, **runtime)
+    tiles, classes = kern.forward_classes(q, k, **runtime)
     counts = {name: int((classes == value).sum()) for name, value in (("empty", 0), ("partial", 1), ("full", 2))}
-    tiles = kern.plan(q, k, None).tiles
     print(
         f"// tile classes at {shape} with Br={tiles.block_rows} Bc={tiles.block_cols} (b=0, h=0; # full, + partial, . empty)"
     )

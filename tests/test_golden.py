@@ -53,22 +53,26 @@ def test_masks_take_effect(example: attncc.Kernel, dtype: torch.dtype) -> None:
     assert result.ok, result.describe()
 
 
-@pytest.mark.parametrize("name", ["causal", "alibi", "padding", "gpt2"])
+@pytest.mark.parametrize("name", ["vanilla", "relative_bias", "padding", "causal", "gpt2"])
 def test_long_keys_take_more_rows_per_task(name: str) -> None:
-    """Past the key count where a kv head's K/V panels outgrow L2 the forward takes
-    CPU_STREAMING_BR query rows per task (a tail tile here), the backward keeps its tiles."""
+    """Where a query tile sees enough keys that a kv head's K/V panels outgrow L2 the forward
+    takes CPU_STREAMING_BR query rows per task (a tail tile here), the backward keeps its tiles;
+    a mask that shows each query fewer keys (causal with 300 queries) keeps the forward's tiles."""
     kern = kernel(name)
     # M past the threshold of this machine's L2 (4097 keys at d = 64 with 2 MiB, 1025 with 512 KiB)
     keys = kern.op.tiling.for_head_dim(64).streaming_keys
     shape = adapt(Shape(2, 2, 1, 300, keys + 75, 64), kern)
     q = torch.empty(shape.B, shape.H, shape.N, shape.D)
     k = torch.empty(shape.B, shape.Hkv, shape.M, shape.D)
-    forward, backward = kern.plan(q, k, None).tiles, kern.plan(q, k, None, backward=True).tiles
-    assert (
-        forward.block_rows == CPU_STREAMING_BR
-        and shape.N % forward.block_rows
-        and backward.block_rows < CPU_STREAMING_BR
-    )
+    runtime = make_inputs(kern, shape, requires_grad=False)[3]
+    forward, backward = kern.forward_classes(q, k, **runtime)[0], kern.plan(q, k, None, backward=True).tiles
+    # the most keys one query sees, from the masks' meaning: j <= i shows at most N of them
+    seen = {"causal": shape.N, "gpt2": shape.N}.get(name, shape.M)
+    if name == "padding":
+        seen = int(runtime["lengths"].max())
+    streams = seen >= keys
+    assert forward.block_rows == (CPU_STREAMING_BR if streams else kern.plan(q, k, None).tiles.block_rows)
+    assert backward.block_rows < CPU_STREAMING_BR
     for dtype in (torch.float32, torch.bfloat16):
         result = check(kern, shape, dtype)
         assert result.ok, result.describe()

@@ -437,6 +437,13 @@ def classify_tiles(
     return cls.expand(shape).contiguous()
 
 
+def visible_keys(classes: torch.Tensor, block_cols: int, m: int) -> int:
+    """The most keys one query tile sees: its non-empty key tiles times Bc, at most M."""
+    if classes.numel() == 0:
+        return 0
+    return min(m, int((classes != EMPTY).sum(-1).max()) * block_cols)
+
+
 def _reader(tensors: Mapping[str, torch.Tensor]):  # noqa: ANN202
     def read(r: ex.Read, index: list[Interval]) -> Interval:
         return _read_tensor_interval(tensors[r.tensor], index)

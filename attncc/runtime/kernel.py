@@ -17,7 +17,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from attncc.passes.sparsity import (
     classify_tiles,
     host_read_tensors,
     runtime_tensors,
+    visible_keys,
 )
 from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
@@ -188,21 +189,31 @@ class Kernel:
 
     def tile_classes(self, q: torch.Tensor, k: torch.Tensor, **runtime: object) -> torch.Tensor:
         """The [B|1, H|1, Ti, Tj] tile classes (0 empty, 1 partial, 2 full) for these inputs."""
+        return self.forward_classes(q, k, **runtime)[1]
+
+    def forward_classes(self, q: torch.Tensor, k: torch.Tensor, **runtime: object) -> tuple[TilePlan, torch.Tensor]:
+        """The forward's tiles for these inputs and its [B|1, H|1, Ti, Tj] tile classes."""
         plan = self.plan(q, k, None)
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
         scalars = {d.name: float(runtime[d.name]) for d in self.inputs if d.role == "scalar"}  # type: ignore[arg-type]
         all_tensors = runtime_tensors(self.op.sparsity, plan.problem, tensors)  # type: ignore[arg-type]
-        return classify_tiles(
-            self.op.sparsity, plan.problem, scalars, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols
-        )  # type: ignore[arg-type]
+
+        def classify(tiles: TilePlan) -> torch.Tensor:
+            return classify_tiles(
+                self.op.sparsity, plan.problem, scalars, all_tensors, tiles.block_rows, tiles.block_cols
+            )  # type: ignore[arg-type]
+
+        classes = classify(plan.tiles)
+        streamed = plan.tiles.for_keys(visible_keys(classes, plan.tiles.block_cols, plan.problem.M))
+        return (streamed, classify(streamed)) if streamed is not plan.tiles else (plan.tiles, classes)
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, scale: float | None, backward: bool = False) -> CallPlan:
         """The call's sizes, tiles (the backward kernels' with `backward`) and scale factors."""
         problem = _problem(q, k)
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(problem.D, backward)
-        if not backward:
-            tiles = tiles.for_dtype(str(q.dtype).removeprefix("torch.")).for_keys(problem.M)
+        if not backward:  # (forward_call may then stream: TilePlan.for_keys)
+            tiles = tiles.for_dtype(str(q.dtype).removeprefix("torch."))
         value = scale if scale is not None else self.default_scale(q, k)
         multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
         return CallPlan(problem, tiles, multiplier, value)
@@ -335,10 +346,9 @@ class Kernel:
         seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _DTYPES[q.dtype]
-        plan = self.plan(q, k, scale)
+        plan, call = self._forward_call(q, k, scale, tensors, scalars)
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype))
-        call = self._prepare(plan, q.dtype, tensors, scalars)
         if out.numel() == 0:
             return out, lse
         ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
@@ -436,6 +446,22 @@ class Kernel:
         if self.backward == "fused" or (self.backward == "auto" and fused):
             return ("attncc_backward_fused",)
         return ("attncc_backward_dkdv", "attncc_backward_dq")
+
+    def _forward_call(
+        self, q: torch.Tensor, k: torch.Tensor, scale: float | None, tensors: list[torch.Tensor], scalars: list[float]
+    ) -> tuple[CallPlan, dict[str, object]]:
+        """The forward's plan and prepared call. Where a query tile sees enough keys that a kv
+        head's K/V panels outgrow L2, a task takes more query rows (TilePlan.for_keys): counted
+        from the tile classes, so a sliding window's few visible tiles keep the L2-sized tasks
+        at any M (taking 192 rows there cost 1.8x at N = 8192 on Zen 4)."""
+        plan = self.plan(q, k, scale)
+        call = self._prepare(plan, q.dtype, tensors, scalars)
+        visible = visible_keys(call["classes"], plan.tiles.block_cols, plan.problem.M)  # type: ignore[arg-type]
+        streamed = plan.tiles.for_keys(visible)
+        if streamed is plan.tiles:
+            return plan, call
+        plan = replace(plan, tiles=streamed)
+        return plan, self._prepare(plan, q.dtype, tensors, scalars)
 
     def _prepare(
         self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]
