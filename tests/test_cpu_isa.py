@@ -172,6 +172,11 @@ extern "C" int matmul(float* c, const uint16_t* a, const uint16_t* b_pairs, int 
   else gemm_bf16<false>(c, n, a, k, b_pairs, 2 * n, r, n, k);
   return 0;
 }}
+// the backward's products: C (+)= A^T B with A [k x r] pair-packed by its rows (P, dS), on vdpbf16ps
+extern "C" int matmul_transposed_a(float* c, const uint16_t* a_pairs, const uint16_t* b_pairs, int r, int n, int k) {{
+  gemm_dpbf16<true, true>(c, n, a_pairs, 2 * r, b_pairs, 2 * n, r, n, k);
+  return 0;
+}}
 """
 BF16_LEVELS = [name for name, isa in CPU_ISAS.items() if isa.bf16_products]
 
@@ -184,7 +189,7 @@ def skip_unless_the_machine_runs(isa: str) -> None:
 
 @pytest.mark.parametrize("isa", BF16_LEVELS)
 def test_bf16_tile_products_against_float64(isa: str) -> None:
-    """gemm_bf16 on AMX tiles and by vdpbf16ps: every row/column block edge (16-row and
+    """gemm_bf16 on AMX tiles and by vdpbf16ps, and the backward's gemm_dpbf16 with A^T: every row/column block edge (16-row and
     16-column remainders of the 32 x 32 AMX block and of the 6 x 4 register block), K of one and
     several steps, overwriting and accumulating, against the exact product of the bf16 inputs.
     B is pair-packed here from its definition (B[k][n] -> Bp[k // 2][2 n + k % 2])."""
@@ -204,6 +209,15 @@ def test_bf16_tile_products_against_float64(isa: str) -> None:
             assert lib.matmul(*bits, r, n, k, accumulate) == 0
             expected = want + c.double() if accumulate else want
             torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    # A^T B from A [k x r] pair-packed by rows (r of 1 to 6 rows past the 6-row blocks: tails)
+    for r, n, k in ((6, 16, 2), (13, 64, 40), (128, 80, 64)):
+        a, b = torch.randn(k, r, generator=gen).bfloat16(), torch.randn(k, n, generator=gen).bfloat16()
+        a_pairs = a.view(k // 2, 2, r).transpose(1, 2).contiguous()
+        b_pairs = b.view(k // 2, 2, n).transpose(1, 2).contiguous()
+        c = torch.randn(r, n, generator=gen)
+        out = c.clone()
+        assert lib.matmul_transposed_a(*[ctypes.c_void_p(t.data_ptr()) for t in (out, a_pairs, b_pairs)], r, n, k) == 0
+        torch.testing.assert_close(out.double(), a.double().T @ b.double() + c.double(), rtol=1e-5, atol=1e-4)
 
 
 # Every example with bf16 inputs on each bf16-product level (the best level also runs the whole

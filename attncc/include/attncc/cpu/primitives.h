@@ -424,6 +424,22 @@ inline void to_bf16_row(uint16_t* __restrict dst, const float* __restrict src, i
   for (int c = 0; c < n; c += 16) store_bf16(dst + c, _mm512_loadu_ps(src + c));
 }
 
+// Two bf16 rows (n a multiple of 16) as one row of n pairs: dst[2 c + t] = row t's element c,
+// the pair-packed layout of a product's B operand (or TransA's A) along these rows.
+inline void interleave_rows(uint16_t* __restrict dst, const uint16_t* __restrict row0, const uint16_t* __restrict row1,
+                            int n) {
+  for (int c = 0; c < n; c += 16) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + c)));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row1 + c)));
+    _mm512_storeu_si512(dst + 2 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+// rows (even) x n bf16, row-major with leading dimension ld, pair-packed by rows: rows / 2 rows of
+// n pairs (2 n elements each).
+inline void pack_row_pairs(uint16_t* __restrict dst, const uint16_t* __restrict src, int64_t ld, int rows, int n) {
+  for (int r = 0; r < rows; r += 2) interleave_rows(dst + r * n, src + r * ld, src + (r + 1) * ld, n);
+}
+
 // exp_shift_sum writing P as bf16 to p only (the operand of the P V product): one pass over the
 // scores instead of exp, store, reload, convert.
 inline float exp_shift_sum_bf16(const float* __restrict x, uint16_t* __restrict p, int n, float shift, float scale) {
@@ -510,10 +526,16 @@ inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
     }
   }
 }
-#elif ATTNCC_BF16_PRODUCTS == 2
-// One register block: Rows x Vecs accumulators of 16 fp32, a pair of A broadcast per row.
-template <bool Accumulate, int Rows, int Vecs>
-inline void gemm_bf16_block(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int K) {
+#endif
+
+#if ATTNCC_BF16_PRODUCTS
+// Products by vdpbf16ps, on both bf16 levels (the amx level has avx512_bf16 too): the forward's
+// on the avx512bf16 level, the backward's on both (its P^T and dS^T operands are read in place,
+// TransA, which AMX tiles cannot). One register block: Rows x Vecs accumulators of 16 fp32, a
+// pair of A broadcast per row. A is row-major (the pair of row x at kp is A[x lda + 2 kp ..]),
+// or with TransA pair-packed like B (A^T's row x at kp is A[kp lda + 2 x ..]).
+template <bool Accumulate, bool TransA, int Rows, int Vecs>
+inline void gemm_dpbf16_block(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int K) {
   __m512 acc[Rows][Vecs];
 #pragma GCC unroll 16
   for (int x = 0; x < Rows; ++x)
@@ -526,7 +548,7 @@ inline void gemm_bf16_block(float* C, int64_t ldc, const uint16_t* A, int64_t ld
 #pragma GCC unroll 16
     for (int x = 0; x < Rows; ++x) {
       int32_t pair;
-      std::memcpy(&pair, A + x * lda + 2 * kp, 4);
+      std::memcpy(&pair, TransA ? A + kp * lda + 2 * x : A + x * lda + 2 * kp, 4);
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
 #pragma GCC unroll 4
       for (int y = 0; y < Vecs; ++y) acc[x][y] = _mm512_dpbf16_ps(acc[x][y], a, b[y]);
@@ -539,24 +561,35 @@ inline void gemm_bf16_block(float* C, int64_t ldc, const uint16_t* A, int64_t ld
 }
 
 // The rows of one column block: blocks of ATTNCC_GEMM_ROWS, then the tail's own block size.
-template <bool Accumulate, int Vecs, int Rows = ATTNCC_GEMM_ROWS>
-inline void gemm_bf16_rows(int rows, float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                           int K) {
+template <bool Accumulate, bool TransA, int Vecs, int Rows = ATTNCC_GEMM_ROWS>
+inline void gemm_dpbf16_rows(int rows, float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B,
+                             int64_t ldb, int K) {
   if constexpr (Rows > 0) {
-    for (; rows >= Rows; rows -= Rows, C += Rows * ldc, A += Rows * lda)
-      gemm_bf16_block<Accumulate, Rows, Vecs>(C, ldc, A, lda, B, ldb, K);
-    if (rows > 0) gemm_bf16_rows<Accumulate, Vecs, Rows - 1>(rows, C, ldc, A, lda, B, ldb, K);
+    for (; rows >= Rows; rows -= Rows, C += Rows * ldc, A += TransA ? 2 * Rows : Rows * lda)
+      gemm_dpbf16_block<Accumulate, TransA, Rows, Vecs>(C, ldc, A, lda, B, ldb, K);
+    if (rows > 0) gemm_dpbf16_rows<Accumulate, TransA, Vecs, Rows - 1>(rows, C, ldc, A, lda, B, ldb, K);
   }
 }
 
-// Same contract as the AMX gemm_bf16 (R, N multiples of 16, K a multiple of 2).
+// C[R x N] (+)= A[R x K] . B[K x N], B pair-packed (ldb elements of bf16 per pair row), N a
+// multiple of 16, K of 2; any R.
+template <bool Accumulate, bool TransA = false>
+inline void gemm_dpbf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R,
+                        int N, int K) {
+  constexpr int Vecs = ATTNCC_GEMM_VECS;
+  int n = 0;
+  for (; n + 16 * Vecs <= N; n += 16 * Vecs)
+    gemm_dpbf16_rows<Accumulate, TransA, Vecs>(R, C + n, ldc, A, lda, B + 2 * n, ldb, K);
+  for (; n < N; n += 16) gemm_dpbf16_rows<Accumulate, TransA, 1>(R, C + n, ldc, A, lda, B + 2 * n, ldb, K);
+}
+#endif
+
+#if ATTNCC_BF16_PRODUCTS == 2
+// The forward's products (same contract as the AMX gemm_bf16: R, N multiples of 16, K of 2).
 template <bool Accumulate>
 inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
                       int K) {
-  constexpr int Vecs = ATTNCC_GEMM_VECS;
-  int n = 0;
-  for (; n + 16 * Vecs <= N; n += 16 * Vecs) gemm_bf16_rows<Accumulate, Vecs>(R, C + n, ldc, A, lda, B + 2 * n, ldb, K);
-  for (; n < N; n += 16) gemm_bf16_rows<Accumulate, 1>(R, C + n, ldc, A, lda, B + 2 * n, ldb, K);
+  gemm_dpbf16<Accumulate>(C, ldc, A, lda, B, ldb, R, N, K);
 }
 #endif
 
