@@ -11,6 +11,8 @@ Every comparison runs in this one process on the same inputs; each time is the m
                                               # the issue's targets: N = 512..16K, D = 64/128, fp32/bf16,
                                               # fwd and fwd+bwd, decoding, masked variants; % of the GEMM
                                               # rate measured here; a PNG plot beside the JSON
+    python bench/bench_cpu.py --serving --no-flex --json bench/results/cpu-<family>-serving.json
+                                              # packed (varlen) vs SDPA on the padded batch, paged decoding
 
 The JSON's meta records the CPU model, its ISA features and the kernel ISA attncc chose (set
 ATTNCC_CPU_ISA to measure a lower level).
@@ -307,6 +309,76 @@ def build_cases(results: list) -> None:
             results.append({"case": label, "seconds": seconds})
 
 
+def padded_lengths(batch: int, longest: int, padding: float) -> list[int]:
+    """Sequence lengths, evenly spread, that leave `padding` of the padded batch empty."""
+    low = 1.0 - 2.0 * padding  # lengths from low..1 of the longest, mean 1 - padding
+    return [max(1, round(longest * (low + (1.0 - low) * (b + 0.5) / batch))) for b in range(batch)]
+
+
+def serving_cases(results: list, args) -> None:
+    """Issue 11's targets: packed (varlen) batches against SDPA on the padded batch with its
+    padding mask, at 25% and 50% padding, fwd and fwd+bwd; paged decoding against SDPA on
+    contiguous K/V, pages in order (views) and shuffled (gathered)."""
+    gen = torch.Generator().manual_seed(3)
+    H, D, batch, longest = 8, 64, 8, args.serving_n
+    for program, causal in (("vanilla", False), ("causal", True)):
+        kern = attncc.compile(EX / f"{program}.attn")
+        for padding in (0.25, 0.5):
+            lens = padded_lengths(batch, longest, padding)
+            total = sum(lens)
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+            q, k, v = (torch.randn(total, H, D, generator=gen) for _ in range(3))
+            padded = [torch.zeros(batch, H, longest, D) for _ in range(3)]
+            for b in range(batch):
+                for dst, src in zip(padded, (q, k, v)):
+                    dst[b, :, : lens[b]] = src[cu[b] : cu[b + 1]].transpose(0, 1)
+            keys = torch.arange(longest).view(1, -1) < torch.tensor(lens).view(-1, 1)  # [B, M]
+            mask = keys.view(batch, 1, 1, longest)
+            if causal:
+                mask = mask & torch.ones(longest, longest, dtype=torch.bool).tril()
+            work = sum(n * n for n in lens) / (batch * longest * longest)
+            note = f"lengths {min(lens)}..{max(lens)}, {total} tokens, real score work {work:.0%} of padded"
+            name = f"varlen {program} pad {padding:.0%} B={batch} H={H} Nmax={longest} D={D}"
+
+            def sdpa(q_, k_, v_, mask=mask):
+                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)
+
+            def ours(q_, k_, v_, kern=kern, cu=cu):
+                return kern.varlen(q_, k_, v_, cu, cu)
+
+            anchors = {"sdpa_padded": median_s(partial(sdpa, *padded), args.repeats)}
+            anchors["attncc_padded"] = median_s(partial(kern, *padded), args.repeats)
+            row(results, f"{name} fwd", median_s(partial(ours, q, k, v), args.repeats), anchors, note)
+            grads = [t.requires_grad_() for t in padded]
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            anchors = {"sdpa_padded": median_s(fwd_bwd(sdpa, *grads), args.repeats)}
+            row(results, f"{name} fwd+bwd", median_s(fwd_bwd(ours, *leaves), args.repeats), anchors, note)
+    decode = attncc.compile(EX / "vanilla.attn")  # the new query is the last position: every key visible
+    B, H, Hkv, M, D = 8, 32, 8, 4096, 128
+    for page_size in (16, 256):
+        pages = M // page_size
+        k_cache, v_cache = (torch.randn(B * pages, page_size, Hkv, D, generator=gen) for _ in range(2))
+        q = torch.randn(B, 1, H, D, generator=gen)
+        lengths = torch.full((B,), M, dtype=torch.int32)
+        k, v = (c.view(B, M, Hkv, D).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+
+        def sdpa_decode(k=k, v=v, q=q):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
+
+        anchors = {"sdpa_contiguous": median_s(sdpa_decode, args.repeats)}
+        for order, table in (
+            ("pages in order", torch.arange(B * pages).view(B, pages)),
+            ("pages shuffled", torch.randperm(B * pages, generator=gen).view(B, pages)),
+        ):
+            table = table.int()
+
+            def paged(table=table, k_cache=k_cache, v_cache=v_cache, q=q, lengths=lengths):
+                return decode.paged(q, k_cache, v_cache, table, lengths)
+
+            name = f"paged decode GQA {H}/{Hkv} B={B} M={M} D={D} page {page_size}, {order}"
+            row(results, name, median_s(paged, args.repeats), anchors)
+
+
 def attention_flops(B: int, H: int, N: int, M: int, D: int, causal: bool, backward: bool) -> float:
     """Matmul FLOPs (2 products forward, 5 more backward), halved for causal."""
     flops = 4 * B * H * N * M * D * (3.5 if backward else 1.0)
@@ -474,6 +546,8 @@ def main() -> None:
     parser.add_argument("--max-n", type=int, default=16384)
     parser.add_argument("--max-n-backward", type=int, default=4096)
     parser.add_argument("--grid-part", choices=("all", "dense", "extra"), default="all")
+    parser.add_argument("--serving", action="store_true", help="varlen and paged-KV cases (issue 11) only")
+    parser.add_argument("--serving-n", type=int, default=2048, help="the longest sequence of the varlen cases")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep:
@@ -501,7 +575,9 @@ def main() -> None:
     rates = gemm_rates(args.repeats)
     meta["torch_mm_gflops"] = rates
     print(f"{meta['cpu_model']} ({meta['cpu_family_model']}), attncc {meta['attncc_isa']}; torch.mm GFLOP/s: {rates}")
-    if args.grid:
+    if args.serving:
+        serving_cases(results, args)
+    elif args.grid:
         grid_cases(results, args, flex, rates)
         if args.grid_part != "extra":
             memory_cases(results, args, MEMORY_GRID)

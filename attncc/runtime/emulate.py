@@ -153,13 +153,14 @@ class EmulatedKernel(Kernel):
         plans = dict.fromkeys(self.op.tiling.for_head_dim(d).head_dim for d in head_dims)
         return [self.library_path_for(s, d) for s in storages for d in plans]
 
-    def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed):  # noqa: ANN001, ANN201 - as Kernel
+    def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed, offset=0):  # noqa: ANN001, ANN201 - as Kernel
         storage = self.storage_dtype(q.dtype)
         plan = self.plan(q, k, scale)
         qs, ks, vs = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         out = torch.empty(q.shape, dtype=storage, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         call = self._prepare(plan, torch.float32, tensors, scalars)
+        call["offset"] = offset
         if out.numel():
             ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse}
             if plan.kv_splits > 1:  # each split's O and log-sum-exp per row, merged by the kernel
@@ -169,7 +170,23 @@ class EmulatedKernel(Kernel):
             self._run("attncc_emulated_forward", str(storage).replace("torch.", ""), plan, call, ptrs, dropout, seed)
         return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
-    def backward_impl(self, q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs):  # noqa: ANN001, ANN201 - as Kernel
+    def backward_impl(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        scale: float | None,
+        dropout: float,
+        seed: int,
+        grad_inputs: list[bool],
+        offset: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         storage = self.storage_dtype(q.dtype)
         plan = self.plan(q, k, scale, backward=True)
         qs, ks, vs, dos = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (dout, "grad of out")))
@@ -177,6 +194,7 @@ class EmulatedKernel(Kernel):
         dv = torch.empty(v.shape, dtype=storage, device=v.device)
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         call = self._prepare(plan, torch.float32, tensors, scalars)
+        call["offset"] = offset
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
         grads = {
             d.name: torch.zeros(t.shape, dtype=torch.float32, device=t.device)

@@ -66,13 +66,13 @@ class GpuKernel(EmulatedKernel):
             before_build=_check_driver,
         )
 
-    def forward_impl(self, q, *args):  # noqa: ANN001, ANN002, ANN201 - as Kernel
+    def forward_impl(self, q, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201 - as Kernel
         with torch.cuda.device(q.device):  # launch on q's GPU, whichever is current
-            return super().forward_impl(q, *args)
+            return super().forward_impl(q, *args, **kwargs)
 
-    def backward_impl(self, q, *args):  # noqa: ANN001, ANN002, ANN201 - as Kernel
+    def backward_impl(self, q, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201 - as Kernel
         with torch.cuda.device(q.device):
-            return super().backward_impl(q, *args)
+            return super().backward_impl(q, *args, **kwargs)
 
     def multiprocessors(self) -> int:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

@@ -39,6 +39,7 @@ from attncc.passes.sparsity import (
 )
 from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
+from attncc.runtime.ragged import paged_attention, varlen_attention
 from attncc.runtime.reference import evaluate, reference_attention
 from attncc.targets import ISA_ENV
 
@@ -161,6 +162,70 @@ class Kernel:
         out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_tensor)
         return (out, lse) if return_lse else out
 
+    def varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        *,
+        return_lse: bool = False,
+        scale: float | None = None,
+        train: bool = True,
+        seed: int | None = None,
+        **runtime: object,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of a packed batch (FlashAttention's varlen layout), forward and backward.
+
+        q [total_q, H, D], k, v [total_k, Hkv, D]; sequence b is rows cu_seqlens_q[b] ..
+        cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] .. cu_seqlens_k[b + 1] of k and v (int32 or
+        int64 offsets, B + 1 of them, starting at 0). In the program, b is the sequence and N, M
+        its own lengths. Runtime tensors keep padded shapes: B sequences, N = max_seqlen_q,
+        M = max_seqlen_k (default: the longest). Returns out [total_q, H, D] (and lse
+        [total_q, H] with return_lse); dropout keeps `dropout_mask(seed, b, 1, H, N_b, M_b, p)`
+        for sequence b. See attncc/runtime/ragged.py.
+        """
+        _reject_transforms({"q": q, "k": k, "v": v, **runtime})
+        return varlen_attention(
+            self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            return_lse=return_lse, scale=scale, train=train, seed=seed, runtime=runtime,
+        )  # fmt: skip
+
+    def paged(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        *,
+        k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
+        layout: str = "bnhd",
+        return_lse: bool = False,
+        scale: float | None = None,
+        **runtime: object,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of new queries over a paged KV cache (the FlashAttention / vLLM layout); forward only.
+
+        q [B, N, H, D] (layout="bnhd", default) or [B, H, N, D] ("bhnd"); k_cache, v_cache
+        [num_pages, page_size, Hkv, D]; block_table [B, max_pages] (int32/int64 page ids);
+        cache_seqlens [B]: keys held per sequence. k_new, v_new [B, N_new, Hkv, D], if given, are
+        written into the cache at cache_seqlens[b] .. + N_new first (in place; cache_seqlens is
+        not changed). Sequence b then attends over M_b = cache_seqlens[b] + N_new keys; the
+        queries are its last N positions, so bottom-right causal is `mask j <= i + (M - N)`.
+        Runtime tensors keep padded shapes (M: the block table's capacity). Returns out in q's
+        layout (and lse, q's layout without D, with return_lse).
+        """
+        _reject_transforms({"q": q, "k_cache": k_cache, "v_cache": v_cache, **runtime})
+        return paged_attention(
+            self, q, k_cache, v_cache, block_table, cache_seqlens, k_new=k_new, v_new=v_new,
+            layout=layout, return_lse=return_lse, scale=scale, runtime=runtime,
+        )  # fmt: skip
+
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
         """The value of the name `scale` when a call gives none: the program's or 1/sqrt(D)."""
         return float(evaluate(self.op.default_scale, _sizes(q, k), {}))
@@ -192,27 +257,19 @@ class Kernel:
         return self.forward_classes(q, k, **runtime)[1]
 
     def forward_classes(self, q: torch.Tensor, k: torch.Tensor, **runtime: object) -> tuple[TilePlan, torch.Tensor]:
-        """The forward's tiles for these inputs and its [B|1, H|1, Ti, Tj] tile classes."""
-        plan = self.plan(q, k, None)
-        tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
-        scalars = {d.name: float(runtime[d.name]) for d in self.inputs if d.role == "scalar"}  # type: ignore[arg-type]
-        all_tensors = runtime_tensors(self.op.sparsity, plan.problem, tensors)  # type: ignore[arg-type]
-
-        def classify(tiles: TilePlan) -> torch.Tensor:
-            return classify_tiles(
-                self.op.sparsity, plan.problem, scalars, all_tensors, tiles.block_rows, tiles.block_cols
-            )  # type: ignore[arg-type]
-
-        classes = classify(plan.tiles)
-        streamed = plan.tiles.for_keys(visible_keys(classes, plan.tiles.block_cols, plan.problem.M))
-        return (streamed, classify(streamed)) if streamed is not plan.tiles else (plan.tiles, classes)
+        """The forward's tiles for these inputs and its [B|1, H|1, Ti, Tj] tile classes (those
+        `_forward_call` chooses, streaming included)."""
+        tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
+        scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+        plan, call = self._forward_call(q, k, None, tensors, scalars)
+        return plan.tiles, call["classes"].cpu()  # type: ignore[union-attr]
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, scale: float | None, backward: bool = False) -> CallPlan:
         """The call's sizes, tiles (the backward kernels' with `backward`) and scale factors."""
         problem = _problem(q, k)
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(problem.D, backward)
-        if not backward:  # (forward_call may then stream: TilePlan.for_keys)
+        if not backward:  # (_forward_call may then stream: TilePlan.for_keys)
             tiles = tiles.for_dtype(str(q.dtype).removeprefix("torch."))
         value = scale if scale is not None else self.default_scale(q, k)
         multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
@@ -344,9 +401,13 @@ class Kernel:
         scale: float | None,
         dropout: float,
         seed: int,
+        offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """out and lse of one padded call; `offset` is the dropout counters' fourth word
+        (0 for plain calls, the sequence's index for packed and paged calls)."""
         dtype = _DTYPES[q.dtype]
         plan, call = self._forward_call(q, k, scale, tensors, scalars)
+        call["offset"] = offset
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype))
         if out.numel() == 0:
@@ -370,6 +431,7 @@ class Kernel:
         dropout: float,
         seed: int,
         grad_inputs: list[bool],
+        offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         dtype = _DTYPES[q.dtype]
         plan = self.plan(q, k, scale, backward=True)
@@ -380,6 +442,7 @@ class Kernel:
             torch.empty(v.shape, dtype=v.dtype),
         )
         call = self._prepare(plan, q.dtype, tensors, scalars)
+        call["offset"] = offset
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
         grads: dict[str, torch.Tensor] = {}  # [threads, *shape]: one slice per thread, summed after
         learnable = [
@@ -599,7 +662,7 @@ class Kernel:
             cls_si=cls_strides[2],
         )
         threads = call.get("threads", max(1, torch.get_num_threads()))
-        ints.update(seed=seed & (2**63 - 1), offset=0, threads=threads, splits=plan.kv_splits)
+        ints.update(seed=seed & (2**63 - 1), offset=call.get("offset", 0), threads=threads, splits=plan.kv_splits)
         for slot in self.abi.tensors:
             t = tensors[slot.ident]
             ints.update({f"st_{slot.ident}_{d}": t.stride(d) for d in range(slot.rank)})

@@ -1,0 +1,452 @@
+"""Packed (varlen) and paged-KV calls: every sequence of a ragged batch is one padded call.
+
+A program speaks of b (the sequence), h, i, j (positions inside the sequence) and N, M (that
+sequence's query and key lengths). So a packed batch (FlashAttention's varlen layout: q
+[total_q, H, D], k, v [total_k, Hkv, D], sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1])
+runs sequence by sequence as a batch of one with N = N_b and M = M_b: tiles never straddle two
+sequences, no work is spent on padding that is not there, and a mask written once serves padded,
+packed and paged calls. The per-sequence views are strided views of the packed tensors (no copy).
+
+Runtime tensors keep their padded shapes: an axis declared `B` counts sequences and is cut to the
+sequence's element, an axis declared `N` or `M` holds the longest sequence (varlen: max_seqlen_q,
+max_seqlen_k; paged: N of q and the block table's capacity) and is cut to the sequence's length.
+Each sequence runs as batch element 0 of its own call, so a program that uses `b` other than as
+the index of a `B` axis, or the size `B`, is refused here (it would see 0 and 1).
+
+Dropout counters are per sequence: sequence b keeps exactly
+`attncc.dropout_mask(seed, b, 1, H, N_b, M_b, p)[0]` (the counters' fourth word is b).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from attncc.errors import InputError
+from attncc.ir import expr as ex
+
+if TYPE_CHECKING:
+    from attncc.runtime.kernel import Kernel
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Sequences index .. index + count, each of n queries and m keys: queries at rows
+    q0 .. q0 + count * n, keys at rows k0 .. k0 + count * m (one padded call of batch count)."""
+
+    index: int
+    q0: int
+    n: int
+    k0: int
+    m: int
+    count: int = 1
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.q0, self.q0 + self.count * self.n)
+
+    @property
+    def keys(self) -> slice:
+        return slice(self.k0, self.k0 + self.count * self.m)
+
+
+def grouped(segments: list[Segment], dropout: float) -> list[Segment]:
+    """Runs of consecutive sequences of one shape merged into one call each (a packed batch of
+    equal lengths is one padded call), leaving out those with no query or no key. Not with
+    dropout: a merged call's counters would number its sequences from 0 (see the module doc)."""
+    groups: list[Segment] = []
+    for seg in segments:
+        if seg.n == 0 or seg.m == 0:
+            continue
+        last = groups[-1] if groups else None
+        if dropout == 0 and last and (last.n, last.m, last.index + last.count) == (seg.n, seg.m, seg.index):
+            groups[-1] = replace(last, count=last.count + 1)
+        else:
+            groups.append(seg)
+    return groups
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What every sequence's call shares."""
+
+    scalars: list[float]
+    scale: float | None
+    dropout: float
+    seed: int
+
+
+# ---------------------------------------------------------------------- checks
+def _tensor(name: str, t: object, dims: int, layout: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise InputError(f"{name}: expected {dims} dimensions {layout}, got shape {tuple(t.shape)}")
+    return t
+
+
+def _host_ints(name: str, t: object, dims: int, layout: str, device: torch.device) -> torch.Tensor:
+    """An int32/int64 tensor on q's device, read on the host (one copy from a GPU)."""
+    t = _tensor(name, t, dims, layout)
+    if t.dtype not in _INT_DTYPES:
+        raise InputError(f"{name}: expected dtype int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise InputError(f"{name}: expected device {device} (that of q), got {t.device}")
+    return t.detach().to("cpu", torch.int64)
+
+
+def _cumulative(name: str, cu: torch.Tensor, total: int, rows: str) -> list[int]:
+    values = cu.tolist()
+    if not values or values[0] != 0:
+        raise InputError(f"{name}: expected a first entry 0, got {values[:1] or 'an empty tensor'}")
+    for b in range(len(values) - 1):
+        if values[b + 1] < values[b]:
+            raise InputError(
+                f"{name}: expected non-decreasing offsets, got {name}[{b}]={values[b]} > {name}[{b + 1}]={values[b + 1]}"
+            )
+    if values[-1] != total:
+        raise InputError(f"{name}: the last offset {values[-1]} must equal the {rows} rows, {total}")
+    return values
+
+
+def _longest(name: str, given: int | None, lengths: list[int]) -> int:
+    longest = max(lengths, default=0)
+    if given is None:
+        return longest
+    if isinstance(given, bool) or not isinstance(given, int) or given < longest:
+        raise InputError(f"{name}: expected an int >= the longest sequence, {longest}; got {given!r}")
+    return given
+
+
+def check_batch_free(kern: Kernel) -> None:
+    """Refuse programs whose result depends on b or B other than through `B` axes of inputs."""
+    dims = {d.name: d.dims for d in kern.inputs if d.role == "tensor"}
+
+    def uses_batch(e: ex.Expr) -> bool:
+        if isinstance(e, ex.Var):
+            return e.name in ("b", "B")
+        if isinstance(e, ex.Read):
+            axes = dims.get(e.tensor, ())
+            return any(
+                not (isinstance(i, ex.Var) and i.name == "b" and axis < len(axes) and axes[axis] == "B")
+                and uses_batch(i)
+                for axis, i in enumerate(e.index)
+            )
+        return any(uses_batch(c) for c in e.children())
+
+    exprs = [kern.op.score, kern.op.mask, kern.op.scale, kern.op.default_scale]
+    if any(e is not None and uses_batch(e) for e in exprs):
+        raise InputError(
+            f"{kern.name}: packed and paged calls run each sequence as a batch of one, and this program "
+            "uses `b` other than as the index of a `B` axis (or the size `B`); index a [B]-shaped input instead"
+        )
+
+
+def _proxy(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of `shape` with like's dtype and device and no storage to speak of (for validation)."""
+    return like.new_zeros(1).as_strided(shape, (0,) * len(shape))
+
+
+def _validate_runtime(
+    kern: Kernel, q: torch.Tensor, sizes: tuple[int, int, int, int, int, int], runtime: Mapping[str, object]
+) -> None:
+    """The padded call's checks on the runtime inputs, at the batch's padded sizes."""
+    B, H, Hkv, N, M, D = sizes
+    kern.validate(_proxy(q, (B, H, N, D)), _proxy(q, (B, Hkv, M, D)), _proxy(q, (B, Hkv, M, D)), runtime)
+
+
+def _seed(seed: int | None, dropout: float) -> int:
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
+    return seed
+
+
+def _scale(scale: float | None) -> float | None:
+    if scale is None:
+        return None
+    if not math.isfinite(float(scale)):
+        raise InputError(f"scale: expected a finite number, got {scale!r}")
+    return float(scale)
+
+
+def _options(
+    kern: Kernel, runtime: Mapping[str, object], scale: float | None, dropout: float, seed: int | None
+) -> CallOptions:
+    scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+    return CallOptions(scalars, _scale(scale), dropout, _seed(seed, dropout))
+
+
+def sequence_slices(kern: Kernel, segment: Segment, n: int, m: int) -> list[tuple[slice, ...]]:
+    """Per runtime tensor: the index that cuts it to `segment` (axes B, and N, M to n, m)."""
+    cuts = {"B": slice(segment.index, segment.index + segment.count), "N": slice(0, n), "M": slice(0, m)}
+    return [
+        tuple(cuts.get(dim, slice(None)) if isinstance(dim, str) else slice(None) for dim in d.dims)
+        for d in kern.inputs
+        if d.role == "tensor"
+    ]
+
+
+def _as_bhnd(rows: torch.Tensor, count: int = 1) -> torch.Tensor:
+    """[count * n, heads, D] rows as a [count, heads, n, D] view."""
+    return rows.unflatten(0, (count, -1)).transpose(1, 2)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[count, heads, n, ...] as [count * n, heads, ...] rows (inverse of _as_bhnd)."""
+    return t.transpose(1, 2).flatten(0, 1)
+
+
+# ---------------------------------------------------------------------- packed (varlen)
+class _Varlen(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,  # noqa: ANN001 - autograd ctx
+        kern: Kernel,
+        segments: list[Segment],
+        options: CallOptions,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from attncc.runtime.kernel import acc_dtype
+
+        out = q.new_zeros(q.shape)
+        lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
+        for seg in segments:  # rows of sequences with no query or no key stay 0 and -inf
+            cut = sequence_slices(kern, seg, seg.n, seg.m)
+            part_out, part_lse = kern.forward_impl(
+                _as_bhnd(q[seg.rows], seg.count),
+                _as_bhnd(k[seg.keys], seg.count),
+                _as_bhnd(v[seg.keys], seg.count),
+                [t[c] for t, c in zip(tensors, cut)],
+                options.scalars,
+                options.scale,
+                options.dropout,
+                options.seed,
+                offset=seg.index,
+            )
+            out[seg.rows], lse[seg.rows] = _as_rows(part_out), _as_rows(part_lse)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.kern, ctx.segments, ctx.options = kern, segments, options
+        ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        kern, options = ctx.kern, ctx.options
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grads = [torch.zeros_like(t) if want else None for t, want in zip(tensors, ctx.grad_inputs)]
+        for seg in ctx.segments:
+            rows, keys, count = seg.rows, seg.keys, seg.count
+            cut = sequence_slices(kern, seg, seg.n, seg.m)
+            gq, gk, gv, g_inputs = kern.backward_impl(
+                _as_bhnd(q[rows], count),
+                _as_bhnd(k[keys], count),
+                _as_bhnd(v[keys], count),
+                _as_bhnd(out[rows], count),
+                _as_bhnd(lse[rows], count),
+                _as_bhnd(dout[rows], count).contiguous(),
+                None if dlse is None else _as_bhnd(dlse[rows], count),
+                [t[c] for t, c in zip(tensors, cut)],
+                options.scalars,
+                options.scale,
+                options.dropout,
+                options.seed,
+                ctx.grad_inputs,
+                offset=seg.index,
+            )
+            dq[rows], dk[keys], dv[keys] = _as_rows(gq), _as_rows(gk), _as_rows(gv)
+            for g, part, c in zip(grads, g_inputs, cut):
+                if g is not None:
+                    g[c] += part.to(g.dtype)
+        return (None, None, None, dq, dk, dv, *grads)
+
+
+def varlen_attention(
+    kern: Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    *,
+    return_lse: bool,
+    scale: float | None,
+    train: bool,
+    seed: int | None,
+    runtime: Mapping[str, object],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`Kernel.varlen`: attention of a packed batch, forward and backward."""
+    q = _tensor("q", q, 3, "[total_q, H, D]")
+    k = _tensor("k", k, 3, "[total_k, Hkv, D]")
+    v = _tensor("v", v, 3, "[total_k, Hkv, D]")
+    if v.shape != k.shape:
+        raise InputError(f"v: expected shape {tuple(k.shape)} (that of k), got {tuple(v.shape)}")
+    cq = _host_ints("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]", q.device)
+    ck = _host_ints("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]", q.device)
+    if cq.numel() != ck.numel():
+        raise InputError(f"cu_seqlens_k: expected {cq.numel()} offsets (as cu_seqlens_q: B + 1), got {ck.numel()}")
+    starts_q = _cumulative("cu_seqlens_q", cq, q.shape[0], "q's")
+    starts_k = _cumulative("cu_seqlens_k", ck, k.shape[0], "k's")
+    segments = [
+        Segment(b, starts_q[b], starts_q[b + 1] - starts_q[b], starts_k[b], starts_k[b + 1] - starts_k[b])
+        for b in range(len(starts_q) - 1)
+    ]
+    n_max = _longest("max_seqlen_q", max_seqlen_q, [s.n for s in segments])
+    m_max = _longest("max_seqlen_k", max_seqlen_k, [s.m for s in segments])
+    check_batch_free(kern)
+    sizes = (len(segments), q.shape[1], k.shape[1], n_max, m_max, q.shape[2])
+    _validate_runtime(kern, q, sizes, runtime)
+    options = _options(kern, runtime, scale, kern.op.dropout if train else 0.0, seed)
+    tensors = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]
+    out, lse = _Varlen.apply(kern, grouped(segments, options.dropout), options, q, k, v, *tensors)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------- paged KV cache
+def _consecutive(pages: list[int]) -> bool:
+    return all(b == a + 1 for a, b in itertools.pairwise(pages))
+
+
+def _cached_keys(cache: torch.Tensor, pages: list[int], count: int, length: int) -> torch.Tensor:
+    """The first `length` cached rows of `count` sequences of len(pages) // count pages each, as
+    [count, Hkv, length, D]: a view of the cache where the pages are consecutive, else gathered
+    (one copy of the sequences' rows)."""
+    if _consecutive(pages):
+        rows = cache[pages[0] : pages[0] + len(pages)]
+    else:
+        rows = cache.index_select(0, torch.tensor(pages, dtype=torch.int64, device=cache.device))
+    return rows.unflatten(0, (count, -1)).flatten(1, 2)[:, :length].transpose(1, 2)
+
+
+def paged_attention(
+    kern: Kernel,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    layout: str,
+    return_lse: bool,
+    scale: float | None,
+    runtime: Mapping[str, object],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`Kernel.paged`: attention of new queries over a paged KV cache (forward only)."""
+    if layout not in ("bnhd", "bhnd"):
+        raise InputError(f"layout: expected 'bnhd' (q [B, N, H, D]) or 'bhnd' (q [B, H, N, D]), got {layout!r}")
+    q = _tensor("q", q, 4, "[B, N, H, D]" if layout == "bnhd" else "[B, H, N, D]")
+    q_bhnd = q.transpose(1, 2) if layout == "bnhd" else q
+    B, H, N, D = q_bhnd.shape
+    k_cache = _tensor("k_cache", k_cache, 4, "[num_pages, page_size, Hkv, D]")
+    v_cache = _tensor("v_cache", v_cache, 4, "[num_pages, page_size, Hkv, D]")
+    if v_cache.shape != k_cache.shape:
+        raise InputError(
+            f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}"
+        )
+    num_pages, page_size, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise InputError(f"k_cache: expected head dim {D} (from q), got shape {tuple(k_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise InputError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+    if page_size == 0:
+        raise InputError(f"k_cache: expected pages of at least one row, got shape {tuple(k_cache.shape)}")
+    table = _host_ints("block_table", block_table, 2, "[B, max_pages]", q.device)
+    lengths = _host_ints("cache_seqlens", cache_seqlens, 1, "[B]", q.device)
+    if table.shape[0] != B or lengths.shape[0] != B:
+        raise InputError(
+            f"block_table, cache_seqlens: expected {B} sequences (q's batch), got {table.shape[0]} and {lengths.shape[0]}"
+        )
+    appended = 0
+    if (k_new is None) != (v_new is None):
+        raise InputError("k_new, v_new: give both or neither")
+    if k_new is not None:
+        k_new = _tensor("k_new", k_new, 4, "[B, N_new, Hkv, D]")
+        v_new = _tensor("v_new", v_new, 4, "[B, N_new, Hkv, D]")
+        if k_new.shape[0] != B or tuple(k_new.shape[2:]) != (Hkv, D) or v_new.shape != k_new.shape:
+            raise InputError(
+                f"k_new, v_new: expected [B={B}, N_new, Hkv={Hkv}, D={D}], got {tuple(k_new.shape)} and {tuple(v_new.shape)}"
+            )
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if t.dtype != q.dtype or t.device != q.device:
+                raise InputError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+        appended = k_new.shape[1]
+    capacity = table.shape[1] * page_size
+    totals = []
+    for b in range(B):
+        held = int(lengths[b])
+        total = held + appended
+        if held < 0 or total > capacity:
+            raise InputError(
+                f"cache_seqlens: sequence {b} holds {held} keys{f' + {appended} appended' if appended else ''}, "
+                f"beyond 0..{capacity} (block_table's {table.shape[1]} pages of {page_size})"
+            )
+        used = table[b, : -(-total // page_size)]
+        bad = ((used < 0) | (used >= num_pages)).nonzero()
+        if bad.numel():
+            page = int(bad[0, 0])
+            raise InputError(
+                f"block_table[{b}, {page}]: page {int(used[page])} is outside the cache's {num_pages} pages"
+            )
+        totals.append(total)
+    if any(t.requires_grad for t in (q, k_cache, v_cache)) and torch.is_grad_enabled():
+        raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
+    check_batch_free(kern)
+    _validate_runtime(kern, q, (B, H, Hkv, N, capacity, D), runtime)
+    if Hkv == 0 or H % Hkv:
+        raise InputError(f"k_cache: query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
+    options = _options(kern, runtime, scale, 0.0, None)
+    tensors = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]
+    from attncc.runtime.kernel import acc_dtype
+
+    with torch.no_grad():
+        if appended:  # in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new
+            positions = lengths.view(-1, 1) + torch.arange(appended).view(1, -1)
+            pages = table.gather(1, positions // page_size).to(k_cache.device)
+            slots = (positions % page_size).to(k_cache.device)
+            k_cache[pages, slots] = k_new
+            v_cache[pages, slots] = v_new
+        out = q_bhnd.new_zeros((B, H, N, D))
+        lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
+        used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
+        calls = []
+        for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)], 0.0):
+            # sequences of one length share a call where their pages are one view of the cache; a
+            # gather copies per sequence (a batch-sized copy, fresh memory per call, cost 2x more)
+            together = _consecutive([p for b in range(seg.index, seg.index + seg.count) for p in used[b]])
+            calls += (
+                [seg] if together else [replace(seg, index=b, count=1) for b in range(seg.index, seg.index + seg.count)]
+            )
+        for seg in calls:
+            batch = slice(seg.index, seg.index + seg.count)
+            pages = [p for b in range(seg.index, seg.index + seg.count) for p in used[b]]
+            cut = sequence_slices(kern, seg, N, seg.m)
+            out[batch], lse[batch] = kern.forward_impl(
+                q_bhnd[batch],
+                _cached_keys(k_cache, pages, seg.count, seg.m),
+                _cached_keys(v_cache, pages, seg.count, seg.m),
+                [t[c] for t, c in zip(tensors, cut)],  # type: ignore[index]
+                options.scalars,
+                options.scale,
+                0.0,
+                0,
+            )
+    if layout == "bnhd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    return (out, lse) if return_lse else out

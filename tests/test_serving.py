@@ -1,0 +1,348 @@
+"""Packed (varlen) and paged-KV calls against float64 attention written by hand, per sequence.
+
+The references are the hand-written ones of test_independent_references.py, applied to each
+sequence on its own (q, k, v rows cut from the packed tensors by the offsets, runtime inputs cut
+here by hand: a per-sequence element, a per-token row); packed gradients come from autograd
+through those cuts. Ragged lengths include 0 and 1 queries, keys without queries, and for the
+paged cache pages in shuffled order, page sizes that are not powers of two and appended k/v.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import cache
+
+import pytest
+import torch
+
+import attncc
+from attncc.runtime.check import _error
+from attncc.runtime.inputs import Shape
+from tests.conftest import EXAMPLES, ROOT, kernel
+from tests.test_independent_references import (
+    BWD_TOL,
+    CASES,
+    FWD_TOL,
+    Inputs,
+    assert_within,
+    attend,
+    causal,
+    learnable,
+    scores,
+    vanilla,
+)
+
+#: Per-sequence cut of each example's runtime inputs, written from the programs' declarations.
+SEQUENCE_CUTS = {
+    "lengths": lambda t, b, n, m: t[b : b + 1],  # int[B]
+    "prefix": lambda t, b, n, m: t[b : b + 1],  # int[B]
+    "doc": lambda t, b, n, m: t[b : b + 1, :n],  # int[B, N]
+}
+
+
+def packed_lengths(shape: Shape) -> tuple[list[int], list[int]]:
+    """Four sequences: the case's full length, one query over one key, keys but no query, and
+    a ragged tail (41 short of the full lengths, so no tile boundary lines up)."""
+    return [shape.N, 1, 0, shape.N - 41], [shape.M, 1, 3, shape.M - 41]
+
+
+def offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def four_sequences(inputs: Inputs) -> Inputs:
+    """The case's inputs, those written for two batch elements (lengths, prefix) repeated for four."""
+    return {n: torch.cat([t, t]) if n in SEQUENCE_CUTS and len(t) == 2 else t for n, t in inputs.items()}
+
+
+def per_sequence_reference(reference, q, k, v, inputs: Inputs, lens_q, lens_k, with_index: bool = False):
+    """Packed (out, lse) of `reference` run on each sequence as a batch of one (`with_index`:
+    the sequence's index is passed as a fifth argument)."""
+    cq, ck = offsets(lens_q).tolist(), offsets(lens_k).tolist()
+    outs, lses = [], []
+    for b, (n, m) in enumerate(zip(lens_q, lens_k)):
+        if n == 0:
+            continue
+        rows = (q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]])
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in rows)
+        cut = {name: SEQUENCE_CUTS[name](t, b, n, m) if name in SEQUENCE_CUTS else t for name, t in inputs.items()}
+        out, lse = reference(qb, kb, vb, cut, b) if with_index else reference(qb, kb, vb, cut)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0].transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def packed_leaves(shape: Shape, lens_q, lens_k, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), shape.H, shape.D, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(sum(lens_k), shape.Hkv, shape.D, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(sum(lens_k), shape.Hkv, shape.D, generator=gen, dtype=dtype).requires_grad_()
+    dout = torch.randn(sum(lens_q), shape.H, shape.D, generator=gen, dtype=dtype)
+    return q, k, v, dout
+
+
+def grads_of(out: torch.Tensor, lse: torch.Tensor, leaves: list[torch.Tensor], names: list[str], dout):
+    got = {"out": out, "lse": lse}
+    got.update(zip(names, torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)))
+    return got
+
+
+def leaf64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+
+
+# ----------------------------------------------------------------------- packed
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_varlen_matches_hand_written_reference_per_sequence(name: str) -> None:
+    """Forward and backward of every example on a packed batch of four ragged sequences."""
+    case = CASES[name]
+    shape = case.shape
+    lens_q, lens_k = packed_lengths(shape)
+    q, k, v, dout = packed_leaves(shape, lens_q, lens_k)
+    inputs = four_sequences(case.inputs(torch.Generator().manual_seed(1000), replace(shape, B=4)))
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n in learnable(inputs)]
+    kern = kernel(name)
+    out, lse = kern.varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True, **case.call, **inputs)
+    got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
+    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
+    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+    ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
+    leaves = [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))]
+    ref = grads_of(ref_out, ref_lse, leaves, names, dout.double())
+    assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
+
+
+def test_varlen_equals_the_padded_call_with_a_key_padding_mask() -> None:
+    """vanilla packed == padding.attn on the zero-padded batch with the same lengths (valid rows)."""
+    lens = [70, 1, 129, 33]
+    q, k, v, _ = packed_leaves(Shape(4, 3, 3, 0, 0, 32), lens, lens, seed=3)
+    cu = offsets(lens)
+    out = kernel("vanilla").varlen(q, k, v, cu, cu).detach()
+    padded = [torch.zeros(4, t.shape[1], max(lens), 32) for t in (q, k, v)]
+    for b in range(4):
+        for dst, src in zip(padded, (q, k, v)):
+            dst[b, :, : lens[b]] = src[cu[b] : cu[b + 1]].detach().transpose(0, 1)
+    want = kernel("padding")(*padded, lengths=torch.tensor(lens))
+    for b in range(4):
+        torch.testing.assert_close(out[cu[b] : cu[b + 1]], want[b, :, : lens[b]].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_dropout_keeps_each_sequences_documented_mask() -> None:
+    """gpt2 (causal, dropout 0.1) packed: sequence b keeps dropout_mask(seed, b, 1, H, N_b, M_b, p)."""
+    kern, seed, rate = kernel("gpt2"), 1234, 0.1
+    lens = [150, 1, 77]
+    q, k, v, dout = packed_leaves(Shape(3, 2, 2, 0, 0, 40), lens, lens, seed=5)
+    out, lse = kern.varlen(q, k, v, offsets(lens), offsets(lens), return_lse=True, seed=seed)
+    got = grads_of(out, lse, [q, k, v], ["dq", "dk", "dv"], dout)
+
+    def dropped_causal(qb, kb, vb, inputs, b):
+        s = scores(qb, kb)
+        n, m = s.shape[-2:]
+        visible = torch.arange(m).view(1, -1) <= torch.arange(n).view(-1, 1)
+        return attend(s, vb, visible, attncc.dropout_mask(seed, b, 1, qb.shape[1], n, m, rate), rate)
+
+    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+    ref_out, ref_lse = per_sequence_reference(dropped_causal, q64, k64, v64, {}, lens, lens, with_index=True)
+    ref = grads_of(ref_out, ref_lse, [q64, k64, v64], ["dq", "dk", "dv"], dout.double())
+    assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
+    no_offset = attncc.dropout_mask(seed, 0, 1, 2, 77, 77, rate)
+    assert not torch.equal(no_offset, attncc.dropout_mask(seed, 2, 1, 2, 77, 77, rate))
+
+
+def test_varlen_rows_without_keys_give_zero_and_minus_inf() -> None:
+    lens_q, lens_k = [3, 2], [4, 0]
+    q, k, v, _ = packed_leaves(Shape(2, 2, 1, 0, 0, 16), lens_q, lens_k)
+    out, lse = kernel("vanilla").varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True)
+    assert torch.equal(out[3:], torch.zeros(2, 2, 16)) and torch.equal(lse[3:], torch.full((2, 2), -math.inf))
+    out.sum().backward()
+    assert torch.equal(q.grad[3:], torch.zeros(2, 2, 16))
+
+
+@cache
+def emulated(name: str) -> attncc.Kernel:
+    return attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm80", emulate=True)
+
+
+@pytest.mark.parametrize("name", ["alibi", "document"])
+def test_varlen_on_the_cuda_emulator(name: str) -> None:
+    """The generated CUDA kernels (bf16 tensor cores, emulated) on a packed batch: within
+    bf16 rounding of the hand-written reference on the same bf16-rounded inputs."""
+    case = CASES[name]
+    shape = Shape(4, 2, 1, 150, 150, 32)
+    lens_q, lens_k = packed_lengths(shape)
+    q, k, v, dout = (t.detach().bfloat16().float() for t in packed_leaves(shape, lens_q, lens_k))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    inputs = four_sequences(case.inputs(torch.Generator().manual_seed(1000), shape))
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n in learnable(inputs)]
+    out, lse = emulated(name).varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True, **inputs)
+    got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
+    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
+    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+    ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
+    ref = grads_of(ref_out, ref_lse, [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))], names, dout.double())
+    assert_within(got, ref, {n: 2e-2 if n in ("out", "lse") else 6e-2 for n in ref})
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ({"cu_seqlens_q": torch.tensor([0, 11, 10])}, "cu_seqlens_q: expected non-decreasing offsets"),
+        ({"cu_seqlens_q": torch.tensor([0, 5, 9])}, "cu_seqlens_q: the last offset 9 must equal the q's rows, 10"),
+        ({"cu_seqlens_q": torch.tensor([1, 5, 10])}, "cu_seqlens_q: expected a first entry 0"),
+        ({"cu_seqlens_k": torch.tensor([0, 10])}, "cu_seqlens_k: expected 3 offsets"),
+        ({"cu_seqlens_k": torch.tensor([0.0, 4.0, 10.0])}, "cu_seqlens_k: expected dtype int32 or int64"),
+        ({"max_seqlen_q": 4}, "max_seqlen_q: expected an int >= the longest sequence, 5"),
+        ({"q": torch.randn(10, 2, 1, 16)}, "q: expected 3 dimensions [total_q, H, D]"),
+        ({"lengths": torch.tensor([1, 2, 3])}, "lengths: expected shape int[B] with B=2"),
+    ],
+)
+def test_varlen_bad_input_is_a_clear_error(call: dict, message: str) -> None:
+    args = {
+        "q": torch.randn(10, 2, 16),
+        "k": torch.randn(10, 2, 16),
+        "v": torch.randn(10, 2, 16),
+        "cu_seqlens_q": torch.tensor([0, 5, 10]),
+        "cu_seqlens_k": torch.tensor([0, 4, 10]),
+        "lengths": torch.tensor([3, 6]),
+        **call,
+    }
+    with pytest.raises(attncc.InputError) as err:
+        kernel("padding").varlen(**args)
+    assert message in str(err.value)
+
+
+def test_programs_reading_the_batch_index_as_a_value_are_refused() -> None:
+    kern = attncc.compile("attention by_batch\ns = q @ k.T * scale\ns = s + b\np = softmax(s)\no = p @ v\noutput o\n")
+    x = torch.randn(4, 1, 8)
+    with pytest.raises(attncc.InputError, match="uses `b` other than as the index of a `B` axis"):
+        kern.varlen(x, x, x, torch.tensor([0, 4]), torch.tensor([0, 4]))
+
+
+# ----------------------------------------------------------------------- paged
+BOTTOM_RIGHT = """attention causal_cache
+input slopes: float[H]
+s = q @ k.T * scale
+s = s - slopes[h] * (i + (M - N) - j)
+mask j <= i + (M - N)
+p = softmax(s)
+o = p @ v
+output o
+"""
+
+
+def bottom_right_alibi(q, k, v, slopes):
+    """[B, H, N, D] queries at the last N of M positions, ALiBi from the query's position."""
+    s = scores(q, k)
+    n, m = s.shape[-2:]
+    position = torch.arange(n).view(-1, 1) + (m - n)
+    j = torch.arange(m).view(1, -1)
+    s = s - slopes.view(1, -1, 1, 1) * (position - j)
+    return attend(s, v, j <= position)
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize(("queries", "layout"), [(1, "bnhd"), (4, "bhnd")])
+def test_paged_decode_and_chunked_prefill_with_appended_keys(page_size: int, queries: int, layout: str) -> None:
+    """GQA 4/2 over pages in shuffled order, three sequences (one empty before the append);
+    new k/v written in place at cache_seqlens, then attended with the cached keys."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, Hkv, D, held = 3, 4, 2, 40, [61, 0, 23]
+    pages_per_seq = -(-(max(held) + queries) // page_size) + 1
+    num_pages = B * pages_per_seq + 3
+    k_cache = torch.randn(num_pages, page_size, Hkv, D, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, Hkv, D, generator=gen)
+    table = torch.randperm(num_pages, generator=gen)[: B * pages_per_seq].view(B, pages_per_seq).int()
+    q = torch.randn(B, queries, H, D, generator=gen)
+    k_new, v_new = (torch.randn(B, queries, Hkv, D, generator=gen) for _ in range(2))
+    slopes = torch.rand(H, generator=gen)
+    before = k_cache.clone(), v_cache.clone()
+    kern = attncc.compile(BOTTOM_RIGHT)
+    q_in = q if layout == "bnhd" else q.transpose(1, 2)
+    out, lse = kern.paged(
+        q_in, k_cache, v_cache, table, torch.tensor(held), k_new=k_new, v_new=v_new, layout=layout,
+        return_lse=True, slopes=slopes,
+    )  # fmt: skip
+    if layout == "bnhd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    for b in range(B):
+        keys = [c[table[b].long()].flatten(0, 1)[: held[b]] for c in before]
+        keys = [torch.cat([c, new[b]]).transpose(0, 1).unsqueeze(0).double() for c, new in zip(keys, (k_new, v_new))]
+        ref_out, ref_lse = bottom_right_alibi(q[b : b + 1].transpose(1, 2).double(), *keys, slopes.double())
+        assert _error(out[b : b + 1], ref_out) <= FWD_TOL and _error(lse[b : b + 1], ref_lse) <= FWD_TOL, b
+        written = (
+            table[b].long()[(held[b] + torch.arange(queries)) // page_size],
+            (held[b] + torch.arange(queries)) % page_size,
+        )
+        assert torch.equal(k_cache[written], k_new[b]) and torch.equal(v_cache[written], v_new[b])
+    untouched = torch.ones(num_pages, page_size, dtype=torch.bool)
+    for b in range(B):
+        pos = held[b] + torch.arange(queries)
+        untouched[table[b].long()[pos // page_size], pos % page_size] = False
+    assert torch.equal(k_cache[untouched], before[0][untouched])
+
+
+def test_paged_consecutive_pages_equal_the_contiguous_call() -> None:
+    """Pages in order (keys a view of the cache) give the padded call's result bit for bit."""
+    gen = torch.Generator().manual_seed(8)
+    k_cache, v_cache = (torch.randn(8, 32, 2, 64, generator=gen) for _ in range(2))
+    q = torch.randn(2, 1, 8, 64, generator=gen)
+    table = torch.arange(8).view(2, 4).int()
+    out = kernel("vanilla").paged(q, k_cache, v_cache, table, torch.tensor([128, 100]))
+    for b, m in enumerate([128, 100]):
+        keys = [c[4 * b : 4 * b + 4].flatten(0, 1)[:m].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache)]
+        want = kernel("vanilla")(q[b : b + 1].transpose(1, 2), *keys)
+        assert torch.equal(out[b : b + 1].transpose(1, 2), want)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"block_table": torch.tensor([[0, 9], [1, 2]]), "cache_seqlens": torch.tensor([12, 9])},
+            "block_table[0, 1]: page 9 is outside the cache's 4 pages",
+        ),
+        ({"block_table": torch.tensor([[0, 9], [1, 2]])}, None),  # page 9 unused (3 keys): ignored
+        ({"cache_seqlens": torch.tensor([3, 17])}, "cache_seqlens: sequence 1 holds 17 keys, beyond 0..16"),
+        ({"cache_seqlens": torch.tensor([3, -1])}, "cache_seqlens: sequence 1 holds -1 keys"),
+        ({"block_table": torch.tensor([[0, 1]])}, "block_table, cache_seqlens: expected 2 sequences"),
+        ({"k_new": torch.randn(2, 1, 2, 16)}, "k_new, v_new: give both or neither"),
+        ({"q": torch.randn(2, 1, 4, 16, requires_grad=True)}, "paged calls are forward only"),
+        ({"layout": "nhd"}, "layout: expected 'bnhd'"),
+        ({"v_cache": torch.randn(4, 8, 2, 8)}, "v_cache: expected shape (4, 8, 2, 16)"),
+    ],
+)
+def test_paged_bad_input_is_a_clear_error(change: dict, message: str | None) -> None:
+    args = {
+        "q": torch.randn(2, 1, 4, 16),
+        "k_cache": torch.randn(4, 8, 2, 16),
+        "v_cache": torch.randn(4, 8, 2, 16),
+        "block_table": torch.tensor([[0, 1], [2, 3]]),
+        "cache_seqlens": torch.tensor([3, 9]),
+        **change,
+    }
+    if message is None:
+        kernel("vanilla").paged(**args)
+        return
+    with pytest.raises(attncc.InputError) as err:
+        kernel("vanilla").paged(**args)
+    assert message in str(err.value)
+
+
+def test_paged_cache_must_hold_the_appended_keys() -> None:
+    x = torch.randn(1, 2, 2, 16)
+    with pytest.raises(attncc.InputError, match=r"sequence 0 holds 15 keys \+ 2 appended, beyond 0..16"):
+        kernel("vanilla").paged(
+            torch.randn(1, 2, 2, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16), torch.tensor([[0, 1]]),
+            torch.tensor([15]), k_new=x, v_new=x,
+        )  # fmt: skip
+
+
+def test_vanilla_and_causal_references_differ_here() -> None:
+    """The packed shapes make the causal mask bite (else the tests above could not tell)."""
+    shape = CASES["causal"].shape
+    lens_q, lens_k = packed_lengths(shape)
+    q, k, v, _ = packed_leaves(shape, lens_q, lens_k)
+    a = per_sequence_reference(vanilla(), *(t.detach().double() for t in (q, k, v)), {}, lens_q, lens_k)[0]
+    b = per_sequence_reference(causal(), *(t.detach().double() for t in (q, k, v)), {}, lens_q, lens_k)[0]
+    assert _error(a, b) > 100 * FWD_TOL
