@@ -149,14 +149,10 @@ class Kernel:
         # a tensor under torch.compile (no data-dependent .item() while tracing)
         if seed is None:
             seed_tensor = torch.randint(0, 2**62, (1,)) if dropout > 0 else torch.zeros(1, dtype=torch.int64)
-        elif isinstance(seed, bool) or not isinstance(seed, (int, torch.SymInt)) or not 0 <= seed < 2**63:
-            raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
         else:
-            seed_tensor = torch.tensor([seed], dtype=torch.int64)
-        if scale is not None and not torch.compiler.is_compiling():  # traced: may be symbolic
-            scale = float(scale)
-            if not math.isfinite(scale):
-                raise InputError(f"scale: expected a finite number, got {scale!r}")
+            seed_tensor = torch.tensor([checked_seed(seed)], dtype=torch.int64)
+        if not torch.compiler.is_compiling():  # traced: may be symbolic
+            scale = checked_scale(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
         out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_tensor)
@@ -678,6 +674,23 @@ class Kernel:
             (ctypes.c_int64 * len(int_values))(*int_values),
             (ctypes.c_double * len(reals))(*reals),
         )
+
+
+def checked_seed(seed: object) -> int:
+    """A call's `seed=`, an int in [0, 2^63)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, torch.SymInt)) or not 0 <= seed < 2**63:
+        raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
+    return seed  # type: ignore[return-value]
+
+
+def checked_scale(scale: object) -> float | None:
+    """A call's `scale=`: None (the program's default) or a finite number."""
+    if scale is None:
+        return None
+    value = float(scale)  # type: ignore[arg-type]
+    if not math.isfinite(value):
+        raise InputError(f"scale: expected a finite number, got {scale!r}")
+    return value
 
 
 def _sizes(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:

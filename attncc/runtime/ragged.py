@@ -162,27 +162,15 @@ def _validate_runtime(
     kern.validate(_proxy(q, (B, H, N, D)), _proxy(q, (B, Hkv, M, D)), _proxy(q, (B, Hkv, M, D)), runtime)
 
 
-def _seed(seed: int | None, dropout: float) -> int:
-    if seed is None:
-        return int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
-    return seed
-
-
-def _scale(scale: float | None) -> float | None:
-    if scale is None:
-        return None
-    if not math.isfinite(float(scale)):
-        raise InputError(f"scale: expected a finite number, got {scale!r}")
-    return float(scale)
-
-
 def _options(
     kern: Kernel, runtime: Mapping[str, object], scale: float | None, dropout: float, seed: int | None
 ) -> CallOptions:
+    from attncc.runtime.kernel import checked_scale, checked_seed
+
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
-    return CallOptions(scalars, _scale(scale), dropout, _seed(seed, dropout))
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
+    return CallOptions(scalars, checked_scale(scale), dropout, checked_seed(seed))
 
 
 def sequence_slices(kern: Kernel, segment: Segment, n: int, m: int) -> list[tuple[slice, ...]]:
@@ -409,8 +397,6 @@ def paged_attention(
         raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
     check_batch_free(kern)
     _validate_runtime(kern, q, (B, H, Hkv, N, capacity, D), runtime)
-    if Hkv == 0 or H % Hkv:
-        raise InputError(f"k_cache: query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
     options = _options(kern, runtime, scale, 0.0, None)
     tensors = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]
     from attncc.runtime.kernel import acc_dtype
@@ -425,17 +411,16 @@ def paged_attention(
         out = q_bhnd.new_zeros((B, H, N, D))
         lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
         used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
-        calls = []
+        calls: list[tuple[Segment, list[int]]] = []
         for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)], 0.0):
             # sequences of one length share a call where their pages are one view of the cache; a
             # gather copies per sequence (a batch-sized copy, fresh memory per call, cost 2x more)
-            together = _consecutive([p for b in range(seg.index, seg.index + seg.count) for p in used[b]])
-            calls += (
-                [seg] if together else [replace(seg, index=b, count=1) for b in range(seg.index, seg.index + seg.count)]
-            )
-        for seg in calls:
+            sequences = range(seg.index, seg.index + seg.count)
+            pages = [p for b in sequences for p in used[b]]
+            together = _consecutive(pages)
+            calls += [(seg, pages)] if together else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
+        for seg, pages in calls:
             batch = slice(seg.index, seg.index + seg.count)
-            pages = [p for b in range(seg.index, seg.index + seg.count) for p in used[b]]
             cut = sequence_slices(kern, seg, N, seg.m)
             out[batch], lse[batch] = kern.forward_impl(
                 q_bhnd[batch],
