@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -215,6 +216,10 @@ inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t r
 // Sum and max of a vector's lanes by halving (log2 lanes dependent steps, not lanes - 1; the
 // compiler turns each step into one shuffle and one vector op).
 inline acc_t lanes_sum(vec_t v) {
+#if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
+  // in registers: the array below made the compiler store and reload the vector on every row
+  if constexpr (std::is_same_v<acc_t, float>) return _mm512_reduce_add_ps((__m512)v);
+#endif
   acc_t a[VL];
   std::memcpy(a, &v, sizeof a);
 #pragma GCC unroll 8
@@ -223,6 +228,9 @@ inline acc_t lanes_sum(vec_t v) {
   return a[0];
 }
 inline acc_t lanes_max(vec_t v) {
+#if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
+  if constexpr (std::is_same_v<acc_t, float>) return _mm512_reduce_max_ps((__m512)v);
+#endif
   acc_t a[VL];
   std::memcpy(a, &v, sizeof a);
 #pragma GCC unroll 8
@@ -304,12 +312,16 @@ inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, in
 // 2^t lane by lane for t <= 0 (softmax's exponent, in base 2: the scale and the row max are
 // multiplied by log2(e) once per row, so a score costs one FMA before the exponential).
 // AVX-512: n = round(t), 2^(t - n) by its Taylor polynomial (degree 6, relative error < 2e-7 on
-// [-1/2, 1/2]), times 2^n by one vscalefps, whose result underflows to exactly 0 below 2^-149 (t
-// is clamped at -160, not at the underflow threshold, so -inf still gives 0; NaN stays NaN).
+// [-1/2, 1/2]), times 2^n by one vscalefps. Below t = -125 the result is exactly 0 (masked
+// scores, -inf, included; NaN stays NaN): t is clamped there so that vscalefps never makes a
+// denormal, whose microcode assist costs ~100 cycles a lane group (a causal bf16 forward at
+// N = 512 spent a third of its time in them), and the masked-off lanes are zeroed instead.
 // Elsewhere e^(t ln 2) by the Cody-Waite polynomial; double builds (gradcheck) call libm.
 #if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
 inline vfloat_t vexp2_nonpositive(vfloat_t t) {
-  const __m512 tc = _mm512_max_ps(_mm512_set1_ps(-160.0f), (__m512)t);  // max returns t where t is NaN
+  const __m512 lowest = _mm512_set1_ps(-125.0f);
+  const __mmask16 normal = _mm512_cmp_ps_mask((__m512)t, lowest, _CMP_NLT_UQ);  // t >= -125 or NaN
+  const __m512 tc = _mm512_max_ps(lowest, (__m512)t);  // max returns t where t is NaN
   const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(tc, n);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.5403530393e-4f), f, _mm512_set1_ps(1.3333558146e-3f));
@@ -318,7 +330,7 @@ inline vfloat_t vexp2_nonpositive(vfloat_t t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return (vfloat_t)_mm512_scalef_ps(p, n);
+  return (vfloat_t)_mm512_maskz_scalef_ps(normal, p, n);
 }
 #else
 // The same polynomial, 2^n by adding n to the exponent bits; exactly 0 below 2^-126.
@@ -422,6 +434,18 @@ inline void store_bf16(uint16_t* dst, __m512 v) {
 }
 inline void to_bf16_row(uint16_t* __restrict dst, const float* __restrict src, int n) {
   for (int c = 0; c < n; c += 16) store_bf16(dst + c, _mm512_loadu_ps(src + c));
+}
+
+// dst[c] = bf16(a src[c]) for c < n, any n (the forward's output rows).
+inline void to_bf16_scaled(uint16_t* __restrict dst, const float* __restrict src, int n, float a) {
+  const __m512 s = _mm512_set1_ps(a);
+  int c = 0;
+  for (; c + 16 <= n; c += 16) store_bf16(dst + c, _mm512_mul_ps(_mm512_loadu_ps(src + c), s));
+  if (c < n) {
+    const __mmask16 tail = __mmask16((1u << (n - c)) - 1);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, src + c), s);
+    _mm256_mask_storeu_epi16(dst + c, tail, (__m256i)_mm512_cvtneps_pbh(v));
+  }
 }
 
 // Two bf16 rows (n a multiple of 16) as one row of n pairs: dst[2 c + t] = row t's element c,
