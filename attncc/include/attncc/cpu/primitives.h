@@ -306,6 +306,10 @@ inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, in
   constexpr int Vecs = ATTNCC_GEMM_VECS;
   int c = 0;
   for (; c + Vecs * VL <= Cn; c += Vecs * VL) gemm_columns<Accumulate, TransA, Vecs>(C + c, ldc, A, lda, B + c, ldb, R, K);
+  // column tails two vectors wide where they can be: a Rows x 1 block has fewer accumulators than
+  // FMA latency x ports (Bc = 96 at D = 128 left a third of S = Q K^T to it)
+  if constexpr (Vecs > 2)
+    for (; c + 2 * VL <= Cn; c += 2 * VL) gemm_columns<Accumulate, TransA, 2>(C + c, ldc, A, lda, B + c, ldb, R, K);
   for (; c < Cn; c += VL) gemm_columns<Accumulate, TransA, 1>(C + c, ldc, A, lda, B + c, ldb, R, K);
 }
 
