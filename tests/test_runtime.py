@@ -405,3 +405,33 @@ def test_debug_builds_are_unoptimised_with_debug_info_and_cached_apart(monkeypat
         assert (" -O0 -g " in command) == (value == "1") and (" -O3 " in command) == (value != "1"), command
         assert load_library(paths[value]).debug_build_probe() == 7
     assert paths[""] == paths["0"] != paths["1"]
+
+
+def test_calls_skip_the_op_dispatch_only_where_nothing_observes_it() -> None:
+    """A plain inference call runs the kernel without the custom op's dispatch (host time); a
+    dispatch mode, the profiler and autograd still see attncc::attention, with the same result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    kern = kernel("vanilla")
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    plain = kern(q, k, v)
+    with Record() as mode:
+        recorded = kern(q, k, v)
+    assert any(op.startswith("attncc.attention") for op in mode.ops), mode.ops
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        profiled = kern(q, k, v)
+    assert any(e.name == "attncc::attention" for e in prof.events())
+    qg = q.clone().requires_grad_()
+    graded = kern(qg, k, v)
+    assert graded.grad_fn is not None
+    for other in (recorded, profiled, graded):
+        assert torch.equal(plain, other.detach())

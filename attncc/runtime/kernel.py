@@ -76,6 +76,18 @@ class CallPlan:
     kv_splits: int = 1  # blocks sharing one query tile's keys (the CUDA forward's split-KV)
 
 
+@dataclass(frozen=True)
+class SlotNames:
+    """The names `Kernel.pack` fills, in the ABI's order: pointers, ints, and the int slots of
+    each operand's, runtime tensor's strides and learnable input's gradient slice."""
+
+    pointers: list[str]
+    ints: list[str]
+    operand_strides: list[tuple[str, tuple[str, ...]]]
+    tensor_strides: list[tuple[str, tuple[str, ...]]]
+    grad_slices: list[tuple[str, str]]
+
+
 class Kernel:
     """A compiled attention variant. Call it like `kern(q, k, v, **runtime_inputs)`."""
 
@@ -84,7 +96,7 @@ class Kernel:
     #: "auto" (see `backward_entries`), "fused" or "two-pass".
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
-    _PER_PROCESS: tuple[str, ...] = ("_libraries", "_lock", "call_key", "_calls")
+    _PER_PROCESS: tuple[str, ...] = ("_libraries", "_lock", "call_key", "_calls", "_plans")
 
     def __init__(self, stages: list[Stage], target: str) -> None:
         self.stages = stages
@@ -102,6 +114,7 @@ class Kernel:
         self._libraries: dict[str | tuple[str, int], ctypes.CDLL] = {}  # CPU: dtype; CUDA: (dtype, head dim)
         self._lock = threading.Lock()
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
+        self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
         self.call_key = f"{self.key}#{next(_KEYS)}"
@@ -155,7 +168,10 @@ class Kernel:
             scale = checked_scale(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
-        out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_tensor)
+        if _plain_call(q, k, v, *tensors):
+            out, lse = self.forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed_tensor.item()))
+        else:
+            out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_tensor)
         return (out, lse) if return_lse else out
 
     def varlen(
@@ -261,15 +277,25 @@ class Kernel:
         return plan.tiles, call["classes"].cpu()  # type: ignore[union-attr]
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, scale: float | None, backward: bool = False) -> CallPlan:
-        """The call's sizes, tiles (the backward kernels' with `backward`) and scale factors."""
+        """The call's sizes, tiles (the backward kernels' with `backward`) and scale factors;
+        kept per (sizes, dtype, scale), since evaluating the scale expressions takes ~20 us."""
         problem = _problem(q, k)
+        key = (problem, q.dtype, scale, backward)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(problem.D, backward)
         if not backward:  # (_forward_call may then stream: TilePlan.for_keys)
             tiles = tiles.for_dtype(str(q.dtype).removeprefix("torch."))
         value = scale if scale is not None else self.default_scale(q, k)
         multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
-        return CallPlan(problem, tiles, multiplier, value)
+        plan = CallPlan(problem, tiles, multiplier, value)
+        with self._lock:
+            if len(self._plans) >= PREPARED_CALLS_KEPT:
+                self._plans.pop(next(iter(self._plans)))  # the oldest key
+            self._plans[key] = plan
+        return plan
 
     def source(self, dtype: str = "float32") -> str:
         return generate_cpu(self.graph, dtype, self.key)
@@ -554,6 +580,18 @@ class Kernel:
         return dict(call, tensors={**call["tensors"], **fresh})
 
     @cached_property
+    def _slot_names(self) -> SlotNames:
+        """The ABI's slot names, built once rather than per call (`pack`)."""
+        abi = self.abi
+        return SlotNames(
+            pointers=[name for name, _ in abi.pointer_slots()],
+            ints=abi.int_slots(),
+            operand_strides=[(name, tuple(f"st_{name}_{d}" for d in range(4))) for name, _ in OPERANDS],
+            tensor_strides=[(t.ident, tuple(f"st_{t.ident}_{d}" for d in range(t.rank))) for t in abi.tensors],
+            grad_slices=[(abi.ident_of(n), f"grad_slice_{abi.ident_of(n)}") for n in abi.grads],
+        )
+
+    @cached_property
     def _host_reads(self) -> frozenset[str]:
         """The runtime tensors whose values the host reads at call time (a property of the
         program: computed once, not per call)."""
@@ -641,14 +679,13 @@ class Kernel:
         classes: torch.Tensor = call["classes"]  # type: ignore[assignment]
         tensors: dict[str, torch.Tensor] = call["tensors"]  # type: ignore[assignment]
         all_ptrs = dict(ptrs, classes=classes, **tensors)
-        pointer_values = [
-            all_ptrs[name].data_ptr() if name in all_ptrs else None for name, _ in self.abi.pointer_slots()
-        ]
+        names = self._slot_names
+        pointer_values = [all_ptrs[name].data_ptr() if name in all_ptrs else None for name in names.pointers]
         p = plan.problem
         ints: dict[str, int] = {"B": p.B, "H": p.H, "Hkv": p.Hkv, "N": p.N, "M": p.M, "D": p.D}
-        for name, _ in OPERANDS:
-            strides = ptrs[name].stride() if name in ptrs else (0, 0, 0, 0)
-            ints.update({f"st_{name}_{d}": strides[d] for d in range(4)})
+        for name, stride_names in names.operand_strides:
+            operand = ptrs.get(name)
+            ints.update(zip(stride_names, operand.stride() if operand is not None else (0, 0, 0, 0)))
         cls_strides = [classes.stride(d) if classes.shape[d] > 1 else 0 for d in range(3)]
         ints.update(
             Br=plan.tiles.block_rows,
@@ -659,16 +696,13 @@ class Kernel:
         )
         threads = call.get("threads", max(1, torch.get_num_threads()))
         ints.update(seed=seed & (2**63 - 1), offset=call.get("offset", 0), threads=threads, splits=plan.kv_splits)
-        for slot in self.abi.tensors:
-            t = tensors[slot.ident]
-            ints.update({f"st_{slot.ident}_{d}": t.stride(d) for d in range(slot.rank)})
+        for ident, stride_names in names.tensor_strides:
+            ints.update(zip(stride_names, tensors[ident].stride()))
         grad_slices: dict[str, int] = call.get("grad_slices", {})  # type: ignore[assignment]
-        ints.update(
-            {f"grad_slice_{self.abi.ident_of(n)}": grad_slices.get(self.abi.ident_of(n), 0) for n in self.abi.grads}
-        )
+        ints.update((name, grad_slices.get(ident, 0)) for ident, name in names.grad_slices)
         reals = [plan.scale, dropout, plan.scale_value]
         reals += [float(call["scalars"][name]) for name, _, _ in self.abi.scalars]  # type: ignore[index]
-        int_values = [ints[name] for name in self.abi.int_slots()]
+        int_values = [ints[name] for name in names.ints]
         return (
             (ctypes.c_void_p * len(pointer_values))(*pointer_values),
             (ctypes.c_int64 * len(int_values))(*int_values),
@@ -824,6 +858,20 @@ def delta_rows(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
     if dlse is not None:
         delta = delta - dlse.to(dtype)
     return delta.contiguous()
+
+
+def _plain_call(*tensors: torch.Tensor) -> bool:
+    """Whether a call may run the op's implementation without its dispatch (~30 us of host time
+    per call): no autograd graph to record, no tracing, profiling, mode or tensor subclass that
+    must see the op."""
+    return (
+        not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and all(type(t) is torch.Tensor for t in tensors)
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._len_torch_function_stack() == 0
+        and not torch.autograd._profiler_enabled()
+    )
 
 
 def _reject_transforms(values: Mapping[str, object]) -> None:

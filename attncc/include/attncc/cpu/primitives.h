@@ -468,6 +468,44 @@ inline void pack_row_pairs(uint16_t* __restrict dst, const uint16_t* __restrict 
   for (int r = 0; r < rows; r += 2) interleave_rows(dst + r * n, src + r * ld, src + (r + 1) * ld, n);
 }
 
+// dst[w * ld_dst + r] = src[r * ld_src + w] for r < rows, w < words: the transpose of a tile of
+// 32-bit words (bf16 pairs; K^T's pair-packed panel from K's rows), 16 x 16 blocks in registers
+// (unpack 32- and 64-bit neighbours, then a 4 x 4 transpose of 128-bit lanes), the edges by words.
+inline void transpose_words(uint32_t* __restrict dst, int64_t ld_dst, const uint32_t* __restrict src, int64_t ld_src,
+                            int rows, int words) {
+  const int rows16 = rows / 16 * 16, words16 = words / 16 * 16;
+  for (int r0 = 0; r0 < rows16; r0 += 16)
+    for (int w0 = 0; w0 < words16; w0 += 16) {
+      __m512i a[16], b[16];
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_si512(src + (r0 + i) * ld_src + w0);
+      for (int i = 0; i < 16; i += 2) {  // per 128-bit lane k: rows i, i + 1 at words 4k, 4k + 1 / 4k + 2, 4k + 3
+        b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+        b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+      }
+      for (int g = 0; g < 4; ++g) {  // a[4 j + g], lane k: rows 4g .. 4g + 3 at word 4k + j
+        a[g] = _mm512_unpacklo_epi64(b[4 * g], b[4 * g + 2]);
+        a[4 + g] = _mm512_unpackhi_epi64(b[4 * g], b[4 * g + 2]);
+        a[8 + g] = _mm512_unpacklo_epi64(b[4 * g + 1], b[4 * g + 3]);
+        a[12 + g] = _mm512_unpackhi_epi64(b[4 * g + 1], b[4 * g + 3]);
+      }
+      for (int j = 0; j < 4; ++j) {  // word 4k + j gathers lane k of a[4 j + 0 .. 3]
+        const __m512i lo01 = _mm512_shuffle_i32x4(a[4 * j], a[4 * j + 1], 0x44);
+        const __m512i hi01 = _mm512_shuffle_i32x4(a[4 * j], a[4 * j + 1], 0xEE);
+        const __m512i lo23 = _mm512_shuffle_i32x4(a[4 * j + 2], a[4 * j + 3], 0x44);
+        const __m512i hi23 = _mm512_shuffle_i32x4(a[4 * j + 2], a[4 * j + 3], 0xEE);
+        _mm512_storeu_si512(dst + (w0 + j) * ld_dst + r0, _mm512_shuffle_i32x4(lo01, lo23, 0x88));
+        _mm512_storeu_si512(dst + (w0 + 4 + j) * ld_dst + r0, _mm512_shuffle_i32x4(lo01, lo23, 0xDD));
+        _mm512_storeu_si512(dst + (w0 + 8 + j) * ld_dst + r0, _mm512_shuffle_i32x4(hi01, hi23, 0x88));
+        _mm512_storeu_si512(dst + (w0 + 12 + j) * ld_dst + r0, _mm512_shuffle_i32x4(hi01, hi23, 0xDD));
+      }
+    }
+  for (int r = 0; r < rows; ++r)
+    for (int w = r < rows16 ? words16 : 0; w < words; ++w) std::memcpy(dst + w * ld_dst + r, src + r * ld_src + w, 4);
+}
+// bf16 pairs as 32-bit words (transpose_words' operands)
+template <typename T> inline uint32_t* as_words(T* p) { return reinterpret_cast<uint32_t*>(p); }
+template <typename T> inline const uint32_t* as_words(const T* p) { return reinterpret_cast<const uint32_t*>(p); }
+
 // exp_shift_sum writing P as bf16 to p only (the operand of the P V product): one pass over the
 // scores instead of exp, store, reload, convert.
 inline float exp_shift_sum_bf16(const float* __restrict x, uint16_t* __restrict p, int n, float shift, float scale) {
