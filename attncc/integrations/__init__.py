@@ -1,0 +1,1 @@
+"""Bridges from attncc kernels to model libraries (optional dependencies, imported on use)."""

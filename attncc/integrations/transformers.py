@@ -1,0 +1,220 @@
+"""Hugging Face transformers models with their attention on attncc kernels.
+
+    from attncc.integrations.transformers import register
+    register("attncc")                                   # programs made from what each layer asks
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="attncc")
+    register("attncc-alibi", "examples/alibi_hf.attn")   # or every layer runs one DSL program
+
+transformers calls the registered function per layer with q [B, H, N, D], k, v [B, Hkv, M, D]
+(GQA heads not repeated: the kernels share each K/V head among its group), the layer's
+`scaling`, `sliding_window`, `softcap`, `dropout` and its padding mask. The mask function
+registered beside it is transformers' FlashAttention one, which hands over the 2-D padding mask
+[B, M] (None where nothing is padded) instead of a dense [B, 1, N, M] mask; each sequence's valid
+keys are a contiguous range [kv_start, kv_end) of it (left or right padding), passed to the
+kernel as two int[B] tensors, so padding costs no N x M mask and its tiles are skipped.
+
+Queries are the last N of the M key columns (a KV cache holds the M - N before them; padding
+is columns masked out, not positions removed), so causal is bottom-right: query i sits at key
+column i + M - N. The programs made here say so; a program given to `register` must too (its
+inputs `kv_start`, `kv_end`, `window`, `cap` are filled by name where the model needs them).
+Keys beyond the padding mask's columns (a static cache's unfilled slots) are cut off before the
+call, as transformers' sdpa path does.
+
+transformers is an optional dependency: `pip install 'attncc[transformers]'`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import attncc
+from attncc.errors import AttnccError
+from attncc.runtime.kernel import Kernel
+
+#: Keyword arguments of transformers' attention call that change its result and that no attncc
+#: program receives here: a clear error instead of a silently different attention.
+UNMAPPED_KWARGS = {
+    "position_bias": "an additive position bias (T5-style)",
+    "s_aux": "attention sinks (use a DSL program with sinks when the DSL has them)",
+    "sinks": "attention sinks (use a DSL program with sinks when the DSL has them)",
+    "cu_seq_lens_q": "packed sequences (call the kernel's .varlen with cu_seqlens instead)",
+    "cu_seq_lens_k": "packed sequences (call the kernel's .varlen with cu_seqlens instead)",
+}
+#: Runtime inputs of a program that this integration fills (name -> what it holds).
+FILLED_INPUTS = {
+    "kv_start": "int[B]: each sequence's first valid key (left padding)",
+    "kv_end": "int[B]: one past each sequence's last valid key",
+    "window": "int: the layer's sliding window (query position - key position < window)",
+    "cap": "float: the layer's logit soft-cap (s = cap * tanh(s / cap))",
+}
+
+
+@dataclass(frozen=True)
+class LayerNeeds:
+    """What one attention call asks of its program."""
+
+    causal: bool
+    window: bool
+    softcap: bool
+    padding: bool
+    dropout: float
+
+
+def model_program(needs: LayerNeeds) -> str:
+    """The DSL program for a layer with these needs (every number in it is formatted here from
+    validated Python values; the parser checks the text like any program)."""
+    lines = [f"attention hf_{'causal' if needs.causal else 'bidirectional'}"]
+    if needs.padding:
+        lines += ["input kv_start: int[B]", "input kv_end: int[B]"]
+    if needs.window:
+        lines.append("input window: int")
+    if needs.softcap:
+        lines.append("input cap: float")
+    lines.append("s = q @ k.T * scale")
+    if needs.softcap:
+        lines.append("s = cap * tanh(s / cap)")
+    terms = ["j >= kv_start[b]", "j < kv_end[b]"] if needs.padding else []
+    if needs.causal:
+        terms.append("j <= i + M - N")  # query i is key column i + M - N
+    if needs.window:
+        terms.append("i + M - N - j < window")
+    if terms:
+        lines.append("mask " + " and ".join(terms))
+    lines.append("p = softmax(s)")
+    if needs.dropout > 0:
+        lines.append(f"p = dropout(p, {float(needs.dropout)!r})")
+    lines += ["o = p @ v", "output o"]
+    return "\n".join(lines) + "\n"
+
+
+def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_start, kv_end) int64 [B] from a 2-D padding mask [B, L] (1 or True: a real token) over
+    the call's `keys` key columns (L > keys: the last `keys` columns, a sliding-window cache).
+    Each row's valid keys must be one contiguous run."""
+    if padding_mask.dim() != 2 or padding_mask.shape[0] != batch:
+        raise AttnccError(
+            f"attention_mask: expected the 2-D padding mask [B={batch}, keys] from transformers' "
+            f"flash_attention_mask, got shape {tuple(padding_mask.shape)}"
+        )
+    valid = padding_mask[:, -keys:].to(torch.bool)
+    length = valid.shape[1]
+    position = torch.arange(length, device=valid.device).expand(batch, length)
+    any_valid = valid.any(1)
+    start = torch.where(any_valid, position.masked_fill(~valid, length).amin(1), 0)
+    end = torch.where(any_valid, position.masked_fill(~valid, -1).amax(1) + 1, 0)
+    if not torch.equal(valid.sum(1), end - start):
+        rows = torch.nonzero(valid.sum(1) != end - start).flatten().tolist()
+        raise AttnccError(
+            f"attention_mask: rows {rows} have padding between real tokens (packed sequences?); attncc maps "
+            "left or right padding only, one contiguous run of keys per sequence (use the kernel's .varlen "
+            "for packed sequences)"
+        )
+    return start.to(torch.int64).cpu(), end.to(torch.int64).cpu()
+
+
+class ModelAttention:
+    """The function registered with transformers' AttentionInterface: one call per layer."""
+
+    def __init__(self, program: str | Path | None = None) -> None:
+        self.program = program
+        self._lock = threading.Lock()
+        self._kernels: dict[tuple[LayerNeeds, str], Kernel] = {}
+        self._given: dict[str, Kernel] = {}
+
+    def kernel(self, needs: LayerNeeds, device: torch.device) -> Kernel:
+        target = "cuda" if device.type == "cuda" else "cpu"
+        with self._lock:
+            if self.program is not None:
+                if target not in self._given:
+                    self._given[target] = attncc.compile(self.program, target=target)
+                return self._given[target]
+            if (needs, target) not in self._kernels:
+                self._kernels[needs, target] = attncc.compile(model_program(needs), target=target)
+            return self._kernels[needs, target]
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, None]:
+        for name, what in UNMAPPED_KWARGS.items():
+            if kwargs.get(name) is not None:
+                raise AttnccError(f"{type(module).__name__}: `{name}` ({what}) has no attncc mapping")
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        if sliding_window is not None and not causal:
+            raise AttnccError(f"{type(module).__name__}: a bidirectional sliding window has no attncc mapping")
+        batch, keys = query.shape[0], key.shape[2]
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
+            keys = attention_mask.shape[1]  # a static cache: the slots past the mask hold no token yet
+            key, value = key[:, :, :keys], value[:, :, :keys]
+        ranges = key_ranges(attention_mask, batch, keys) if attention_mask is not None else None
+        needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, ranges is not None, float(dropout))
+        kern = self.kernel(needs, query.device)
+        declared = {d.name for d in kern.inputs}
+        if ranges is None and {"kv_start", "kv_end"} & declared:  # a given program's padding inputs: all keys valid
+            ranges = torch.zeros(batch, dtype=torch.int64), torch.full((batch,), keys, dtype=torch.int64)
+        runtime: dict[str, object] = {}
+        if ranges is not None:
+            runtime.update(kv_start=ranges[0], kv_end=ranges[1])
+        if sliding_window is not None:
+            runtime["window"] = int(sliding_window)
+        if softcap is not None:
+            runtime["cap"] = float(softcap)
+        if self.program is not None:
+            check_given_program(kern, declared, runtime, needs, type(module).__name__)
+        out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def check_given_program(
+    kern: Kernel, declared: set[str], runtime: dict[str, object], needs: LayerNeeds, layer: str
+) -> None:
+    """A clear error where a layer needs what the given program does not declare, or the
+    program declares an input no transformers call fills."""
+    for name in sorted(declared - FILLED_INPUTS.keys()):
+        raise AttnccError(
+            f"program {kern.name}: input `{name}` has no value in a transformers attention call "
+            f"(filled by name: {'; '.join(f'{n} {w}' for n, w in FILLED_INPUTS.items())})"
+        )
+    for name in sorted(runtime.keys() - declared):
+        raise AttnccError(
+            f"{layer}: the layer needs `{name}` ({FILLED_INPUTS[name]}), which program {kern.name} does not declare"
+        )
+    for name in sorted(declared - runtime.keys()):
+        raise AttnccError(f"program {kern.name}: input `{name}` ({FILLED_INPUTS[name]}), but layer {layer} has none")
+    if needs.dropout > 0 and kern.op.dropout != needs.dropout:
+        raise AttnccError(
+            f"{layer}: the layer asks for attention dropout {needs.dropout}, program {kern.name} has {kern.op.dropout}"
+        )
+
+
+def register(name: str = "attncc", program: str | Path | None = None) -> ModelAttention:
+    """Register attncc under `name` with transformers' AttentionInterface (and the FlashAttention
+    mask function with its AttentionMaskInterface, so layers get the 2-D padding mask), so that
+    `attn_implementation=name` runs every attention layer on attncc kernels. With `program` (a
+    .attn path or DSL text) every layer runs that program; without, each layer runs a program
+    made from its needs (causal, sliding window, softcap, padding, dropout)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as err:
+        raise AttnccError(
+            "attncc.integrations.transformers needs transformers: pip install 'attncc[transformers]'"
+        ) from err
+    attention = ModelAttention(program)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return attention

@@ -1,0 +1,192 @@
+"""transformers models with attn_implementation="attncc" against the same weights on sdpa (eager
+where sdpa does not apply): prefill logits with padding, greedy generation through the KV cache,
+and training gradients (small random-init Llama with GQA, Mistral with a sliding window, Gemma 2
+with logit soft-capping and alternating sliding layers)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attncc.errors import AttnccError  # noqa: E402
+from attncc.integrations import transformers as integration  # noqa: E402
+
+NAME = "attncc-test"
+VOCAB = 96
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered() -> integration.ModelAttention:
+    return integration.register(NAME)
+
+
+def config(family: str) -> tuple[transformers.PretrainedConfig, str]:
+    """A tiny config of `family` whose attention matters to the logits (a large init makes
+    the scores sharp), and the implementation to compare with."""
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, initializer_range=0.3,
+    )  # fmt: skip
+    if family == "llama":
+        return transformers.LlamaConfig(**common), "sdpa"
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=7), "sdpa"
+    assert family == "gemma2"
+    return transformers.Gemma2Config(
+        **common, sliding_window=6, attn_logit_softcapping=4.0, final_logit_softcapping=None, query_pre_attn_scalar=24
+    ), "eager"  # fmt: skip
+
+
+def models(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The reference and attncc models with the same weights (each its own config: a model reads
+    the attention implementation from its config at every call)."""
+    cfg, anchor = config(family)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=anchor)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME)
+    ours.load_state_dict(reference.state_dict())
+    assert reference.config._attn_implementation == anchor
+    return reference, ours
+
+
+def batch(right_padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two sequences of 21 tokens, the second left-padded by 5 (as generation pads), the first
+    right-padded by `right_padding`."""
+    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[0, 21 - right_padding :] = 0
+    return ids, mask
+
+
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls that reach attncc's attention function."""
+    calls = [0]
+    original = integration.ModelAttention.__call__
+
+    def call(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(integration.ModelAttention, "__call__", call)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_prefill_logits_with_padding(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, ours = (m.eval() for m in models(family))
+    ids, mask = batch(right_padding=4)
+    calls = counted(monkeypatch)
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+        unpadded = ours(ids).logits  # no mask at all: the programs without padding inputs
+    assert calls[0] == 2 * ours.config.num_hidden_layers
+    real = mask.bool()
+    assert expected[real].std() > 0.3  # the logits depend on the attention, not just the embeddings
+    assert (got - expected)[real].abs().max() < 2e-4
+    with torch.no_grad():
+        assert (unpadded[0] - reference(ids[:1]).logits[0]).abs().max() < 2e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_greedy_generation_through_the_cache(family: str) -> None:
+    """Decoding steps have N = 1 query against M cached keys (bottom-right causal); Mistral's and
+    Gemma 2's sliding layers keep fewer keys than positions once the window is full."""
+    reference, ours = (m.eval() for m in models(family))
+    ids, mask = batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    expected = reference.generate(ids, **kwargs)
+    got = ours.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_training_gradients(family: str) -> None:
+    reference, ours = (m.train() for m in models(family))
+    ids, mask = batch(right_padding=3)
+    # a padding row sees no key, so its output is each implementation's own: no loss reads it
+    # (position t predicts label t + 1)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:][mask[:, :-1] == 0] = -100
+    for model in (reference, ours):
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+    for (name, expected), got in zip(reference.named_parameters(), ours.parameters()):
+        scale = expected.grad.abs().max().clamp_min(1e-6)
+        assert (got.grad - expected.grad).abs().max() / scale < 1e-3, name
+
+
+def test_programs_made_per_layer_say_bottom_right_causal() -> None:
+    needs = integration.LayerNeeds(causal=True, window=True, softcap=True, padding=True, dropout=0.0)
+    text = integration.model_program(needs)
+    assert "mask j >= kv_start[b] and j < kv_end[b] and j <= i + M - N and i + M - N - j < window" in text
+    assert "s = cap * tanh(s / cap)" in text
+
+
+def test_a_given_program_runs_every_layer_and_must_declare_what_layers_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """register(name, program): the program's inputs are filled by name; a layer needing a window
+    the program does not declare, or a program input no call fills, is a clear error."""
+    alibi = (
+        "attention hf_alibi\ninput kv_start: int[B]\ninput kv_end: int[B]\ninput slopes: float[H]\n"
+        "s = q @ k.T * scale - slopes[h] * (i + M - N - j)\n"
+        "mask j >= kv_start[b] and j < kv_end[b] and j <= i + M - N\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    integration.register("attncc-alibi", alibi)
+    cfg, _ = config("llama")
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="attncc-alibi")
+    ids, mask = batch()
+    with pytest.raises(AttnccError, match="input `slopes` has no value in a transformers attention call"):
+        model(ids, attention_mask=mask)
+    causal = alibi.replace("input slopes: float[H]\n", "").replace(" - slopes[h] * (i + M - N - j)", "")
+    integration.register("attncc-given", causal)
+    reference, _ = models("llama")
+    given = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="attncc-given")
+    given.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        expected, got = reference.eval()(ids, attention_mask=mask).logits, given.eval()(ids, attention_mask=mask).logits
+    assert (got - expected)[mask.bool()].abs().max() < 2e-4
+    windowed = transformers.AutoModelForCausalLM.from_config(config("mistral")[0], attn_implementation="attncc-given")
+    with pytest.raises(AttnccError, match="the layer needs `window`"):
+        windowed(ids, attention_mask=mask)
+
+
+def test_padding_with_holes_is_a_clear_error() -> None:
+    holes = torch.tensor([[1, 1, 0, 1, 1]])
+    with pytest.raises(AttnccError, match=r"rows \[0\] have padding between real tokens"):
+        integration.key_ranges(holes, 1, 5)
+    start, end = integration.key_ranges(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]]), 3, 5)
+    assert start.tolist() == [2, 0, 0] and end.tolist() == [5, 3, 0]
+
+
+def test_bidirectional_layers_mask_padding_on_both_sides() -> None:
+    """A layer with is_causal False (an encoder) sees exactly its sequence's real keys."""
+    module = torch.nn.Module()
+    module.is_causal = False
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 9, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 9, 16, generator=gen) for _ in range(2))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, 6:] = False
+    mask[1, :2] = False
+    out, weights = integration.ModelAttention()(module, q, k, v, mask, scaling=0.3)
+    kk, vv = (t.repeat_interleave(2, 1).double() for t in (k, v))
+    allowed = mask[:, None, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=allowed, scale=0.3)
+    assert weights is None and out.shape == (2, 9, 4, 16)
+    assert (out.double() - expected.transpose(1, 2)).abs().max() < 1e-5
+
+
+def test_the_training_example_runs_and_learns() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_transformers.py"
+    run = subprocess.run([sys.executable, str(script), "--steps", "10"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    losses = [float(line.split()[3]) for line in run.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < 0.9 * losses[0], run.stdout
