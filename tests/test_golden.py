@@ -85,6 +85,25 @@ def test_large_scores(example: attncc.Kernel, q_scale: float) -> None:
     assert result.ok, result.describe()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_running_max_follows_scores_rising_along_the_keys(dtype: torch.dtype) -> None:
+    """Scores rising by ~250 from the first key tile to the last: the forward keeps a row's max
+    until a tile exceeds it by ln 256 (lazy rescaling), so it must still move here, where
+    exp(s - stale max) would overflow fp32."""
+    kern = kernel("vanilla")
+    N, M, D = 40, 700, 16
+    q = torch.ones(1, 2, N, D)
+    ramp = torch.linspace(0, 1, M)[:, None] * torch.linspace(0.5, 1.5, D)  # s_j rises with j
+    k = (ramp * 62.5).expand(1, 2, M, D).contiguous()
+    v = torch.randn(1, 2, M, D, generator=torch.Generator().manual_seed(3))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out, lse = kern(q, k, v, return_lse=True)
+    ref, ref_lse = kern.reference(q, k, v)
+    assert ref_lse.max() > 240
+    assert (out.double() - ref).abs().max() < (1e-4 if dtype == torch.float32 else 3e-2)
+    assert ((lse.double() - ref_lse).abs() / ref_lse.abs()).max() < 1e-4
+
+
 @pytest.mark.parametrize("shape", DECODING_SHAPES, ids=str)
 def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
     """N < 4: the forward's row-by-row path (dot products, axpys) instead of the 4-row gemm."""
