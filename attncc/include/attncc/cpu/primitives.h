@@ -245,6 +245,14 @@ inline void vstore(acc_t* p, vec_t v) { std::memcpy(p, &v, sizeof v); }
 // broadcasts straight from memory
 inline vec_t vbroadcast(acc_t x) { return x - vec_t{}; }
 
+// Whether some lane of v exceeds t (NaN lanes do not), without reducing the lanes to a scalar.
+inline bool any_lane_above(vec_t v, acc_t t) {
+#if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
+  if constexpr (std::is_same_v<acc_t, float>) return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#endif
+  return lanes_max(v) > t;
+}
+
 // One register block of gemm: C[Rows x Vecs*VL] (+)= op(A)[Rows x K] . B[K x Vecs*VL], where
 // op(A) is A (stored Rows x K, row stride lda) or, with TransA, A^T (A stored K x Rows): the
 // backward's P^T dO and dS^T Q products read P and dS as they are, with no transposed copy.
@@ -386,12 +394,13 @@ inline vdouble_t vexp2_nonpositive(vdouble_t t) {
 }
 constexpr acc_t kLog2e = acc_t(1.44269504088896340736);
 
-// The row's largest value, NaN lanes ignored (the max instruction keeps the running max when
-// a lane is NaN); a NaN still reaches the softmax through exp(NaN - max) in its row sum.
-inline acc_t row_max(const acc_t* x, int n) {
+// The row's largest value per lane (of lane l: x[l], x[VL + l], ...), NaN lanes ignored (the max
+// instruction keeps the running max when a lane is NaN); a NaN still reaches the softmax through
+// exp(NaN - max) in its row sum. The forward reduces the lanes only when a row's max moves.
+inline vec_t max_lanes(const acc_t* x, int n) {
   vec_t m = vbroadcast(-kInf);
   for (int c = 0; c < n; c += VL) { const vec_t v = vload(x + c); m = v > m ? v : m; }
-  return lanes_max(m);
+  return m;
 }
 
 inline bool has_nan(const acc_t* x, int n) {
@@ -402,12 +411,15 @@ inline bool has_nan(const acc_t* x, int n) {
 
 // x[c] = exp(scale x[c] - shift) in place for shift >= max scale x - ln 256 (the forward's lazy
 // rescaling: 2^t for t up to 8 is as exact as below 0); returns the row sum. n a multiple of VL. (The forward folds the softmax scale in here where nothing else reads it.)
-inline acc_t exp_shift_sum(acc_t* x, int n, acc_t shift, acc_t scale = 1) {
+// The row sum stays in lanes (the forward adds it to its lanes of l; one reduction per row at
+// the end instead of one per tile).
+inline vec_t exp_shift_lanes(acc_t* x, int n, acc_t shift, acc_t scale = 1) {
   vec_t sum{};
   const vec_t s = vbroadcast(shift * kLog2e), a = vbroadcast(scale * kLog2e);
   for (int c = 0; c < n; c += VL) { vec_t v = vexp2_nonpositive(vload(x + c) * a - s); vstore(x + c, v); sum += v; }
-  return lanes_sum(sum);
+  return sum;
 }
+
 
 // sum a[k] b[k] over n (a multiple of VL): one query row against one key row, where a tile has
 // fewer rows than gemm's register block (decoding).
@@ -528,9 +540,9 @@ inline void transpose_words(uint32_t* __restrict dst, int64_t ld_dst, const uint
 template <typename T> inline uint32_t* as_words(T* p) { return reinterpret_cast<uint32_t*>(p); }
 template <typename T> inline const uint32_t* as_words(const T* p) { return reinterpret_cast<const uint32_t*>(p); }
 
-// exp_shift_sum writing P as bf16 to p only (the operand of the P V product): one pass over the
+// exp_shift_lanes writing P as bf16 to p only (the operand of the P V product): one pass over the
 // scores instead of exp, store, reload, convert.
-inline float exp_shift_sum_bf16(const float* __restrict x, uint16_t* __restrict p, int n, float shift, float scale) {
+inline vec_t exp_shift_lanes_bf16(const float* __restrict x, uint16_t* __restrict p, int n, float shift, float scale) {
   vec_t sum{}, sum2{};  // two chains of adds: one would make each vector wait for the last
   const vec_t s = vbroadcast(shift * kLog2e), a = vbroadcast(scale * kLog2e);
   int c = 0;
@@ -547,7 +559,7 @@ inline float exp_shift_sum_bf16(const float* __restrict x, uint16_t* __restrict 
     store_bf16(p + c, (__m512)v);
     sum += v;
   }
-  return lanes_sum(sum + sum2);
+  return sum + sum2;
 }
 #endif
 
