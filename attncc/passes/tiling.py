@@ -64,7 +64,13 @@ CPU_STREAMING_BR = 192
 # on Sapphire Rapids (2 cores, AMX, B=1 H=8 N=2048, ms; SDPA 10.8 / 14.3): d=64 Br x Bc = 64x64
 # 11.7, 64x96 13.5, 64x128 10.0, 128x128 9.4, 128x256 9.7; d=128 64x128 13.8, 128x128 13.4;
 # d=256 64x64 27.1, 128x128 24.4. At N=8192 Br=256 beats 128 by 6-9% (panels from L3).
+# With lazy rescaling, the row sums kept in lanes and the short exp2 (templates/cpu), 256 keys
+# per tile pay on AMX (fewer per-row, per-tile steps; longer PV products). Measured on the same
+# Xeon (ms, SDPA in brackets): d=64 N=512 128x128 0.76, 128x256 0.68 (0.72); N=2048 8.00, 7.45
+# (10.0); N=8192 Br=256: Bc=128 104.2, 256 104.0 (159); d=128 N=2048 10.17, 9.73 (13.2); d=256
+# N=2048 18.9, 18.0 (23.2). avx512bf16 (vdpbf16ps, Zen 4) keeps 128: not measured with 256.
 CPU_BF16_BLOCK = 128
+CPU_AMX_BLOCK_COLS = 256
 CPU_BF16_STREAMING_BR = 256
 
 
@@ -293,10 +299,11 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             reason=f"{reason}; Br={CPU_STREAMING_BR} in the forward where a kv head's K/V panels outgrow L2",
         )
         if target.isa in CPU_ISAS and CPU_ISAS[target.isa].bf16_products:
+            cols = CPU_AMX_BLOCK_COLS if CPU_ISAS[target.isa].bf16_products == "amx" else CPU_BF16_BLOCK
             plan = replace(
-                plan, bf16_block_rows=CPU_BF16_BLOCK, bf16_block_cols=CPU_BF16_BLOCK,
+                plan, bf16_block_rows=CPU_BF16_BLOCK, bf16_block_cols=cols,
                 bf16_streaming_block_rows=CPU_BF16_STREAMING_BR,
-                reason=f"{plan.reason}; bf16 forward {CPU_BF16_BLOCK}x{CPU_BF16_BLOCK} (Br={CPU_BF16_STREAMING_BR} streaming)",
+                reason=f"{plan.reason}; bf16 forward {CPU_BF16_BLOCK}x{cols} (Br={CPU_BF16_STREAMING_BR} streaming)",
             )  # fmt: skip
     return replace(plan, backward=plan)  # the CPU backward re-tiles nothing: same tasks, same tiles
 
