@@ -154,6 +154,17 @@ def test_a_given_program_runs_every_layer_and_must_declare_what_layers_need(monk
         windowed(ids, attention_mask=mask)
 
 
+def test_what_cannot_be_mapped_is_a_clear_error() -> None:
+    module = torch.nn.Module()
+    q = torch.randn(1, 4, 3, 16)
+    k = torch.randn(1, 2, 3, 16)
+    with pytest.raises(AttnccError, match=r"Module: `s_aux` \(learned attention sinks"):
+        integration.ModelAttention()(module, q, k, k, None, s_aux=torch.zeros(4))
+    module.is_causal = False
+    with pytest.raises(AttnccError, match="bidirectional sliding window"):
+        integration.ModelAttention()(module, q, k, k, None, sliding_window=4)
+
+
 def test_padding_with_holes_is_a_clear_error() -> None:
     holes = torch.tensor([[1, 1, 0, 1, 1]])
     with pytest.raises(AttnccError, match=r"rows \[0\] have padding between real tokens"):

@@ -39,8 +39,8 @@ from attncc.runtime.kernel import Kernel
 #: program receives here: a clear error instead of a silently different attention.
 UNMAPPED_KWARGS = {
     "position_bias": "an additive position bias (T5-style)",
-    "s_aux": "attention sinks (use a DSL program with sinks when the DSL has them)",
-    "sinks": "attention sinks (use a DSL program with sinks when the DSL has them)",
+    "s_aux": "learned attention sinks (gpt-oss style; the DSL has no sink construct yet)",
+    "sinks": "learned attention sinks (the DSL has no sink construct yet)",
     "cu_seq_lens_q": "packed sequences (call the kernel's .varlen with cu_seqlens instead)",
     "cu_seq_lens_k": "packed sequences (call the kernel's .varlen with cu_seqlens instead)",
 }
