@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -451,3 +452,8 @@ def test_calls_skip_the_op_dispatch_only_where_nothing_observes_it() -> None:
     assert graded.grad_fn is not None
     for other in (recorded, profiled, graded):
         assert torch.equal(plain, other.detach())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the sizes become constants
+        traced = torch.jit.trace(lambda q, k, v: kern(q, k, v), (q, k, v), check_trace=False)
+    assert "attncc::attention" in str(traced.graph)
+    assert torch.equal(traced(k, v, q), kern(k, v, q))  # new inputs: the trace calls the kernel

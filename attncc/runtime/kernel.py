@@ -862,12 +862,13 @@ def delta_rows(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
 
 def _plain_call(*tensors: torch.Tensor) -> bool:
     """Whether a call may run the op's implementation without its dispatch (~30 us of host time
-    per call): no autograd graph to record, no tracing, profiling, mode or tensor subclass that
-    must see the op."""
+    per call): no autograd graph to record, no tracing (torch.compile, torch.jit.trace),
+    profiling, mode or tensor subclass that must see the op."""
     return (
         not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and all(type(t) is torch.Tensor for t in tensors)
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._len_torch_function_stack() == 0
         and not torch.autograd._profiler_enabled()
