@@ -3,7 +3,7 @@
     from attncc.integrations.transformers import register
     register("attncc")                                   # programs made from what each layer asks
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="attncc")
-    register("attncc-alibi", "examples/alibi_hf.attn")   # or every layer runs one DSL program
+    register("my-variant", "my_variant.attn")           # or every layer runs one DSL program
 
 transformers calls the registered function per layer with q [B, H, N, D], k, v [B, Hkv, M, D]
 (GQA heads not repeated: the kernels share each K/V head among its group), the layer's

@@ -463,16 +463,15 @@ inline bool has_nan(const acc_t* x, int n) {
 }
 
 // x[c] = exp(scale x[c] - shift) in place for shift >= max scale x - ln 256 (the forward's lazy
-// rescaling: 2^t for t up to 8 is as exact as below 0); returns the row sum. n a multiple of VL. (The forward folds the softmax scale in here where nothing else reads it.)
-// The row sum stays in lanes (the forward adds it to its lanes of l; one reduction per row at
-// the end instead of one per tile).
+// rescaling: 2^t for t up to 8 is as exact as below 0); n a multiple of VL. (The forward folds
+// the softmax scale in here where nothing else reads it.) Returns the row sum in lanes: the
+// forward adds it to its lanes of l and reduces them once per row, not once per tile.
 inline vec_t exp_shift_lanes(acc_t* x, int n, acc_t shift, acc_t scale = 1) {
   vec_t sum{};
   const vec_t s = vbroadcast(shift * kLog2e), a = vbroadcast(scale * kLog2e);
   for (int c = 0; c < n; c += VL) { vec_t v = vexp2_nonpositive(vload(x + c) * a - s); vstore(x + c, v); sum += v; }
   return sum;
 }
-
 
 // sum a[k] b[k] over n (a multiple of VL): one query row against one key row, where a tile has
 // fewer rows than gemm's register block (decoding).
