@@ -234,6 +234,7 @@ HARNESS = """
 #define ATTNCC_ACC_T float
 #define ATTNCC_STORAGE_T float
 #include "attncc/cpu/primitives.h"
+#include <thread>
 using namespace attncc;
 extern "C" void to_bf16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_bf16(x[i]).bits; }
 extern "C" void to_fp16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_fp16(x[i]).bits; }
@@ -244,6 +245,29 @@ extern "C" void scalar_math(const float* x, float* e, float* th, int n) {
   for (int i = 0; i < n; ++i) { e[i] = math_exp(x[i]); th[i] = math_tanh(x[i]); }
 }
 extern "C" void matmul(float* c, const float* a, const float* b, int r, int n, int k) { gemm<false>(c, n, a, k, b, n, r, n, k); }
+static void block_pool_on_this_thread(long* out) {
+  size_t small_cap, large_cap, cap;
+  void* small = BlockPool::take(1000, small_cap);
+  void* large = BlockPool::take(100000, large_cap);
+  BlockPool::give(small, small_cap);
+  BlockPool::give(large, large_cap);
+  void* a = BlockPool::take(900, cap);  // the smallest free block that fits
+  out[0] = a == small && cap == small_cap;
+  void* b = BlockPool::take(5000, cap);
+  out[1] = b == large && cap == large_cap;
+  out[2] = reinterpret_cast<uintptr_t>(a) % 64 == 0 && reinterpret_cast<uintptr_t>(b) % 64 == 0;
+  BlockPool::give(a, small_cap);
+  BlockPool::give(b, large_cap);
+  float* first;
+  { Buffer<float> x(200); first = x.data; for (int i = 0; i < 200; ++i) x.data[i] = 1.0f; }
+  long nonzero = 0;
+  { Buffer<float> y(200); out[3] = y.data == first; for (int i = 0; i < 200; ++i) nonzero += y.data[i] != 0.0f; }
+  out[4] = nonzero;
+}
+extern "C" void block_pool(long* out) {  // on a new thread: its pool starts empty
+  std::thread fresh(block_pool_on_this_thread, out);
+  fresh.join();
+}
 extern "C" void philox(const uint32_t* ctr, uint32_t k0, uint32_t k1, uint32_t* out) {
   Philox4 p = philox4x32_10(ctr[0], ctr[1], ctr[2], ctr[3], k0, k1);
   for (int i = 0; i < 4; ++i) out[i] = p.x[i];
@@ -324,6 +348,14 @@ def test_scalar_exp_and_tanh_accuracy(harness) -> None:
     assert torch.equal(e[ref_e < 1e-38], torch.zeros_like(e[ref_e < 1e-38]))
     assert (th.double() - ref_th).abs().max() < 3e-7
     assert ((th.double() - ref_th).abs() / ref_th.abs().clamp_min(1e-30))[x.abs() > 1e-6].max() < 1e-6
+
+
+def test_scratch_blocks_come_back_from_the_pool_zeroed(harness) -> None:
+    """Kernel scratch (K/V panels, tiles) is recycled per thread: the smallest free block that
+    fits is taken again, 64-byte aligned, and a Buffer on a reused block starts zeroed."""
+    out = (ctypes.c_long * 5)()
+    harness.block_pool(out)
+    assert list(out) == [1, 1, 1, 1, 0]
 
 
 def test_gemm_matches_matmul(harness) -> None:

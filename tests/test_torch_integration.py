@@ -92,6 +92,71 @@ def test_double_backward_is_a_clear_error() -> None:
         g.sum().backward()
 
 
+def test_repeated_plain_calls_reuse_the_checked_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain call that repeats a checked call's sizes, strides, dtypes, scalars and thread
+    count runs the launch packed then, without checks (host time); anything that changes the
+    launch or needs the op takes the full path. Every result against float64 torch code."""
+    import torch.autograd.forward_ad as fwad
+
+    kern = attncc.compile(
+        "attention recent\ninput n: int\ns = q @ k.T * scale\nmask j <= i and i - j < n\np = softmax(s)\n"
+        "o = p @ v\noutput o\n"
+    )
+
+    def expected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+        s = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
+        i, j = torch.arange(q.shape[2]).view(-1, 1), torch.arange(k.shape[2]).view(1, -1)
+        s = s.masked_fill(~((j <= i) & (i - j < n)), float("-inf"))
+        return torch.softmax(s, -1) @ v.double()
+
+    checked: list[int] = []
+    validate = attncc.Kernel.validate
+
+    def counting_validate(self: attncc.Kernel, *args: object) -> None:
+        checked.append(1)
+        validate(self, *args)
+
+    monkeypatch.setattr(attncc.Kernel, "validate", counting_validate)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 37, 24, generator=g) for _ in range(3))
+
+    def agrees(q: torch.Tensor, n: int, tol: float = 1e-5) -> None:
+        out, lse = kern(q, k.to(q.dtype), v.to(q.dtype), n=n, return_lse=True)
+        want = expected(q, k.to(q.dtype), v.to(q.dtype), n)
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+        assert out.dtype == q.dtype and lse.shape == q.shape[:3] and torch.isfinite(lse).all()
+
+    for n in (5, 5, 9, 9, 5):  # a scalar's value is part of what repeats
+        agrees(q, n)
+    assert len(checked) == 2
+    transposed = torch.randn(2, 37, 3, 24, generator=g).transpose(1, 2)  # q's strides change
+    agrees(transposed, 5)
+    agrees(transposed, 5)
+    assert len(checked) == 3
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        agrees(q, 5)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(checked) == 4
+    agrees(q.bfloat16(), 5, tol=2e-2)
+    agrees(q.bfloat16(), 5, tol=2e-2)
+    assert len(checked) == 5
+    # checks still run where a call differs, and the op still sees what must see it
+    with pytest.raises(InputError, match="q, k, v must have one dtype"):
+        kern(q, k.double(), v, n=5)
+    with pytest.raises(InputError, match="n: expected a int scalar"):
+        kern(q, k, v, n=5.5)
+    with pytest.raises(InputError, match="missing runtime input `n`"):
+        kern(q, k, v)
+    assert kern(q.clone().requires_grad_(), k, v, n=5).grad_fn is not None
+    with pytest.raises(InputError, match="no forward-mode derivative"), fwad.dual_level():
+        kern(fwad.make_dual(q, torch.ones_like(q)), k, v, n=5)
+    with pytest.raises(InputError, match=r"do not support torch\.func transforms"):
+        torch.func.vmap(lambda x: kern(x, k, v, n=5))(q.unsqueeze(0))
+
+
 def test_torch_func_and_forward_ad_are_clear_errors() -> None:
     import torch.autograd.forward_ad as fwad
 

@@ -162,16 +162,75 @@ inline acc_t math_sqrt(acc_t x) { return std::sqrt(x); }
 inline double pymod(double a, double b) { double r = std::fmod(a, b); return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
 
 // ---------------------------------------------------------------------------------- buffers
-// A 64-byte aligned, zeroed scratch array owned by one thread.
+// Memory blocks recycled across kernel calls. A call's K/V panels (up to 4 MiB) and per-thread
+// tiles come from here and go back here, not to the C heap: glibc returns large blocks to the
+// kernel, and the next call's first touch of every 4 KiB page faulted (~1-2 us each under
+// KVM: the panels of a bf16 call at N = 512, 1 MiB, faulted ~120 times per call). One pool per
+// thread (the OpenMP workers persist between calls), so a block comes back to the core whose
+// cache last held it, and takes and gives need no lock. A pool keeps at most kPoolBlocks free
+// blocks and kPoolBytes in them; what would exceed that goes back to the heap.
+class BlockPool {
+ public:
+  static constexpr int kPoolBlocks = 32;
+  static constexpr size_t kPoolBytes = size_t(32) << 20;
+
+  // A 64-byte aligned block of at least `bytes` (give it back on this thread); `capacity`
+  // receives its size.
+  static void* take(size_t bytes, size_t& capacity) {
+    bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+    Free& f = free_list();
+    int best = -1;
+    for (int i = 0; i < f.count; ++i)  // the smallest block that fits
+      if (f.sizes[i] >= bytes && (best < 0 || f.sizes[i] < f.sizes[best])) best = i;
+    if (best < 0) {
+      capacity = bytes;
+      return std::aligned_alloc(64, bytes);
+    }
+    void* block = f.blocks[best];
+    capacity = f.sizes[best];
+    f.bytes -= capacity;
+    --f.count;
+    f.blocks[best] = f.blocks[f.count];
+    f.sizes[best] = f.sizes[f.count];
+    return block;
+  }
+
+  static void give(void* block, size_t capacity) {
+    Free& f = free_list();
+    if (f.count == kPoolBlocks || f.bytes + capacity > kPoolBytes) return std::free(block);
+    f.blocks[f.count] = block;
+    f.sizes[f.count] = capacity;
+    ++f.count;
+    f.bytes += capacity;
+  }
+
+ private:
+  struct Free {
+    void* blocks[kPoolBlocks];
+    size_t sizes[kPoolBlocks];
+    int count = 0;
+    size_t bytes = 0;
+    ~Free() {
+      for (int i = 0; i < count; ++i) std::free(blocks[i]);
+    }
+  };
+  static Free& free_list() {
+    static thread_local Free f;
+    return f;
+  }
+};
+
+// A 64-byte aligned, zeroed scratch array owned by one thread (from the BlockPool).
 template <typename T>
 struct Buffer {
   T* data = nullptr;
+  size_t capacity = 0;
   explicit Buffer(size_t n) {
-    size_t bytes = ((n * sizeof(T) + 63) / 64) * 64;
-    data = static_cast<T*>(std::aligned_alloc(64, bytes ? bytes : 64));
-    std::memset(data, 0, bytes ? bytes : 64);
+    const size_t bytes = std::max<size_t>(64, n * sizeof(T));
+    data = static_cast<T*>(BlockPool::take(bytes, capacity));
+    std::memset(data, 0, bytes);
   }
-  ~Buffer() { std::free(data); }
+  ~Buffer() { BlockPool::give(data, capacity); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 };
