@@ -282,6 +282,54 @@ def test_paged_decode_and_chunked_prefill_with_appended_keys(page_size: int, que
     assert torch.equal(k_cache[untouched], before[0][untouched])
 
 
+@pytest.mark.parametrize(("page_size", "queries", "D"), [(16, 1, 64), (64, 1, 40), (64, 7, 64), (96, 40, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_keys_are_read_in_place_through_the_block_table(
+    page_size: int, queries: int, D: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU kernels read shuffled pages through the block table (a key tile is one page's rows),
+    one launch per run of equal lengths and no gathered copy: decoding and chunked prefill,
+    GQA 6/2, bottom-right causal, lengths that end inside a page, against float64 code."""
+    from attncc.runtime import ragged
+
+    def no_gather(*args: object) -> None:
+        raise AssertionError("the pages were gathered")
+
+    launches: list[object] = []
+    forward = attncc.Kernel.forward_impl
+
+    def counting(self: attncc.Kernel, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        launches.append(kwargs.get("paged"))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ragged, "_cached_keys", no_gather)
+    monkeypatch.setattr(attncc.Kernel, "forward_impl", counting)
+    gen = torch.Generator().manual_seed(11)
+    B, H, Hkv, held = 3, 6, 2, [300, 300, 77]
+    pages_per_seq = -(-(max(held) + queries) // page_size)
+    num_pages = B * pages_per_seq + 2
+    k_cache, v_cache = (torch.randn(num_pages, page_size, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(num_pages, generator=gen)[: B * pages_per_seq].view(B, pages_per_seq).int()
+    q = torch.randn(B, queries, H, D, generator=gen).to(dtype)
+    lengths = torch.tensor(held) + queries
+    kern = attncc.compile(
+        "attention bottom_right\ns = q @ k.T * scale\nmask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    out, lse = kern.paged(q, k_cache, v_cache, table, lengths, return_lse=True)
+    assert len(launches) == 2 and all(paged is not None for paged in launches)  # [300, 300], [77]
+    tol = FWD_TOL if dtype == torch.float32 else 1e-2
+    for b in range(B):
+        m = int(lengths[b])
+        k, v = (c[table[b].long()].flatten(0, 1)[:m].transpose(0, 1).double() for c in (k_cache, v_cache))
+        k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
+        s = q[b].transpose(0, 1).double() @ k.transpose(1, 2) / math.sqrt(D)
+        visible = torch.arange(m).view(1, -1) <= torch.arange(queries).view(-1, 1) + (m - queries)
+        s = s.masked_fill(~visible, -math.inf)
+        want_out, want_lse = torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+        assert _error(out[b].transpose(0, 1), want_out) <= tol, b
+        assert _error(lse[b].transpose(0, 1), want_lse) <= FWD_TOL, b
+
+
 def test_paged_consecutive_pages_equal_the_contiguous_call() -> None:
     """Pages in order (keys a view of the cache) give the padded call's result bit for bit."""
     gen = torch.Generator().manual_seed(8)

@@ -120,6 +120,16 @@ class TilePlan:
             )  # fmt: skip
         return self
 
+    def for_pages(self, page_size: int, queries: int) -> TilePlan | None:
+        """The forward's tiles for keys read through a page table (CPU paged calls): Bc divides
+        the page size, so no key tile straddles two pages, and is a whole number of vectors
+        (the softmax's rows; 16 fp32 lanes), of 32 keys where query tiles pack panels for the
+        tile products (their key step). The largest such divisor up to the plan's Bc; None
+        where there is none (the caller gathers the pages instead)."""
+        step = 16 if queries < 4 else 32
+        fitting = [c for c in range(step, min(page_size, self.block_cols) + 1, step) if page_size % c == 0]
+        return replace(self, block_cols=fitting[-1], backward=self.backward or self) if fitting else None
+
     def for_keys(self, m: int) -> TilePlan:
         """The forward's tiles for a call with `m` keys."""
         if self.streaming_block_rows and m >= self.streaming_keys:

@@ -77,6 +77,16 @@ class CallPlan:
 
 
 @dataclass(frozen=True)
+class PagedKeys:
+    """A paged call's keys, read in place (`Kernel.forward_impl`): the block table [B, pages]
+    (int64, on the kernel's device), its page size, and the keys per sequence (the call's M)."""
+
+    table: torch.Tensor
+    page_size: int
+    keys: int
+
+
+@dataclass(frozen=True)
 class SlotNames:
     """The names `Kernel.pack` fills, in the ABI's order: pointers, ints, and the int slots of
     each operand's, runtime tensor's strides and learnable input's gradient slice."""
@@ -497,19 +507,39 @@ class Kernel:
         dropout: float,
         seed: int,
         offset: int = 0,
+        paged: PagedKeys | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of one padded call; `offset` is the dropout counters' fourth word
-        (0 for plain calls, the sequence's index for packed and paged calls)."""
+        (0 for plain calls, the sequence's index for packed and paged calls). With `paged`
+        (`reads_pages`), k and v are caches [pages, page_size, Hkv, D] read in place through
+        its block table."""
         dtype = _DTYPES[q.dtype]
-        plan, call = self._forward_call(q, k, scale, tensors, scalars)
+        strides: dict[str, tuple[int, ...]] = {}
+        if paged is None:
+            plan, call = self._forward_call(q, k, scale, tensors, scalars)
+        else:  # the plan sees keys [B, Hkv, M, D]; the kernel, pages and rows at the cache's strides
+            keys = k.as_strided((q.shape[0], k.shape[2], paged.keys, k.shape[3]), (0, k.stride(2), 0, k.stride(3)))
+            plan, call = self._forward_call(q, keys, scale, tensors, scalars, page_size=paged.page_size)
+            call["page_size"] = paged.page_size
+            strides = {name: (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for name, t in (("k", k), ("v", v))}
         call["offset"] = offset
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype))
         if out.numel() == 0:
             return out, lse
         ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-        self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed)
+        if paged is not None:
+            ptrs["pages"] = paged.table
+        self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed, strides)
         return out, lse
+
+    def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:
+        """Whether `forward_impl` can read keys of this page size in place for queries like
+        `q` [B, H, N, D] (the CPU kernels, where a Bc divides the page: TilePlan.for_pages)."""
+        if type(self).forward_impl is not Kernel.forward_impl or self.op.tiling is None:
+            return False
+        tiles = self.op.tiling.for_head_dim(q.shape[3], False).for_dtype(_DTYPES[q.dtype])
+        return tiles.for_pages(page_size, q.shape[2]) is not None
 
     def backward_impl(
         self,
@@ -606,13 +636,21 @@ class Kernel:
         return ("attncc_backward_dkdv", "attncc_backward_dq")
 
     def _forward_call(
-        self, q: torch.Tensor, k: torch.Tensor, scale: float | None, tensors: list[torch.Tensor], scalars: list[float]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scale: float | None,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        page_size: int | None = None,
     ) -> tuple[CallPlan, dict[str, object]]:
         """The forward's plan and prepared call. Where a query tile sees enough keys that a kv
         head's K/V panels outgrow L2, a task takes more query rows (TilePlan.for_keys): counted
         from the tile classes, so a sliding window's few visible tiles keep the L2-sized tasks
         at any M (taking 192 rows there cost 1.8x at N = 8192 on Zen 4)."""
         plan = self.plan(q, k, scale)
+        if page_size is not None:  # (reads_pages said there are such tiles)
+            plan = replace(plan, tiles=plan.tiles.for_pages(page_size, plan.problem.N))
         call = self._prepare(plan, q.dtype, tensors, scalars)
         visible = visible_keys(call["classes"], plan.tiles.block_cols, plan.problem.M)  # type: ignore[arg-type]
         streamed = plan.tiles.for_keys(visible)
@@ -730,15 +768,23 @@ class Kernel:
         ptrs: dict[str, torch.Tensor],
         dropout: float,
         seed: int,
+        strides: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         fn = getattr(self.library(dtype), entry)
         fn.restype = ctypes.c_int
-        _check_status(fn(*self.pack(plan, call, ptrs, dropout, seed)), entry, self.name)
+        _check_status(fn(*self.pack(plan, call, ptrs, dropout, seed, strides)), entry, self.name)
 
     def pack(
-        self, plan: CallPlan, call: dict[str, object], ptrs: dict[str, torch.Tensor], dropout: float, seed: int
+        self,
+        plan: CallPlan,
+        call: dict[str, object],
+        ptrs: dict[str, torch.Tensor],
+        dropout: float,
+        seed: int,
+        strides: Mapping[str, tuple[int, ...]] | None = None,
     ) -> tuple:
-        """The (pointers, ints, reals) arrays of the kernel ABI for one call.
+        """The (pointers, ints, reals) arrays of the kernel ABI for one call; `strides` replaces
+        operands' own (a paged cache's).
 
         The caller keeps `call` and `ptrs` alive until the kernel returns.
         """
@@ -751,7 +797,10 @@ class Kernel:
         ints: dict[str, int] = {"B": p.B, "H": p.H, "Hkv": p.Hkv, "N": p.N, "M": p.M, "D": p.D}
         for name, stride_names in names.operand_strides:
             operand = ptrs.get(name)
-            ints.update(zip(stride_names, operand.stride() if operand is not None else (0, 0, 0, 0)))
+            given = (strides or {}).get(name) or (operand.stride() if operand is not None else (0, 0, 0, 0))
+            ints.update(zip(stride_names, given))
+        pages = ptrs.get("pages")
+        ints.update(page_size=call.get("page_size", 0), st_pages_0=pages.stride(0) if pages is not None else 0)
         cls_strides = [classes.stride(d) if classes.shape[d] > 1 else 0 for d in range(3)]
         ints.update(
             Br=plan.tiles.block_rows,

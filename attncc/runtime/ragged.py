@@ -399,7 +399,7 @@ def paged_attention(
     _validate_runtime(kern, q, (B, H, Hkv, N, capacity, D), runtime)
     options = _options(kern, runtime, scale, 0.0, None)
     tensors = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]
-    from attncc.runtime.kernel import acc_dtype
+    from attncc.runtime.kernel import PagedKeys, acc_dtype
 
     with torch.no_grad():
         if appended:  # in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new
@@ -411,12 +411,23 @@ def paged_attention(
         out = q_bhnd.new_zeros((B, H, N, D))
         lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
         used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
+        in_place = kern.reads_pages(q_bhnd, page_size)
+        pages_on_device = table.to(q.device) if in_place else table
         calls: list[tuple[Segment, list[int]]] = []
         for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)], 0.0):
-            # sequences of one length share a call where their pages are one view of the cache; a
-            # gather copies per sequence (a batch-sized copy, fresh memory per call, cost 2x more)
+            # sequences of one length share a call: keys one view of the cache where their pages
+            # are consecutive, else read through the block table (CPU kernels) or gathered, one
+            # copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
             sequences = range(seg.index, seg.index + seg.count)
             pages = [p for b in sequences for p in used[b]]
+            if in_place and not _consecutive(pages):
+                batch = slice(seg.index, seg.index + seg.count)
+                cut = sequence_slices(kern, seg, N, seg.m)
+                out[batch], lse[batch] = kern.forward_impl(
+                    q_bhnd[batch], k_cache, v_cache, [t[c] for t, c in zip(tensors, cut)], options.scalars,  # type: ignore[index]
+                    options.scale, 0.0, 0, paged=PagedKeys(pages_on_device[batch], page_size, seg.m),
+                )  # fmt: skip
+                continue
             together = _consecutive(pages)
             calls += [(seg, pages)] if together else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
         for seg, pages in calls:
