@@ -173,6 +173,37 @@ def test_padding_with_holes_is_a_clear_error() -> None:
     assert start.tolist() == [2, 0, 0] and end.tolist() == [5, 3, 0]
 
 
+def test_key_ranges_are_computed_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers share the mask's key ranges; a mask written in place, another mask object with
+    the same values, or other sizes are computed afresh (and the logits stay right)."""
+    computed: list[tuple[int, int]] = []
+    original = integration.key_ranges
+
+    def counting(mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        computed.append((batch, keys))
+        return original(mask, batch, keys)
+
+    monkeypatch.setattr(integration, "key_ranges", counting)
+    reference, ours = (m.eval() for m in models("llama"))
+    ids, mask = batch(right_padding=4)
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask).logits
+    assert len(computed) == 1 and ours.config.num_hidden_layers > 1
+    attend = integration.ModelAttention()
+    first = attend.ranges(mask, 2, 21)
+    assert attend.ranges(mask, 2, 21) is first and len(computed) == 2
+    mask[0, :3] = 0  # in place: sequence 0 now starts at key 3
+    start, end = attend.ranges(mask, 2, 21)
+    assert start.tolist() == [3, 5] and end.tolist() == [17, 21] and len(computed) == 3
+    attend.ranges(mask.clone(), 2, 21)
+    attend.ranges(mask, 2, 20)
+    assert len(computed) == 5
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=batch(right_padding=4)[1]).logits
+    real = batch(right_padding=4)[1].bool()
+    assert (got - expected)[real].abs().max() < 2e-4
+
+
 def test_bidirectional_layers_mask_padding_on_both_sides() -> None:
     """A layer with is_causal False (an encoder) sees exactly its sequence's real keys."""
     module = torch.nn.Module()

@@ -26,6 +26,7 @@ transformers is an optional dependency: `pip install 'attncc[transformers]'`.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,24 @@ class ModelAttention:
         self._lock = threading.Lock()
         self._kernels: dict[tuple[LayerNeeds, str], Kernel] = {}
         self._given: dict[str, Kernel] = {}
+        # the last padding mask's key ranges: (the mask, weakly; its version; batch, keys; ranges)
+        self._last_ranges: tuple[weakref.ref, int, tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def ranges(self, padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`key_ranges`, once per model forward rather than per layer: every layer gets the same
+        mask tensor, so the last result is reused while that very object (held weakly: a new
+        mask at the same address is another object) has not been written in place (its version
+        counter) and the batch and key count are the same."""
+        with self._lock:
+            last = self._last_ranges
+        if last is not None:
+            mask_ref, version, sizes, result = last
+            if mask_ref() is padding_mask and padding_mask._version == version and sizes == (batch, keys):
+                return result
+        result = key_ranges(padding_mask, batch, keys)
+        with self._lock:
+            self._last_ranges = (weakref.ref(padding_mask), padding_mask._version, (batch, keys), result)
+        return result
 
     def kernel(self, needs: LayerNeeds, device: torch.device) -> Kernel:
         target = "cuda" if device.type == "cuda" else "cpu"
@@ -160,7 +179,7 @@ class ModelAttention:
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
             keys = attention_mask.shape[1]  # a static cache: the slots past the mask hold no token yet
             key, value = key[:, :, :keys], value[:, :, :keys]
-        ranges = key_ranges(attention_mask, batch, keys) if attention_mask is not None else None
+        ranges = self.ranges(attention_mask, batch, keys) if attention_mask is not None else None
         needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, ranges is not None, float(dropout))
         kern = self.kernel(needs, query.device)
         declared = {d.name for d in kern.inputs}
