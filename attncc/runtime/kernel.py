@@ -125,7 +125,7 @@ class Kernel:
         self._lock = threading.Lock()
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
-        self._repeats: dict[tuple, RepeatLaunch] = {}  # packed launches of checked calls (see _repeat_call)
+        self._repeats: dict[tuple, RepeatLaunch] = {}  # packed launches of checked calls (see _repeat_key)
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
         self.call_key = f"{self.key}#{next(_KEYS)}"
@@ -367,10 +367,7 @@ class Kernel:
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        assert self.op.tiling is not None
-        tiles = self.op.tiling.for_head_dim(problem.D, backward)
-        if not backward:  # (_forward_call may then stream: TilePlan.for_keys)
-            tiles = tiles.for_dtype(str(q.dtype).removeprefix("torch."))
+        tiles = self._tiles(problem.D, q.dtype, backward)
         value = scale if scale is not None else self.default_scale(q, k)
         multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
         plan = CallPlan(problem, tiles, multiplier, value)
@@ -379,6 +376,13 @@ class Kernel:
                 self._plans.pop(next(iter(self._plans)))  # the oldest key
             self._plans[key] = plan
         return plan
+
+    def _tiles(self, head_dim: int, dtype: torch.dtype, backward: bool) -> TilePlan:
+        """The plan's tiles for this head dim and dtype (the forward's may then stream:
+        TilePlan.for_keys, or follow pages: TilePlan.for_pages)."""
+        assert self.op.tiling is not None
+        tiles = self.op.tiling.for_head_dim(head_dim, backward)
+        return tiles if backward else tiles.for_dtype(str(dtype).removeprefix("torch."))
 
     def source(self, dtype: str = "float32") -> str:
         return generate_cpu(self.graph, dtype, self.key)
@@ -536,10 +540,9 @@ class Kernel:
     def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:
         """Whether `forward_impl` can read keys of this page size in place for queries like
         `q` [B, H, N, D] (the CPU kernels, where a Bc divides the page: TilePlan.for_pages)."""
-        if type(self).forward_impl is not Kernel.forward_impl or self.op.tiling is None:
+        if type(self).forward_impl is not Kernel.forward_impl:
             return False
-        tiles = self.op.tiling.for_head_dim(q.shape[3], False).for_dtype(_DTYPES[q.dtype])
-        return tiles.for_pages(page_size, q.shape[2]) is not None
+        return self._tiles(q.shape[3], q.dtype, False).for_pages(page_size, q.shape[2]) is not None
 
     def backward_impl(
         self,

@@ -420,7 +420,8 @@ def paged_attention(
             # copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
             sequences = range(seg.index, seg.index + seg.count)
             pages = [p for b in sequences for p in used[b]]
-            if in_place and not _consecutive(pages):
+            together = _consecutive(pages)
+            if in_place and not together:
                 batch = slice(seg.index, seg.index + seg.count)
                 cut = sequence_slices(kern, seg, N, seg.m)
                 out[batch], lse[batch] = kern.forward_impl(
@@ -428,7 +429,6 @@ def paged_attention(
                     options.scale, 0.0, 0, paged=PagedKeys(pages_on_device[batch], page_size, seg.m),
                 )  # fmt: skip
                 continue
-            together = _consecutive(pages)
             calls += [(seg, pages)] if together else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
         for seg, pages in calls:
             batch = slice(seg.index, seg.index + seg.count)
