@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attncc
-from attncc.passes.tiling import CPU_STREAMING_BR
+from attncc.passes.tiling import CPU_SIDE_BY_SIDE_DECODING_BC, CPU_STREAMING_BR
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
 from tests.conftest import EXAMPLES, kernel
@@ -357,3 +357,23 @@ def test_torch_compile_forward_and_backward() -> None:
     (kern(q, k, v, bias=bias) ** 2).sum().backward()
     for got, t in zip(grads, (q, k, v, bias)):
         assert torch.allclose(got, t.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "alibi", "sliding_window", "padding", "softcap"])
+def test_decoding_from_kv_heads_side_by_side(name: str) -> None:
+    """K, V as [B, M, Hkv, D] (a paged cache's layout, a transposed view): a decoding task takes
+    the query heads of several kv heads of a sequence (forward_decode), and each kv head's rows
+    must meet its own K/V rows, score map and mask: groups of 3 rows (axpy tails), 12 (gemm
+    blocks and a tail) and 1 query head per kv head, 1 to 3 sequences."""
+    kern = kernel(name)
+    for B, H, Hkv, N in ((1, 12, 4, 1), (3, 8, 2, 3), (2, 6, 6, 2)):
+        shape = adapt(Shape(B, H, Hkv, N, 300, 40), kern)
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, runtime = make_inputs(kern, shape, dtype, requires_grad=False)
+            side_by_side = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
+            assert side_by_side[0].stride(1) < side_by_side[0].stride(2)
+            assert kern.forward_classes(q, side_by_side[0], **runtime)[0].block_cols == CPU_SIDE_BY_SIDE_DECODING_BC
+            out = kern(q, *side_by_side, **runtime)
+            ref, _ = kern.reference(q.double(), k.double(), v.double(), **runtime)
+            tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+            assert (out.double() - ref).abs().max() < tolerance, (name, B, H, Hkv, N, dtype)

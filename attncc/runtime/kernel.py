@@ -654,6 +654,9 @@ class Kernel:
         plan = self.plan(q, k, scale)
         if page_size is not None:  # (reads_pages said there are such tiles)
             plan = replace(plan, tiles=plan.tiles.for_pages(page_size, plan.problem.N))
+        side_by_side = page_size is not None or k.stride(1) < k.stride(2)  # kv heads within each key row
+        if plan.problem.N < 4 and plan.problem.Hkv > 1 and side_by_side:
+            plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
         call = self._prepare(plan, q.dtype, tensors, scalars)
         visible = visible_keys(call["classes"], plan.tiles.block_cols, plan.problem.M)  # type: ignore[arg-type]
         streamed = plan.tiles.for_keys(visible)
