@@ -282,6 +282,11 @@ def test_paged_decode_and_chunked_prefill_with_appended_keys(page_size: int, que
     assert torch.equal(k_cache[untouched], before[0][untouched])
 
 
+BOTTOM_RIGHT_CAUSAL = (
+    "attention bottom_right\ns = q @ k.T * scale\nmask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n"
+)
+
+
 @pytest.mark.parametrize(("page_size", "queries", "D"), [(16, 1, 64), (64, 1, 40), (64, 7, 64), (96, 40, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_keys_are_read_in_place_through_the_block_table(
@@ -290,20 +295,37 @@ def test_paged_keys_are_read_in_place_through_the_block_table(
     """CPU kernels read shuffled pages through the block table (a key tile is one page's rows),
     one launch per run of equal lengths and no gathered copy: decoding and chunked prefill,
     GQA 6/2, bottom-right causal, lengths that end inside a page, against float64 code."""
+    check_pages_read_in_place(attncc.compile(BOTTOM_RIGHT_CAUSAL), page_size, queries, D, dtype, monkeypatch)
+
+
+@pytest.mark.parametrize(("page_size", "queries", "D"), [(16, 1, 64), (5, 7, 40)])
+def test_paged_keys_are_read_in_place_by_the_cuda_kernels_on_the_emulator(
+    page_size: int, queries: int, D: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA forward (emulated, bf16) looks every key row up in the block table: pages of 16
+    and 5 rows, fewer than its 64-key tiles and not dividing them."""
+    kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
+    check_pages_read_in_place(kern, page_size, queries, D, torch.bfloat16, monkeypatch)
+
+
+def check_pages_read_in_place(
+    kern: attncc.Kernel, page_size: int, queries: int, D: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from attncc.runtime import ragged
 
     def no_gather(*args: object) -> None:
         raise AssertionError("the pages were gathered")
 
     launches: list[object] = []
-    forward = attncc.Kernel.forward_impl
+    kernel_class = type(kern)
+    forward = kernel_class.forward_impl
 
     def counting(self: attncc.Kernel, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         launches.append(kwargs.get("paged"))
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(ragged, "_cached_keys", no_gather)
-    monkeypatch.setattr(attncc.Kernel, "forward_impl", counting)
+    monkeypatch.setattr(kernel_class, "forward_impl", counting)
     gen = torch.Generator().manual_seed(11)
     B, H, Hkv, held = 3, 6, 2, [300, 300, 77]
     pages_per_seq = -(-(max(held) + queries) // page_size)
@@ -312,9 +334,6 @@ def test_paged_keys_are_read_in_place_through_the_block_table(
     table = torch.randperm(num_pages, generator=gen)[: B * pages_per_seq].view(B, pages_per_seq).int()
     q = torch.randn(B, queries, H, D, generator=gen).to(dtype)
     lengths = torch.tensor(held) + queries
-    kern = attncc.compile(
-        "attention bottom_right\ns = q @ k.T * scale\nmask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n"
-    )
     out, lse = kern.paged(q, k_cache, v_cache, table, lengths, return_lse=True)
     assert len(launches) == 2 and all(paged is not None for paged in launches)  # [300, 300], [77]
     tol = FWD_TOL if dtype == torch.float32 else 1e-2

@@ -44,8 +44,8 @@ EXACT_GRAD_BUFFERS = (("bound", "int32_t*"), ("flags", "int32_t*"), ("shift", "c
 #: row, and the number of splits.
 SPLIT_BUFFERS = (("o_partial", "acc_t*"), ("lse_partial", "acc_t*"))
 SPLIT_CONTROL = ("splits",)
-#: CPU kernels: a paged call's block table (int64 [B, pages]; null otherwise), then its page
-#: size and the table's row stride (`Kernel.paged` reads K/V through it, templates/cpu
+#: A paged call's block table (int64 [B, pages]; null otherwise), then its page size and the
+#: table's row stride (`Kernel.paged` reads K/V through it: templates/cpu and templates/cuda
 #: `key_row_offset`).
 PAGE_BUFFERS = (("pages", "const int64_t*"),)
 PAGE_CONTROL = ("page_size", "st_pages_0")
@@ -56,11 +56,16 @@ class KernelAbi:
     tensors: tuple[TensorSlot, ...]  # runtime tensors read by the variant, then layout grids
     scalars: tuple[tuple[str, str, str], ...]  # (program name, C++ member, C type)
     grads: tuple[str, ...]  # float tensors that can receive gradients (program names)
-    cuda: bool = False  # the CUDA kernels' slots (EXACT_GRAD_BUFFERS, SPLIT_*), not the CPU's PAGE_*
+    cuda: bool = False  # the CUDA kernels' slots (EXACT_GRAD_BUFFERS, SPLIT_*) too
 
     def pointer_slots(self) -> list[tuple[str, str]]:
         """(member, C type) of every pointer, in order."""
-        slots = [(n, t) for n, t in OPERANDS] + list(ROW_BUFFERS) + list(SPLIT_BUFFERS if self.cuda else PAGE_BUFFERS)
+        slots = (
+            [(n, t) for n, t in OPERANDS]
+            + list(ROW_BUFFERS)
+            + list(SPLIT_BUFFERS if self.cuda else ())
+            + list(PAGE_BUFFERS)
+        )
         slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
         slots += [(f"grad_{self.ident_of(n)}", "grad_t*") for n in self.grads]
         for kind, ctype in EXACT_GRAD_BUFFERS if self.cuda else ():
@@ -70,7 +75,7 @@ class KernelAbi:
     def int_slots(self) -> list[str]:
         names = list(SIZES)
         names += [f"st_{n}_{d}" for n, _ in OPERANDS for d in range(4)]
-        names += list(CONTROL) + list(SPLIT_CONTROL if self.cuda else PAGE_CONTROL)
+        names += list(CONTROL) + list(SPLIT_CONTROL if self.cuda else ()) + list(PAGE_CONTROL)
         names += [f"st_{t.ident}_{d}" for t in self.tensors for d in range(t.rank)]
         names += [f"grad_slice_{self.ident_of(n)}" for n in self.grads]  # per-thread buffer stride
         return names

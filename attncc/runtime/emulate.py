@@ -20,7 +20,7 @@ from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
-from attncc.runtime.kernel import CallPlan, Kernel, acc_dtype, delta_rows
+from attncc.runtime.kernel import CallPlan, Kernel, PagedKeys, acc_dtype, delta_rows
 from attncc.targets import GPUS
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
@@ -153,9 +153,9 @@ class EmulatedKernel(Kernel):
         plans = dict.fromkeys(self.op.tiling.for_head_dim(d).head_dim for d in head_dims)
         return [self.library_path_for(s, d) for s in storages for d in plans]
 
-    def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed, offset=0):  # noqa: ANN001, ANN201 - as Kernel
+    def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed, offset=0, paged=None):  # noqa: ANN001, ANN201 - as Kernel
         storage = self.storage_dtype(q.dtype)
-        plan = self.plan(q, k, scale)
+        plan = self.plan(q, k if paged is None else paged.keys_like(q, k), scale)
         qs, ks, vs = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         out = torch.empty(q.shape, dtype=storage, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -167,8 +167,18 @@ class EmulatedKernel(Kernel):
                 rows = q.shape[0] * q.shape[1] * q.shape[2]
                 ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, q.shape[3], device=q.device)
                 ptrs["lse_partial"] = torch.empty(plan.kv_splits, rows, device=q.device)
-            self._run("attncc_emulated_forward", str(storage).replace("torch.", ""), plan, call, ptrs, dropout, seed)
+            strides = None
+            if paged is not None:  # caches [pages, page_size, Hkv, D] read through the block table
+                ptrs["pages"] = paged.table
+                call["page_size"] = paged.page_size
+                strides = PagedKeys.strides(ks, vs)
+            dtype = str(storage).replace("torch.", "")
+            self._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
+
+    def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:
+        """The CUDA forward looks each key row up in the block table: any page size."""
+        return True
 
     def backward_impl(
         self,
@@ -252,12 +262,12 @@ class EmulatedKernel(Kernel):
             ptrs[f"grad_shift_{ident}"] = fixed_point_shifts(ptrs[f"grad_bound_{ident}"], ptrs[f"grad_fixed_{ident}"])
             ptrs[f"grad_fixed_{ident}"].zero_()  # from term counts to sums
 
-    def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra) -> None:  # noqa: ANN001, ANN002
+    def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra, strides=None) -> None:  # noqa: ANN001, ANN002
         lib = self.emulated_library(dtype, plan.tiles.head_dim)
         fn = getattr(lib, entry)
         fn.restype = ctypes.c_int
         with _LOCK:  # the emulator's schedule is process-wide
-            status = fn(*self.pack(plan, call, ptrs, dropout, seed), *extra, SCHEDULES[self.schedule])
+            status = fn(*self.pack(plan, call, ptrs, dropout, seed, strides), *extra, SCHEDULES[self.schedule])
         if status == 3:
             lib.attncc_emulator_error.restype = ctypes.c_char_p
             raise EmulationFailure(f"{self.name} on the CUDA emulator: {lib.attncc_emulator_error().decode()}")

@@ -89,12 +89,12 @@ class GpuKernel(EmulatedKernel):
         call["tensors"] = {k: v.to(device) for k, v in call["tensors"].items()}
         return call
 
-    def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra) -> None:  # noqa: ANN001, ANN002
+    def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra, strides=None) -> None:  # noqa: ANN001, ANN002
         lib = self.emulated_library(dtype, plan.tiles.head_dim)
         fn = getattr(lib, entry.replace("attncc_emulated_", "attncc_"))
         fn.restype = ctypes.c_int
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        status = fn(*self.pack(plan, call, ptrs, dropout, seed), *extra, stream)
+        status = fn(*self.pack(plan, call, ptrs, dropout, seed, strides), *extra, stream)
         if status == LAUNCH_FAILED:
             lib.attncc_cuda_error.restype = ctypes.c_char_p
             raise RuntimeError(f"{self.name}: {lib.attncc_cuda_error().decode()}")

@@ -85,6 +85,19 @@ class PagedKeys:
     page_size: int
     keys: int
 
+    def keys_like(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """What plans see as k: [B, Hkv, keys, D] over the cache [pages, page_size, Hkv, D]
+        (sizes; strides 0 where the table decides)."""
+        return cache.as_strided(
+            (q.shape[0], cache.shape[2], self.keys, cache.shape[3]), (0, cache.stride(2), 0, cache.stride(3))
+        )
+
+    @staticmethod
+    def strides(k: torch.Tensor, v: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The kernels' k and v strides for caches [pages, page_size, Hkv, D]: page, kv head,
+        row, element (`Kernel.pack`'s override; the kernels' key_row_offset)."""
+        return {name: (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for name, t in (("k", k), ("v", v))}
+
 
 @dataclass(frozen=True)
 class SlotNames:
@@ -522,10 +535,11 @@ class Kernel:
         if paged is None:
             plan, call = self._forward_call(q, k, scale, tensors, scalars)
         else:  # the plan sees keys [B, Hkv, M, D]; the kernel, pages and rows at the cache's strides
-            keys = k.as_strided((q.shape[0], k.shape[2], paged.keys, k.shape[3]), (0, k.stride(2), 0, k.stride(3)))
-            plan, call = self._forward_call(q, keys, scale, tensors, scalars, page_size=paged.page_size)
+            plan, call = self._forward_call(
+                q, paged.keys_like(q, k), scale, tensors, scalars, page_size=paged.page_size
+            )
             call["page_size"] = paged.page_size
-            strides = {name: (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for name, t in (("k", k), ("v", v))}
+            strides = PagedKeys.strides(k, v)
         call["offset"] = offset
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype))
