@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 
 import attncc
-from attncc.passes.tiling import CPU_SIDE_BY_SIDE_DECODING_BC, CPU_STREAMING_BR
+from attncc.passes.tiling import CPU_BF16_BLOCK, CPU_SIDE_BY_SIDE_DECODING_BC, CPU_STREAMING_BR
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
 from tests.conftest import EXAMPLES, kernel
@@ -377,3 +378,22 @@ def test_decoding_from_kv_heads_side_by_side(name: str) -> None:
             ref, _ = kern.reference(q.double(), k.double(), v.double(), **runtime)
             tolerance = 1e-4 if dtype == torch.float32 else 3e-2
             assert (out.double() - ref).abs().max() < tolerance, (name, B, H, Hkv, N, dtype)
+
+
+def test_partial_tiles_narrow_the_wide_bf16_key_tiles() -> None:
+    """Where a tenth or more of a call's visible tiles are partial (masked edges), the AMX
+    forward's 256-key tiles narrow to CPU_BF16_BLOCK (TilePlan.for_partial_tiles); a dense
+    call keeps its tiles; masked bf16 calls still agree with float64 eager at odd N."""
+    planned = kernel("vanilla").op.tiling.for_head_dim(64).for_dtype("bfloat16")
+    wide = replace(planned, block_cols=2 * CPU_BF16_BLOCK)
+    assert wide.for_partial_tiles(0.5).block_cols == CPU_BF16_BLOCK
+    assert wide.for_partial_tiles(0.05) is wide
+    narrow = replace(wide, block_cols=CPU_BF16_BLOCK)
+    assert narrow.for_partial_tiles(1.0) is narrow
+    q = torch.empty(1, 2, 1000, 64, dtype=torch.bfloat16)
+    assert kernel("causal").forward_classes(q, q)[0].block_cols <= CPU_BF16_BLOCK
+    assert kernel("vanilla").forward_classes(q, q)[0].block_cols == planned.block_cols
+    for name in ("causal", "sliding_window"):
+        kern = kernel(name)
+        result = check(kern, adapt(Shape(1, 2, 1, 700, 700, 64), kern), torch.bfloat16, backward=False)
+        assert result.ok, result.describe()

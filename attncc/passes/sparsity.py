@@ -437,6 +437,12 @@ def classify_tiles(
     return cls.expand(shape).contiguous()
 
 
+def partial_fraction(classes: torch.Tensor) -> float:
+    """Of the visible (non-empty) tiles, the fraction that is partial (the mask evaluated)."""
+    visible = int((classes != EMPTY).sum())
+    return int((classes == PARTIAL).sum()) / visible if visible else 0.0
+
+
 def visible_keys(classes: torch.Tensor, block_cols: int, m: int) -> int:
     """The most keys one query tile sees: its non-empty key tiles times Bc, at most M."""
     if classes.numel() == 0:

@@ -71,6 +71,13 @@ CPU_STREAMING_BR = 192
 # N=2048 18.9, 18.0 (23.2). avx512bf16 (vdpbf16ps, Zen 4) keeps 128: not measured with 256.
 CPU_BF16_BLOCK = 128
 CPU_AMX_BLOCK_COLS = 256
+# ... except where a call's mask leaves partial tiles (the predicate evaluated per score, the
+# scale not folded into the exponent): from this fraction of its visible tiles on, the AMX
+# forward takes CPU_BF16_BLOCK keys per tile (TilePlan.for_partial_tiles). Measured on the Xeon
+# (bf16 fwd ms, 128x256 -> 128x128): causal d=64 N=512 0.72 -> 0.55, N=2048 6.23 -> 5.43; d=128
+# N=512 0.98 -> 0.83, N=2048 6.92 -> 6.63, N=4096 24.8 -> 24.4 (partial fraction 0.5 .. 0.12);
+# sliding window 256 d=64 N=2048 4.15 -> 2.84, d=128 N=4096 11.2 -> 8.0.
+CPU_PARTIAL_TILES_FRACTION = 0.1
 CPU_BF16_STREAMING_BR = 256
 # Keys per tile when decoding from kv heads side by side in each key row (TilePlan
 # for_side_by_side_decoding): one vector of fp32 lanes, the softmax's smallest row.
@@ -141,6 +148,14 @@ class TilePlan:
         goes through its kv heads. fp32 decode B=8 H=32/8 M=4096 D=128 from a [B, M, Hkv, D]
         view: 31 ms with Bc = 64, 27 with 32, 19 with 16."""
         return replace(self, block_cols=CPU_SIDE_BY_SIDE_DECODING_BC, backward=self.backward or self)
+
+    def for_partial_tiles(self, fraction: float) -> TilePlan:
+        """The forward's tiles for a call where `fraction` of the visible tiles are partial:
+        the AMX forward's wide key tiles narrow to CPU_BF16_BLOCK from
+        CPU_PARTIAL_TILES_FRACTION on (halving the area its masked edges waste)."""
+        if self.block_cols <= CPU_BF16_BLOCK or fraction < CPU_PARTIAL_TILES_FRACTION:
+            return self
+        return replace(self, block_cols=CPU_BF16_BLOCK, backward=self.backward or self)
 
     def for_keys(self, m: int) -> TilePlan:
         """The forward's tiles for a call with `m` keys."""

@@ -34,6 +34,7 @@ from attncc.passes.sparsity import (
     check_reads_and_divisors,
     classify_tiles,
     host_read_tensors,
+    partial_fraction,
     runtime_tensors,
     visible_keys,
 )
@@ -661,10 +662,12 @@ class Kernel:
         scalars: list[float],
         page_size: int | None = None,
     ) -> tuple[CallPlan, dict[str, object]]:
-        """The forward's plan and prepared call. Where a query tile sees enough keys that a kv
-        head's K/V panels outgrow L2, a task takes more query rows (TilePlan.for_keys): counted
-        from the tile classes, so a sliding window's few visible tiles keep the L2-sized tasks
-        at any M (taking 192 rows there cost 1.8x at N = 8192 on Zen 4)."""
+        """The forward's plan and prepared call. Where many of the visible tiles are partial the
+        AMX forward's wide key tiles narrow (TilePlan.for_partial_tiles); where a query tile sees
+        enough keys that a kv head's K/V panels outgrow L2, a task takes more query rows
+        (TilePlan.for_keys). Both count from the tile classes, so a sliding window's few visible
+        tiles keep the L2-sized tasks at any M (taking 192 rows there cost 1.8x at N = 8192 on
+        Zen 4)."""
         plan = self.plan(q, k, scale)
         if page_size is not None:  # (reads_pages said there are such tiles)
             plan = replace(plan, tiles=plan.tiles.for_pages(page_size, plan.problem.N))
@@ -672,6 +675,10 @@ class Kernel:
         if plan.problem.N < 4 and plan.problem.Hkv > 1 and side_by_side:
             plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
         call = self._prepare(plan, q.dtype, tensors, scalars)
+        narrowed = plan.tiles.for_partial_tiles(partial_fraction(call["classes"]))  # type: ignore[arg-type]
+        if narrowed is not plan.tiles:
+            plan = replace(plan, tiles=narrowed)
+            call = self._prepare(plan, q.dtype, tensors, scalars)
         visible = visible_keys(call["classes"], plan.tiles.block_cols, plan.problem.M)  # type: ignore[arg-type]
         streamed = plan.tiles.for_keys(visible)
         if streamed is plan.tiles:
