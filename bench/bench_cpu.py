@@ -405,7 +405,7 @@ def grid_dense_cases(results: list, args, flex, rates: dict[str, float]) -> None
     vanilla, causal = attncc.compile(EX / "vanilla.attn"), attncc.compile(EX / "causal.attn")
     r = args.repeats
     for D in (64, 128):
-        for N in (n for n in (512, 1024, 2048, 4096, 8192, 16384) if n <= args.max_n):
+        for N in (n for n in (512, 1024, 2048, 4096, 8192, 16384) if args.min_n <= n <= args.max_n):
             gen = torch.Generator().manual_seed(0)
             base = [torch.randn(1, 8, N, D, generator=gen) for _ in range(3)]
             for dtype in (torch.float32, torch.bfloat16):
@@ -543,6 +543,7 @@ def main() -> None:
     parser.add_argument("--sweep-d", type=int, default=64)
     parser.add_argument("--json", type=Path, help="write raw results here (and the grid's plot beside it)")
     parser.add_argument("--grid", action="store_true", help="the target grid (see above) instead of the default cases")
+    parser.add_argument("--min-n", type=int, default=512, help="the dense grid's smallest N (long-N runs alone)")
     parser.add_argument("--max-n", type=int, default=16384)
     parser.add_argument("--max-n-backward", type=int, default=4096)
     parser.add_argument("--grid-part", choices=("all", "dense", "extra"), default="all")
