@@ -334,10 +334,15 @@ def test_dropout_backward_matches_the_explicit_mask() -> None:
 def test_custom_op_passes_opcheck() -> None:
     kern = kernel("alibi")
     q, k, v, rt = make_inputs(kern, Shape(1, 2, 1, 9, 11, 8))
-    args = (kern.call_key, q, k, v, [rt["slopes"]], [], 0.3, 0.0, torch.tensor([0]))
+    args = (kern.call_key, q, k, v, [rt["slopes"]], [], 0.3, 0.0, torch.tensor([0]), None)
     torch.library.opcheck(torch.ops.attncc.attention.default, args)
     dropout = kernel("gpt2")
-    args = (dropout.call_key, q, k, v, [], [], None, 0.1, torch.tensor([7]))
+    args = (dropout.call_key, q, k, v, [], [], None, 0.1, torch.tensor([7]), None)
+    torch.library.opcheck(torch.ops.attncc.attention.default, args)
+    sinks = kernel("gpt_oss")  # the sink rows [B, H, N] as the op takes them, learnable
+    q, k, v, rt = make_inputs(sinks, Shape(1, 2, 1, 9, 11, 8))
+    rows = torch.randn(1, 2, 9, requires_grad=True)
+    args = (sinks.call_key, q, k, v, [rt["sinks"]], [5.0], None, 0.0, torch.tensor([0]), rows)
     torch.library.opcheck(torch.ops.attncc.attention.default, args)
 
 

@@ -34,7 +34,8 @@ FWD_TOL, BWD_TOL = 2e-5, 2e-4
 #: A reference must differ from each weaker variant by more than this many forward tolerances.
 BITE = 100
 
-Inputs = dict[str, torch.Tensor]
+#: Runtime inputs by name: tensors, and ints for scalar inputs.
+Inputs = dict[str, torch.Tensor | int]
 #: (q, k, v, runtime inputs) -> (out, lse), all in the dtype of q.
 Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Inputs], tuple[torch.Tensor, torch.Tensor]]
 
@@ -233,6 +234,28 @@ def butterfly(block: int = 64, xor: bool = True) -> Reference:
     return ref
 
 
+def gpt_oss(window: int | None = None, sinks: bool = True, bottom_right: bool = True) -> Reference:
+    """Queries are the last N of M positions: key j is visible to query i at position
+    i + M - N when j <= i + M - N and i + M - N - j < window (x["window"] unless given); the
+    softmax has one more logit per row, sinks[h], with no value row (sinks False: without it;
+    bottom_right False: positions aligned top-left, i and j)."""
+
+    def ref(q, k, v, x):
+        s = scores(q, k)
+        i, j = positions(s)
+        position = i + (s.shape[-1] - s.shape[-2] if bottom_right else 0)
+        visible = (j <= position) & (position - j < (x["window"] if window is None else window))
+        if not sinks:
+            return attend(s, v, visible)
+        s = s.masked_fill(~visible, -math.inf)
+        sink = x["sinks"].view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        return p @ v.repeat_interleave(p.shape[1] // v.shape[1], dim=1), lse
+
+    return ref
+
+
 # ----------------------------------------------------------------------- runtime inputs
 def no_inputs(gen: torch.Generator, shape: Shape) -> Inputs:
     return {}
@@ -265,6 +288,12 @@ def prefix_lengths(gen: torch.Generator, shape: Shape) -> Inputs:
 def bias_table(gen: torch.Generator, shape: Shape) -> Inputs:
     """A learnable [H, 257] table, N(0, 0.5^2)."""
     return {"bias": (0.5 * torch.randn(shape.H, 257, generator=gen)).requires_grad_()}
+
+
+def sinks_and_window(gen: torch.Generator, shape: Shape) -> Inputs:
+    """Learnable sinks N(3, 2^2) (about 0.1 of a row's weight against ~128 visible keys, some
+    heads far more) and a window of 128."""
+    return {"sinks": (3.0 + 2.0 * torch.randn(shape.H, generator=gen)).requires_grad_(), "window": 128}
 
 
 def random_block_mask(gen: torch.Generator, shape: Shape) -> Inputs:
@@ -375,6 +404,19 @@ CASES: dict[str, Case] = {
     ),
     # dropout off here; test_gpt2_dropout_matches_the_kernels_keep_mask checks it on
     "gpt2": Case(Shape(2, 2, 2, 250, 250, 40), causal(), {"vanilla": vanilla()}, call={"train": False}),
+    # N < M: queries at positions 133..332, each seeing 128 keys; sinks take a visible share
+    "gpt_oss": Case(
+        Shape(1, 4, 2, 200, 333, 40),
+        gpt_oss(),
+        {
+            "no sinks": gpt_oss(sinks=False),
+            "top-left positions": gpt_oss(bottom_right=False),
+            "window 127": gpt_oss(window=127),
+            "window 129": gpt_oss(window=129),
+            "vanilla": vanilla(),
+        },
+        sinks_and_window,
+    ),
 }
 
 
@@ -401,7 +443,7 @@ def runtime_inputs(case: Case, seed: int = 0) -> Inputs:
 
 
 def learnable(inputs: Inputs) -> list[str]:
-    return [n for n, t in inputs.items() if t.requires_grad]
+    return [n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def results(
@@ -436,8 +478,10 @@ def run_reference(
 ) -> dict[str, torch.Tensor | None]:
     """The hand-written reference on fresh leaves of `dtype` (float inputs converted, ints as they are)."""
 
-    def leaf(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(dtype).requires_grad_(t.requires_grad) if t.is_floating_point() else t
+    def leaf(t: torch.Tensor | int) -> torch.Tensor | int:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.detach().to(dtype).requires_grad_(t.requires_grad)
+        return t
 
     return results(reference, leaf(q), leaf(k), leaf(v), {n: leaf(t) for n, t in inputs.items()}, dout)
 
@@ -585,6 +629,13 @@ MUTANTS = [
     ("strided-stride3", "strided", "stride=4", "stride=3"),
     ("local_blocks-width3", "local_blocks", "width=2", "width=3"),
     ("relative_bias-127", "relative_bias", "const max_distance = 128", "const max_distance = 127"),
+    ("gpt_oss-no-sink", "gpt_oss", "softmax(s, sink=sinks[h])", "softmax(s)"),
+    (
+        "gpt_oss-top-left",
+        "gpt_oss",
+        "mask j <= i + (M - N) and i + (M - N) - j < window",
+        "mask j <= i and i - j < window",
+    ),
 ]
 
 

@@ -88,8 +88,10 @@ def grads_of(out: torch.Tensor, lse: torch.Tensor, leaves: list[torch.Tensor], n
     return got
 
 
-def leaf64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+def leaf64(t: torch.Tensor | int) -> torch.Tensor | int:
+    if isinstance(t, torch.Tensor) and t.is_floating_point():
+        return t.detach().double().requires_grad_(t.requires_grad)
+    return t
 
 
 # ----------------------------------------------------------------------- packed

@@ -19,8 +19,9 @@ OPERANDS = (
     ("out", "storage_t*"), ("dout", "const storage_t*"), ("dq", "storage_t*"),
     ("dk", "storage_t*"), ("dv", "storage_t*"),
 )  # fmt: skip
-#: Per-row statistics and the tile classes.
-ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "const acc_t*"), ("classes", "const uint8_t*"))
+#: Per-row statistics, the tile classes, and the softmax's sink logit per row ([B, H, N]; null
+#: without one: the CPU forward merges it as it writes each row, runtime/sinks.py).
+ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "const acc_t*"), ("classes", "const uint8_t*"), ("sink", "const acc_t*"))
 SIZES = ("B", "H", "Hkv", "N", "M", "D")
 CONTROL = ("Br", "Bc", "cls_sb", "cls_sh", "cls_si", "seed", "offset", "threads")
 #: scale: the multiplier of q.k (FusedAttention.scale evaluated); scale_value: the name `scale`

@@ -412,9 +412,15 @@ def _matmul(ctx: _Context, a: Ast, left: Value, right: Value) -> Value:
 
 def _call(ctx: _Context, a: Ast) -> Value:
     fn = a.value
-    if any(c.kind == "keyword" for c in a.children):
-        raise DslError(f"`{fn}` takes no keyword arguments", a.loc)
-    args = [_lower_expr(ctx, c) for c in a.children]
+    keywords = [c for c in a.children if c.kind == "keyword"]
+    allowed = ("sink",) if fn == "softmax" else ()
+    for n, kw in enumerate(keywords):
+        if any(other.value == kw.value for other in keywords[:n]):
+            raise DslError(f"`{fn}`: keyword argument `{kw.value}` given twice", kw.loc)
+        if kw.value not in allowed:
+            expected = f"; expected {', '.join(allowed)}" if allowed else ""
+            raise DslError(f"`{fn}` has no keyword argument `{kw.value}`{expected}", kw.loc)
+    args = [_lower_expr(ctx, c) for c in a.children if c.kind != "keyword"]
     if fn == "softmax":
         _arity(a, args, 1)
         scores = args[0]
@@ -422,7 +428,11 @@ def _call(ctx: _Context, a: Ast) -> Value:
             scores = _materialise(ctx, scores, a.children[0].loc)
         if not (isinstance(scores, TensorRef) and scores.kind == "scores"):
             raise DslError("softmax takes the scores (from `q @ k.T`)", a.children[0].loc)
-        return TensorRef(add_op(ctx.g, Softmax(loc=a.loc), [scores.node]), "probs")
+        sink, reads = None, set()
+        if keywords:
+            sink = _sink(ctx, keywords[0].children[0])
+            reads = _reads(ctx, sink)
+        return TensorRef(add_op(ctx.g, Softmax(sink, loc=a.loc), [scores.node], reads), "probs")
     if fn == "dropout":
         _arity(a, args, 2)
         probs, rate = args
@@ -438,6 +448,22 @@ def _call(ctx: _Context, a: Ast) -> Value:
         return _elementwise(ctx, a, op, args)
     known = ", ".join(["softmax", "dropout", *MATH_FUNCTIONS])
     raise DslError(f"unknown function `{fn}`; known functions are {known}", a.loc)
+
+
+def _sink(ctx: _Context, a: Ast) -> ex.Expr:
+    """The softmax's sink logit: a number per query row, so over b, h, i, the sizes, `scale`
+    and inputs, never j or the scores."""
+    value = _lower_expr(ctx, a)
+    if isinstance(value, ScoreExpr):
+        raise DslError("a sink cannot depend on the scores `s`: it is one logit per query row", a.start)
+    if isinstance(value, TensorRef):
+        raise DslError("a sink is a number per query row (e.g. `sinks[h]`), not a tensor", a.start)
+    if value.ty not in (ex.INT, ex.FLOAT):
+        raise DslError(f"a sink must be a number, got a {value.ty} expression", a.start)
+    if "j" in ex.free_vars(value):
+        raise DslError("a sink is one logit per query row: it may use b, h and i, not the key index j", a.start)
+    _check_composed_size(value, a.loc)
+    return ex.fold(value)
 
 
 def _arity(a: Ast, args: list[Value], n: int) -> None:

@@ -100,7 +100,13 @@ class Layout(Op):
 
 @dataclass(frozen=True)
 class Softmax(Op):
-    """Row softmax over the key axis."""
+    """Row softmax over the key axis. `sink`: a logit per query row (over b, h, i, the sizes,
+    `scale` and inputs) that joins the denominator and has no value row (attention sinks)."""
+
+    sink: Expr | None = None
+
+    def describe(self) -> str:
+        return "softmax" + (f" sink={self.sink}" if self.sink is not None else "")
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,7 @@ class FusedAttention(Op):
     default_scale: the value of the name `scale` unless a call gives one (the program's
     `scale = ...` or 1/sqrt(D)); score: the score expression over `s` (the scaled product)
     and `scale`; mask: the predicate (masks and layouts together, after sparsity analysis) or
-    None; layouts: block-sparse layouts.
+    None; layouts: block-sparse layouts; sink: the softmax's sink logit per query row or None.
     Later passes fill the analysis fields; the verifier checks each is present once its pass ran.
     """
 
@@ -148,14 +154,17 @@ class FusedAttention(Op):
     backward: BackwardExprs | None = None
     tiling: TilingTable | None = None
     cost: CostModel | None = None
+    sink: Expr | None = None
 
     def describe(self) -> str:
         parts = [f"scale={self.scale}", f"score={self.score}"]
-        if any("scale" in free_vars(e) for e in (self.scale, self.score, self.mask) if e is not None):
+        if any("scale" in free_vars(e) for e in (self.scale, self.score, self.mask, self.sink) if e is not None):
             parts.append(f"where scale={self.default_scale} by default")
         if self.mask is not None:
             parts.append(f"mask={self.mask}")
         parts.extend(layout.describe() for layout in self.layouts)
+        if self.sink is not None:
+            parts.append(f"sink={self.sink}")
         if self.dropout:
             parts.append(f"dropout={self.dropout}")
         return "fused_attention " + ", ".join(parts)

@@ -27,11 +27,20 @@ class BackwardExprs:
 
     dscore: ex.Expr
     inputs: tuple[InputGradient, ...]
+    #: Gradients through the softmax's sink (by row, computed by the runtime from O and lse:
+    #: runtime/sinks.py): d sink[row] = -exp(sink - lse) * (rowsum(dO * O) - dlse), then
+    #: d input[index] += d sink * derivative for each read of a float input in the sink.
+    sink_inputs: tuple[InputGradient, ...] = ()
+    has_sink: bool = False
 
     def describe(self) -> str:
         text = f"dS0 = dS * ({self.dscore})"
         for grad in self.inputs:
             text += f"; d{grad.read} += dS * ({grad.derivative})"
+        if self.has_sink:
+            text += "; dsink = -exp(sink - lse) * (rowsum(dO * O) - dlse)"
+        for grad in self.sink_inputs:
+            text += f"; d{grad.read} += dsink * ({grad.derivative})"
         return text
 
 
@@ -42,6 +51,9 @@ def derive_backward(g: Graph) -> Graph:
     f'(S0) symbolically so that dS0 = dS * f'(S0), dq = scale * dS0 k, dk = scale * dS0^T q.
     For every read x[idx] of a float tensor input in f, it derives df/dx[idx], so the kernel
     accumulates dx[idx] += dS * df/dx[idx] (gradients of learnable biases, ALiBi slopes...).
+    A softmax sink adds no term to dS (it has no value row; lse includes it, so the recomputed
+    P is right); its own gradient is -exp(sink - lse) (rowsum(dO O) - dlse) per row, and the
+    pass derives d sink / dx[idx] for the float inputs the sink reads.
     Guarantees: derivatives are folded and reference only what f references.
     """
     g = clone(g)
@@ -53,6 +65,10 @@ def derive_backward(g: Graph) -> Graph:
             continue
         per_tile = all(ex.free_vars(i) <= {"b", "h", *ex.SIZE_VARS} and not ex.reads(i) for i in r.index)
         grads.append(InputGradient(r, ex.diff(op.score, r), per_tile))
-    exprs = BackwardExprs(ex.diff(op.score, ex.score()), tuple(grads))
+    sink_grads = []
+    for r in ex.reads(op.sink) if op.sink is not None else []:
+        if declared[r.tensor].dtype == "float":
+            sink_grads.append(InputGradient(r, ex.diff(op.sink, r), per_tile=False))
+    exprs = BackwardExprs(ex.diff(op.score, ex.score()), tuple(grads), tuple(sink_grads), op.sink is not None)
     g.nodes[node]["op"] = replace(op, backward=exprs)
     return g

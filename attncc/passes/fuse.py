@@ -25,8 +25,8 @@ def fuse_attention(g: Graph) -> Graph:
     """Replace matmul -> map -> mask* -> softmax -> dropout? -> matmul by one FusedAttention.
 
     Requires a canonical graph. Guarantees afterwards: the graph is exactly the inputs, one
-    `FusedAttention` with operands (q, k, v) and edges from every runtime input it reads, and
-    the output. Anything that does not fit the chain is a DslError at the statement that
+    `FusedAttention` with operands (q, k, v) and edges from every runtime input it reads (the
+    softmax's sink included), and the output. Anything that does not fit the chain is a DslError at the statement that
     breaks it.
     """
     g = clone(g)
@@ -48,6 +48,7 @@ def fuse_attention(g: Graph) -> Graph:
     if not isinstance(op_of(g, probs), Softmax):
         _fail(g, probs, "`@ v` must consume softmax probabilities (optionally after dropout)")
     chain.append(probs)
+    sink = op_of(g, probs).sink  # type: ignore[attr-defined]
     (node,) = operands(g, probs)
     mask_terms: list[ex.Expr] = []
     layouts: list[Layout] = []
@@ -86,6 +87,7 @@ def fuse_attention(g: Graph) -> Graph:
         layouts=tuple(layouts),
         dropout=dropout,
         default_scale=g.graph["scale"],
+        sink=sink,
         loc=matmul.loc,
     )
     reads = {u for n in chain for u, _, d in g.in_edges(n, data=True) if d["operand"] is None}

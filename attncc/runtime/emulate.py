@@ -21,6 +21,7 @@ from attncc.errors import AttnccError, InputError
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.kernel import CallPlan, Kernel, PagedKeys, acc_dtype, delta_rows
+from attncc.runtime.sinks import attach_sink
 from attncc.targets import GPUS
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
@@ -153,7 +154,7 @@ class EmulatedKernel(Kernel):
         plans = dict.fromkeys(self.op.tiling.for_head_dim(d).head_dim for d in head_dims)
         return [self.library_path_for(s, d) for s in storages for d in plans]
 
-    def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed, offset=0, paged=None):  # noqa: ANN001, ANN201 - as Kernel
+    def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed, offset=0, paged=None, sink=None):  # noqa: ANN001, ANN201 - as Kernel
         storage = self.storage_dtype(q.dtype)
         plan = self.plan(q, k if paged is None else paged.keys_like(q, k), scale)
         qs, ks, vs = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -174,6 +175,9 @@ class EmulatedKernel(Kernel):
                 strides = PagedKeys.strides(ks, vs)
             dtype = str(storage).replace("torch.", "")
             self._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
+        if sink is not None:  # merged on the host: the CUDA kernels take no sink (runtime/sinks.py)
+            with torch.no_grad():
+                out, lse = attach_sink(out, lse, sink)
         return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
     def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:

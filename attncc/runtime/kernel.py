@@ -42,6 +42,7 @@ from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.ragged import paged_attention, varlen_attention
 from attncc.runtime.reference import evaluate, reference_attention
+from attncc.runtime.sinks import padded_rows, sink_gradient, sink_logits
 from attncc.targets import ISA_ENV
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -198,13 +199,36 @@ class Kernel:
             scale = checked_scale(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
-        if _plain_call(q, k, v, *tensors):
-            out, lse = self.forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed_tensor.item()))
+        sink = None
+        if self.op.sink is not None:  # [B, H, N], differentiable w.r.t. the inputs it reads
+            B, H, N, _ = q.shape
+            rows = padded_rows(B, H, N, q.device)
+            sink = self.sink_rows(rows, _sizes(q, k), scale, runtime, acc_dtype(q.dtype)).expand(B, H, N).contiguous()
+        if _plain_call(q, k, v, *tensors, *([sink] if sink is not None else [])):
+            out, lse = self.forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed_tensor.item()), sink=sink)
             if repeat_key is not None and out.numel():
                 self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         else:
-            out, lse = torch.ops.attncc.attention(self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_tensor)
+            out, lse = torch.ops.attncc.attention(
+                self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_tensor, sink
+            )
         return (out, lse) if return_lse else out
+
+    def sink_rows(
+        self,
+        rows: Mapping[str, torch.Tensor],
+        sizes: Mapping[str, int | torch.Tensor],
+        scale: float | None,
+        runtime: Mapping[str, object],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The program's softmax sink at the rows whose b, h, i `rows` holds (broadcasting;
+        sizes per row where they vary), differentiable w.r.t. the float inputs it reads."""
+        assert self.op.sink is not None
+        scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
+        tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
+        value = scale if scale is not None else evaluate(self.op.default_scale, sizes, {})
+        return sink_logits(self.op.sink, rows, sizes, value, scalars, tensors, dtype)  # type: ignore[arg-type]
 
     def _repeat_key(
         self,
@@ -219,11 +243,12 @@ class Kernel:
         """What decides a plain call's packed launch and the outcome of its checks: the
         operands' sizes, strides, dtypes and devices, the scale, the scalar inputs' values and
         torch's thread count. None where a call cannot repeat a packed launch: another forward
-        implementation (emulated, CUDA), runtime tensors (their values and addresses change),
+        implementation (emulated, CUDA), sinks and runtime tensors (their values and addresses change),
         dropout (a fresh seed per call), and calls that the op must see or that are not plain
         tensors (`_plain_call`, torch.func transforms, forward-mode AD)."""
         if (
             type(self).forward_impl is not Kernel.forward_impl
+            or self.op.sink is not None
             or seed is not None
             or (train and self.op.dropout > 0)
             or not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
@@ -526,11 +551,13 @@ class Kernel:
         seed: int,
         offset: int = 0,
         paged: PagedKeys | None = None,
+        sink: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of one padded call; `offset` is the dropout counters' fourth word
         (0 for plain calls, the sequence's index for packed and paged calls). With `paged`
         (`reads_pages`), k and v are caches [pages, page_size, Hkv, D] read in place through
-        its block table."""
+        its block table. `sink` [B, H, N]: the softmax's sink logit per row, merged into each
+        row as the kernel writes it (out and lse are those of the softmax with the sink)."""
         dtype = _DTYPES[q.dtype]
         strides: dict[str, tuple[int, ...]] = {}
         if paged is None:
@@ -549,6 +576,8 @@ class Kernel:
         ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
         if paged is not None:
             ptrs["pages"] = paged.table
+        if sink is not None:
+            ptrs["sink"] = sink.detach().to(lse.dtype).contiguous()
         self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed, strides)
         return out, lse
 
@@ -947,8 +976,9 @@ def attention_op(
     scale: float | None,
     dropout: float,
     seed: torch.Tensor,
+    sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _REGISTRY[key].forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed.item()))
+    return _REGISTRY[key].forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed.item()), sink=sink)
 
 
 @attention_op.register_fake
@@ -962,6 +992,7 @@ def _attention_fake(
     scale: float | None,
     dropout: float,
     seed: torch.Tensor,
+    sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
@@ -1010,23 +1041,24 @@ def _attention_backward_fake(
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
-    key, q, k, v, tensors, scalars, scale, dropout, seed = inputs
+    key, q, k, v, tensors, scalars, scale, dropout, seed, sink = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed, *tensors)
+    ctx.save_for_backward(q, k, v, out, lse, seed, sink, *tensors)
     ctx.key, ctx.scalars, ctx.scale, ctx.dropout = key, scalars, scale, dropout
     ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
     ctx.kernel = _REGISTRY[key]  # alive until the backward ran
 
 
 def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
-    q, k, v, out, lse, seed, *tensors = ctx.saved_tensors
+    q, k, v, out, lse, seed, sink, *tensors = ctx.saved_tensors
     dq, dk, dv, grads = torch.ops.attncc.attention_backward(
         ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs
     )
     tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
     # torch takes a non-empty list[float] input as one leaf (gradient None), an empty one as []
     scalar_grads = None if ctx.scalars else []
-    return None, dq, dk, dv, tensor_grads, scalar_grads, None, None, None
+    dsink = sink_gradient(sink, lse, out, dout, dlse) if sink is not None and ctx.needs_input_grad[9] else None
+    return None, dq, dk, dv, tensor_grads, scalar_grads, None, None, None, dsink
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -29,6 +29,7 @@ import torch
 
 from attncc.errors import InputError
 from attncc.ir import expr as ex
+from attncc.runtime.sinks import padded_rows, sink_gradient
 
 if TYPE_CHECKING:
     from attncc.runtime.kernel import Kernel
@@ -204,14 +205,18 @@ class _Varlen(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sink: torch.Tensor | None,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from attncc.runtime.kernel import acc_dtype
 
         out = q.new_zeros(q.shape)
         lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
-        for seg in segments:  # rows of sequences with no query or no key stay 0 and -inf
+        if sink is not None:  # rows of sequences with no key: the sink alone
+            lse = torch.where(torch.isneginf(sink), lse, sink.detach())
+        for seg in segments:  # rows of sequences with no query or no key stay 0 and -inf (or the sink)
             cut = sequence_slices(kern, seg, seg.n, seg.m)
+            part_sink = None if sink is None else _as_bhnd(sink.detach()[seg.rows].unsqueeze(-1), seg.count)[..., 0]
             part_out, part_lse = kern.forward_impl(
                 _as_bhnd(q[seg.rows], seg.count),
                 _as_bhnd(k[seg.keys], seg.count),
@@ -222,16 +227,17 @@ class _Varlen(torch.autograd.Function):
                 options.dropout,
                 options.seed,
                 offset=seg.index,
+                sink=part_sink,
             )
             out[seg.rows], lse[seg.rows] = _as_rows(part_out), _as_rows(part_lse)
-        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.save_for_backward(q, k, v, out, lse, sink, *tensors)
         ctx.kern, ctx.segments, ctx.options = kern, segments, options
         ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        q, k, v, out, lse, sink, *tensors = ctx.saved_tensors
         kern, options = ctx.kern, ctx.options
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         grads = [torch.zeros_like(t) if want else None for t, want in zip(tensors, ctx.grad_inputs)]
@@ -258,7 +264,8 @@ class _Varlen(torch.autograd.Function):
             for g, part, c in zip(grads, g_inputs, cut):
                 if g is not None:
                     g[c] += part.to(g.dtype)
-        return (None, None, None, dq, dk, dv, *grads)
+        dsink = sink_gradient(sink, lse, out, dout, dlse) if sink is not None and ctx.needs_input_grad[6] else None
+        return (None, None, None, dq, dk, dv, dsink, *grads)
 
 
 def varlen_attention(
@@ -300,7 +307,23 @@ def varlen_attention(
     _validate_runtime(kern, q, sizes, runtime)
     options = _options(kern, runtime, scale, kern.op.dropout if train else 0.0, seed)
     tensors = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]
-    out, lse = _Varlen.apply(kern, grouped(segments, options.dropout), options, q, k, v, *tensors)
+    from attncc.runtime.kernel import acc_dtype
+
+    sink = None
+    if kern.op.sink is not None:  # [total_q, H]: row r of sequence b is its query i = r - cu_seqlens_q[b]
+        n = torch.tensor([s.n for s in segments], device=q.device)
+        m = torch.tensor([s.m for s in segments], device=q.device)
+        sequence = torch.repeat_interleave(torch.arange(len(segments), device=q.device), n)
+        row = torch.arange(q.shape[0], device=q.device) - cq.to(q.device)[sequence]
+        rows = {
+            "b": sequence.view(-1, 1),
+            "h": torch.arange(q.shape[1], device=q.device).view(1, -1),
+            "i": row.view(-1, 1),
+        }
+        row_sizes = {"B": len(segments), "H": q.shape[1], "Hkv": k.shape[1], "D": q.shape[2]}
+        row_sizes |= {"N": n[sequence].view(-1, 1), "M": m[sequence].view(-1, 1)}
+        sink = kern.sink_rows(rows, row_sizes, scale, runtime, acc_dtype(q.dtype)).expand(q.shape[:2]).contiguous()
+    out, lse = _Varlen.apply(kern, grouped(segments, options.dropout), options, q, k, v, sink, *tensors)
     return (out, lse) if return_lse else out
 
 
@@ -410,6 +433,13 @@ def paged_attention(
             v_cache[pages, slots] = v_new
         out = q_bhnd.new_zeros((B, H, N, D))
         lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
+        sink = None
+        if kern.op.sink is not None:  # [B, H, N]; M is each sequence's key count
+            row_sizes: dict[str, int | torch.Tensor] = {"B": B, "H": H, "Hkv": Hkv, "N": N, "D": D}
+            row_sizes["M"] = torch.tensor(totals, device=q.device).view(-1, 1, 1)
+            sink = kern.sink_rows(padded_rows(B, H, N, q.device), row_sizes, scale, runtime, lse.dtype)
+            sink = sink.expand(B, H, N).contiguous()
+            lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
         used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
         in_place = kern.reads_pages(q_bhnd, page_size)
         pages_on_device = table.to(q.device) if in_place else table
@@ -427,6 +457,7 @@ def paged_attention(
                 out[batch], lse[batch] = kern.forward_impl(
                     q_bhnd[batch], k_cache, v_cache, [t[c] for t, c in zip(tensors, cut)], options.scalars,  # type: ignore[index]
                     options.scale, 0.0, 0, paged=PagedKeys(pages_on_device[batch], page_size, seg.m),
+                    sink=None if sink is None else sink[batch],
                 )  # fmt: skip
                 continue
             calls += [(seg, pages)] if together else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
@@ -442,6 +473,7 @@ def paged_attention(
                 options.scale,
                 0.0,
                 0,
+                sink=None if sink is None else sink[batch],
             )
     if layout == "bnhd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)

@@ -120,7 +120,11 @@ def reference_attention(
     if op.mask is not None:
         visible = evaluate(op.mask, env, tensors).expand(B, H, N, M)
         s = s.masked_fill(~visible, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
+    if op.sink is None:
+        lse = torch.logsumexp(s, dim=-1)
+    else:  # one more logit per row, with no value row
+        sink = evaluate(op.sink, env, tensors).to(dtype).expand(B, H, N, 1)
+        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
     dead = torch.isneginf(lse)
     p = torch.exp(s - torch.where(dead, 0.0, lse).unsqueeze(-1)).masked_fill(dead.unsqueeze(-1), 0.0)
     p = p.to(dtype)

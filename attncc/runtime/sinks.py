@@ -1,0 +1,77 @@
+"""Attention sinks: `p = softmax(s, sink=expr)`, a logit per query row that joins the softmax's
+denominator and has no value row (StreamingLLM, GPT-OSS).
+
+The runtime evaluates the sink expression at every query row (`sink_logits`, differentiable
+w.r.t. the inputs it reads) and hands the rows to the op. The CPU forward merges each row's
+sink as it writes the row (templates/cpu: m' = max(m, sink), l' = l e^(m - m') + e^(sink - m'));
+the CUDA kernels (and their emulator) merge it on the host, `attach_sink`: with L the kernel's
+log-sum-exp and O its output, the sink softmax is exactly the kernel's result merged with an
+empty partial state of log-sum-exp `sink` (what `merge_states` does for split-KV):
+
+    lse' = log(exp(L) + exp(sink)),   O' = O exp(L - lse') = O sigmoid(L - sink).
+
+The backward kernels need nothing new: P = exp(S - lse') is the sink softmax's, and
+delta = rowsum(dO' O') - dlse' as always. The sink's own gradient is `sink_gradient`:
+its probability is exp(sink - lse') and its value row 0, so d sink = -exp(sink - lse') delta,
+and autograd carries it into the inputs the expression reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from attncc.ir import expr as ex
+from attncc.runtime.reference import Value, evaluate
+
+
+def sink_logits(
+    sink: ex.Expr,
+    rows: Mapping[str, Value],
+    sizes: Mapping[str, Value],
+    scale_value: Value,
+    scalars: Mapping[str, Value],
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The sink expression at every query row: `rows` maps b, h, i to index tensors that
+    broadcast to the rows' shape (sizes likewise, per sequence in packed and paged calls);
+    differentiable w.r.t. the float tensors it reads."""
+    env: dict[str, Value] = {**rows, **sizes, **scalars, "scale": scale_value}
+    return evaluate(sink, env, tensors).to(dtype)
+
+
+def attach_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the kernel (out [..., D], lse [...]) -> those of the softmax with `sink`
+    (broadcast to lse's shape). A fully masked row (lse -inf) gets O = 0 and lse = sink; a sink
+    of -inf leaves the row as it was."""
+    sink = sink.to(lse.dtype).expand(lse.shape)
+    # a finite stand-in for -inf sinks keeps logaddexp and sigmoid free of inf - inf (NaN
+    # gradients through the where below)
+    finite = sink.clamp_min(torch.finfo(lse.dtype).min)
+    new_lse = torch.where(torch.isneginf(sink), lse, torch.logaddexp(lse, finite))
+    kept = torch.sigmoid(lse - finite)
+    return (out.to(lse.dtype) * kept.unsqueeze(-1)).to(out.dtype), new_lse
+
+
+def sink_gradient(
+    sink: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+) -> torch.Tensor:
+    """d loss / d sink per row, from the sink softmax's out and lse: the sink's probability is
+    exp(sink - lse) and its "value" 0, so d sink = -exp(sink - lse) (rowsum(dO O) - dlse); 0
+    where the sink is -inf."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(lse.dtype)
+    weight = torch.where(torch.isneginf(sink), 0.0, torch.exp(sink - lse))
+    return -(weight * delta)
+
+
+def padded_rows(B: int, H: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """b, h, i of a padded call's rows [B, H, N]."""
+    return {
+        "b": torch.arange(B, device=device).view(-1, 1, 1),
+        "h": torch.arange(H, device=device).view(1, -1, 1),
+        "i": torch.arange(N, device=device).view(1, 1, -1),
+    }
