@@ -239,8 +239,22 @@ using namespace attncc;
 extern "C" void to_bf16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_bf16(x[i]).bits; }
 extern "C" void to_fp16(const float* x, uint16_t* y, int n) { for (int i = 0; i < n; ++i) y[i] = from_float_fp16(x[i]).bits; }
 extern "C" void from_fp16(const uint16_t* x, float* y, int n) { for (int i = 0; i < n; ++i) y[i] = to_acc_float(fp16_t{x[i]}); }
-extern "C" void vector_exp(const float* x, float* y, int n) { for (int i = 0; i < n; i += VL) vstore(y + i, vexp2_nonpositive(vload(x + i))); }
-extern "C" void vector_exp_bf16(const float* x, float* y, int n) { for (int i = 0; i < n; i += VL) vstore(y + i, vexp2_nonpositive<true>(vload(x + i))); }
+// (as in a kernel's threads: denormals flushed while the exponentials run)
+extern "C" void vector_exp(const float* x, float* y, int n) {
+  const FlushDenormals flush;
+  for (int i = 0; i < n; i += VL) vstore(y + i, vexp2_nonpositive(vload(x + i)));
+}
+extern "C" void vector_exp_bf16(const float* x, float* y, int n) {
+  const FlushDenormals flush;
+  for (int i = 0; i < n; i += VL) vstore(y + i, vexp2_nonpositive<true>(vload(x + i)));
+}
+// x * y computed before, inside and after a FlushDenormals scope (x, y chosen by the caller)
+extern "C" void products_around_flush(float x, float y, float* out) {
+  volatile float a = x, b = y;
+  out[0] = a * b;
+  { const FlushDenormals flush; out[1] = a * b; }
+  out[2] = a * b;
+}
 extern "C" void scalar_math(const float* x, float* e, float* th, int n) {
   for (int i = 0; i < n; ++i) { e[i] = math_exp(x[i]); th[i] = math_tanh(x[i]); }
 }
@@ -304,11 +318,12 @@ def test_half_conversions_round_like_torch(harness) -> None:
 
 def test_vector_exp_accuracy(harness) -> None:
     """The softmax's exponential, 2^t for t = (s - max) log2(e) <= 0 (the AVX-512 polynomial and
-    vscalefps where the harness is built for AVX-512, the Cody-Waite one elsewhere): accurate from
-    2^-125 up, below it 0 or a subnormal under 2^-125 (AVX-512: exactly 0, never a subnormal,
-    whose microcode assists cost more than the rest of the softmax), exactly 0 for -inf (masked
-    scores) and far below the range, NaN for NaN (a NaN score must reach the row sum); as exact up
-    to t = 8 (the forward's lazy rescaling lets P reach 256)."""
+    vscalefps where the harness is built for AVX-512, the Cody-Waite one elsewhere), run as the
+    kernels run it, with denormals flushed: accurate from 2^-125 up, below it 0 or a subnormal
+    under 2^-125 (AVX-512: exactly 0, never a subnormal, whose microcode assists cost more than
+    the rest of the softmax), exactly 0 for -inf (masked scores) and far below the range, NaN for
+    NaN (a NaN score must reach the row sum); as exact up to t = 8 (the forward's lazy rescaling
+    lets P reach 256)."""
     special = [-float("inf")] * 16 + [-126.0] * 16 + [float("nan")] * 16 + [-125.99, -150.0, -200.0, -0.0] * 4
     x = torch.cat([torch.linspace(-130, 8, 16000), torch.tensor(special)])
     y = torch.empty_like(x)
@@ -321,6 +336,16 @@ def test_vector_exp_accuracy(harness) -> None:
         assert not ((y > 0) & (y < 2.0**-126)).any()
     assert torch.equal(y[x <= -150], torch.zeros_like(y[x <= -150]))
     assert torch.equal(y.isnan(), x.isnan())
+
+
+def test_flush_denormals_is_scoped(harness) -> None:
+    """FlushDenormals flushes a subnormal product to 0 inside its scope only: the kernels run on
+    OpenMP threads that torch's own operators use next."""
+    if "sse" not in targets.cpu_features():
+        pytest.skip("FlushDenormals sets the SSE control register; this CPU has none")
+    out = torch.empty(3)
+    harness.products_around_flush(ctypes.c_float(2.0**-70), ctypes.c_float(2.0**-70), ptr(out))
+    assert out[0].item() == out[2].item() == 2.0**-140 and out[1].item() == 0.0
 
 
 def test_vector_exp_for_bf16_accuracy(harness) -> None:

@@ -39,6 +39,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include "attncc/halfbits.h"
 #include "attncc/philox.h"
@@ -236,6 +239,20 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
 };
 using Scratch = Buffer<acc_t>;
+
+// MXCSR's flush-to-zero and denormals-are-zero while a kernel's thread runs, restored after (the
+// OpenMP threads go back to torch): a denormal result or operand of an SSE/AVX instruction
+// otherwise takes a microcode assist (~60 ns a vector), which scores far below their row's max
+// and products of tiny probabilities make often. Values below 2^-126 (1.2e-38) read as 0.
+struct FlushDenormals {
+#if defined(__SSE__)
+  const unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040u); }  // FTZ (bit 15) | DAZ (bit 6)
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -473,10 +490,10 @@ inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, in
 // 2^t lane by lane for t <= 0 (softmax's exponent, in base 2: the scale and the row max are
 // multiplied by log2(e) once per row, so a score costs one FMA before the exponential).
 // AVX-512: n = round(t), 2^(t - n) by its Taylor polynomial (degree 6, relative error < 2e-7 on
-// [-1/2, 1/2]), times 2^n by one vscalefps. Below t = -125 the result is exactly 0 (masked
-// scores, -inf, included; NaN stays NaN): t is clamped there so that vscalefps never makes a
-// denormal, whose microcode assist costs ~100 cycles a lane group (a causal bf16 forward at
-// N = 512 spent a third of its time in them), and the masked-off lanes are zeroed instead.
+// [-1/2, 1/2]), times 2^n by one vscalefps: exactly 0 for -inf (a masked score), NaN for NaN.
+// Below t = -126 the result is denormal, whose microcode assist costs ~60 ns a vector unless
+// the thread flushes denormals (FlushDenormals, which every kernel's threads hold: scores a
+// hundred below the row's max made a bf16 forward 10x slower without it).
 // Elsewhere e^(t ln 2) by the Cody-Waite polynomial; double builds (gradcheck) call libm.
 // `ForBf16`: for the forward's P when it is rounded to bf16 (steps of 2^-8 relative), a degree-4
 // minimax polynomial (relative error < 2.7e-6 on [-1/2, 1/2], fitted by Lawson's iteration; the
@@ -485,12 +502,11 @@ inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, in
 #if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
 template <bool ForBf16 = false>
 inline vfloat_t vexp2_nonpositive(vfloat_t t) {
-  const __m512 lowest = _mm512_set1_ps(-125.0f);
-  const __mmask16 normal = _mm512_cmp_ps_mask((__m512)t, lowest, _CMP_NLT_UQ);  // t >= -125 or NaN
-  const __m512 tc = _mm512_max_ps(lowest, (__m512)t);  // max returns t where t is NaN
-  // f = tc - round(tc) by one vreducep (vrndscaleps is two uops), n = tc - f = round(tc) exactly
-  const __m512 f = _mm512_reduce_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 n = _mm512_sub_ps(tc, f);
+  // f = t - round(t) by one vreduceps (vrndscaleps is two uops), n = t - f = round(t) exactly.
+  // No clamp: vreduceps gives f = 0 for -inf and for every t below -2^23, so n = t and vscalefps
+  // returns exactly 0 for -inf (a masked score) and any t below -149; NaN stays NaN.
+  const __m512 f = _mm512_reduce_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps((__m512)t, f);
   __m512 p;
   if constexpr (ForBf16) {
     p = _mm512_fmadd_ps(_mm512_set1_ps(9.5700799e-3f), f, _mm512_set1_ps(5.5917837e-2f));
@@ -505,7 +521,7 @@ inline vfloat_t vexp2_nonpositive(vfloat_t t) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   }
-  return (vfloat_t)_mm512_maskz_scalef_ps(normal, p, n);
+  return (vfloat_t)_mm512_scalef_ps(p, n);
 }
 #else
 // The same polynomials, 2^n by adding n to the exponent bits; exactly 0 below 2^-126.
@@ -547,10 +563,19 @@ constexpr acc_t kLog2e = acc_t(1.44269504088896340736);
 // The row's largest value per lane (of lane l: x[l], x[VL + l], ...), NaN lanes ignored (the max
 // instruction keeps the running max when a lane is NaN); a NaN still reaches the softmax through
 // exp(NaN - max) in its row sum. The forward reduces the lanes only when a row's max moves.
+// Four chains of maxima: one chain waits out the max's latency (4 cycles) at every vector.
 inline vec_t max_lanes(const acc_t* x, int n) {
-  vec_t m = vbroadcast(-kInf);
-  for (int c = 0; c < n; c += VL) { const vec_t v = vload(x + c); m = v > m ? v : m; }
-  return m;
+  vec_t m[4] = {vbroadcast(-kInf), vbroadcast(-kInf), vbroadcast(-kInf), vbroadcast(-kInf)};
+  int c = 0;
+  for (; c + 4 * VL <= n; c += 4 * VL)
+    for (int k = 0; k < 4; ++k) {
+      const vec_t v = vload(x + c + k * VL);
+      m[k] = v > m[k] ? v : m[k];
+    }
+  for (; c < n; c += VL) { const vec_t v = vload(x + c); m[0] = v > m[0] ? v : m[0]; }
+  m[0] = m[1] > m[0] ? m[1] : m[0];  // (m lanes are never NaN: no NaN survives `v > m ? v : m`)
+  m[2] = m[3] > m[2] ? m[3] : m[2];
+  return m[2] > m[0] ? m[2] : m[0];
 }
 
 inline bool has_nan(const acc_t* x, int n) {
