@@ -115,6 +115,39 @@ def test_varlen_matches_hand_written_reference_per_sequence(name: str) -> None:
     assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
 
 
+@pytest.mark.parametrize("name", ["alibi", "gpt_oss"])
+def test_varlen_under_torch_compile_fullgraph(name: str) -> None:
+    """A packed call traced whole (the offsets are read inside the op, the sink rows are tensor
+    operations): forward, backward and learnable inputs (alibi's slopes, gpt_oss's sinks) match
+    the hand-written reference per sequence, for two sets of lengths through one compiled
+    function; bad offsets are the eager call's InputError when the graph runs."""
+    case = CASES[name]
+    kern = kernel(name)
+
+    def packed(q, k, v, cu_q, cu_k, inputs):
+        return kern.varlen(q, k, v, cu_q, cu_k, return_lse=True, **case.call, **inputs)
+
+    compiled = torch.compile(packed, fullgraph=True)
+    full = case.shape
+    for lens_q, lens_k in (packed_lengths(full), ([full.N - 7, 0, 1], [full.M - 3, 5, 1])):
+        shape = replace(full, B=len(lens_q))
+        q, k, v, dout = packed_leaves(shape, lens_q, lens_k, seed=len(lens_q))
+        inputs = case.inputs(torch.Generator().manual_seed(1000), shape)
+        names = ["dq", "dk", "dv"] + [f"d{n}" for n in learnable(inputs)]
+        out, lse = compiled(q, k, v, offsets(lens_q), offsets(lens_k), inputs)
+        got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
+        ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
+        q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+        ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
+        ref = grads_of(
+            ref_out, ref_lse, [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))], names, dout.double()
+        )
+        assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
+    unsorted = torch.tensor([0, lens_q[0] + 1, lens_q[0]] + [sum(lens_q)] * (len(lens_q) - 2), dtype=torch.int32)
+    with pytest.raises(attncc.InputError, match="cu_seqlens_q: expected non-decreasing offsets"):
+        compiled(q, k, v, unsorted, offsets(lens_k), inputs)
+
+
 def test_varlen_equals_the_padded_call_with_a_key_padding_mask() -> None:
     """vanilla packed == padding.attn on the zero-padded batch with the same lengths (valid rows)."""
     lens = [70, 1, 129, 33]
@@ -243,11 +276,23 @@ def bottom_right_alibi(q, k, v, slopes):
     return attend(s, v, j <= position)
 
 
-@pytest.mark.parametrize("page_size", [16, 5])
-@pytest.mark.parametrize(("queries", "layout"), [(1, "bnhd"), (4, "bhnd")])
-def test_paged_decode_and_chunked_prefill_with_appended_keys(page_size: int, queries: int, layout: str) -> None:
+@pytest.mark.parametrize(
+    ("page_size", "queries", "layout", "compiled"),
+    [
+        (16, 1, "bnhd", False),
+        (16, 4, "bhnd", False),
+        (5, 1, "bnhd", False),
+        (5, 4, "bhnd", False),
+        (16, 1, "bnhd", True),
+        (5, 4, "bhnd", True),
+    ],
+)
+def test_paged_decode_and_chunked_prefill_with_appended_keys(
+    page_size: int, queries: int, layout: str, compiled: bool
+) -> None:
     """GQA 4/2 over pages in shuffled order, three sequences (one empty before the append);
-    new k/v written in place at cache_seqlens, then attended with the cached keys."""
+    new k/v written in place at cache_seqlens, then attended with the cached keys; also through
+    torch.compile(fullgraph=True), the append still in place in the caller's cache."""
     gen = torch.Generator().manual_seed(7)
     B, H, Hkv, D, held = 3, 4, 2, 40, [61, 0, 23]
     pages_per_seq = -(-(max(held) + queries) // page_size) + 1
@@ -260,8 +305,9 @@ def test_paged_decode_and_chunked_prefill_with_appended_keys(page_size: int, que
     slopes = torch.rand(H, generator=gen)
     before = k_cache.clone(), v_cache.clone()
     kern = attncc.compile(BOTTOM_RIGHT)
+    paged = torch.compile(kern.paged, fullgraph=True) if compiled else kern.paged
     q_in = q if layout == "bnhd" else q.transpose(1, 2)
-    out, lse = kern.paged(
+    out, lse = paged(
         q_in, k_cache, v_cache, table, torch.tensor(held), k_new=k_new, v_new=v_new, layout=layout,
         return_lse=True, slopes=slopes,
     )  # fmt: skip

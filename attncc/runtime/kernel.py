@@ -40,7 +40,15 @@ from attncc.passes.sparsity import (
 )
 from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
-from attncc.runtime.ragged import paged_attention, varlen_attention
+from attncc.runtime.ragged import (
+    CallOptions,
+    paged_attention,
+    paged_forward,
+    varlen_attention,
+    varlen_backward,
+    varlen_forward,
+    varlen_segments,
+)
 from attncc.runtime.reference import evaluate, reference_attention
 from attncc.runtime.sinks import padded_rows, sink_gradient, sink_logits
 from attncc.targets import ISA_ENV
@@ -189,12 +197,7 @@ class Kernel:
         tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
         dropout = self.op.dropout if train else 0.0
-        # the seed travels as a one-element int64 tensor: drawn from torch's generator it stays
-        # a tensor under torch.compile (no data-dependent .item() while tracing)
-        if seed is None:
-            seed_tensor = torch.randint(0, 2**62, (1,)) if dropout > 0 else torch.zeros(1, dtype=torch.int64)
-        else:
-            seed_tensor = torch.tensor([checked_seed(seed)], dtype=torch.int64)
+        seed_value = seed_tensor(seed, dropout)
         if not torch.compiler.is_compiling():  # traced: may be symbolic
             scale = checked_scale(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
@@ -205,14 +208,22 @@ class Kernel:
             rows = padded_rows(B, H, N, q.device)
             sink = self.sink_rows(rows, _sizes(q, k), scale, runtime, acc_dtype(q.dtype)).expand(B, H, N).contiguous()
         if _plain_call(q, k, v, *tensors, *([sink] if sink is not None else [])):
-            out, lse = self.forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed_tensor.item()), sink=sink)
+            out, lse = self.forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed_value.item()), sink=sink)
             if repeat_key is not None and out.numel():
                 self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         else:
             out, lse = torch.ops.attncc.attention(
-                self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_tensor, sink
+                self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_value, sink
             )
         return (out, lse) if return_lse else out
+
+    def runtime_values(self, tensors: list[torch.Tensor], scalars: list[float]) -> dict[str, object]:
+        """The runtime inputs by name from an op's lists (tensors and scalars in declaration order)."""
+        values: dict[str, object] = {}
+        tensor_values, scalar_values = iter(tensors), iter(scalars)
+        for decl in self.inputs:
+            values[decl.name] = next(tensor_values) if decl.role == "tensor" else next(scalar_values)
+        return values
 
     def sink_rows(
         self,
@@ -937,6 +948,14 @@ def checked_seed(seed: object) -> int:
     return seed  # type: ignore[return-value]
 
 
+def seed_tensor(seed: int | None, dropout: float) -> torch.Tensor:
+    """A call's dropout seed as a one-element int64 tensor: drawn from torch's generator (where
+    not given) it stays a tensor under torch.compile, with no data-dependent .item() while tracing."""
+    if seed is None:
+        return torch.randint(0, 2**62, (1,)) if dropout > 0 else torch.zeros(1, dtype=torch.int64)
+    return torch.tensor([checked_seed(seed)], dtype=torch.int64)
+
+
 def checked_scale(scale: object) -> float | None:
     """A call's `scale=`: None (the program's default) or a finite number."""
     if scale is None:
@@ -1057,11 +1076,179 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: AN
     tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
     # torch takes a non-empty list[float] input as one leaf (gradient None), an empty one as []
     scalar_grads = None if ctx.scalars else []
-    dsink = sink_gradient(sink, lse, out, dout, dlse) if sink is not None and ctx.needs_input_grad[9] else None
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[9]:
+        dsink = sink_gradient(sink, lse, delta_rows(out, dout, dlse, lse.dtype))
     return None, dq, dk, dv, tensor_grads, scalar_grads, None, None, None, dsink
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# The packed (varlen) call as one op: its offsets are read on the host inside, so torch.compile
+# traces a varlen call whole (fullgraph) and the offsets' checks run when the graph does.
+@torch.library.custom_op("attncc::varlen_attention", mutates_args=())
+def varlen_op(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float | None,
+    dropout: float,
+    seed: torch.Tensor,
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kern = _REGISTRY[key]
+    runtime = kern.runtime_values(tensors, scalars)
+    segments = varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+    options = CallOptions(scalars, scale, dropout, int(seed.item()))
+    return varlen_forward(kern, segments, options, q, k, v, sink, tensors)
+
+
+@varlen_op.register_fake
+def _varlen_fake(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float | None,
+    dropout: float,
+    seed: torch.Tensor,
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("attncc::varlen_attention_backward", mutates_args=())
+def varlen_backward_op(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float | None,
+    dropout: float,
+    seed: torch.Tensor,
+    grad_inputs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    kern = _REGISTRY[key]
+    runtime = kern.runtime_values(tensors, scalars)
+    segments = varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+    options = CallOptions(scalars, scale, dropout, int(seed.item()))
+    return varlen_backward(kern, segments, options, (q, k, v, out, lse), dout, dlse, tensors, grad_inputs)
+
+
+@varlen_backward_op.register_fake
+def _varlen_backward_fake(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float | None,
+    dropout: float,
+    seed: torch.Tensor,
+    grad_inputs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    grads = [t.new_empty(t.shape) if wanted else t.new_empty(0) for t, wanted in zip(tensors, grad_inputs)]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
+
+
+def _setup_varlen_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
+    key, q, k, v, cu_q, cu_k, max_q, max_k, tensors, scalars, scale, dropout, seed, sink = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, sink, *tensors)
+    ctx.key, ctx.lengths, ctx.scalars, ctx.scale, ctx.dropout = key, (max_q, max_k), scalars, scale, dropout
+    ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
+    ctx.kernel = _REGISTRY[key]  # alive until the backward ran
+
+
+def _varlen_backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+    q, k, v, out, lse, cu_q, cu_k, seed, sink, *tensors = ctx.saved_tensors
+    dq, dk, dv, grads = torch.ops.attncc.varlen_attention_backward(
+        ctx.key, q, k, v, out, lse, dout, dlse, cu_q, cu_k, *ctx.lengths,
+        tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs,
+    )  # fmt: skip
+    tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
+    scalar_grads = None if ctx.scalars else []  # (as in _backward)
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[13]:
+        dsink = sink_gradient(sink, lse, delta_rows(out, dout, dlse, lse.dtype))
+    return None, dq, dk, dv, None, None, None, None, tensor_grads, scalar_grads, None, None, None, dsink
+
+
+varlen_op.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+
+
+# The paged call as one op (forward only), for the same reason; it writes k_new and v_new into
+# the cache before attending.
+@torch.library.custom_op("attncc::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_op(
+    key: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float | None,
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    options = CallOptions(scalars, scale, 0.0, 0)
+    return paged_forward(
+        _REGISTRY[key], q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, options, tensors, sink
+    )
+
+
+@paged_op.register_fake
+def _paged_fake(
+    key: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float | None,
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 def _no_double_backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
@@ -1072,6 +1259,7 @@ def _no_double_backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001 - a
 
 
 attention_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+varlen_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def delta_rows(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

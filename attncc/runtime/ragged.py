@@ -29,7 +29,7 @@ import torch
 
 from attncc.errors import InputError
 from attncc.ir import expr as ex
-from attncc.runtime.sinks import padded_rows, sink_gradient
+from attncc.runtime.sinks import padded_rows
 
 if TYPE_CHECKING:
     from attncc.runtime.kernel import Kernel
@@ -163,17 +163,6 @@ def _validate_runtime(
     kern.validate(_proxy(q, (B, H, N, D)), _proxy(q, (B, Hkv, M, D)), _proxy(q, (B, Hkv, M, D)), runtime)
 
 
-def _options(
-    kern: Kernel, runtime: Mapping[str, object], scale: float | None, dropout: float, seed: int | None
-) -> CallOptions:
-    from attncc.runtime.kernel import checked_scale, checked_seed
-
-    scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
-    return CallOptions(scalars, checked_scale(scale), dropout, checked_seed(seed))
-
-
 def sequence_slices(kern: Kernel, segment: Segment, n: int, m: int) -> list[tuple[slice, ...]]:
     """Per runtime tensor: the index that cuts it to `segment` (axes B, and N, M to n, m)."""
     cuts = {"B": slice(segment.index, segment.index + segment.count), "N": slice(0, n), "M": slice(0, m)}
@@ -195,77 +184,146 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- packed (varlen)
-class _Varlen(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,  # noqa: ANN001 - autograd ctx
-        kern: Kernel,
-        segments: list[Segment],
-        options: CallOptions,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        sink: torch.Tensor | None,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from attncc.runtime.kernel import acc_dtype
+def varlen_segments(
+    kern: Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    runtime: Mapping[str, object],
+) -> list[Segment]:
+    """The sequences of a packed call, checked on the host: the offsets' values, the longest
+    lengths and the runtime inputs at the batch's padded sizes (data-dependent checks: the op's
+    implementation runs them, and `varlen_attention` before it where nothing is traced)."""
+    cq = _host_ints("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]", q.device)
+    ck = _host_ints("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]", q.device)
+    if cq.numel() != ck.numel():
+        raise InputError(f"cu_seqlens_k: expected {cq.numel()} offsets (as cu_seqlens_q: B + 1), got {ck.numel()}")
+    starts_q = _cumulative("cu_seqlens_q", cq, q.shape[0], "q's")
+    starts_k = _cumulative("cu_seqlens_k", ck, k.shape[0], "k's")
+    segments = [
+        Segment(b, starts_q[b], starts_q[b + 1] - starts_q[b], starts_k[b], starts_k[b + 1] - starts_k[b])
+        for b in range(len(starts_q) - 1)
+    ]
+    n_max = _longest("max_seqlen_q", max_seqlen_q, [s.n for s in segments])
+    m_max = _longest("max_seqlen_k", max_seqlen_k, [s.m for s in segments])
+    _validate_runtime(kern, q, (len(segments), q.shape[1], k.shape[1], n_max, m_max, q.shape[2]), runtime)
+    return segments
 
-        out = q.new_zeros(q.shape)
-        lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
-        if sink is not None:  # rows of sequences with no key: the sink alone
-            lse = torch.where(torch.isneginf(sink), lse, sink.detach())
-        for seg in segments:  # rows of sequences with no query or no key stay 0 and -inf (or the sink)
-            cut = sequence_slices(kern, seg, seg.n, seg.m)
-            part_sink = None if sink is None else _as_bhnd(sink.detach()[seg.rows].unsqueeze(-1), seg.count)[..., 0]
-            part_out, part_lse = kern.forward_impl(
-                _as_bhnd(q[seg.rows], seg.count),
-                _as_bhnd(k[seg.keys], seg.count),
-                _as_bhnd(v[seg.keys], seg.count),
-                [t[c] for t, c in zip(tensors, cut)],
-                options.scalars,
-                options.scale,
-                options.dropout,
-                options.seed,
-                offset=seg.index,
-                sink=part_sink,
-            )
-            out[seg.rows], lse[seg.rows] = _as_rows(part_out), _as_rows(part_lse)
-        ctx.save_for_backward(q, k, v, out, lse, sink, *tensors)
-        ctx.kern, ctx.segments, ctx.options = kern, segments, options
-        ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
-        q, k, v, out, lse, sink, *tensors = ctx.saved_tensors
-        kern, options = ctx.kern, ctx.options
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        grads = [torch.zeros_like(t) if want else None for t, want in zip(tensors, ctx.grad_inputs)]
-        for seg in ctx.segments:
-            rows, keys, count = seg.rows, seg.keys, seg.count
-            cut = sequence_slices(kern, seg, seg.n, seg.m)
-            gq, gk, gv, g_inputs = kern.backward_impl(
-                _as_bhnd(q[rows], count),
-                _as_bhnd(k[keys], count),
-                _as_bhnd(v[keys], count),
-                _as_bhnd(out[rows], count),
-                _as_bhnd(lse[rows], count),
-                _as_bhnd(dout[rows], count).contiguous(),
-                None if dlse is None else _as_bhnd(dlse[rows], count),
-                [t[c] for t, c in zip(tensors, cut)],
-                options.scalars,
-                options.scale,
-                options.dropout,
-                options.seed,
-                ctx.grad_inputs,
-                offset=seg.index,
-            )
-            dq[rows], dk[keys], dv[keys] = _as_rows(gq), _as_rows(gk), _as_rows(gv)
-            for g, part, c in zip(grads, g_inputs, cut):
-                if g is not None:
-                    g[c] += part.to(g.dtype)
-        dsink = sink_gradient(sink, lse, out, dout, dlse) if sink is not None and ctx.needs_input_grad[6] else None
-        return (None, None, None, dq, dk, dv, dsink, *grads)
+def varlen_forward(
+    kern: Kernel,
+    segments: list[Segment],
+    options: CallOptions,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: torch.Tensor | None,
+    tensors: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out, lse of a packed batch: one padded call per run of equal shapes (`grouped`); rows of
+    sequences with no query or no key stay 0 and -inf (or the sink alone)."""
+    from attncc.runtime.kernel import acc_dtype
+
+    out = q.new_zeros(q.shape)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
+    if sink is not None:
+        lse = torch.where(torch.isneginf(sink), lse, sink)
+    for seg in grouped(segments, options.dropout):
+        cut = sequence_slices(kern, seg, seg.n, seg.m)
+        part_sink = None if sink is None else _as_bhnd(sink[seg.rows].unsqueeze(-1), seg.count)[..., 0]
+        part_out, part_lse = kern.forward_impl(
+            _as_bhnd(q[seg.rows], seg.count),
+            _as_bhnd(k[seg.keys], seg.count),
+            _as_bhnd(v[seg.keys], seg.count),
+            [t[c] for t, c in zip(tensors, cut)],
+            options.scalars,
+            options.scale,
+            options.dropout,
+            options.seed,
+            offset=seg.index,
+            sink=part_sink,
+        )
+        out[seg.rows], lse[seg.rows] = _as_rows(part_out), _as_rows(part_lse)
+    return out, lse
+
+
+def varlen_backward(
+    kern: Kernel,
+    segments: list[Segment],
+    options: CallOptions,
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    tensors: list[torch.Tensor],
+    grad_inputs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """dq, dk, dv and the learnable inputs' gradients (empty where not wanted) of a packed batch,
+    from the forward's saved (q, k, v, out, lse); the sink's gradient is the caller's
+    (`sinks.sink_gradient`)."""
+    q, k, v, out, lse = saved
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    grads = [torch.zeros_like(t) if want else t.new_empty(0) for t, want in zip(tensors, grad_inputs)]
+    for seg in grouped(segments, options.dropout):
+        rows, keys, count = seg.rows, seg.keys, seg.count
+        cut = sequence_slices(kern, seg, seg.n, seg.m)
+        gq, gk, gv, g_inputs = kern.backward_impl(
+            _as_bhnd(q[rows], count),
+            _as_bhnd(k[keys], count),
+            _as_bhnd(v[keys], count),
+            _as_bhnd(out[rows], count),
+            _as_bhnd(lse[rows], count),
+            _as_bhnd(dout[rows], count).contiguous(),
+            None if dlse is None else _as_bhnd(dlse[rows], count),
+            [t[c] for t, c in zip(tensors, cut)],
+            options.scalars,
+            options.scale,
+            options.dropout,
+            options.seed,
+            grad_inputs,
+            offset=seg.index,
+        )
+        dq[rows], dk[keys], dv[keys] = _as_rows(gq), _as_rows(gk), _as_rows(gv)
+        for g, part, c, want in zip(grads, g_inputs, cut, grad_inputs):
+            if want:
+                g[c] += part.to(g.dtype)
+    return dq, dk, dv, grads
+
+
+def varlen_sink_rows(
+    kern: Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float | None,
+    runtime: Mapping[str, object],
+) -> torch.Tensor:
+    """The program's sink at every packed row [total_q, H] (row r of sequence b is its query
+    i = r - cu_seqlens_q[b]), differentiable w.r.t. the inputs it reads; tensor operations only,
+    so torch.compile traces it without reading the offsets."""
+    from attncc.runtime.kernel import acc_dtype
+
+    cq, ck = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
+    row = torch.arange(q.shape[0], device=q.device)
+    sequence = torch.searchsorted(cq[1:], row, right=True)  # b with cq[b] <= r < cq[b + 1]
+    n, m = (cq[1:] - cq[:-1])[sequence], (ck[1:] - ck[:-1])[sequence]
+    rows = {
+        "b": sequence.view(-1, 1),
+        "h": torch.arange(q.shape[1], device=q.device).view(1, -1),
+        "i": (row - cq[sequence]).view(-1, 1),
+    }
+    sizes = {
+        "B": cq.shape[0] - 1,
+        "H": q.shape[1],
+        "Hkv": k.shape[1],
+        "D": q.shape[2],
+        "N": n.view(-1, 1),
+        "M": m.view(-1, 1),
+    }
+    return kern.sink_rows(rows, sizes, scale, runtime, acc_dtype(q.dtype)).expand(q.shape[:2]).contiguous()
 
 
 def varlen_attention(
@@ -284,46 +342,29 @@ def varlen_attention(
     seed: int | None,
     runtime: Mapping[str, object],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`Kernel.varlen`: attention of a packed batch, forward and backward."""
+    """`Kernel.varlen`: attention of a packed batch, forward and backward, through the op
+    `attncc::varlen_attention` (so torch.compile(fullgraph=True) takes it whole)."""
+    from attncc.runtime.kernel import checked_scale, seed_tensor
+
     q = _tensor("q", q, 3, "[total_q, H, D]")
     k = _tensor("k", k, 3, "[total_k, Hkv, D]")
     v = _tensor("v", v, 3, "[total_k, Hkv, D]")
     if v.shape != k.shape:
         raise InputError(f"v: expected shape {tuple(k.shape)} (that of k), got {tuple(v.shape)}")
-    cq = _host_ints("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]", q.device)
-    ck = _host_ints("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]", q.device)
-    if cq.numel() != ck.numel():
-        raise InputError(f"cu_seqlens_k: expected {cq.numel()} offsets (as cu_seqlens_q: B + 1), got {ck.numel()}")
-    starts_q = _cumulative("cu_seqlens_q", cq, q.shape[0], "q's")
-    starts_k = _cumulative("cu_seqlens_k", ck, k.shape[0], "k's")
-    segments = [
-        Segment(b, starts_q[b], starts_q[b + 1] - starts_q[b], starts_k[b], starts_k[b + 1] - starts_k[b])
-        for b in range(len(starts_q) - 1)
-    ]
-    n_max = _longest("max_seqlen_q", max_seqlen_q, [s.n for s in segments])
-    m_max = _longest("max_seqlen_k", max_seqlen_k, [s.m for s in segments])
     check_batch_free(kern)
-    sizes = (len(segments), q.shape[1], k.shape[1], n_max, m_max, q.shape[2])
-    _validate_runtime(kern, q, sizes, runtime)
-    options = _options(kern, runtime, scale, kern.op.dropout if train else 0.0, seed)
-    tensors = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]
-    from attncc.runtime.kernel import acc_dtype
-
+    if not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
+        varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+        scale = checked_scale(scale)
+    dropout = kern.op.dropout if train else 0.0
+    tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
+    scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     sink = None
-    if kern.op.sink is not None:  # [total_q, H]: row r of sequence b is its query i = r - cu_seqlens_q[b]
-        n = torch.tensor([s.n for s in segments], device=q.device)
-        m = torch.tensor([s.m for s in segments], device=q.device)
-        sequence = torch.repeat_interleave(torch.arange(len(segments), device=q.device), n)
-        row = torch.arange(q.shape[0], device=q.device) - cq.to(q.device)[sequence]
-        rows = {
-            "b": sequence.view(-1, 1),
-            "h": torch.arange(q.shape[1], device=q.device).view(1, -1),
-            "i": row.view(-1, 1),
-        }
-        row_sizes = {"B": len(segments), "H": q.shape[1], "Hkv": k.shape[1], "D": q.shape[2]}
-        row_sizes |= {"N": n[sequence].view(-1, 1), "M": m[sequence].view(-1, 1)}
-        sink = kern.sink_rows(rows, row_sizes, scale, runtime, acc_dtype(q.dtype)).expand(q.shape[:2]).contiguous()
-    out, lse = _Varlen.apply(kern, grouped(segments, options.dropout), options, q, k, v, sink, *tensors)
+    if kern.op.sink is not None:
+        sink = varlen_sink_rows(kern, q, k, cu_seqlens_q, cu_seqlens_k, scale, runtime)
+    out, lse = torch.ops.attncc.varlen_attention(
+        kern.call_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        tensors, scalars, scale, dropout, seed_tensor(seed, dropout), sink,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -343,61 +384,27 @@ def _cached_keys(cache: torch.Tensor, pages: list[int], count: int, length: int)
     return rows.unflatten(0, (count, -1)).flatten(1, 2)[:, :length].transpose(1, 2)
 
 
-def paged_attention(
+def paged_totals(
     kern: Kernel,
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    *,
-    k_new: torch.Tensor | None,
-    v_new: torch.Tensor | None,
-    layout: str,
-    return_lse: bool,
-    scale: float | None,
+    appended: int,
     runtime: Mapping[str, object],
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`Kernel.paged`: attention of new queries over a paged KV cache (forward only)."""
-    if layout not in ("bnhd", "bhnd"):
-        raise InputError(f"layout: expected 'bnhd' (q [B, N, H, D]) or 'bhnd' (q [B, H, N, D]), got {layout!r}")
-    q = _tensor("q", q, 4, "[B, N, H, D]" if layout == "bnhd" else "[B, H, N, D]")
-    q_bhnd = q.transpose(1, 2) if layout == "bnhd" else q
-    B, H, N, D = q_bhnd.shape
-    k_cache = _tensor("k_cache", k_cache, 4, "[num_pages, page_size, Hkv, D]")
-    v_cache = _tensor("v_cache", v_cache, 4, "[num_pages, page_size, Hkv, D]")
-    if v_cache.shape != k_cache.shape:
-        raise InputError(
-            f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}"
-        )
-    num_pages, page_size, Hkv, Dk = k_cache.shape
-    if Dk != D:
-        raise InputError(f"k_cache: expected head dim {D} (from q), got shape {tuple(k_cache.shape)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise InputError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
-    if page_size == 0:
-        raise InputError(f"k_cache: expected pages of at least one row, got shape {tuple(k_cache.shape)}")
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The block table and cache lengths on the host and each sequence's key count after the
+    append, checked (lengths within the table, pages within the cache, the runtime inputs at the
+    padded sizes); q is [B, H, N, D]. Data-dependent: the op's implementation runs it, and
+    `paged_attention` before it where nothing is traced."""
+    B, H, N, D = q.shape
+    num_pages, page_size, Hkv, _ = k_cache.shape
     table = _host_ints("block_table", block_table, 2, "[B, max_pages]", q.device)
     lengths = _host_ints("cache_seqlens", cache_seqlens, 1, "[B]", q.device)
     if table.shape[0] != B or lengths.shape[0] != B:
         raise InputError(
             f"block_table, cache_seqlens: expected {B} sequences (q's batch), got {table.shape[0]} and {lengths.shape[0]}"
         )
-    appended = 0
-    if (k_new is None) != (v_new is None):
-        raise InputError("k_new, v_new: give both or neither")
-    if k_new is not None:
-        k_new = _tensor("k_new", k_new, 4, "[B, N_new, Hkv, D]")
-        v_new = _tensor("v_new", v_new, 4, "[B, N_new, Hkv, D]")
-        if k_new.shape[0] != B or tuple(k_new.shape[2:]) != (Hkv, D) or v_new.shape != k_new.shape:
-            raise InputError(
-                f"k_new, v_new: expected [B={B}, N_new, Hkv={Hkv}, D={D}], got {tuple(k_new.shape)} and {tuple(v_new.shape)}"
-            )
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
-            if t.dtype != q.dtype or t.device != q.device:
-                raise InputError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
-        appended = k_new.shape[1]
     capacity = table.shape[1] * page_size
     totals = []
     for b in range(B):
@@ -416,65 +423,151 @@ def paged_attention(
                 f"block_table[{b}, {page}]: page {int(used[page])} is outside the cache's {num_pages} pages"
             )
         totals.append(total)
-    if any(t.requires_grad for t in (q, k_cache, v_cache)) and torch.is_grad_enabled():
-        raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
-    check_batch_free(kern)
     _validate_runtime(kern, q, (B, H, Hkv, N, capacity, D), runtime)
-    options = _options(kern, runtime, scale, 0.0, None)
-    tensors = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]
+    return table, lengths, totals
+
+
+def paged_forward(
+    kern: Kernel,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    options: CallOptions,
+    tensors: list[torch.Tensor],
+    sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out, lse [B, H, N, ...] of q [B, H, N, D] over the paged cache, k_new and v_new appended
+    into it first (in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new)."""
     from attncc.runtime.kernel import PagedKeys, acc_dtype
 
-    with torch.no_grad():
-        if appended:  # in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new
-            positions = lengths.view(-1, 1) + torch.arange(appended).view(1, -1)
-            pages = table.gather(1, positions // page_size).to(k_cache.device)
-            slots = (positions % page_size).to(k_cache.device)
-            k_cache[pages, slots] = k_new
-            v_cache[pages, slots] = v_new
-        out = q_bhnd.new_zeros((B, H, N, D))
-        lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
-        sink = None
-        if kern.op.sink is not None:  # [B, H, N]; M is each sequence's key count
-            row_sizes: dict[str, int | torch.Tensor] = {"B": B, "H": H, "Hkv": Hkv, "N": N, "D": D}
-            row_sizes["M"] = torch.tensor(totals, device=q.device).view(-1, 1, 1)
-            sink = kern.sink_rows(padded_rows(B, H, N, q.device), row_sizes, scale, runtime, lse.dtype)
-            sink = sink.expand(B, H, N).contiguous()
-            lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
-        used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
-        in_place = kern.reads_pages(q_bhnd, page_size)
-        pages_on_device = table.to(q.device) if in_place else table
-        calls: list[tuple[Segment, list[int]]] = []
-        for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)], 0.0):
-            # sequences of one length share a call: keys one view of the cache where their pages
-            # are consecutive, else read through the block table (CPU kernels) or gathered, one
-            # copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
-            sequences = range(seg.index, seg.index + seg.count)
-            pages = [p for b in sequences for p in used[b]]
-            together = _consecutive(pages)
-            if in_place and not together:
-                batch = slice(seg.index, seg.index + seg.count)
-                cut = sequence_slices(kern, seg, N, seg.m)
-                out[batch], lse[batch] = kern.forward_impl(
-                    q_bhnd[batch], k_cache, v_cache, [t[c] for t, c in zip(tensors, cut)], options.scalars,  # type: ignore[index]
-                    options.scale, 0.0, 0, paged=PagedKeys(pages_on_device[batch], page_size, seg.m),
-                    sink=None if sink is None else sink[batch],
-                )  # fmt: skip
-                continue
-            calls += [(seg, pages)] if together else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
-        for seg, pages in calls:
+    B, H, N, D = q.shape
+    page_size = k_cache.shape[1]
+    appended = 0 if k_new is None else k_new.shape[1]
+    runtime = kern.runtime_values(tensors, options.scalars)
+    table, lengths, totals = paged_totals(kern, q, k_cache, block_table, cache_seqlens, appended, runtime)
+    if appended:
+        positions = lengths.view(-1, 1) + torch.arange(appended).view(1, -1)
+        pages = table.gather(1, positions // page_size).to(k_cache.device)
+        slots = (positions % page_size).to(k_cache.device)
+        k_cache[pages, slots] = k_new
+        v_cache[pages, slots] = v_new
+    out = q.new_zeros((B, H, N, D))
+    lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
+    if sink is not None:
+        lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
+    used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
+    in_place = kern.reads_pages(q, page_size)
+    pages_on_device = table.to(q.device) if in_place else table
+    calls: list[tuple[Segment, list[int]]] = []
+    for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)], 0.0):
+        # sequences of one length share a call: keys one view of the cache where their pages
+        # are consecutive, else read through the block table (CPU kernels) or gathered, one
+        # copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
+        sequences = range(seg.index, seg.index + seg.count)
+        pages = [p for b in sequences for p in used[b]]
+        together = _consecutive(pages)
+        if in_place and not together:
             batch = slice(seg.index, seg.index + seg.count)
             cut = sequence_slices(kern, seg, N, seg.m)
             out[batch], lse[batch] = kern.forward_impl(
-                q_bhnd[batch],
-                _cached_keys(k_cache, pages, seg.count, seg.m),
-                _cached_keys(v_cache, pages, seg.count, seg.m),
-                [t[c] for t, c in zip(tensors, cut)],  # type: ignore[index]
-                options.scalars,
-                options.scale,
-                0.0,
-                0,
+                q[batch], k_cache, v_cache, [t[c] for t, c in zip(tensors, cut)], options.scalars,
+                options.scale, 0.0, 0, paged=PagedKeys(pages_on_device[batch], page_size, seg.m),
                 sink=None if sink is None else sink[batch],
+            )  # fmt: skip
+            continue
+        calls += [(seg, pages)] if together else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
+    for seg, pages in calls:
+        batch = slice(seg.index, seg.index + seg.count)
+        cut = sequence_slices(kern, seg, N, seg.m)
+        out[batch], lse[batch] = kern.forward_impl(
+            q[batch],
+            _cached_keys(k_cache, pages, seg.count, seg.m),
+            _cached_keys(v_cache, pages, seg.count, seg.m),
+            [t[c] for t, c in zip(tensors, cut)],
+            options.scalars,
+            options.scale,
+            0.0,
+            0,
+            sink=None if sink is None else sink[batch],
+        )
+    return out, lse
+
+
+def paged_attention(
+    kern: Kernel,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    layout: str,
+    return_lse: bool,
+    scale: float | None,
+    runtime: Mapping[str, object],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`Kernel.paged`: attention of new queries over a paged KV cache (forward only), through
+    the op `attncc::paged_attention` (so torch.compile(fullgraph=True) takes it whole)."""
+    from attncc.runtime.kernel import acc_dtype, checked_scale
+
+    if layout not in ("bnhd", "bhnd"):
+        raise InputError(f"layout: expected 'bnhd' (q [B, N, H, D]) or 'bhnd' (q [B, H, N, D]), got {layout!r}")
+    q = _tensor("q", q, 4, "[B, N, H, D]" if layout == "bnhd" else "[B, H, N, D]")
+    q_bhnd = q.transpose(1, 2) if layout == "bnhd" else q
+    B, H, N, D = q_bhnd.shape
+    k_cache = _tensor("k_cache", k_cache, 4, "[num_pages, page_size, Hkv, D]")
+    v_cache = _tensor("v_cache", v_cache, 4, "[num_pages, page_size, Hkv, D]")
+    if v_cache.shape != k_cache.shape:
+        raise InputError(
+            f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}"
+        )
+    _, page_size, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise InputError(f"k_cache: expected head dim {D} (from q), got shape {tuple(k_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise InputError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+    if page_size == 0:
+        raise InputError(f"k_cache: expected pages of at least one row, got shape {tuple(k_cache.shape)}")
+    appended = 0
+    if (k_new is None) != (v_new is None):
+        raise InputError("k_new, v_new: give both or neither")
+    if k_new is not None:
+        k_new = _tensor("k_new", k_new, 4, "[B, N_new, Hkv, D]")
+        v_new = _tensor("v_new", v_new, 4, "[B, N_new, Hkv, D]")
+        if k_new.shape[0] != B or tuple(k_new.shape[2:]) != (Hkv, D) or v_new.shape != k_new.shape:
+            raise InputError(
+                f"k_new, v_new: expected [B={B}, N_new, Hkv={Hkv}, D={D}], got {tuple(k_new.shape)} and {tuple(v_new.shape)}"
             )
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if t.dtype != q.dtype or t.device != q.device:
+                raise InputError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+        appended = k_new.shape[1]
+    if any(t.requires_grad for t in (q, k_cache, v_cache)) and torch.is_grad_enabled():
+        raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
+    check_batch_free(kern)
+    if not torch.compiler.is_compiling():  # the table's values: only the op reads them when traced
+        paged_totals(kern, q_bhnd, k_cache, block_table, cache_seqlens, appended, runtime)
+        scale = checked_scale(scale)
+    tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
+    scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+    sink = None
+    if kern.op.sink is not None:  # [B, H, N]; M is each sequence's key count after the append
+        with torch.no_grad():
+            row_sizes: dict[str, int | torch.Tensor] = {"B": B, "H": H, "Hkv": Hkv, "N": N, "D": D}
+            row_sizes["M"] = (cache_seqlens.to(torch.int64) + appended).view(-1, 1, 1)
+            sink = kern.sink_rows(padded_rows(B, H, N, q.device), row_sizes, scale, runtime, acc_dtype(q.dtype))
+            sink = sink.expand(B, H, N).contiguous()
+    out, lse = torch.ops.attncc.paged_attention(
+        kern.call_key, q_bhnd, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new,
+        tensors, scalars, scale, sink,
+    )  # fmt: skip
     if layout == "bnhd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -55,15 +55,10 @@ def attach_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tup
     return (out.to(lse.dtype) * kept.unsqueeze(-1)).to(out.dtype), new_lse
 
 
-def sink_gradient(
-    sink: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
-) -> torch.Tensor:
-    """d loss / d sink per row, from the sink softmax's out and lse: the sink's probability is
-    exp(sink - lse) and its "value" 0, so d sink = -exp(sink - lse) (rowsum(dO O) - dlse); 0
-    where the sink is -inf."""
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.to(lse.dtype)
+def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink per row, from the sink softmax's lse and the backward's
+    delta = rowsum(dO O) - dlse (`kernel.delta_rows`): the sink's probability is exp(sink - lse)
+    and its "value" 0, so d sink = -exp(sink - lse) delta; 0 where the sink is -inf."""
     weight = torch.where(torch.isneginf(sink), 0.0, torch.exp(sink - lse))
     return -(weight * delta)
 
