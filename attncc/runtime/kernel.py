@@ -42,6 +42,7 @@ from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.ragged import (
     CallOptions,
+    Segment,
     paged_attention,
     paged_forward,
     varlen_attention,
@@ -1055,8 +1056,36 @@ def _attention_backward_fake(
     seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    return _empty_gradients(q, k, v, tensors, grad_inputs)
+
+
+def _empty_gradients(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], grad_inputs: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """A backward op's outputs as the fake implementations give them: dq, dk, dv and each
+    runtime tensor's gradient (empty where not wanted)."""
     grads = [t.new_empty(t.shape) if wanted else t.new_empty(0) for t, wanted in zip(tensors, grad_inputs)]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
+
+
+def _input_gradients(
+    ctx,  # noqa: ANN001 - autograd ctx
+    grads: list[torch.Tensor],
+    sink: torch.Tensor | None,
+    sink_position: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+) -> tuple[list[torch.Tensor | None], list | None, torch.Tensor | None]:
+    """What a forward op's backward returns for its runtime tensors, its scalars and its sink
+    (input `sink_position` of the op): the wanted tensor gradients, None for a non-empty scalar
+    list (torch takes it as one leaf with no gradient) or [] for an empty one, and dsink."""
+    tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[sink_position]:
+        dsink = sink_gradient(sink, lse, delta_rows(out, dout, dlse, lse.dtype))
+    return tensor_grads, None if ctx.scalars else [], dsink
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
@@ -1073,16 +1102,32 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: AN
     dq, dk, dv, grads = torch.ops.attncc.attention_backward(
         ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs
     )
-    tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
-    # torch takes a non-empty list[float] input as one leaf (gradient None), an empty one as []
-    scalar_grads = None if ctx.scalars else []
-    dsink = None
-    if sink is not None and ctx.needs_input_grad[9]:
-        dsink = sink_gradient(sink, lse, delta_rows(out, dout, dlse, lse.dtype))
+    tensor_grads, scalar_grads, dsink = _input_gradients(ctx, grads, sink, 9, out, lse, dout, dlse)
     return None, dq, dk, dv, tensor_grads, scalar_grads, None, None, None, dsink
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _varlen_call(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float | None,
+    dropout: float,
+    seed: torch.Tensor,
+) -> tuple[Kernel, list[Segment], CallOptions]:
+    """The kernel, checked sequences and shared options of a varlen op's call (forward or backward)."""
+    kern = _REGISTRY[key]
+    runtime = kern.runtime_values(tensors, scalars)
+    segments = varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+    return kern, segments, CallOptions(scalars, scale, dropout, int(seed.item()))
 
 
 # The packed (varlen) call as one op: its offsets are read on the host inside, so torch.compile
@@ -1104,10 +1149,9 @@ def varlen_op(
     seed: torch.Tensor,
     sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kern = _REGISTRY[key]
-    runtime = kern.runtime_values(tensors, scalars)
-    segments = varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
-    options = CallOptions(scalars, scale, dropout, int(seed.item()))
+    kern, segments, options = _varlen_call(
+        key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
+    )
     return varlen_forward(kern, segments, options, q, k, v, sink, tensors)
 
 
@@ -1152,10 +1196,9 @@ def varlen_backward_op(
     seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    kern = _REGISTRY[key]
-    runtime = kern.runtime_values(tensors, scalars)
-    segments = varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
-    options = CallOptions(scalars, scale, dropout, int(seed.item()))
+    kern, segments, options = _varlen_call(
+        key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
+    )
     return varlen_backward(kern, segments, options, (q, k, v, out, lse), dout, dlse, tensors, grad_inputs)
 
 
@@ -1180,8 +1223,7 @@ def _varlen_backward_fake(
     seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    grads = [t.new_empty(t.shape) if wanted else t.new_empty(0) for t, wanted in zip(tensors, grad_inputs)]
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
+    return _empty_gradients(q, k, v, tensors, grad_inputs)
 
 
 def _setup_varlen_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
@@ -1199,11 +1241,7 @@ def _varlen_backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # n
         ctx.key, q, k, v, out, lse, dout, dlse, cu_q, cu_k, *ctx.lengths,
         tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs,
     )  # fmt: skip
-    tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
-    scalar_grads = None if ctx.scalars else []  # (as in _backward)
-    dsink = None
-    if sink is not None and ctx.needs_input_grad[13]:
-        dsink = sink_gradient(sink, lse, delta_rows(out, dout, dlse, lse.dtype))
+    tensor_grads, scalar_grads, dsink = _input_gradients(ctx, grads, sink, 13, out, lse, dout, dlse)
     return None, dq, dk, dv, None, None, None, None, tensor_grads, scalar_grads, None, None, None, dsink
 
 

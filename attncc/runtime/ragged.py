@@ -308,7 +308,9 @@ def varlen_sink_rows(
 
     cq, ck = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
     row = torch.arange(q.shape[0], device=q.device)
-    sequence = torch.searchsorted(cq[1:], row, right=True)  # b with cq[b] <= r < cq[b + 1]
+    # b with cq[b] <= r < cq[b + 1]; clamped so that offsets the op will refuse (a last offset
+    # short of total_q) index no further than the last sequence while the rows are evaluated
+    sequence = torch.searchsorted(cq[1:], row, right=True).clamp_max(max(cq.shape[0] - 2, 0))
     n, m = (cq[1:] - cq[:-1])[sequence], (ck[1:] - ck[:-1])[sequence]
     rows = {
         "b": sequence.view(-1, 1),
