@@ -317,13 +317,15 @@ def padded_lengths(batch: int, longest: int, padding: float) -> list[int]:
 
 def serving_cases(results: list, args) -> None:
     """Issue 11's targets: packed (varlen) batches against SDPA on the padded batch with its
-    padding mask, at 25% and 50% padding, fwd and fwd+bwd; paged decoding against SDPA on
-    contiguous K/V, pages in order (views) and shuffled (gathered)."""
+    padding mask, at 25% and 50% padding (8 sequences up to --serving-n, and 64 short ones up to
+    256: one launch for all, where a call per sequence would cost its host work 64 times), fwd
+    and fwd+bwd; paged decoding against SDPA on contiguous K/V, pages in order and shuffled, all
+    sequences of M keys or of lengths spread over M/2..M."""
     gen = torch.Generator().manual_seed(3)
-    H, D, batch, longest = 8, 64, 8, args.serving_n
+    H, D = 8, 64
     for program, causal in (("vanilla", False), ("causal", True)):
         kern = attncc.compile(EX / f"{program}.attn")
-        for padding in (0.25, 0.5):
+        for batch, longest, padding in ((8, args.serving_n, 0.25), (8, args.serving_n, 0.5), (64, 256, 0.5)):
             lens = padded_lengths(batch, longest, padding)
             total = sum(lens)
             cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -359,16 +361,18 @@ def serving_cases(results: list, args) -> None:
         pages = M // page_size
         k_cache, v_cache = (torch.randn(B * pages, page_size, Hkv, D, generator=gen) for _ in range(2))
         q = torch.randn(B, 1, H, D, generator=gen)
-        lengths = torch.full((B,), M, dtype=torch.int32)
         k, v = (c.view(B, M, Hkv, D).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
 
         def sdpa_decode(k=k, v=v, q=q):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
 
         anchors = {"sdpa_contiguous": median_s(sdpa_decode, args.repeats)}
-        for order, table in (
-            ("pages in order", torch.arange(B * pages).view(B, pages)),
-            ("pages shuffled", torch.randperm(B * pages, generator=gen).view(B, pages)),
+        full, spread = torch.full((B,), M, dtype=torch.int32), torch.tensor(padded_lengths(B, M, 0.25)).int()
+        shuffled = [torch.randperm(B * pages, generator=gen).view(B, pages) for _ in range(2)]
+        for order, table, lengths in (
+            ("pages in order", torch.arange(B * pages).view(B, pages), full),
+            ("pages shuffled", shuffled[0], full),
+            ("pages shuffled, lengths M/2..M", shuffled[1], spread),  # one launch (CPU)
         ):
             table = table.int()
 
@@ -376,7 +380,8 @@ def serving_cases(results: list, args) -> None:
                 return decode.paged(q, k_cache, v_cache, table, lengths)
 
             name = f"paged decode GQA {H}/{Hkv} B={B} M={M} D={D} page {page_size}, {order}"
-            row(results, name, median_s(paged, args.repeats), anchors)
+            note = "SDPA on contiguous K/V of M keys per sequence" if lengths is spread else ""
+            row(results, name, median_s(paged, args.repeats), anchors, note)
 
 
 def attention_flops(B: int, H: int, N: int, M: int, D: int, causal: bool, backward: bool) -> float:

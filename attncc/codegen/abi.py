@@ -50,6 +50,11 @@ SPLIT_CONTROL = ("splits",)
 #: `key_row_offset`).
 PAGE_BUFFERS = (("pages", "const int64_t*"),)
 PAGE_CONTROL = ("page_size", "st_pages_0")
+#: A packed (varlen) call's sequences in one launch (CPU kernels): int64 [B + 1] first query rows
+#: and first key rows of each sequence in the packed operands (cu_seqlens), null in padded calls
+#: (templates/common/variant.jinja `seq_n`, `seq_m`). A paged call may give key bounds alone:
+#: then only the per-sequence key counts come from them (its rows come from the block table).
+SEQUENCE_BUFFERS = (("q_starts", "const int64_t*"), ("k_starts", "const int64_t*"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class KernelAbi:
             + list(ROW_BUFFERS)
             + list(SPLIT_BUFFERS if self.cuda else ())
             + list(PAGE_BUFFERS)
+            + list(SEQUENCE_BUFFERS)
         )
         slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
         slots += [(f"grad_{self.ident_of(n)}", "grad_t*") for n in self.grads]

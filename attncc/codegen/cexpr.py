@@ -65,6 +65,8 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
     if isinstance(e, ex.Var):
         if e.name in ex.INDEX_VARS or e.name == ex.SCORE_VAR:
             return e.name
+        if e.name in ("N", "M"):  # the sequence's own lengths (packed calls: templates/common/variant.jinja)
+            return f"seq_{e.name.lower()}({ctx}, b)"
         if e.name in ex.SIZE_VARS:
             return f"{ctx}.{e.name}"
         if e.name == "scale":

@@ -418,23 +418,36 @@ def classify_tiles(
     tensors: Mapping[str, torch.Tensor],
     block_rows: int,
     block_cols: int,
+    lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """uint8 [B or 1, H or 1, ceil(N/Br), ceil(M/Bc)] of EMPTY / PARTIAL / FULL."""
+    """uint8 [B or 1, H or 1, ceil(N/Br), ceil(M/Bc)] of EMPTY / PARTIAL / FULL. With `lengths`
+    (a packed batch: int64 [B] query and key counts, N and M the longest), the sizes N and M are
+    each sequence's own, the classes [B, H or 1, ...], and tiles past a sequence's end EMPTY."""
     ti, tj = -(-problem.N // block_rows), -(-problem.M // block_cols)
-    if info.predicate is None:
-        return torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8)
+    per_batch = info.varies_with_batch or lengths is not None
+    shape = (problem.B if per_batch else 1, problem.H if info.varies_with_head else 1, ti, tj)
     rows = torch.arange(ti, dtype=torch.float64).view(1, 1, -1, 1) * block_rows
     cols = torch.arange(tj, dtype=torch.float64).view(1, 1, 1, -1) * block_cols
     env = problem.size_env()
-    env.update({name: _point(float(v)) for name, v in scalars.items()})
-    env["b"] = _point(torch.arange(problem.B if info.varies_with_batch else 1, dtype=torch.float64).view(-1, 1, 1, 1))
-    env["h"] = _point(torch.arange(problem.H if info.varies_with_head else 1, dtype=torch.float64).view(1, -1, 1, 1))
-    env["i"] = Interval(rows, torch.clamp(rows + block_rows - 1, max=problem.N - 1))
-    env["j"] = Interval(cols, torch.clamp(cols + block_cols - 1, max=problem.M - 1))
-    truth = _as_truth(IntervalEvaluator(env, _reader(tensors))(info.predicate))
-    cls = torch.where(~truth.may_true, EMPTY, torch.where(~truth.may_false, FULL, PARTIAL)).to(torch.uint8)
-    shape = (problem.B if info.varies_with_batch else 1, problem.H if info.varies_with_head else 1, ti, tj)
-    return cls.expand(shape).contiguous()
+    last_row, last_col = float(problem.N - 1), float(problem.M - 1)
+    if lengths is not None:
+        n, m = (t.to(torch.float64).view(-1, 1, 1, 1) for t in lengths)
+        env["N"], env["M"] = _point(n), _point(m)
+        last_row, last_col = n - 1, m - 1
+    if info.predicate is None:
+        cls = torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8)
+    else:
+        env.update({name: _point(float(v)) for name, v in scalars.items()})
+        env["b"] = _point(torch.arange(shape[0], dtype=torch.float64).view(-1, 1, 1, 1))
+        env["h"] = _point(torch.arange(shape[1], dtype=torch.float64).view(1, -1, 1, 1))
+        env["i"] = Interval(rows, torch.minimum(rows + block_rows - 1, torch.as_tensor(last_row)))
+        env["j"] = Interval(cols, torch.minimum(cols + block_cols - 1, torch.as_tensor(last_col)))
+        truth = _as_truth(IntervalEvaluator(env, _reader(tensors))(info.predicate))
+        cls = torch.where(~truth.may_true, EMPTY, torch.where(~truth.may_false, FULL, PARTIAL)).to(torch.uint8)
+    cls = cls.expand(shape)
+    if lengths is not None:
+        cls = torch.where((rows > last_row) | (cols > last_col), EMPTY, cls).to(torch.uint8)
+    return cls.contiguous()
 
 
 def partial_fraction(classes: torch.Tensor) -> float:
@@ -478,17 +491,26 @@ def check_reads_and_divisors(
     problem: Problem,
     scalars: Mapping[str, float],
     tensors: Mapping[str, torch.Tensor],
+    lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Raise InputError if any tensor read can index outside its tensor for these sizes, or an
     integer division's divisor can be 0.
 
     Bounds come from the same interval evaluation over the whole problem (b in [0, B), ...),
-    so a read proven in range needs no check inside the kernel.
+    so a read proven in range needs no check inside the kernel. With `lengths` (a packed batch,
+    as in `classify_tiles`) over each sequence that has queries and keys, at its own N and M.
     """
     env = problem.size_env()
     env.update({name: _point(float(v)) for name, v in scalars.items()})
     for name, size in (("b", problem.B), ("h", problem.H), ("i", problem.N), ("j", problem.M)):
         env[name] = Interval(torch.tensor(0.0, dtype=torch.float64), torch.tensor(float(size - 1), dtype=torch.float64))
+    if lengths is not None:
+        live = ((lengths[0] > 0) & (lengths[1] > 0)).nonzero().flatten()
+        if live.numel() == 0:
+            return
+        n, m = (t[live].to(torch.float64) for t in lengths)
+        env["N"], env["M"], env["b"] = _point(n), _point(m), _point(live.to(torch.float64))
+        env["i"], env["j"] = Interval(torch.zeros_like(n), n - 1), Interval(torch.zeros_like(m), m - 1)
     env["s"] = Interval(torch.tensor(-math.inf, dtype=torch.float64), torch.tensor(math.inf, dtype=torch.float64))
     env["scale"] = env["s"]
     reader = _reader(tensors)

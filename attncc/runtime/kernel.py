@@ -95,6 +95,14 @@ class PagedKeys:
     table: torch.Tensor
     page_size: int
     keys: int
+    #: int64 [B] each sequence's key count (host), where they differ: one launch for all, the
+    #: call's M the longest (`keys`); None: every sequence has `keys`
+    key_counts: torch.Tensor | None = None
+
+    def key_starts(self, device: torch.device) -> torch.Tensor:
+        """int64 [B + 1] cumulative key counts, as the kernels' k_starts take them (`seq_m`)."""
+        assert self.key_counts is not None
+        return torch.cat([self.key_counts.new_zeros(1), self.key_counts.cumsum(0)]).to(device)
 
     def keys_like(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """What plans see as k: [B, Hkv, keys, D] over the cache [pages, page_size, Hkv, D]
@@ -108,6 +116,38 @@ class PagedKeys:
         """The kernels' k and v strides for caches [pages, page_size, Hkv, D]: page, kv head,
         row, element (`Kernel.pack`'s override; the kernels' key_row_offset)."""
         return {name: (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for name, t in (("k", k), ("v", v))}
+
+
+#: int64 [B] query and key counts of each sequence (host tensors) where they differ in one launch.
+Lengths = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """A packed (varlen) batch in one launch (`Kernel.forward_impl`, `backward_impl`; the CPU
+    kernels): sequence b's queries are rows q_starts[b] .. q_starts[b + 1] of q [total_q, H, D]
+    (and of out, dout, dq, and of lse, delta, sink [total_q, H]), its keys rows k_starts[b] ..
+    k_starts[b + 1] of k and v. The kernels see each operand as [B, heads, longest, D] with batch
+    stride 0 and shift a row by its sequence's first (templates/cpu `query_row_offset`)."""
+
+    q_starts: torch.Tensor  # int64 [B + 1], contiguous, on the kernel's device
+    k_starts: torch.Tensor
+    lengths: Lengths
+    longest: tuple[int, int]  # the longest sequence's query and key counts (the call's N and M)
+
+    @staticmethod
+    def of(q_starts: list[int], k_starts: list[int], device: torch.device) -> PackedSequences:
+        starts = torch.tensor([q_starts, k_starts], dtype=torch.int64)
+        n, m = starts[0].diff(), starts[1].diff()
+        on_device = starts.to(device)
+        longest = (int(n.max()), int(m.max())) if n.numel() else (0, 0)
+        return PackedSequences(on_device[0], on_device[1], (n, m), longest)
+
+    def as_batch(self, rows: torch.Tensor, keys: bool) -> torch.Tensor:
+        """rows [total, heads, D] as the kernels' [B, heads, longest, D] (batch stride 0)."""
+        longest = self.longest[1] if keys else self.longest[0]
+        shape = (self.lengths[0].shape[0], rows.shape[1], longest, rows.shape[2])
+        return rows.as_strided(shape, (0, rows.stride(1), rows.stride(0), rows.stride(2)))
 
 
 @dataclass(frozen=True)
@@ -564,34 +604,54 @@ class Kernel:
         offset: int = 0,
         paged: PagedKeys | None = None,
         sink: torch.Tensor | None = None,
+        packed: PackedSequences | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of one padded call; `offset` is the dropout counters' fourth word
         (0 for plain calls, the sequence's index for packed and paged calls). With `paged`
         (`reads_pages`), k and v are caches [pages, page_size, Hkv, D] read in place through
         its block table. `sink` [B, H, N]: the softmax's sink logit per row, merged into each
-        row as the kernel writes it (out and lse are those of the softmax with the sink)."""
+        row as the kernel writes it (out and lse are those of the softmax with the sink). With
+        `packed` (`runs_packed`), q, k, v are a packed batch [total, heads, D], out and lse
+        [total_q, H, D] and [total_q, H] (sink too), all sequences in one launch."""
         dtype = _DTYPES[q.dtype]
         strides: dict[str, tuple[int, ...]] = {}
-        if paged is None:
+        rows_out = torch.empty(q.shape, dtype=q.dtype)  # (packed: the rows the kernel writes through `out`)
+        if packed is not None:
+            q, k, v = packed.as_batch(q, False), packed.as_batch(k, True), packed.as_batch(v, True)
+            plan, call = self._forward_call(q, k, scale, tensors, scalars, lengths=packed.lengths)
+        elif paged is None:
             plan, call = self._forward_call(q, k, scale, tensors, scalars)
         else:  # the plan sees keys [B, Hkv, M, D]; the kernel, pages and rows at the cache's strides
+            lengths = None
+            if paged.key_counts is not None:
+                lengths = (torch.full_like(paged.key_counts, q.shape[2]), paged.key_counts)
             plan, call = self._forward_call(
-                q, paged.keys_like(q, k), scale, tensors, scalars, page_size=paged.page_size
+                q, paged.keys_like(q, k), scale, tensors, scalars, page_size=paged.page_size, lengths=lengths
             )
             call["page_size"] = paged.page_size
             strides = PagedKeys.strides(k, v)
         call["offset"] = offset
-        out = torch.empty(q.shape, dtype=q.dtype)
-        lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+        out = rows_out if packed is None else packed.as_batch(rows_out, False)
+        lse = torch.empty(rows_out.shape[:-1], dtype=acc_dtype(q.dtype))
         if out.numel() == 0:
-            return out, lse
+            return rows_out, lse
         ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
         if paged is not None:
             ptrs["pages"] = paged.table
+            if paged.key_counts is not None:
+                ptrs["k_starts"] = paged.key_starts(q.device)
+        if packed is not None:
+            ptrs.update(q_starts=packed.q_starts, k_starts=packed.k_starts)
         if sink is not None:
             ptrs["sink"] = sink.detach().to(lse.dtype).contiguous()
         self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed, strides)
-        return out, lse
+        return rows_out, lse
+
+    @property
+    def runs_packed(self) -> bool:
+        """Whether `forward_impl` and `backward_impl` take a packed batch in one launch
+        (`packed`: the CPU kernels; the CUDA kernels run one call per run of equal lengths)."""
+        return type(self).forward_impl is Kernel.forward_impl and type(self).backward_impl is Kernel.backward_impl
 
     def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:
         """Whether `forward_impl` can read keys of this page size in place for queries like
@@ -616,16 +676,23 @@ class Kernel:
         seed: int,
         grad_inputs: list[bool],
         offset: int = 0,
+        packed: PackedSequences | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """dq, dk, dv and the learnable inputs' gradients (empty where not wanted); `packed` as
+        in `forward_impl` (q, k, v, out, dout, dq, dk, dv rows [total, heads, D])."""
         dtype = _DTYPES[q.dtype]
-        plan = self.plan(q, k, scale, backward=True)
         acc = acc_dtype(q.dtype)
         dq, dk, dv = (
             torch.empty(q.shape, dtype=q.dtype),
             torch.empty(k.shape, dtype=k.dtype),
             torch.empty(v.shape, dtype=v.dtype),
         )
-        call = self._prepare(plan, q.dtype, tensors, scalars)
+        delta = delta_rows(out, dout, dlse, acc) if q.numel() and k.numel() else None
+        operands = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
+        if packed is not None:  # (key-side operands: those of k's shape)
+            operands = {name: packed.as_batch(t, name in ("k", "v", "dk", "dv")) for name, t in operands.items()}
+        plan = self.plan(operands["q"], operands["k"], scale, backward=True)
+        call = self._prepare(plan, q.dtype, tensors, scalars, None if packed is None else packed.lengths)
         call["offset"] = offset
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
         grads: dict[str, torch.Tensor] = {}  # [threads, *shape]: one slice per thread, summed after
@@ -639,20 +706,10 @@ class Kernel:
             grads[decl.name] = torch.zeros((slices, *t.shape), dtype=grad_dtype)
         call["threads"] = threads
         call["grad_slices"] = {self.abi.ident_of(n): g[0].numel() if len(g) > 1 else 0 for n, g in grads.items()}
-        if q.numel() and k.numel():
-            delta = delta_rows(out, dout, dlse, acc)
-            ptrs = {
-                "q": q,
-                "k": k,
-                "v": v,
-                "out": out,
-                "lse": lse.contiguous(),
-                "dout": dout,
-                "delta": delta,
-                "dq": dq,
-                "dk": dk,
-                "dv": dv,
-            }
+        if delta is not None:
+            ptrs = dict(operands, lse=lse.contiguous(), delta=delta)
+            if packed is not None:
+                ptrs.update(q_starts=packed.q_starts, k_starts=packed.k_starts)
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             for entry in self.backward_entries(plan, threads):
                 self._launch(dtype, entry, plan, call, ptrs, dropout, seed)
@@ -702,6 +759,7 @@ class Kernel:
         tensors: list[torch.Tensor],
         scalars: list[float],
         page_size: int | None = None,
+        lengths: Lengths | None = None,
     ) -> tuple[CallPlan, dict[str, object]]:
         """The forward's plan and prepared call. Where many of the visible tiles are partial the
         AMX forward's wide key tiles narrow (TilePlan.for_partial_tiles); where a query tile sees
@@ -715,31 +773,37 @@ class Kernel:
         side_by_side = page_size is not None or k.stride(1) < k.stride(2)  # kv heads within each key row
         if plan.problem.N < 4 and plan.problem.Hkv > 1 and side_by_side:
             plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
-        call = self._prepare(plan, q.dtype, tensors, scalars)
+        call = self._prepare(plan, q.dtype, tensors, scalars, lengths)
         narrowed = plan.tiles.for_partial_tiles(partial_fraction(call["classes"]))  # type: ignore[arg-type]
         if narrowed is not plan.tiles:
             plan = replace(plan, tiles=narrowed)
-            call = self._prepare(plan, q.dtype, tensors, scalars)
+            call = self._prepare(plan, q.dtype, tensors, scalars, lengths)
         visible = visible_keys(call["classes"], plan.tiles.block_cols, plan.problem.M)  # type: ignore[arg-type]
         streamed = plan.tiles.for_keys(visible)
         if streamed is plan.tiles:
             return plan, call
         plan = replace(plan, tiles=streamed)
-        return plan, self._prepare(plan, q.dtype, tensors, scalars)
+        return plan, self._prepare(plan, q.dtype, tensors, scalars, lengths)
 
     def _prepare(
-        self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]
+        self,
+        plan: CallPlan,
+        dtype: torch.dtype,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        lengths: Lengths | None = None,
     ) -> dict[str, object]:
         """`_prepare_call`'s result, placed on the kernel's device. Unless some runtime tensor's
         values decide the tile classes or the read checks (`host_read_tensors`: a padding or
         document mask, an index read), the classes depend only on the sizes, scalars and tensor
         shapes: they are classified (and copied to a GPU) once per such key, which takes ~0.5 ms
         of host work off every call, and the runtime tensors (ALiBi slopes, bias tables) are
-        converted per call where they live."""
+        converted per call where they live. Classes that follow each sequence's `lengths` are
+        prepared per call."""
         names = [d.name for d in self.inputs if d.role == "tensor"]
-        if self._host_reads & set(names):
+        if self._host_reads & set(names) or lengths is not None:
             on_host = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
-            return self._to_device(self._prepare_call(plan, dtype, on_host, scalars))
+            return self._to_device(self._prepare_call(plan, dtype, on_host, scalars, lengths))
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
         shapes = tuple(tuple(t.shape) for t in tensors)
         key = (plan.problem, tiles, dtype, plan.scale_value, tuple(scalars), shapes, self._device_index())
@@ -788,9 +852,15 @@ class Kernel:
         return None
 
     def _prepare_call(
-        self, plan: CallPlan, dtype: torch.dtype, tensors: list[torch.Tensor], scalars: list[float]
+        self,
+        plan: CallPlan,
+        dtype: torch.dtype,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        lengths: Lengths | None = None,
     ) -> dict[str, object]:
-        """Kernel-ready runtime tensors (converted, contiguous), layout grids and tile classes."""
+        """Kernel-ready runtime tensors (converted, contiguous), layout grids and tile classes
+        (with `lengths`, per sequence: tiles past a sequence's end are empty)."""
         acc = acc_dtype(dtype)
         names = [d for d in self.inputs if d.role == "tensor"]
         given = {d.name: t for d, t in zip(names, tensors)}
@@ -802,9 +872,9 @@ class Kernel:
         all_tensors = runtime_tensors(info, problem, given)
         exprs = [self.op.score] + ([self.op.mask] if self.op.mask is not None else [])
         if problem.N and problem.M:
-            check_reads_and_divisors(exprs, problem, scalar_map, all_tensors)
+            check_reads_and_divisors(exprs, problem, scalar_map, all_tensors, lengths)
             classes = classify_tiles(
-                info, problem, scalar_map, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols
+                info, problem, scalar_map, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols, lengths
             )
         else:
             classes = torch.zeros((1, 1, 0, 0), dtype=torch.uint8)

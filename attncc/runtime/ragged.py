@@ -32,7 +32,7 @@ from attncc.ir import expr as ex
 from attncc.runtime.sinks import padded_rows
 
 if TYPE_CHECKING:
-    from attncc.runtime.kernel import Kernel
+    from attncc.runtime.kernel import Kernel, PackedSequences
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -213,6 +213,15 @@ def varlen_segments(
     return segments
 
 
+def packed_sequences(segments: list[Segment], q: torch.Tensor, k: torch.Tensor) -> PackedSequences:
+    """The checked sequences of a packed batch as one launch takes them."""
+    from attncc.runtime.kernel import PackedSequences
+
+    return PackedSequences.of(
+        [s.q0 for s in segments] + [q.shape[0]], [s.k0 for s in segments] + [k.shape[0]], q.device
+    )
+
+
 def varlen_forward(
     kern: Kernel,
     segments: list[Segment],
@@ -223,10 +232,16 @@ def varlen_forward(
     sink: torch.Tensor | None,
     tensors: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out, lse of a packed batch: one padded call per run of equal shapes (`grouped`); rows of
-    sequences with no query or no key stay 0 and -inf (or the sink alone)."""
+    """out, lse of a packed batch: one launch where the kernels take packed batches
+    (`Kernel.runs_packed`), else one padded call per run of equal shapes (`grouped`); rows of
+    sequences with no key are 0 and -inf (or the sink alone)."""
     from attncc.runtime.kernel import acc_dtype
 
+    if kern.runs_packed:
+        return kern.forward_impl(
+            q, k, v, tensors, options.scalars, options.scale, options.dropout, options.seed,
+            sink=sink, packed=packed_sequences(segments, q, k),
+        )  # fmt: skip
     out = q.new_zeros(q.shape)
     lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
     if sink is not None:
@@ -264,6 +279,11 @@ def varlen_backward(
     from the forward's saved (q, k, v, out, lse); the sink's gradient is the caller's
     (`sinks.sink_gradient`)."""
     q, k, v, out, lse = saved
+    if kern.runs_packed:
+        return kern.backward_impl(
+            q, k, v, out, lse, dout, dlse, tensors, options.scalars, options.scale, options.dropout, options.seed,
+            grad_inputs, packed=packed_sequences(segments, q, k),
+        )  # fmt: skip
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     grads = [torch.zeros_like(t) if want else t.new_empty(0) for t, want in zip(tensors, grad_inputs)]
     for seg in grouped(segments, options.dropout):
@@ -461,13 +481,21 @@ def paged_forward(
     lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
     if sink is not None:
         lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
-    used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
     in_place = kern.reads_pages(q, page_size)
+    if in_place and kern.runs_packed and max(totals, default=0) > 0:
+        # the CPU kernels: one launch reads every sequence's keys through the block table, each
+        # sequence to its own key count (k_starts), the call's M the longest
+        counts = torch.tensor(totals, dtype=torch.int64)
+        return kern.forward_impl(
+            q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink,
+            paged=PagedKeys(table.to(q.device), page_size, max(totals), None if len(set(totals)) == 1 else counts),
+        )  # fmt: skip
+    used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
     pages_on_device = table.to(q.device) if in_place else table
     calls: list[tuple[Segment, list[int]]] = []
     for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)], 0.0):
         # sequences of one length share a call: keys one view of the cache where their pages
-        # are consecutive, else read through the block table (CPU kernels) or gathered, one
+        # are consecutive, else read through the block table (the CUDA kernels) or gathered, one
         # copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
         sequences = range(seg.index, seg.index + seg.count)
         pages = [p for b in sequences for p in used[b]]
