@@ -148,6 +148,23 @@ def test_varlen_under_torch_compile_fullgraph(name: str) -> None:
         compiled(q, k, v, unsorted, offsets(lens_k), inputs)
 
 
+def test_varlen_missing_input_under_torch_compile_is_named() -> None:
+    """A missing runtime input is refused by name while traced (not a KeyError from inside):
+    torch.compile falls back to the eager call's InputError; fullgraph=True reports it."""
+    kern = kernel("alibi")
+    q, cu = torch.randn(10, 2, 16), torch.tensor([0, 4, 10], dtype=torch.int32)
+
+    def packed(q: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        return kern.varlen(q, q, q, cu, cu)
+
+    torch._dynamo.reset()  # (a cached graph break would run the eager call in both)
+    with pytest.raises(Exception, match="missing runtime input `slopes`"):
+        torch.compile(packed, fullgraph=True)(q, cu)
+    torch._dynamo.reset()
+    with pytest.raises(attncc.InputError, match="missing runtime input `slopes`"):
+        torch.compile(packed)(q, cu)
+
+
 def test_varlen_equals_the_padded_call_with_a_key_padding_mask() -> None:
     """vanilla packed == padding.attn on the zero-padded batch with the same lengths (valid rows)."""
     lens = [70, 1, 129, 33]

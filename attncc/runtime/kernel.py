@@ -529,18 +529,23 @@ class Kernel:
             raise InputError(f"k: query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
         if not 1 <= D <= MAX_HEAD_DIM:
             raise InputError(f"q: head dim D={D} must be in [1, {MAX_HEAD_DIM}]")
+        self.check_input_names(runtime)
+        sizes = _sizes(q, k)
+        bound: dict[str, int] = {}
+        for decl in self.inputs:
+            self._validate_input(decl, runtime[decl.name], sizes, bound, q.device)
+
+    def check_input_names(self, runtime: Mapping[str, object]) -> None:
+        """Every declared runtime input given and no other (static: also while traced)."""
         expected = {d.name for d in self.inputs}
         unknown = sorted(set(runtime) - expected)
         if unknown:
             raise InputError(f"unknown runtime input(s) {', '.join(unknown)}; {self.name} takes {_names(self.inputs)}")
-        sizes = _sizes(q, k)
-        bound: dict[str, int] = {}
         for decl in self.inputs:
             if decl.name not in runtime:
                 raise InputError(
                     f"missing runtime input `{decl.name}` ({_declared(decl)}); {self.name} takes {_names(self.inputs)}"
                 )
-            self._validate_input(decl, runtime[decl.name], sizes, bound, q.device)
 
     def _validate_input(
         self, decl: Input, value: object, sizes: dict[str, int], bound: dict[str, int], device: torch.device

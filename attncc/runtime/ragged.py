@@ -374,6 +374,7 @@ def varlen_attention(
     if v.shape != k.shape:
         raise InputError(f"v: expected shape {tuple(k.shape)} (that of k), got {tuple(v.shape)}")
     check_batch_free(kern)
+    kern.check_input_names(runtime)
     if not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
         varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
         scale = checked_scale(scale)
@@ -582,6 +583,7 @@ def paged_attention(
     if any(t.requires_grad for t in (q, k_cache, v_cache)) and torch.is_grad_enabled():
         raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
     check_batch_free(kern)
+    kern.check_input_names(runtime)
     if not torch.compiler.is_compiling():  # the table's values: only the op reads them when traced
         paged_totals(kern, q_bhnd, k_cache, block_table, cache_seqlens, appended, runtime)
         scale = checked_scale(scale)
