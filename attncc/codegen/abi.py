@@ -50,7 +50,7 @@ SPLIT_CONTROL = ("splits",)
 #: `key_row_offset`).
 PAGE_BUFFERS = (("pages", "const int64_t*"),)
 PAGE_CONTROL = ("page_size", "st_pages_0")
-#: A packed (varlen) call's sequences in one launch (CPU kernels): int64 [B + 1] first query rows
+#: A packed (varlen) call's sequences in one launch (CPU and CUDA kernels): int64 [B + 1] first query rows
 #: and first key rows of each sequence in the packed operands (cu_seqlens), null in padded calls
 #: (templates/common/variant.jinja `seq_n`, `seq_m`). A paged call may give key bounds alone:
 #: then only the per-sequence key counts come from them (its rows come from the block table).

@@ -463,6 +463,10 @@ GPU_MAX_BACKWARD_STATE = 112
 # sm75 (each m16n8k16 issued as two m16n8k8) with the prefetching loop: gpt2 at d = 128, Br = 16,
 # r = 96 (state 112) spilled 4 B; 96 keeps Turing spill-free.
 GPU_MAX_BACKWARD_STATE_SM75 = 96
+# Above d = 64 the budget is 16 lower: with packed batches (the kernels read q_starts/k_starts,
+# the dropout counters per sequence) gpt2 at d = 128 spilled 4-16 B on sm75 (Br = 16, r = 80),
+# sm80 (Br = 64, r = 48) and sm90 (Br = 64, r = 48) at the budgets above; 16 less is spill-free.
+GPU_BACKWARD_STATE_CUT_ABOVE_D64 = 16
 # Q/dO buffers of the roofline's backward candidates: the next visible query tile loads while
 # this one computes (as FA2's backward); the fallback plans (d > 128, small shared memory) keep one.
 GPU_BACKWARD_STAGES = 2
@@ -479,6 +483,7 @@ def fastest_backward(target: Target, d: int, paper_br: int, paper_bc: int) -> Ti
         return None
     problem = replace(GPU_REFERENCE_PROBLEM, D=d)
     state_budget = GPU_MAX_BACKWARD_STATE_SM75 if target.name == "sm75" else GPU_MAX_BACKWARD_STATE
+    state_budget -= GPU_BACKWARD_STATE_CUT_ABOVE_D64 if d > 64 else 0
 
     def candidates() -> Iterator[tuple[TilePlan, Work]]:
         for br in GPU_BACKWARD_ROWS:

@@ -20,7 +20,7 @@ from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
-from attncc.runtime.kernel import CallPlan, Kernel, PagedKeys, acc_dtype, delta_rows
+from attncc.runtime.kernel import CallPlan, Kernel, PackedSequences, PagedKeys, acc_dtype, delta_rows
 from attncc.runtime.sinks import attach_sink
 from attncc.targets import GPUS
 
@@ -154,31 +154,55 @@ class EmulatedKernel(Kernel):
         plans = dict.fromkeys(self.op.tiling.for_head_dim(d).head_dim for d in head_dims)
         return [self.library_path_for(s, d) for s in storages for d in plans]
 
-    def forward_impl(self, q, k, v, tensors, scalars, scale, dropout, seed, offset=0, paged=None, sink=None):  # noqa: ANN001, ANN201 - as Kernel
+    def forward_impl(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        scale: float | None,
+        dropout: float,
+        seed: int,
+        offset: int = 0,
+        paged: PagedKeys | None = None,
+        sink: torch.Tensor | None = None,
+        packed: PackedSequences | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.storage_dtype(q.dtype)
-        plan = self.plan(q, k if paged is None else paged.keys_like(q, k), scale)
         qs, ks, vs = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-        out = torch.empty(q.shape, dtype=storage, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        call = self._prepare(plan, torch.float32, tensors, scalars)
+        rows_out = torch.empty(q.shape, dtype=storage, device=q.device)  # (packed: [total_q, H, D])
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        out, lengths = rows_out, None
+        if packed is not None:  # the kernels see [B, heads, longest, D] views (PackedSequences)
+            qs, ks, vs = packed.as_batch(qs, False), packed.as_batch(ks, True), packed.as_batch(vs, True)
+            out, lengths = packed.as_batch(rows_out, False), packed.lengths
+        elif paged is not None and paged.key_counts is not None:
+            lengths = (torch.full_like(paged.key_counts, q.shape[2]), paged.key_counts)
+        plan = self.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale)
+        call = self._prepare(plan, torch.float32, tensors, scalars, lengths)
         call["offset"] = offset
-        if out.numel():
+        if rows_out.numel():
             ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse}
-            if plan.kv_splits > 1:  # each split's O and log-sum-exp per row, merged by the kernel
-                rows = q.shape[0] * q.shape[1] * q.shape[2]
-                ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, q.shape[3], device=q.device)
+            if packed is not None:
+                ptrs.update(q_starts=packed.q_starts, k_starts=packed.k_starts)
+            if plan.kv_splits > 1:  # each split's O and log-sum-exp per row [B, H, longest], merged by the kernel
+                rows = qs.shape[0] * qs.shape[1] * qs.shape[2]
+                ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, qs.shape[3], device=q.device)
                 ptrs["lse_partial"] = torch.empty(plan.kv_splits, rows, device=q.device)
             strides = None
             if paged is not None:  # caches [pages, page_size, Hkv, D] read through the block table
                 ptrs["pages"] = paged.table
                 call["page_size"] = paged.page_size
                 strides = PagedKeys.strides(ks, vs)
+                if paged.key_counts is not None:
+                    ptrs["k_starts"] = paged.key_starts(q.device)
             dtype = str(storage).replace("torch.", "")
             self._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         if sink is not None:  # merged on the host: the CUDA kernels take no sink (runtime/sinks.py)
             with torch.no_grad():
-                out, lse = attach_sink(out, lse, sink)
-        return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
+                rows_out, lse = attach_sink(rows_out, lse, sink)
+        return rows_out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
     def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:
         """The CUDA forward looks each key row up in the block table: any page size."""
@@ -200,14 +224,19 @@ class EmulatedKernel(Kernel):
         seed: int,
         grad_inputs: list[bool],
         offset: int = 0,
+        packed: PackedSequences | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         storage = self.storage_dtype(q.dtype)
-        plan = self.plan(q, k, scale, backward=True)
         qs, ks, vs, dos = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (dout, "grad of out")))
         dk = torch.empty(k.shape, dtype=storage, device=k.device)
         dv = torch.empty(v.shape, dtype=storage, device=v.device)
-        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        call = self._prepare(plan, torch.float32, tensors, scalars)
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # rows as lse's, by D
+        dq_out = torch.empty(q.shape, dtype=storage, device=q.device)
+        operands = {"q": qs, "k": ks, "v": vs, "dout": dos, "dk": dk, "dv": dv, "dq": dq_out}
+        if packed is not None:  # (key-side operands: those of k's shape)
+            operands = {name: packed.as_batch(t, name in ("k", "v", "dk", "dv")) for name, t in operands.items()}
+        plan = self.plan(operands["q"], operands["k"], scale, backward=True)
+        call = self._prepare(plan, torch.float32, tensors, scalars, None if packed is None else packed.lengths)
         call["offset"] = offset
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
         grads = {
@@ -217,22 +246,15 @@ class EmulatedKernel(Kernel):
         }
         if q.numel() and k.numel():
             delta = delta_rows(out, dout, dlse, torch.float32)
-            ptrs = {
-                "q": qs,
-                "k": ks,
-                "v": vs,
-                "dout": dos,
-                "lse": lse.float().contiguous(),
-                "delta": delta,
-                "dk": dk,
-                "dv": dv,
-            }
+            ptrs = {name: operands[name] for name in ("q", "k", "v", "dout", "dk", "dv")}
+            ptrs.update(lse=lse.float().contiguous(), delta=delta)
+            if packed is not None:
+                ptrs.update(q_starts=packed.q_starts, k_starts=packed.k_starts)
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             dtype = str(storage).replace("torch.", "")
-            dq_out = torch.empty(q.shape, dtype=storage, device=q.device)
             deterministic = self.deterministic or torch.are_deterministic_algorithms_enabled()
             if deterministic:  # dQ from its own kernel, no atomics
-                ptrs["dq"] = dq_out
+                ptrs["dq"] = operands["dq"]
             if deterministic and grads:  # exact sums: first the bounds, then the grid per element
                 self._bound_input_grads(grads, dtype, plan, call, ptrs, dropout, seed)
             accum = None if deterministic else ctypes.c_void_p(dq_accum.data_ptr())

@@ -124,11 +124,12 @@ Lengths = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class PackedSequences:
-    """A packed (varlen) batch in one launch (`Kernel.forward_impl`, `backward_impl`; the CPU
-    kernels): sequence b's queries are rows q_starts[b] .. q_starts[b + 1] of q [total_q, H, D]
-    (and of out, dout, dq, and of lse, delta, sink [total_q, H]), its keys rows k_starts[b] ..
-    k_starts[b + 1] of k and v. The kernels see each operand as [B, heads, longest, D] with batch
-    stride 0 and shift a row by its sequence's first (templates/cpu `query_row_offset`)."""
+    """A packed (varlen) batch in one launch (`Kernel.forward_impl`, `backward_impl`; CPU and
+    CUDA kernels alike): sequence b's queries are rows q_starts[b] .. q_starts[b + 1] of q
+    [total_q, H, D] (and of out, dout, dq, and of lse, delta, sink [total_q, H]), its keys rows
+    k_starts[b] .. k_starts[b + 1] of k and v. The kernels see each operand as [B, heads,
+    longest, D] with batch stride 0 and shift a row by its sequence's first
+    (templates/common/variant.jinja `query_row_offset`)."""
 
     q_starts: torch.Tensor  # int64 [B + 1], contiguous, on the kernel's device
     k_starts: torch.Tensor
@@ -616,7 +617,7 @@ class Kernel:
         (`reads_pages`), k and v are caches [pages, page_size, Hkv, D] read in place through
         its block table. `sink` [B, H, N]: the softmax's sink logit per row, merged into each
         row as the kernel writes it (out and lse are those of the softmax with the sink). With
-        `packed` (`runs_packed`), q, k, v are a packed batch [total, heads, D], out and lse
+        `packed`, q, k, v are a packed batch [total, heads, D], out and lse
         [total_q, H, D] and [total_q, H] (sink too), all sequences in one launch."""
         dtype = _DTYPES[q.dtype]
         strides: dict[str, tuple[int, ...]] = {}
@@ -651,12 +652,6 @@ class Kernel:
             ptrs["sink"] = sink.detach().to(lse.dtype).contiguous()
         self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed, strides)
         return rows_out, lse
-
-    @property
-    def runs_packed(self) -> bool:
-        """Whether `forward_impl` and `backward_impl` take a packed batch in one launch
-        (`packed`: the CPU kernels; the CUDA kernels run one call per run of equal lengths)."""
-        return type(self).forward_impl is Kernel.forward_impl and type(self).backward_impl is Kernel.backward_impl
 
     def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:
         """Whether `forward_impl` can read keys of this page size in place for queries like

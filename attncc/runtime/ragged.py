@@ -1,17 +1,20 @@
-"""Packed (varlen) and paged-KV calls: every sequence of a ragged batch is one padded call.
+"""Packed (varlen) and paged-KV calls.
 
 A program speaks of b (the sequence), h, i, j (positions inside the sequence) and N, M (that
-sequence's query and key lengths). So a packed batch (FlashAttention's varlen layout: q
+sequence's query and key lengths). A packed batch (FlashAttention's varlen layout: q
 [total_q, H, D], k, v [total_k, Hkv, D], sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1])
-runs sequence by sequence as a batch of one with N = N_b and M = M_b: tiles never straddle two
-sequences, no work is spent on padding that is not there, and a mask written once serves padded,
-packed and paged calls. The per-sequence views are strided views of the packed tensors (no copy).
+is one launch on every backend: the kernels take the offsets (ABI q_starts, k_starts), N and M in
+the program are each sequence's own, tiles never straddle two sequences (the tile classes are
+per sequence, tiles past a sequence's end empty) and no work is spent on padding that is not
+there. So a mask written once serves padded, packed and paged calls, and b, B are the sequence's
+index and the number of sequences.
 
-Runtime tensors keep their padded shapes: an axis declared `B` counts sequences and is cut to the
-sequence's element, an axis declared `N` or `M` holds the longest sequence (varlen: max_seqlen_q,
-max_seqlen_k; paged: N of q and the block table's capacity) and is cut to the sequence's length.
-Each sequence runs as batch element 0 of its own call, so a program that uses `b` other than as
-the index of a `B` axis, or the size `B`, is refused here (it would see 0 and 1).
+Runtime tensors keep their padded shapes: an axis declared `B` counts sequences, an axis declared
+`N` or `M` holds the longest sequence (varlen: max_seqlen_q, max_seqlen_k; paged: N of q and the
+block table's capacity). A paged call reads the cache in place in one launch where the kernels
+can (`Kernel.reads_pages`); else (CPU kernels, no key tile divides the page size) each run of
+sequences of one length is a padded call over gathered keys, as batch element 0 of its own call,
+so paged calls refuse a program that uses `b` other than as the index of a `B` axis, or `B`.
 
 Dropout counters are per sequence: sequence b keeps exactly
 `attncc.dropout_mask(seed, b, 1, H, N_b, M_b, p)[0]` (the counters' fourth word is b).
@@ -58,16 +61,15 @@ class Segment:
         return slice(self.k0, self.k0 + self.count * self.m)
 
 
-def grouped(segments: list[Segment], dropout: float) -> list[Segment]:
-    """Runs of consecutive sequences of one shape merged into one call each (a packed batch of
-    equal lengths is one padded call), leaving out those with no query or no key. Not with
-    dropout: a merged call's counters would number its sequences from 0 (see the module doc)."""
+def grouped(segments: list[Segment]) -> list[Segment]:
+    """Runs of consecutive sequences of one shape merged into one call each, leaving out those
+    with no query or no key."""
     groups: list[Segment] = []
     for seg in segments:
         if seg.n == 0 or seg.m == 0:
             continue
         last = groups[-1] if groups else None
-        if dropout == 0 and last and (last.n, last.m, last.index + last.count) == (seg.n, seg.m, seg.index):
+        if last and (last.n, last.m, last.index + last.count) == (seg.n, seg.m, seg.index):
             groups[-1] = replace(last, count=last.count + 1)
         else:
             groups.append(seg)
@@ -145,7 +147,7 @@ def check_batch_free(kern: Kernel) -> None:
     exprs = [kern.op.score, kern.op.mask, kern.op.scale, kern.op.default_scale]
     if any(e is not None and uses_batch(e) for e in exprs):
         raise InputError(
-            f"{kern.name}: packed and paged calls run each sequence as a batch of one, and this program "
+            f"{kern.name}: paged calls may run each sequence as a batch of one, and this program "
             "uses `b` other than as the index of a `B` axis (or the size `B`); index a [B]-shaped input instead"
         )
 
@@ -171,16 +173,6 @@ def sequence_slices(kern: Kernel, segment: Segment, n: int, m: int) -> list[tupl
         for d in kern.inputs
         if d.role == "tensor"
     ]
-
-
-def _as_bhnd(rows: torch.Tensor, count: int = 1) -> torch.Tensor:
-    """[count * n, heads, D] rows as a [count, heads, n, D] view."""
-    return rows.unflatten(0, (count, -1)).transpose(1, 2)
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[count, heads, n, ...] as [count * n, heads, ...] rows (inverse of _as_bhnd)."""
-    return t.transpose(1, 2).flatten(0, 1)
 
 
 # ---------------------------------------------------------------------- packed (varlen)
@@ -232,37 +224,12 @@ def varlen_forward(
     sink: torch.Tensor | None,
     tensors: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out, lse of a packed batch: one launch where the kernels take packed batches
-    (`Kernel.runs_packed`), else one padded call per run of equal shapes (`grouped`); rows of
-    sequences with no key are 0 and -inf (or the sink alone)."""
-    from attncc.runtime.kernel import acc_dtype
-
-    if kern.runs_packed:
-        return kern.forward_impl(
-            q, k, v, tensors, options.scalars, options.scale, options.dropout, options.seed,
-            sink=sink, packed=packed_sequences(segments, q, k),
-        )  # fmt: skip
-    out = q.new_zeros(q.shape)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
-    if sink is not None:
-        lse = torch.where(torch.isneginf(sink), lse, sink)
-    for seg in grouped(segments, options.dropout):
-        cut = sequence_slices(kern, seg, seg.n, seg.m)
-        part_sink = None if sink is None else _as_bhnd(sink[seg.rows].unsqueeze(-1), seg.count)[..., 0]
-        part_out, part_lse = kern.forward_impl(
-            _as_bhnd(q[seg.rows], seg.count),
-            _as_bhnd(k[seg.keys], seg.count),
-            _as_bhnd(v[seg.keys], seg.count),
-            [t[c] for t, c in zip(tensors, cut)],
-            options.scalars,
-            options.scale,
-            options.dropout,
-            options.seed,
-            offset=seg.index,
-            sink=part_sink,
-        )
-        out[seg.rows], lse[seg.rows] = _as_rows(part_out), _as_rows(part_lse)
-    return out, lse
+    """out, lse of a packed batch in one launch; rows of sequences with no key are 0 and -inf
+    (or the sink alone)."""
+    return kern.forward_impl(
+        q, k, v, tensors, options.scalars, options.scale, options.dropout, options.seed,
+        sink=sink, packed=packed_sequences(segments, q, k),
+    )  # fmt: skip
 
 
 def varlen_backward(
@@ -275,41 +242,14 @@ def varlen_backward(
     tensors: list[torch.Tensor],
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """dq, dk, dv and the learnable inputs' gradients (empty where not wanted) of a packed batch,
-    from the forward's saved (q, k, v, out, lse); the sink's gradient is the caller's
-    (`sinks.sink_gradient`)."""
+    """dq, dk, dv and the learnable inputs' gradients (empty where not wanted) of a packed batch
+    in one backward, from the forward's saved (q, k, v, out, lse); the sink's gradient is the
+    caller's (`sinks.sink_gradient`)."""
     q, k, v, out, lse = saved
-    if kern.runs_packed:
-        return kern.backward_impl(
-            q, k, v, out, lse, dout, dlse, tensors, options.scalars, options.scale, options.dropout, options.seed,
-            grad_inputs, packed=packed_sequences(segments, q, k),
-        )  # fmt: skip
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    grads = [torch.zeros_like(t) if want else t.new_empty(0) for t, want in zip(tensors, grad_inputs)]
-    for seg in grouped(segments, options.dropout):
-        rows, keys, count = seg.rows, seg.keys, seg.count
-        cut = sequence_slices(kern, seg, seg.n, seg.m)
-        gq, gk, gv, g_inputs = kern.backward_impl(
-            _as_bhnd(q[rows], count),
-            _as_bhnd(k[keys], count),
-            _as_bhnd(v[keys], count),
-            _as_bhnd(out[rows], count),
-            _as_bhnd(lse[rows], count),
-            _as_bhnd(dout[rows], count).contiguous(),
-            None if dlse is None else _as_bhnd(dlse[rows], count),
-            [t[c] for t, c in zip(tensors, cut)],
-            options.scalars,
-            options.scale,
-            options.dropout,
-            options.seed,
-            grad_inputs,
-            offset=seg.index,
-        )
-        dq[rows], dk[keys], dv[keys] = _as_rows(gq), _as_rows(gk), _as_rows(gv)
-        for g, part, c, want in zip(grads, g_inputs, cut, grad_inputs):
-            if want:
-                g[c] += part.to(g.dtype)
-    return dq, dk, dv, grads
+    return kern.backward_impl(
+        q, k, v, out, lse, dout, dlse, tensors, options.scalars, options.scale, options.dropout, options.seed,
+        grad_inputs, packed=packed_sequences(segments, q, k),
+    )  # fmt: skip
 
 
 def varlen_sink_rows(
@@ -373,7 +313,6 @@ def varlen_attention(
     v = _tensor("v", v, 3, "[total_k, Hkv, D]")
     if v.shape != k.shape:
         raise InputError(f"v: expected shape {tuple(k.shape)} (that of k), got {tuple(v.shape)}")
-    check_batch_free(kern)
     kern.check_input_names(runtime)
     if not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
         varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
@@ -482,35 +421,25 @@ def paged_forward(
     lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
     if sink is not None:
         lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
-    in_place = kern.reads_pages(q, page_size)
-    if in_place and kern.runs_packed and max(totals, default=0) > 0:
-        # the CPU kernels: one launch reads every sequence's keys through the block table, each
-        # sequence to its own key count (k_starts), the call's M the longest
+    if kern.reads_pages(q, page_size) and max(totals, default=0) > 0:
+        # one launch reads every sequence's keys through the block table, each sequence to its
+        # own key count (k_starts), the call's M the longest
         counts = torch.tensor(totals, dtype=torch.int64)
         return kern.forward_impl(
             q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink,
             paged=PagedKeys(table.to(q.device), page_size, max(totals), None if len(set(totals)) == 1 else counts),
         )  # fmt: skip
     used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
-    pages_on_device = table.to(q.device) if in_place else table
     calls: list[tuple[Segment, list[int]]] = []
-    for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)], 0.0):
-        # sequences of one length share a call: keys one view of the cache where their pages
-        # are consecutive, else read through the block table (the CUDA kernels) or gathered, one
-        # copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
+    for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)]):
+        # the CPU kernels where no key tile divides the page size: sequences of one length share
+        # a call, keys one view of the cache where their pages are consecutive, else gathered,
+        # one copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
         sequences = range(seg.index, seg.index + seg.count)
         pages = [p for b in sequences for p in used[b]]
-        together = _consecutive(pages)
-        if in_place and not together:
-            batch = slice(seg.index, seg.index + seg.count)
-            cut = sequence_slices(kern, seg, N, seg.m)
-            out[batch], lse[batch] = kern.forward_impl(
-                q[batch], k_cache, v_cache, [t[c] for t, c in zip(tensors, cut)], options.scalars,
-                options.scale, 0.0, 0, paged=PagedKeys(pages_on_device[batch], page_size, seg.m),
-                sink=None if sink is None else sink[batch],
-            )  # fmt: skip
-            continue
-        calls += [(seg, pages)] if together else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
+        calls += (
+            [(seg, pages)] if _consecutive(pages) else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
+        )
     for seg, pages in calls:
         batch = slice(seg.index, seg.index + seg.count)
         cut = sequence_slices(kern, seg, N, seg.m)
