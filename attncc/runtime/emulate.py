@@ -21,7 +21,7 @@ from attncc.errors import AttnccError, InputError
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.kernel import CallPlan, Kernel, PackedSequences, PagedKeys, acc_dtype, delta_rows
-from attncc.runtime.sinks import attach_sink
+from attncc.runtime.merge import merge_states
 from attncc.targets import GPUS
 
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
@@ -199,9 +199,10 @@ class EmulatedKernel(Kernel):
                     ptrs["k_starts"] = paged.key_starts(q.device)
             dtype = str(storage).replace("torch.", "")
             self._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
-        if sink is not None:  # merged on the host: the CUDA kernels take no sink (runtime/sinks.py)
+        if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
             with torch.no_grad():
-                rows_out, lse = attach_sink(rows_out, lse, sink)
+                sink_lse = sink.to(lse.dtype).expand(lse.shape)
+                rows_out, lse = merge_states([rows_out, torch.zeros_like(rows_out)], [lse, sink_lse])
         return rows_out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
     def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:

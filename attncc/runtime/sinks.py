@@ -4,9 +4,9 @@ denominator and has no value row (StreamingLLM, GPT-OSS).
 The runtime evaluates the sink expression at every query row (`sink_logits`, differentiable
 w.r.t. the inputs it reads) and hands the rows to the op. The CPU forward merges each row's
 sink as it writes the row (templates/cpu: m' = max(m, sink), l' = l e^(m - m') + e^(sink - m'));
-the CUDA kernels (and their emulator) merge it on the host, `attach_sink`: with L the kernel's
-log-sum-exp and O its output, the sink softmax is exactly the kernel's result merged with an
-empty partial state of log-sum-exp `sink` (what `merge_states` does for split-KV):
+the CUDA kernels (and their emulator) merge it on the host: with L the kernel's log-sum-exp and
+O its output, the sink softmax is exactly the kernel's result merged (`merge_states`, as for
+split-KV) with a partial state of output 0 and log-sum-exp `sink`:
 
     lse' = log(exp(L) + exp(sink)),   O' = O exp(L - lse') = O sigmoid(L - sink).
 
@@ -40,19 +40,6 @@ def sink_logits(
     differentiable w.r.t. the float tensors it reads."""
     env: dict[str, Value] = {**rows, **sizes, **scalars, "scale": scale_value}
     return evaluate(sink, env, tensors).to(dtype)
-
-
-def attach_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the kernel (out [..., D], lse [...]) -> those of the softmax with `sink`
-    (broadcast to lse's shape). A fully masked row (lse -inf) gets O = 0 and lse = sink; a sink
-    of -inf leaves the row as it was."""
-    sink = sink.to(lse.dtype).expand(lse.shape)
-    # a finite stand-in for -inf sinks keeps logaddexp and sigmoid free of inf - inf (NaN
-    # gradients through the where below)
-    finite = sink.clamp_min(torch.finfo(lse.dtype).min)
-    new_lse = torch.where(torch.isneginf(sink), lse, torch.logaddexp(lse, finite))
-    kept = torch.sigmoid(lse - finite)
-    return (out.to(lse.dtype) * kept.unsqueeze(-1)).to(out.dtype), new_lse
 
 
 def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
