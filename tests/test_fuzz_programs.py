@@ -1356,3 +1356,91 @@ def test_two_reads_of_one_learnable_input() -> None:
     assert err <= KERNEL_LIMITS.input_grads, describe(
         prog, f"dw: kernel {got.tolist()}, oracle {expected.tolist()} ({where})"
     )
+
+
+PACKED_PROGRAMS = 6  # of the kernel programs (CPU, debug-built) and of the emulator programs
+
+
+def check_packed_program(kern: attncc.Kernel, prog: Program, shape: tuple, dtype: torch.dtype, limits: Limits) -> None:
+    """A packed (varlen) batch of ragged sequences (lengths 1, 0 and ragged tails among them)
+    against the same kernel's padded call on each sequence as a batch of one (runtime inputs
+    cut to the sequence: axis B to its element, N and M to its lengths), forward and backward.
+    A program that uses b or B as a value runs on sequences of equal lengths against the
+    padded call of the whole batch instead (there b and B mean the same in both)."""
+    from attncc.errors import InputError
+    from attncc.runtime.ragged import Segment, check_batch_free, sequence_slices
+
+    _, H, Hkv, N, M, D, _ = shape
+    B = 4  # sequences: the case's full lengths, 1 query, keys without queries, a ragged one
+    gen = torch.Generator().manual_seed(prog.seed + 7)
+    try:
+        check_batch_free(kern)
+        whole_batch = False
+        lens_q = [N, 1, 0, int(torch.randint(1, N + 1, (1,), generator=gen))]
+        lens_k = [
+            M,
+            int(torch.randint(1, M + 1, (1,), generator=gen)),
+            3,
+            int(torch.randint(1, M + 1, (1,), generator=gen)),
+        ]
+    except InputError:
+        whole_batch = True
+        lens_q, lens_k = [N] * B, [M] * B
+    q = torch.randn(sum(lens_q), H, D, generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(sum(lens_k), Hkv, D, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    runtime = runtime_inputs(prog, B, H, M, gen, torch.float32, requires_grad=True)
+    learn = [name for name, t in runtime.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = [q, k, v] + [runtime[name] for name in learn]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]) for lens in (lens_q, lens_k))
+    out, lse = kern.varlen(q, k, v, cu_q, cu_k, max_seqlen_q=N, max_seqlen_k=M, return_lse=True, **runtime)
+    dout = torch.randn(out.shape, generator=gen).to(dtype)
+    got = [out, lse, *torch.autograd.grad(out, wrt, dout, allow_unused=True)]
+
+    def as_bhnd(rows: torch.Tensor, count: int) -> torch.Tensor:  # [count * n, heads, ...] -> [count, heads, n, ...]
+        return rows.unflatten(0, (count, -1)).transpose(1, 2)
+
+    if whole_batch:
+        ref_out, ref_lse = kern(as_bhnd(q, B), as_bhnd(k, B), as_bhnd(v, B), return_lse=True, **runtime)
+        ref_out, ref_lse = ref_out.transpose(1, 2).flatten(0, 1), ref_lse.transpose(1, 2).flatten(0, 1)
+    else:
+        outs, lses = [], []
+        for b, (n, m) in enumerate(zip(lens_q, lens_k)):
+            if n == 0:
+                continue
+            rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            cuts = iter(sequence_slices(kern, Segment(b, 0, n, 0, m), n, m))
+            cut = {name: t[next(cuts)] if isinstance(t, torch.Tensor) else t for name, t in runtime.items()}
+            o, s = kern(as_bhnd(q[rows], 1), as_bhnd(k[keys], 1), as_bhnd(v[keys], 1), return_lse=True, **cut)
+            outs.append(o[0].transpose(0, 1))
+            lses.append(s[0].transpose(0, 1))
+        ref_out, ref_lse = torch.cat(outs), torch.cat(lses)
+    expected = [ref_out, ref_lse, *torch.autograd.grad(ref_out, wrt, dout, allow_unused=True)]
+    names = ["out", "lse", "dq", "dk", "dv"] + [f"d{name}" for name in learn]
+    problems = []
+    for name, a, e in zip(names, got, expected):
+        err, where = relative_error(a, None if e is None else e.double())
+        if not err <= limits.of(name):
+            problems.append(f"{name}: error {err:.3g} > {limits.of(name):g} ({where})")
+    context = f"shape {shape[:-1]} (B H Hkv N M D), lengths q {lens_q} k {lens_k}, whole batch {whole_batch}"
+    assert not problems, describe(
+        prog, "packed call differs from the padded calls: " + "; ".join(problems) + f"\n{context}"
+    )
+
+
+@pytest.mark.parametrize("n", range(PACKED_PROGRAMS))
+def test_packed_batches_match_the_padded_calls(n: int, monkeypatch) -> None:
+    """Generated programs (CPU kernels, debug-built) on packed batches: each sequence's rows,
+    lse and gradients as the same kernel's padded call on that sequence alone."""
+    monkeypatch.setenv(DEBUG_BUILD_ENV, "1")
+    prog, shape, _ = kernel_case(KERNEL_PROGRAMS + n)
+    kern = attncc.compile(prog.text, tiles=shape[-1])
+    check_packed_program(kern, prog, shape, torch.float32, KERNEL_LIMITS)
+
+
+@pytest.mark.parametrize("n", range(PACKED_PROGRAMS))
+def test_emulated_packed_batches_match_the_padded_calls(n: int) -> None:
+    """As test_packed_batches_match_the_padded_calls, for the CUDA kernels on the emulator
+    (fp16 inputs; both sides run the same tensor-core kernels)."""
+    prog, shape, _ = emulator_case(n)
+    kern = attncc.compile(prog.text, target="sm80", emulate=True, tiles=shape[-1])
+    check_packed_program(kern, prog, shape, torch.float16, EMULATOR_LIMITS)
