@@ -1408,7 +1408,7 @@ def check_packed_program(kern: attncc.Kernel, prog: Program, shape: tuple, dtype
             if n == 0:
                 continue
             rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-            cuts = iter(sequence_slices(kern, Segment(b, 0, n, 0, m), n, m))
+            cuts = iter(sequence_slices(kern, Segment(b, n, m)))
             cut = {name: t[next(cuts)] if isinstance(t, torch.Tensor) else t for name, t in runtime.items()}
             o, s = kern(as_bhnd(q[rows], 1), as_bhnd(k[keys], 1), as_bhnd(v[keys], 1), return_lse=True, **cut)
             outs.append(o[0].transpose(0, 1))

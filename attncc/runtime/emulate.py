@@ -177,26 +177,24 @@ class EmulatedKernel(Kernel):
         if packed is not None:  # the kernels see [B, heads, longest, D] views (PackedSequences)
             qs, ks, vs = packed.as_batch(qs, False), packed.as_batch(ks, True), packed.as_batch(vs, True)
             out, lengths = packed.as_batch(rows_out, False), packed.lengths
-        elif paged is not None and paged.key_counts is not None:
-            lengths = (torch.full_like(paged.key_counts, q.shape[2]), paged.key_counts)
+        elif paged is not None:
+            lengths = paged.lengths(q.shape[2])
         plan = self.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale)
         call = self._prepare(plan, torch.float32, tensors, scalars, lengths)
         call["offset"] = offset
         if rows_out.numel():
             ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse}
             if packed is not None:
-                ptrs.update(q_starts=packed.q_starts, k_starts=packed.k_starts)
+                ptrs.update(packed.buffers())
             if plan.kv_splits > 1:  # each split's O and log-sum-exp per row [B, H, longest], merged by the kernel
                 rows = qs.shape[0] * qs.shape[1] * qs.shape[2]
                 ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, qs.shape[3], device=q.device)
                 ptrs["lse_partial"] = torch.empty(plan.kv_splits, rows, device=q.device)
             strides = None
             if paged is not None:  # caches [pages, page_size, Hkv, D] read through the block table
-                ptrs["pages"] = paged.table
+                ptrs.update(paged.buffers(q.device))
                 call["page_size"] = paged.page_size
                 strides = PagedKeys.strides(ks, vs)
-                if paged.key_counts is not None:
-                    ptrs["k_starts"] = paged.key_starts(q.device)
             dtype = str(storage).replace("torch.", "")
             self._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
@@ -250,7 +248,7 @@ class EmulatedKernel(Kernel):
             ptrs = {name: operands[name] for name in ("q", "k", "v", "dout", "dk", "dv")}
             ptrs.update(lse=lse.float().contiguous(), delta=delta)
             if packed is not None:
-                ptrs.update(q_starts=packed.q_starts, k_starts=packed.k_starts)
+                ptrs.update(packed.buffers())
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             dtype = str(storage).replace("torch.", "")
             deterministic = self.deterministic or torch.are_deterministic_algorithms_enabled()

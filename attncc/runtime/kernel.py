@@ -42,13 +42,12 @@ from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.ragged import (
     CallOptions,
-    Segment,
     paged_attention,
     paged_forward,
     varlen_attention,
     varlen_backward,
     varlen_forward,
-    varlen_segments,
+    varlen_sequences,
 )
 from attncc.runtime.reference import evaluate, reference_attention
 from attncc.runtime.sinks import padded_rows, sink_gradient, sink_logits
@@ -99,10 +98,20 @@ class PagedKeys:
     #: call's M the longest (`keys`); None: every sequence has `keys`
     key_counts: torch.Tensor | None = None
 
-    def key_starts(self, device: torch.device) -> torch.Tensor:
-        """int64 [B + 1] cumulative key counts, as the kernels' k_starts take them (`seq_m`)."""
-        assert self.key_counts is not None
-        return torch.cat([self.key_counts.new_zeros(1), self.key_counts.cumsum(0)]).to(device)
+    def lengths(self, queries: int) -> Lengths | None:
+        """Each sequence's query and key counts where the key counts differ (the tile classes
+        follow them), else None."""
+        if self.key_counts is None:
+            return None
+        return torch.full_like(self.key_counts, queries), self.key_counts
+
+    def buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The ABI pointers of the paged call: the block table, and where the key counts differ,
+        their cumulative sums as k_starts (int64 [B + 1], `seq_m`)."""
+        if self.key_counts is None:
+            return {"pages": self.table}
+        starts = torch.cat([self.key_counts.new_zeros(1), self.key_counts.cumsum(0)]).to(device)
+        return {"pages": self.table, "k_starts": starts}
 
     def keys_like(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """What plans see as k: [B, Hkv, keys, D] over the cache [pages, page_size, Hkv, D]
@@ -143,6 +152,10 @@ class PackedSequences:
         on_device = starts.to(device)
         longest = (int(n.max()), int(m.max())) if n.numel() else (0, 0)
         return PackedSequences(on_device[0], on_device[1], (n, m), longest)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The ABI pointers of the packed call (cu_seqlens: `seq_n`, `seq_m`, `first_query_row`)."""
+        return {"q_starts": self.q_starts, "k_starts": self.k_starts}
 
     def as_batch(self, rows: torch.Tensor, keys: bool) -> torch.Tensor:
         """rows [total, heads, D] as the kernels' [B, heads, longest, D] (batch stride 0)."""
@@ -628,11 +641,14 @@ class Kernel:
         elif paged is None:
             plan, call = self._forward_call(q, k, scale, tensors, scalars)
         else:  # the plan sees keys [B, Hkv, M, D]; the kernel, pages and rows at the cache's strides
-            lengths = None
-            if paged.key_counts is not None:
-                lengths = (torch.full_like(paged.key_counts, q.shape[2]), paged.key_counts)
             plan, call = self._forward_call(
-                q, paged.keys_like(q, k), scale, tensors, scalars, page_size=paged.page_size, lengths=lengths
+                q,
+                paged.keys_like(q, k),
+                scale,
+                tensors,
+                scalars,
+                page_size=paged.page_size,
+                lengths=paged.lengths(q.shape[2]),
             )
             call["page_size"] = paged.page_size
             strides = PagedKeys.strides(k, v)
@@ -643,11 +659,9 @@ class Kernel:
             return rows_out, lse
         ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
         if paged is not None:
-            ptrs["pages"] = paged.table
-            if paged.key_counts is not None:
-                ptrs["k_starts"] = paged.key_starts(q.device)
+            ptrs.update(paged.buffers(q.device))
         if packed is not None:
-            ptrs.update(q_starts=packed.q_starts, k_starts=packed.k_starts)
+            ptrs.update(packed.buffers())
         if sink is not None:
             ptrs["sink"] = sink.detach().to(lse.dtype).contiguous()
         self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed, strides)
@@ -709,7 +723,7 @@ class Kernel:
         if delta is not None:
             ptrs = dict(operands, lse=lse.contiguous(), delta=delta)
             if packed is not None:
-                ptrs.update(q_starts=packed.q_starts, k_starts=packed.k_starts)
+                ptrs.update(packed.buffers())
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             for entry in self.backward_entries(plan, threads):
                 self._launch(dtype, entry, plan, call, ptrs, dropout, seed)
@@ -1192,12 +1206,12 @@ def _varlen_call(
     scale: float | None,
     dropout: float,
     seed: torch.Tensor,
-) -> tuple[Kernel, list[Segment], CallOptions]:
+) -> tuple[Kernel, PackedSequences, CallOptions]:
     """The kernel, checked sequences and shared options of a varlen op's call (forward or backward)."""
     kern = _REGISTRY[key]
     runtime = kern.runtime_values(tensors, scalars)
-    segments = varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
-    return kern, segments, CallOptions(scalars, scale, dropout, int(seed.item()))
+    packed = varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+    return kern, packed, CallOptions(scalars, scale, dropout, int(seed.item()))
 
 
 # The packed (varlen) call as one op: its offsets are read on the host inside, so torch.compile
@@ -1219,10 +1233,10 @@ def varlen_op(
     seed: torch.Tensor,
     sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kern, segments, options = _varlen_call(
+    kern, packed, options = _varlen_call(
         key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
     )
-    return varlen_forward(kern, segments, options, q, k, v, sink, tensors)
+    return varlen_forward(kern, packed, options, q, k, v, sink, tensors)
 
 
 @varlen_op.register_fake
@@ -1266,10 +1280,10 @@ def varlen_backward_op(
     seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    kern, segments, options = _varlen_call(
+    kern, packed, options = _varlen_call(
         key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
     )
-    return varlen_backward(kern, segments, options, (q, k, v, out, lse), dout, dlse, tensors, grad_inputs)
+    return varlen_backward(kern, packed, options, (q, k, v, out, lse), dout, dlse, tensors, grad_inputs)
 
 
 @varlen_backward_op.register_fake

@@ -42,23 +42,13 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 @dataclass(frozen=True)
 class Segment:
-    """Sequences index .. index + count, each of n queries and m keys: queries at rows
-    q0 .. q0 + count * n, keys at rows k0 .. k0 + count * m (one padded call of batch count)."""
+    """Sequences index .. index + count of a paged call, each of n queries and m keys (one
+    padded call of batch count over gathered keys)."""
 
     index: int
-    q0: int
     n: int
-    k0: int
     m: int
     count: int = 1
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.q0, self.q0 + self.count * self.n)
-
-    @property
-    def keys(self) -> slice:
-        return slice(self.k0, self.k0 + self.count * self.m)
 
 
 def grouped(segments: list[Segment]) -> list[Segment]:
@@ -165,9 +155,13 @@ def _validate_runtime(
     kern.validate(_proxy(q, (B, H, N, D)), _proxy(q, (B, Hkv, M, D)), _proxy(q, (B, Hkv, M, D)), runtime)
 
 
-def sequence_slices(kern: Kernel, segment: Segment, n: int, m: int) -> list[tuple[slice, ...]]:
-    """Per runtime tensor: the index that cuts it to `segment` (axes B, and N, M to n, m)."""
-    cuts = {"B": slice(segment.index, segment.index + segment.count), "N": slice(0, n), "M": slice(0, m)}
+def sequence_slices(kern: Kernel, segment: Segment) -> list[tuple[slice, ...]]:
+    """Per runtime tensor: the index that cuts it to `segment` (axes B, and N, M to its lengths)."""
+    cuts = {
+        "B": slice(segment.index, segment.index + segment.count),
+        "N": slice(0, segment.n),
+        "M": slice(0, segment.m),
+    }
     return [
         tuple(cuts.get(dim, slice(None)) if isinstance(dim, str) else slice(None) for dim in d.dims)
         for d in kern.inputs
@@ -176,7 +170,7 @@ def sequence_slices(kern: Kernel, segment: Segment, n: int, m: int) -> list[tupl
 
 
 # ---------------------------------------------------------------------- packed (varlen)
-def varlen_segments(
+def varlen_sequences(
     kern: Kernel,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,38 +179,29 @@ def varlen_segments(
     max_seqlen_q: int | None,
     max_seqlen_k: int | None,
     runtime: Mapping[str, object],
-) -> list[Segment]:
-    """The sequences of a packed call, checked on the host: the offsets' values, the longest
-    lengths and the runtime inputs at the batch's padded sizes (data-dependent checks: the op's
-    implementation runs them, and `varlen_attention` before it where nothing is traced)."""
+) -> PackedSequences:
+    """The sequences of a packed call as one launch takes them, checked on the host: the
+    offsets' values, the longest lengths and the runtime inputs at the batch's padded sizes
+    (data-dependent checks: the op's implementation runs them, and `varlen_attention` before it
+    where nothing is traced)."""
+    from attncc.runtime.kernel import PackedSequences
+
     cq = _host_ints("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]", q.device)
     ck = _host_ints("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]", q.device)
     if cq.numel() != ck.numel():
         raise InputError(f"cu_seqlens_k: expected {cq.numel()} offsets (as cu_seqlens_q: B + 1), got {ck.numel()}")
     starts_q = _cumulative("cu_seqlens_q", cq, q.shape[0], "q's")
     starts_k = _cumulative("cu_seqlens_k", ck, k.shape[0], "k's")
-    segments = [
-        Segment(b, starts_q[b], starts_q[b + 1] - starts_q[b], starts_k[b], starts_k[b + 1] - starts_k[b])
-        for b in range(len(starts_q) - 1)
-    ]
-    n_max = _longest("max_seqlen_q", max_seqlen_q, [s.n for s in segments])
-    m_max = _longest("max_seqlen_k", max_seqlen_k, [s.m for s in segments])
-    _validate_runtime(kern, q, (len(segments), q.shape[1], k.shape[1], n_max, m_max, q.shape[2]), runtime)
-    return segments
-
-
-def packed_sequences(segments: list[Segment], q: torch.Tensor, k: torch.Tensor) -> PackedSequences:
-    """The checked sequences of a packed batch as one launch takes them."""
-    from attncc.runtime.kernel import PackedSequences
-
-    return PackedSequences.of(
-        [s.q0 for s in segments] + [q.shape[0]], [s.k0 for s in segments] + [k.shape[0]], q.device
-    )
+    packed = PackedSequences.of(starts_q, starts_k, q.device)
+    n_max = _longest("max_seqlen_q", max_seqlen_q, packed.lengths[0].tolist())
+    m_max = _longest("max_seqlen_k", max_seqlen_k, packed.lengths[1].tolist())
+    _validate_runtime(kern, q, (len(starts_q) - 1, q.shape[1], k.shape[1], n_max, m_max, q.shape[2]), runtime)
+    return packed
 
 
 def varlen_forward(
     kern: Kernel,
-    segments: list[Segment],
+    packed: PackedSequences,
     options: CallOptions,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -228,13 +213,13 @@ def varlen_forward(
     (or the sink alone)."""
     return kern.forward_impl(
         q, k, v, tensors, options.scalars, options.scale, options.dropout, options.seed,
-        sink=sink, packed=packed_sequences(segments, q, k),
+        sink=sink, packed=packed,
     )  # fmt: skip
 
 
 def varlen_backward(
     kern: Kernel,
-    segments: list[Segment],
+    packed: PackedSequences,
     options: CallOptions,
     saved: tuple[torch.Tensor, ...],
     dout: torch.Tensor,
@@ -248,7 +233,7 @@ def varlen_backward(
     q, k, v, out, lse = saved
     return kern.backward_impl(
         q, k, v, out, lse, dout, dlse, tensors, options.scalars, options.scale, options.dropout, options.seed,
-        grad_inputs, packed=packed_sequences(segments, q, k),
+        grad_inputs, packed=packed,
     )  # fmt: skip
 
 
@@ -315,7 +300,7 @@ def varlen_attention(
         raise InputError(f"v: expected shape {tuple(k.shape)} (that of k), got {tuple(v.shape)}")
     kern.check_input_names(runtime)
     if not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
-        varlen_segments(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+        varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
         scale = checked_scale(scale)
     dropout = kern.op.dropout if train else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
@@ -431,7 +416,7 @@ def paged_forward(
         )  # fmt: skip
     used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
     calls: list[tuple[Segment, list[int]]] = []
-    for seg in grouped([Segment(b, 0, N, 0, total) for b, total in enumerate(totals)]):
+    for seg in grouped([Segment(b, N, total) for b, total in enumerate(totals)]):
         # the CPU kernels where no key tile divides the page size: sequences of one length share
         # a call, keys one view of the cache where their pages are consecutive, else gathered,
         # one copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
@@ -442,7 +427,7 @@ def paged_forward(
         )
     for seg, pages in calls:
         batch = slice(seg.index, seg.index + seg.count)
-        cut = sequence_slices(kern, seg, N, seg.m)
+        cut = sequence_slices(kern, seg)
         out[batch], lse[batch] = kern.forward_impl(
             q[batch],
             _cached_keys(k_cache, pages, seg.count, seg.m),
