@@ -33,7 +33,9 @@ def _shape(text: str) -> Shape:
         values = [int(x) for x in text.split(",")]
         return Shape(*values)
     except (ValueError, TypeError):
-        raise argparse.ArgumentTypeError("expected B,H,Hkv,N,M,D such as 1,8,8,2048,2048,64") from None
+        raise argparse.ArgumentTypeError(
+            "expected B,H,Hkv,N,M,D[,Dv] such as 1,8,8,2048,2048,64 (Dv: v's head dim, default D)"
+        ) from None
 
 
 def _fused(kern_or_stages: attncc.Kernel | list) -> FusedAttention:
@@ -46,8 +48,9 @@ def predict_io(op: FusedAttention, shape: Shape, elt: int, tiles: TilePlan, dens
     assert op.cost is not None
     backward = (tiles.backward.block_rows, tiles.backward.block_cols) if tiles.backward else None
     return op.cost.predict(
-        shape.B, shape.H, shape.N, shape.M, shape.D, elt, tiles.block_rows, tiles.block_cols, density, backward
-    )
+        shape.B, shape.H, shape.N, shape.M, shape.D, elt, tiles.block_rows, tiles.block_cols, density, backward,
+        Dv=shape.Dv,
+    )  # fmt: skip
 
 
 def plan_text(op: FusedAttention, shape: Shape, elt: int = 4) -> str:
@@ -306,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="cpu")
     p.add_argument("-o", "--output", help="write the generated sources here")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=list(DTYPES))
-    p.add_argument("--shape", type=_shape, default=default_shape, help="B,H,Hkv,N,M,D for the traffic estimate")
+    p.add_argument("--shape", type=_shape, default=default_shape, help="B,H,Hkv,N,M,D[,Dv] for the traffic estimate")
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="head dims to emit for GPU targets")
     p.set_defaults(fn=cmd_compile)
 
@@ -320,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--target", default="cpu")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    p.add_argument("--shape", type=_shape, default=None, help="one shape B,H,Hkv,N,M,D instead of the awkward set")
+    p.add_argument("--shape", type=_shape, default=None, help="one shape B,H,Hkv,N,M,D[,Dv] instead of the awkward set")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--emulate", action="store_true", help="run a GPU target's CUDA kernel on the host emulator")
     p.set_defaults(fn=cmd_check)
@@ -337,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--target", default="sm80", choices=list(GPUS))
     p.add_argument("--emulate", action="store_true", help="required: the counters come from the host emulator")
-    p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64), help="B,H,Hkv,N,M,D to emulate")
+    p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64), help="B,H,Hkv,N,M,D[,Dv] to emulate")
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     p.add_argument("--forward-only", action="store_true")
     p.add_argument(

@@ -13,6 +13,8 @@ Every comparison runs in this one process on the same inputs; each time is the m
                                               # rate measured here; a PNG plot beside the JSON
     python bench/bench_cpu.py --serving --no-flex --json bench/results/cpu-<family>-serving.json
                                               # packed (varlen) vs SDPA on the padded batch, paged decoding
+    python bench/bench_cpu.py --models --no-flex --json bench/results/cpu-<family>-models.json
+                                              # the models' head shapes (issue 12): MLA's D=192, Dv=128
 
 The JSON's meta records the CPU model, its ISA features and the kernel ISA attncc chose (set
 ATTNCC_CPU_ISA to measure a lower level).
@@ -384,6 +386,44 @@ def serving_cases(results: list, args) -> None:
             row(results, name, median_s(paged, args.repeats), anchors, note)
 
 
+def model_cases(results: list, args) -> None:
+    """Issue 12's head shapes: DeepSeek's MLA prefill (q, k 192 wide, v 128; causal, H=16)
+    forward and forward+backward, fp32 and bf16, against SDPA (which takes a value head dim of
+    its own) and against attncc on v zero-padded to 192 and the output cut back (what a
+    kernel with one head dim costs: 25% more P V products, 50% more V and O traffic)."""
+    causal = attncc.compile(EX / "causal.attn")
+    r = args.repeats
+    H, D, Dv = 16, 192, 128
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for N, backward in ((1024, False), (4096, False), (1024, True), (2048, True)):
+            gen = torch.Generator().manual_seed(4)
+            q, k = (torch.randn(1, H, N, D, generator=gen).to(dtype) for _ in range(2))
+            v = torch.randn(1, H, N, Dv, generator=gen).to(dtype)
+
+            def sdpa(a, b, c):
+                return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+            def padded(a, b, c):
+                return causal(a, b, F.pad(c, (0, D - Dv)))[..., :Dv]
+
+            if backward:
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                anchors = {
+                    "sdpa": median_s(fwd_bwd(sdpa, *leaves), r),
+                    "attncc_v_padded": median_s(fwd_bwd(padded, *leaves), r),
+                }
+                ours = median_s(fwd_bwd(causal, *leaves), r)
+            else:
+                anchors = {
+                    "sdpa": median_s(partial(sdpa, q, k, v), r),
+                    "attncc_v_padded": median_s(partial(padded, q, k, v), r),
+                }
+                ours = median_s(partial(causal, q, k, v), r)
+            pass_name = "fwd+bwd" if backward else "fwd"
+            row(results, f"MLA prefill causal {pass_name} {name} H={H} N={N} D={D} Dv={Dv}", ours, anchors)
+
+
 def attention_flops(B: int, H: int, N: int, M: int, D: int, causal: bool, backward: bool) -> float:
     """Matmul FLOPs (2 products forward, 5 more backward), halved for causal."""
     flops = 4 * B * H * N * M * D * (3.5 if backward else 1.0)
@@ -554,6 +594,7 @@ def main() -> None:
     parser.add_argument("--grid-part", choices=("all", "dense", "extra"), default="all")
     parser.add_argument("--serving", action="store_true", help="varlen and paged-KV cases (issue 11) only")
     parser.add_argument("--serving-n", type=int, default=2048, help="the longest sequence of the varlen cases")
+    parser.add_argument("--models", action="store_true", help="the models' head shapes (issue 12) only")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep:
@@ -583,6 +624,8 @@ def main() -> None:
     print(f"{meta['cpu_model']} ({meta['cpu_family_model']}), attncc {meta['attncc_isa']}; torch.mm GFLOP/s: {rates}")
     if args.serving:
         serving_cases(results, args)
+    elif args.models:
+        model_cases(results, args)
     elif args.grid:
         grid_cases(results, args, flex, rates)
         if args.grid_part != "extra":

@@ -148,11 +148,16 @@ def test_gemm_register_blocks_with_row_and_column_tails(vector_bytes: int, rows:
 # gemm register block), not the variant code, so the examples are one per kind of caller: a mask
 # (causal), a score map with a learnable input (alibi), runtime-tensor reads (document), dropout
 # (gpt2) and tanh (softcap); fp32 at N = 1 and at tails with several key tiles per row and GQA;
-# a score map, a runtime mask and plain causal also in bf16/fp16 and at D = 16 and 256.
+# a score map, a runtime mask and plain causal also in bf16/fp16 and at D = 16 and 256. Two
+# shapes give v a head dim of its own (Dv below and above D: the V panels, O, dO and dV tiles).
 ISA_EXAMPLES = ("causal", "alibi", "document", "gpt2", "softcap")
-ISA_SHAPES = (Shape(1, 2, 1, 1, 1, 16), Shape(2, 4, 2, 67, 201, 80))
+ISA_SHAPES = (Shape(1, 2, 1, 1, 1, 16), Shape(2, 4, 2, 67, 201, 80, Dv=48))
 ISA_LOW_PRECISION = ("alibi", "causal", "document")
-ISA_LOW_PRECISION_SHAPES = (Shape(2, 4, 2, 150, 300, 48), Shape(1, 1, 1, 40, 70, 256), Shape(1, 2, 2, 3, 90, 16))
+ISA_LOW_PRECISION_SHAPES = (
+    Shape(2, 4, 2, 150, 300, 48, Dv=80),
+    Shape(1, 1, 1, 40, 70, 256),
+    Shape(1, 2, 2, 3, 90, 16),
+)
 
 
 BF16_HARNESS = """

@@ -127,7 +127,12 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
             f"constexpr int kBr = {plan.block_rows};" in source and f"constexpr int kBc = {plan.block_cols};" in source
         )
         assert f"constexpr int kStages = {plan.stages};" in source
-        assert "constexpr int kSharedBytes = (kBr + kStages * 2 * kBc) * kStride * int(sizeof(storage_t));" in source
+        # (K and V rows of one width: kValueStride = kStride)
+        assert f"constexpr int kHeadDim = {d};" in source and f"constexpr int kValueDim = {d};" in source
+        assert (
+            "constexpr int kSharedBytes = ((kBr + kStages * kBc) * kStride + kStages * kBc * kValueStride) * "
+            "int(sizeof(storage_t));" in source
+        )
         backward = plan.backward
         assert backward is not None and table.for_head_dim(d, backward=True) == backward
         assert backward.onchip_bytes == gpu_backward_shared_bytes(
@@ -154,8 +159,8 @@ def test_plan_states_the_kernels_shared_memory_and_fits(arch: str) -> None:
         assert f"constexpr int kBwdBr = {backward.block_rows};" in source
         assert f"constexpr int kBwdBc = {backward.block_cols};" in source
         assert (
-            "constexpr int kBwdSharedBytes = (2 * kBwdStages * kBwdBr + 2 * kBwdBc) * kStride * int(sizeof(storage_t)) +"
-            in source
+            "constexpr int kBwdSharedBytes = (kBwdStages * kBwdBr + kBwdBc) * (kStride + kValueStride) * "
+            "int(sizeof(storage_t)) +" in source
         )
     # the backward's larger working set no longer shrinks the forward's tiles
     sm86 = table.for_head_dim(128) if arch == "sm86" else None

@@ -433,8 +433,8 @@ def draw(case: Case, seed: int = 0, q_factor: float | None = None) -> tuple[torc
     scale = case.q_scale if q_factor is None else q_factor
     q = (torch.randn(s.B, s.H, s.N, s.D, generator=gen) * scale).requires_grad_()
     k = torch.randn(s.B, s.Hkv, s.M, s.D, generator=gen).requires_grad_()
-    v = torch.randn(s.B, s.Hkv, s.M, s.D, generator=gen).requires_grad_()
-    dout = torch.randn(s.B, s.H, s.N, s.D, generator=gen)
+    v = torch.randn(s.B, s.Hkv, s.M, s.Dv, generator=gen).requires_grad_()
+    dout = torch.randn(s.B, s.H, s.N, s.Dv, generator=gen)
     return q, k, v, dout
 
 

@@ -191,6 +191,11 @@ def test_cost_model_fused_moves_less_than_unfused() -> None:
     assert dense.fused_fwd_flops == pytest.approx(4 * 8 * 4096 * 4096 * 64)
     # unfused traffic is dominated by N x M fp32 passes: at least 4 reads/writes of S
     assert dense.unfused_fwd_bytes >= 4 * 4 * 8 * 4096 * 4096
+    # v 32 wide (Dv): V read and O written at their own width, and P V multiplied at it
+    narrow = model.predict(1, 8, 4096, 4096, 64, 4, 64, 128, Dv=32)
+    assert narrow.fused_fwd_bytes == pytest.approx(8 * (4096 * 96 * 4 + 4 * 4096 + 64 * 32 * 128 * 96 * 4))
+    assert narrow.fused_fwd_flops == pytest.approx(2 * 8 * 4096 * 4096 * 96)
+    assert narrow.fused_bwd_bytes < dense.fused_bwd_bytes
 
 
 def test_verifier_names_the_broken_node() -> None:

@@ -39,7 +39,10 @@ def qkv(B=2, H=4, Hkv=2, N=10, M=12, D=16, dtype=torch.float32):
         (lambda q, k, v: (q, k.double(), v), "q, k, v must have one dtype"),
         (lambda q, k, v: (q, k[:1], v[:1]), r"k: expected batch size 2 \(from q\), got shape \(1, 2, 12, 16\)"),
         (lambda q, k, v: (q, k[..., :8], v[..., :8]), r"k: expected head dim 16 \(from q\)"),
-        (lambda q, k, v: (q, k, v[:, :, :5]), r"v: expected shape \(2, 2, 12, 16\) \(that of k\), got \(2, 2, 5, 16\)"),
+        (
+            lambda q, k, v: (q, k, v[:, :, :5]),
+            r"v: expected shape \[2, 2, 12, Dv\] \(that of k but the head dim\), got \(2, 2, 5, 16\)",
+        ),
         (lambda q, k, v: (q[:, :3], k, v), "query heads H=3 must be a multiple of key/value heads Hkv=2"),
         (lambda q, k, v: (q, k, v.to("meta")), "v: the `cpu` target runs on cpu tensors, got device meta"),
         (

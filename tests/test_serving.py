@@ -77,8 +77,8 @@ def packed_leaves(shape: Shape, lens_q, lens_k, dtype=torch.float32, seed: int =
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(lens_q), shape.H, shape.D, generator=gen, dtype=dtype).requires_grad_()
     k = torch.randn(sum(lens_k), shape.Hkv, shape.D, generator=gen, dtype=dtype).requires_grad_()
-    v = torch.randn(sum(lens_k), shape.Hkv, shape.D, generator=gen, dtype=dtype).requires_grad_()
-    dout = torch.randn(sum(lens_q), shape.H, shape.D, generator=gen, dtype=dtype)
+    v = torch.randn(sum(lens_k), shape.Hkv, shape.Dv, generator=gen, dtype=dtype).requires_grad_()
+    dout = torch.randn(sum(lens_q), shape.H, shape.Dv, generator=gen, dtype=dtype)
     return q, k, v, dout
 
 
@@ -537,7 +537,7 @@ def test_paged_consecutive_pages_equal_the_contiguous_call() -> None:
         ({"k_new": torch.randn(2, 1, 2, 16)}, "k_new, v_new: give both or neither"),
         ({"q": torch.randn(2, 1, 4, 16, requires_grad=True)}, "paged calls are forward only"),
         ({"layout": "nhd"}, "layout: expected 'bnhd'"),
-        ({"v_cache": torch.randn(4, 8, 2, 8)}, "v_cache: expected shape (4, 8, 2, 16)"),
+        ({"v_cache": torch.randn(4, 8, 1, 16)}, "v_cache: expected shape [4, 8, 2, Dv]"),
     ],
 )
 def test_paged_bad_input_is_a_clear_error(change: dict, message: str | None) -> None:

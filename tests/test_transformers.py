@@ -1,7 +1,8 @@
 """transformers models with attn_implementation="attncc" against the same weights on sdpa (eager
 where sdpa does not apply): prefill logits with padding, greedy generation through the KV cache,
 and training gradients (small random-init Llama with GQA, Mistral with a sliding window, Gemma 2
-with logit soft-capping and alternating sliding layers)."""
+with logit soft-capping and alternating sliding layers, DeepSeek-V3's multi-head latent attention
+with q and k 24 wide and v 12: v has a head dim of its own)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def config(family: str) -> tuple[transformers.PretrainedConfig, str]:
         return transformers.LlamaConfig(**common), "sdpa"
     if family == "mistral":
         return transformers.MistralConfig(**common, sliding_window=7), "sdpa"
+    if family == "deepseek_v3":
+        mla = dict(
+            kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+            first_k_dense_replace=1, n_group=1, topk_group=1,
+        )  # fmt: skip
+        # (head_dim is the rotary part's, qk_rope_head_dim, in DeepSeek's config)
+        shared = {n: v for n, v in common.items() if n != "head_dim"}
+        return transformers.DeepseekV3Config(**{**shared, "num_key_value_heads": 4}, **mla), "sdpa"
     assert family == "gemma2"
     return transformers.Gemma2Config(
         **common, sliding_window=6, attn_logit_softcapping=4.0, final_logit_softcapping=None, query_pre_attn_scalar=24
@@ -76,7 +86,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3"])
 def test_prefill_logits_with_padding(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, ours = (m.eval() for m in models(family))
     ids, mask = batch(right_padding=4)
@@ -93,7 +103,7 @@ def test_prefill_logits_with_padding(family: str, monkeypatch: pytest.MonkeyPatc
         assert (unpadded[0] - reference(ids[:1]).logits[0]).abs().max() < 2e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3"])
 def test_greedy_generation_through_the_cache(family: str) -> None:
     """Decoding steps have N = 1 query against M cached keys (bottom-right causal); Mistral's and
     Gemma 2's sliding layers keep fewer keys than positions once the window is full."""
@@ -105,7 +115,7 @@ def test_greedy_generation_through_the_cache(family: str) -> None:
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3"])
 def test_training_gradients(family: str) -> None:
     reference, ours = (m.train() for m in models(family))
     ids, mask = batch(right_padding=3)

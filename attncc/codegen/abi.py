@@ -22,7 +22,7 @@ OPERANDS = (
 #: Per-row statistics, the tile classes, and the softmax's sink logit per row ([B, H, N]; null
 #: without one: the CPU forward merges it as it writes each row, runtime/sinks.py).
 ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "const acc_t*"), ("classes", "const uint8_t*"), ("sink", "const acc_t*"))
-SIZES = ("B", "H", "Hkv", "N", "M", "D")
+SIZES = ("B", "H", "Hkv", "N", "M", "D", "Dv")  # D: q and k head dim; Dv: v and out head dim
 CONTROL = ("Br", "Bc", "cls_sb", "cls_sh", "cls_si", "seed", "offset", "threads")
 #: scale: the multiplier of q.k (FusedAttention.scale evaluated); scale_value: the name `scale`
 REALS = ("scale", "dropout", "scale_value")

@@ -1,4 +1,4 @@
-"""CUDA code generator: the fused IR node -> one .cu translation unit per (dtype, head dim).
+"""CUDA code generator: the fused IR node -> one .cu translation unit per (dtype, head dims).
 
 The same text compiles with nvcc for a GPU and, wrapped by `emulation_wrapper`, with the host
 compiler on attncc's CUDA emulator.
@@ -11,7 +11,7 @@ from attncc.codegen.abi import kernel_abi
 from attncc.codegen.cpu import hook_values
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, fused_node
-from attncc.passes.tiling import Q_IN_REGISTERS_MAX_HEAD_DIM, TilePlan
+from attncc.passes.tiling import HEAD_DIM_STEP, Q_IN_REGISTERS_MAX_HEAD_DIM, TilePlan
 
 #: torch dtype name -> the storage type in generated CUDA.
 CUDA_STORAGE_TYPES = {"float16": "attncc::f16", "bfloat16": "attncc::bf16"}
@@ -29,28 +29,56 @@ def storage_dtypes(arch: str) -> tuple[str, ...]:
     return ("float16",) if arch_number(arch) <= TURING else ("bfloat16", "float16")
 
 
-def generate_cuda(g: Graph, dtype: str, plan: TilePlan, arch: str = "sm80") -> str:
+def rounded_head_dim(head_dim: int) -> int:
+    """A head dim as the CUDA kernels are built for it: rounded up to HEAD_DIM_STEP (16)."""
+    return -(-head_dim // HEAD_DIM_STEP) * HEAD_DIM_STEP
+
+
+def generate_cuda(
+    g: Graph,
+    dtype: str,
+    plan: TilePlan,
+    arch: str = "sm80",
+    head_dim: int | None = None,
+    value_dim: int | None = None,
+) -> str:
     """CUDA source of the forward and backward kernels of `g` for q/k/v of `dtype`, with `plan`'s
-    tiles (`plan.backward`'s for the backward; forward only where that is None)."""
+    tiles (`plan.backward`'s for the backward; forward only where that is None).
+
+    `head_dim` (q's and k's; default the plan's) and `value_dim` (v's; default head_dim): the
+    call's, rounded up to 16 here; the plan is that of the larger (its tiles and register
+    columns fit both: a dK or dV accumulator narrower than the plan's keeps at most its own
+    columns in registers). The text for equal dims (a library only such calls use) reads one
+    bound for both (`value_dim` in the template)."""
     if dtype not in CUDA_STORAGE_TYPES:
         raise AttnccError(f"CUDA kernels take float16 or bfloat16, not {dtype} (fp32 inputs are converted)")
     if dtype not in storage_dtypes(arch):
         raise AttnccError(f"{arch} tensor cores take {' or '.join(storage_dtypes(arch))}, not {dtype}")
     _, op = fused_node(g)
+    exact_head_dim = plan.head_dim if head_dim is None else head_dim
+    exact_value_dim = exact_head_dim if value_dim is None else value_dim
+    head_dim, value_dim = rounded_head_dim(exact_head_dim), rounded_head_dim(exact_value_dim)
+    if max(head_dim, value_dim) != plan.head_dim:
+        raise AttnccError(f"head dims {head_dim} and {value_dim} do not fit the plan of head dim {plan.head_dim}")
+    backward = plan.backward
     return render(
         "cuda/attention.cu.jinja",
         variant_name=g.graph["name"],
         arch=arch,
         arch_number=arch_number(arch),
         storage_type=CUDA_STORAGE_TYPES[dtype],
-        head_dim=plan.head_dim,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        same_dims=exact_head_dim == exact_value_dim,
+        dk_register_columns=min(backward.dk_register_columns, head_dim) if backward else 0,
+        dv_register_columns=min(backward.dv_register_columns, value_dim) if backward else 0,
         block_rows=plan.block_rows,
         stages=plan.stages,
         block_cols=plan.block_cols,
         backward=plan.backward,
         abi=kernel_abi(g, cuda=True),
         has_dropout=op.dropout > 0,
-        q_in_registers=plan.head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
+        q_in_registers=head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
         **hook_values(g),
     )
 

@@ -49,35 +49,42 @@ class CostModel:
         bc: int,
         density: float = 1.0,
         backward_tiles: tuple[int, int] | None = None,
+        Dv: int | None = None,
     ) -> IOReport:
         """Bytes moved to/from slow memory and FLOPs.
 
         elt: bytes per q/k/v element; br, bc: the forward's tiles (backward_tiles: the
-        backward's, if they differ); density: fraction of non-empty tiles. Fused: Q, O, lse
-        once; K and V once per visible (q tile, kv tile) pair (Algorithm 1's inner loop).
-        Unfused: every op reads and writes its N x M operand (scores in fp32).
+        backward's, if they differ); density: fraction of non-empty tiles; D: q's and k's head
+        dim, Dv: v's and out's (default D). Fused: Q, O, lse once; K and V once per visible
+        (q tile, kv tile) pair (Algorithm 1's inner loop). Unfused: every op reads and writes
+        its N x M operand (scores in fp32).
         """
+        Dv = D if Dv is None else Dv
         bh, nm = B * H, N * M
         visible = -(-N // br) * -(-M // bc) * density
-        fused_fwd = bh * (2 * N * D * elt + 4 * N + visible * 2 * bc * D * elt)
-        # dK/dV pass: K, V once per kv tile, Q/dO/lse/D per visible pair; dQ pass: the mirror.
+        fused_fwd = bh * (N * (D + Dv) * elt + 4 * N + visible * bc * (D + Dv) * elt)
+        # dK/dV pass: K, V read and dK, dV written once per kv tile, Q/dO/lse/delta per visible
+        # pair; dQ pass: Q, dO, lse, delta read and dQ written once, K and V per visible pair.
         bbr, bbc = backward_tiles or (br, bc)
         bvisible = -(-N // bbr) * -(-M // bbc) * density
         fused_bwd = bh * (
-            2 * M * D * elt * 2
-            + bvisible * bbr * (2 * D * elt + 8)
-            + N * (3 * D * elt + 8)
-            + bvisible * 2 * bbc * D * elt
+            2 * M * (D + Dv) * elt
+            + bvisible * bbr * ((D + Dv) * elt + 8)
+            + N * ((2 * D + Dv) * elt + 8)
+            + bvisible * bbc * (D + Dv) * elt
         )
         s = 4 * nm
         passes_fwd = 2 + (2 * self.score_ops) + (3 if self.masked else 0) + 2 + (3 if self.dropout else 0)
-        unfused_fwd = bh * ((N + M) * D * elt + s * passes_fwd + s + M * D * elt + N * D * elt)
+        unfused_fwd = bh * ((N + M) * D * elt + s * passes_fwd + s + M * Dv * elt + N * Dv * elt)
         passes_bwd = 1 + 1 + 3 + (2 * self.score_ops) + (2 if self.masked else 0) + (2 if self.dropout else 0) + 2
-        unfused_bwd = bh * (s * passes_bwd + 4 * (N + M) * D * elt)
-        mm = 2.0 * bh * nm * D
+        unfused_bwd = bh * (s * passes_bwd + 2 * (N + M) * (D + Dv) * elt)
+        # products of one N x M x width each: S = Q K^T (D) and O = P V (Dv) forward; the fused
+        # backward recomputes S and dP = dO V^T in both passes and adds dV, dK, dQ; unfused: dP, dV, dK, dQ
+        product = 2.0 * bh * nm
         return IOReport(
             fused_fwd, fused_bwd, unfused_fwd, unfused_bwd,
-            2 * mm * density, 7 * mm * density, 2 * mm, 4 * mm,
+            product * (D + Dv) * density, product * (4 * D + 3 * Dv) * density,
+            product * (D + Dv), product * 2 * (D + Dv),
         )  # fmt: skip
 
 

@@ -392,10 +392,16 @@ class Problem:
     Hkv: int
     N: int
     M: int
-    D: int
+    D: int  # q's and k's head dim
+    Dv: int = -1  # v's (and out's) head dim; D when not given
+
+    def __post_init__(self) -> None:
+        if self.Dv == -1:
+            object.__setattr__(self, "Dv", self.D)
 
     def __str__(self) -> str:
-        return f"B={self.B} H={self.H} Hkv={self.Hkv} N={self.N} M={self.M} D={self.D}"
+        value_dim = f" Dv={self.Dv}" if self.Dv != self.D else ""
+        return f"B={self.B} H={self.H} Hkv={self.Hkv} N={self.N} M={self.M} D={self.D}{value_dim}"
 
     def size_env(self) -> dict[str, Interval]:
         return {name: _point(float(getattr(self, name))) for name in ex.SIZE_VARS}

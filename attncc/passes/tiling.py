@@ -416,7 +416,7 @@ def fastest_forward(target: Target, d: int, paper_br: int, paper_bc: int) -> Til
         return None
     if target.name not in GPU_RATES:  # a target row without published rates: plan_gpu's fallback
         return None
-    problem = replace(GPU_REFERENCE_PROBLEM, D=d)
+    problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
     reason = f"of Br in {GPU_FORWARD_ROWS}, Bc in 16..{GPU_FORWARD_MAX_BC} fitting shared memory and registers"
 
     def candidates() -> Iterator[tuple[TilePlan, Work]]:
@@ -481,7 +481,7 @@ def fastest_backward(target: Target, d: int, paper_br: int, paper_bc: int) -> Ti
     fragment state fit; None above d = 128 and for targets without rates (plan_gpu's fallback)."""
     if d > Q_IN_REGISTERS_MAX_HEAD_DIM or target.name not in GPU_RATES:
         return None
-    problem = replace(GPU_REFERENCE_PROBLEM, D=d)
+    problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
     state_budget = GPU_MAX_BACKWARD_STATE_SM75 if target.name == "sm75" else GPU_MAX_BACKWARD_STATE
     state_budget -= GPU_BACKWARD_STATE_CUT_ABOVE_D64 if d > 64 else 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, storage_dtypes
+from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, rounded_head_dim, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
@@ -80,6 +80,13 @@ class EmulationFailure(AttnccError):
     """The emulator caught a kernel bug: divergent barrier, deadlock, bad lane mask, misaligned ldmatrix."""
 
 
+def library_dims(head_dim: int, value_dim: int | None) -> tuple[int, int, bool]:
+    """What a CUDA library is built for: q/k's and v's head dims rounded up to 16, and whether
+    they are equal (codegen/cuda.py generate_cuda); value_dim None: head_dim."""
+    value_dim = head_dim if value_dim is None else value_dim
+    return rounded_head_dim(head_dim), rounded_head_dim(value_dim), head_dim == value_dim
+
+
 class EmulatedKernel(Kernel):
     """Forward and backward CUDA kernels run on the host emulator (CPU tensors)."""
 
@@ -99,9 +106,9 @@ class EmulatedKernel(Kernel):
         """SMs the split-KV choice fills: the target's reference part (the emulator has no device)."""
         return GPUS[self.target].multiprocessors
 
-    def plan(self, q, k, scale, backward=False) -> CallPlan:  # noqa: ANN001 - as Kernel
+    def plan(self, q, k, scale, backward=False, value_dim=None) -> CallPlan:  # noqa: ANN001 - as Kernel
         """As Kernel's; the forward's also says how many blocks share a query tile's keys."""
-        plan = super().plan(q, k, scale, backward)
+        plan = super().plan(q, k, scale, backward, value_dim)
         if backward:
             return plan
         p = plan.problem
@@ -127,31 +134,42 @@ class EmulatedKernel(Kernel):
                 f"q: the {self.target} tensor cores take {' or '.join(storage_dtypes(self.target))}, got {q.dtype}"
             )
 
-    def cuda_source(self, dtype: str, head_dim: int) -> str:
+    def cuda_source(self, dtype: str, head_dim: int, value_dim: int | None = None) -> str:
+        """The CUDA text for q/k/v of storage `dtype`, q and k of `head_dim`, v of `value_dim`
+        (default: head_dim), with the tiles of the larger."""
         assert self.op.tiling is not None
-        return generate_cuda(self.graph, dtype, self.op.tiling.for_head_dim(head_dim), self.target)
+        value_dim = head_dim if value_dim is None else value_dim
+        plan = self.op.tiling.for_head_dim(max(head_dim, value_dim))
+        return generate_cuda(self.graph, dtype, plan, self.target, head_dim, value_dim)
 
-    def library_path_for(self, dtype: str, head_dim: int) -> Path:
-        """The emulator's library for storage `dtype` and the plan's head dim, built, not loaded."""
+    def library_name(self, kind: str, dtype: str, head_dim: int, value_dim: int | None) -> str:
+        """The cache name of a built library: one per storage dtype and `library_dims`."""
+        rounded, rounded_value, same = library_dims(head_dim, value_dim)
+        suffix = f"{rounded}" if same else f"{rounded}x{rounded_value}"
+        return f"{self.name}-{self.target}-{kind}-{dtype}-{suffix}"
+
+    def library_path_for(self, dtype: str, head_dim: int, value_dim: int | None = None) -> Path:
+        """The emulator's library for storage `dtype` and these head dims, built, not loaded."""
         return build_library(
             EMULATION_WRAPPER,
-            f"{self.name}-{self.target}-emu-{dtype}-{head_dim}",
-            {"kernel.cu": self.cuda_source(dtype, head_dim)},
+            self.library_name("emu", dtype, head_dim, value_dim),
+            {"kernel.cu": self.cuda_source(dtype, head_dim, value_dim)},
             optimized=EMULATOR_FLAGS,
         )
 
-    def emulated_library(self, dtype: str, head_dim: int) -> ctypes.CDLL:
+    def emulated_library(self, dtype: str, head_dim: int, value_dim: int | None = None) -> ctypes.CDLL:
+        key = (dtype, *library_dims(head_dim, value_dim))
         with self._lock:
-            if (dtype, head_dim) not in self._libraries:
-                self._libraries[(dtype, head_dim)] = load_library(self.library_path_for(dtype, head_dim))
-            return self._libraries[(dtype, head_dim)]
+            if key not in self._libraries:  # (the text depends on the key alone)
+                self._libraries[key] = load_library(self.library_path_for(dtype, head_dim, value_dim))
+            return self._libraries[key]
 
     def prebuild(self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[Path]:
         """Build, without loading, the libraries for q/k/v of `dtypes` (their tensor-core storage
         dtypes) at the plans of `head_dims`."""
         assert self.op.tiling is not None
         storages = dict.fromkeys(str(self.storage_dtype(d)).removeprefix("torch.") for d in dtypes)
-        plans = dict.fromkeys(self.op.tiling.for_head_dim(d).head_dim for d in head_dims)
+        plans = dict.fromkeys(rounded_head_dim(d) for d in head_dims)
         return [self.library_path_for(s, d) for s in storages for d in plans]
 
     def forward_impl(
@@ -171,7 +189,8 @@ class EmulatedKernel(Kernel):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.storage_dtype(q.dtype)
         qs, ks, vs = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-        rows_out = torch.empty(q.shape, dtype=storage, device=q.device)  # (packed: [total_q, H, D])
+        value_dim = v.shape[-1]
+        rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=storage, device=q.device)  # (packed: [total_q, H, Dv])
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         out, lengths = rows_out, None
         if packed is not None:  # the kernels see [B, heads, longest, D] views (PackedSequences)
@@ -179,7 +198,7 @@ class EmulatedKernel(Kernel):
             out, lengths = packed.as_batch(rows_out, False), packed.lengths
         elif paged is not None:
             lengths = paged.lengths(q.shape[2])
-        plan = self.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale)
+        plan = self.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale, value_dim=value_dim)
         call = self._prepare(plan, torch.float32, tensors, scalars, lengths)
         call["offset"] = offset
         if rows_out.numel():
@@ -188,7 +207,7 @@ class EmulatedKernel(Kernel):
                 ptrs.update(packed.buffers())
             if plan.kv_splits > 1:  # each split's O and log-sum-exp per row [B, H, longest], merged by the kernel
                 rows = qs.shape[0] * qs.shape[1] * qs.shape[2]
-                ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, qs.shape[3], device=q.device)
+                ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, value_dim, device=q.device)
                 ptrs["lse_partial"] = torch.empty(plan.kv_splits, rows, device=q.device)
             strides = None
             if paged is not None:  # caches [pages, page_size, Hkv, D] read through the block table
@@ -203,7 +222,7 @@ class EmulatedKernel(Kernel):
                 rows_out, lse = merge_states([rows_out, torch.zeros_like(rows_out)], [lse, sink_lse])
         return rows_out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
-    def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:
+    def reads_pages(self, q: torch.Tensor, page_size: int, value_dim: int) -> bool:
         """The CUDA forward looks each key row up in the block table: any page size."""
         return True
 
@@ -234,7 +253,7 @@ class EmulatedKernel(Kernel):
         operands = {"q": qs, "k": ks, "v": vs, "dout": dos, "dk": dk, "dv": dv, "dq": dq_out}
         if packed is not None:  # (key-side operands: those of k's shape)
             operands = {name: packed.as_batch(t, name in ("k", "v", "dk", "dv")) for name, t in operands.items()}
-        plan = self.plan(operands["q"], operands["k"], scale, backward=True)
+        plan = self.plan(operands["q"], operands["k"], scale, backward=True, value_dim=v.shape[-1])
         call = self._prepare(plan, torch.float32, tensors, scalars, None if packed is None else packed.lengths)
         call["offset"] = offset
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
@@ -288,7 +307,7 @@ class EmulatedKernel(Kernel):
             ptrs[f"grad_fixed_{ident}"].zero_()  # from term counts to sums
 
     def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra, strides=None) -> None:  # noqa: ANN001, ANN002
-        lib = self.emulated_library(dtype, plan.tiles.head_dim)
+        lib = self.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
         fn = getattr(lib, entry)
         fn.restype = ctypes.c_int
         with _LOCK:  # the emulator's schedule is process-wide

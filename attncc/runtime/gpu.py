@@ -58,10 +58,10 @@ class GpuKernel(EmulatedKernel):
 
     device_type = "cuda"
 
-    def library_path_for(self, dtype: str, head_dim: int) -> Path:  # the nvcc-built library
+    def library_path_for(self, dtype: str, head_dim: int, value_dim: int | None = None) -> Path:  # built by nvcc
         return build_library(
-            self.cuda_source(dtype, head_dim),
-            f"{self.name}-{self.target}-gpu-{dtype}-{head_dim}",
+            self.cuda_source(dtype, head_dim, value_dim),
+            self.library_name("gpu", dtype, head_dim, value_dim),
             cuda_arch=self.target,
             before_build=_check_driver,
         )
@@ -90,7 +90,7 @@ class GpuKernel(EmulatedKernel):
         return call
 
     def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra, strides=None) -> None:  # noqa: ANN001, ANN002
-        lib = self.emulated_library(dtype, plan.tiles.head_dim)
+        lib = self.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
         fn = getattr(lib, entry.replace("attncc_emulated_", "attncc_"))
         fn.restype = ctypes.c_int
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)

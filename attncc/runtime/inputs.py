@@ -3,13 +3,16 @@ tests feed every program, including runtime inputs chosen to produce fully maske
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from attncc.ir.ops import Layout
 from attncc.passes.sparsity import Problem
 from attncc.runtime.kernel import Kernel
 
-#: A problem's sizes B, H, Hkv, N, M, D (the same record the sparsity analysis uses).
+#: A problem's sizes B, H, Hkv, N, M, D and Dv (v's head dim, D unless given; the same record
+#: the sparsity analysis uses).
 Shape = Problem
 
 
@@ -31,7 +34,7 @@ def needs_self_attention(kern: Kernel) -> bool:
 
 
 def adapt(shape: Shape, kern: Kernel) -> Shape:
-    return Shape(shape.B, shape.H, shape.Hkv, shape.N, shape.N, shape.D) if needs_self_attention(kern) else shape
+    return replace(shape, M=shape.N) if needs_self_attention(kern) else shape
 
 
 def make_inputs(
@@ -44,7 +47,7 @@ def make_inputs(
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=gen).to(dtype).requires_grad_(requires_grad)
 
-    q, k, v = randn(s.B, s.H, s.N, s.D), randn(s.B, s.Hkv, s.M, s.D), randn(s.B, s.Hkv, s.M, s.D)
+    q, k, v = randn(s.B, s.H, s.N, s.D), randn(s.B, s.Hkv, s.M, s.D), randn(s.B, s.Hkv, s.M, s.Dv)
     sizes = {"B": s.B, "H": s.H, "Hkv": s.Hkv, "N": s.N, "M": s.M, "D": s.D}
     blocks = {lay.tensor: lay.block for lay in kern.op.layouts if isinstance(lay, Layout) and lay.tensor}
     runtime: dict[str, object] = {}

@@ -234,7 +234,8 @@ class Kernel:
         seed: int | None = None,
         **runtime: object,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attention of q [B, H, N, D], k, v [B, Hkv, M, D] with this variant.
+        """Attention of q [B, H, N, D], k [B, Hkv, M, D], v [B, Hkv, M, Dv] with this variant;
+        out is [B, H, N, Dv] (Dv: v's own head dim, DeepSeek's MLA, or D).
 
         scale sets the name `scale` (default: the program's `scale = ...`, else 1/sqrt(D)): the
         q.k factor and every score expression using `scale` follow it; train=False disables dropout; seed fixes the
@@ -341,7 +342,7 @@ class Kernel:
     ) -> None:
         """Keep the packed launch of a call that passed every check, for calls with the same
         `_repeat_key` (plans and prepared calls are cached already, so this takes little)."""
-        plan, call = self._forward_call(q, k, scale, [], scalars)
+        plan, call = self._forward_call(q, k, scale, [], scalars, value_dim=v.shape[3])
         call["offset"] = 0
         operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
         pointers, ints, reals = self.pack(plan, call, operands, 0.0, 0)
@@ -380,7 +381,7 @@ class Kernel:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of a packed batch (FlashAttention's varlen layout), forward and backward.
 
-        q [total_q, H, D], k, v [total_k, Hkv, D]; sequence b is rows cu_seqlens_q[b] ..
+        q [total_q, H, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; sequence b is rows cu_seqlens_q[b] ..
         cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] .. cu_seqlens_k[b + 1] of k and v (int32 or
         int64 offsets, B + 1 of them, starting at 0). In the program, b is the sequence and N, M
         its own lengths. Runtime tensors keep padded shapes: B sequences, N = max_seqlen_q,
@@ -411,14 +412,15 @@ class Kernel:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of new queries over a paged KV cache (the FlashAttention / vLLM layout); forward only.
 
-        q [B, N, H, D] (layout="bnhd", default) or [B, H, N, D] ("bhnd"); k_cache, v_cache
-        [num_pages, page_size, Hkv, D]; block_table [B, max_pages] (int32/int64 page ids);
-        cache_seqlens [B]: keys held per sequence. k_new, v_new [B, N_new, Hkv, D], if given, are
+        q [B, N, H, D] (layout="bnhd", default) or [B, H, N, D] ("bhnd"); k_cache [num_pages,
+        page_size, Hkv, D], v_cache [num_pages, page_size, Hkv, Dv]; block_table [B, max_pages]
+        (int32/int64 page ids); cache_seqlens [B]: keys held per sequence. k_new [B, N_new, Hkv,
+        D] and v_new [B, N_new, Hkv, Dv], if given, are
         written into the cache at cache_seqlens[b] .. + N_new first (in place; cache_seqlens is
         not changed). Sequence b then attends over M_b = cache_seqlens[b] + N_new keys; the
         queries are its last N positions, so bottom-right causal is `mask j <= i + (M - N)`.
         Runtime tensors keep padded shapes (M: the block table's capacity). Returns out in q's
-        layout (and lse, q's layout without D, with return_lse).
+        layout, Dv wide (and lse, q's layout without the head dim, with return_lse).
         """
         _reject_transforms({"q": q, "k_cache": k_cache, "v_cache": v_cache, **runtime})
         return paged_attention(
@@ -446,7 +448,7 @@ class Kernel:
         self.validate(q, k, v, runtime)
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
-        problem = _problem(q, k)
+        problem = _problem(q, k, v.shape[3])
         tensors = runtime_tensors(self.op.sparsity, problem, tensors)  # type: ignore[arg-type]
         scale_value = float(scale) if scale is not None else self.default_scale(q, k)
         dropout = self.op.dropout if train else 0.0
@@ -464,15 +466,23 @@ class Kernel:
         plan, call = self._forward_call(q, k, None, tensors, scalars)
         return plan.tiles, call["classes"].cpu()  # type: ignore[union-attr]
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, scale: float | None, backward: bool = False) -> CallPlan:
-        """The call's sizes, tiles (the backward kernels' with `backward`) and scale factors;
-        kept per (sizes, dtype, scale), since evaluating the scale expressions takes ~20 us."""
-        problem = _problem(q, k)
+    def plan(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scale: float | None,
+        backward: bool = False,
+        value_dim: int | None = None,
+    ) -> CallPlan:
+        """The call's sizes (v's head dim `value_dim`, default k's), tiles (the backward kernels'
+        with `backward`) and scale factors; kept per (sizes, dtype, scale), since evaluating the
+        scale expressions takes ~20 us."""
+        problem = _problem(q, k, value_dim)
         key = (problem, q.dtype, scale, backward)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        tiles = self._tiles(problem.D, q.dtype, backward)
+        tiles = self._tiles(plan_head_dim(problem), q.dtype, backward)
         value = scale if scale is not None else self.default_scale(q, k)
         multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
         plan = CallPlan(problem, tiles, multiplier, value)
@@ -536,13 +546,17 @@ class Kernel:
             raise InputError(f"k: expected batch size {B} (from q), got shape {tuple(k.shape)}")
         if k.shape[3] != D:
             raise InputError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
-        if v.shape != k.shape:
-            raise InputError(f"v: expected shape {tuple(k.shape)} (that of k), got {tuple(v.shape)}")
+        if v.shape[:3] != k.shape[:3]:
+            raise InputError(
+                f"v: expected shape [{', '.join(map(str, k.shape[:3]))}, Dv] (that of k but the head dim), got {tuple(v.shape)}"
+            )
         Hkv = k.shape[1]
         if Hkv == 0 or H % Hkv != 0:
             raise InputError(f"k: query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
-        if not 1 <= D <= MAX_HEAD_DIM:
-            raise InputError(f"q: head dim D={D} must be in [1, {MAX_HEAD_DIM}]")
+        for name, dim in (("q", "D"), ("v", "Dv")):
+            size = {"q": D, "v": v.shape[3]}[name]
+            if not 1 <= size <= MAX_HEAD_DIM:
+                raise InputError(f"{name}: head dim {dim}={size} must be in [1, {MAX_HEAD_DIM}]")
         self.check_input_names(runtime)
         sizes = _sizes(q, k)
         bound: dict[str, int] = {}
@@ -634,12 +648,14 @@ class Kernel:
         [total_q, H, D] and [total_q, H] (sink too), all sequences in one launch."""
         dtype = _DTYPES[q.dtype]
         strides: dict[str, tuple[int, ...]] = {}
-        rows_out = torch.empty(q.shape, dtype=q.dtype)  # (packed: the rows the kernel writes through `out`)
+        value_dim = v.shape[-1]
+        # (packed: the rows the kernel writes through `out`)
+        rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=q.dtype)
         if packed is not None:
             q, k, v = packed.as_batch(q, False), packed.as_batch(k, True), packed.as_batch(v, True)
-            plan, call = self._forward_call(q, k, scale, tensors, scalars, lengths=packed.lengths)
+            plan, call = self._forward_call(q, k, scale, tensors, scalars, lengths=packed.lengths, value_dim=value_dim)
         elif paged is None:
-            plan, call = self._forward_call(q, k, scale, tensors, scalars)
+            plan, call = self._forward_call(q, k, scale, tensors, scalars, value_dim=value_dim)
         else:  # the plan sees keys [B, Hkv, M, D]; the kernel, pages and rows at the cache's strides
             plan, call = self._forward_call(
                 q,
@@ -649,6 +665,7 @@ class Kernel:
                 scalars,
                 page_size=paged.page_size,
                 lengths=paged.lengths(q.shape[2]),
+                value_dim=value_dim,
             )
             call["page_size"] = paged.page_size
             strides = PagedKeys.strides(k, v)
@@ -667,12 +684,14 @@ class Kernel:
         self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed, strides)
         return rows_out, lse
 
-    def reads_pages(self, q: torch.Tensor, page_size: int) -> bool:
+    def reads_pages(self, q: torch.Tensor, page_size: int, value_dim: int) -> bool:
         """Whether `forward_impl` can read keys of this page size in place for queries like
-        `q` [B, H, N, D] (the CPU kernels, where a Bc divides the page: TilePlan.for_pages)."""
+        `q` [B, H, N, D] and values of head dim `value_dim` (the CPU kernels, where a Bc divides
+        the page: TilePlan.for_pages)."""
         if type(self).forward_impl is not Kernel.forward_impl:
             return False
-        return self._tiles(q.shape[3], q.dtype, False).for_pages(page_size, q.shape[2]) is not None
+        tiles = self._tiles(max(q.shape[3], value_dim), q.dtype, False)
+        return tiles.for_pages(page_size, q.shape[2]) is not None
 
     def backward_impl(
         self,
@@ -705,7 +724,7 @@ class Kernel:
         operands = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
         if packed is not None:  # (key-side operands: those of k's shape)
             operands = {name: packed.as_batch(t, name in ("k", "v", "dk", "dv")) for name, t in operands.items()}
-        plan = self.plan(operands["q"], operands["k"], scale, backward=True)
+        plan = self.plan(operands["q"], operands["k"], scale, backward=True, value_dim=v.shape[-1])
         call = self._prepare(plan, q.dtype, tensors, scalars, None if packed is None else packed.lengths)
         call["offset"] = offset
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
@@ -774,14 +793,15 @@ class Kernel:
         scalars: list[float],
         page_size: int | None = None,
         lengths: Lengths | None = None,
+        value_dim: int | None = None,
     ) -> tuple[CallPlan, dict[str, object]]:
         """The forward's plan and prepared call. Where many of the visible tiles are partial the
         AMX forward's wide key tiles narrow (TilePlan.for_partial_tiles); where a query tile sees
         enough keys that a kv head's K/V panels outgrow L2, a task takes more query rows
         (TilePlan.for_keys). Both count from the tile classes, so a sliding window's few visible
         tiles keep the L2-sized tasks at any M (taking 192 rows there cost 1.8x at N = 8192 on
-        Zen 4)."""
-        plan = self.plan(q, k, scale)
+        Zen 4). `value_dim`: v's head dim (default k's)."""
+        plan = self.plan(q, k, scale, value_dim=value_dim)
         if page_size is not None:  # (reads_pages said there are such tiles)
             plan = replace(plan, tiles=plan.tiles.for_pages(page_size, plan.problem.N))
         side_by_side = page_size is not None or k.stride(1) < k.stride(2)  # kv heads within each key row
@@ -946,7 +966,7 @@ class Kernel:
         names = self._slot_names
         pointer_values = [all_ptrs[name].data_ptr() if name in all_ptrs else None for name in names.pointers]
         p = plan.problem
-        ints: dict[str, int] = {"B": p.B, "H": p.H, "Hkv": p.Hkv, "N": p.N, "M": p.M, "D": p.D}
+        ints: dict[str, int] = {"B": p.B, "H": p.H, "Hkv": p.Hkv, "N": p.N, "M": p.M, "D": p.D, "Dv": p.Dv}
         for name, stride_names in names.operand_strides:
             operand = ptrs.get(name)
             given = (strides or {}).get(name) or (operand.stride() if operand is not None else (0, 0, 0, 0))
@@ -1005,7 +1025,7 @@ class RepeatLaunch:
     kernel: str
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype)
         lse = torch.empty(q.shape[:3], dtype=self.lse_dtype)
         pointers = self.pointers.copy()
         for slot, operand in zip(self.operand_slots, (q, k, v, out, lse)):
@@ -1056,8 +1076,15 @@ def _sizes(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:
     return {"B": B, "H": H, "Hkv": k.shape[1], "N": N, "M": k.shape[2], "D": D}
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor) -> Problem:
-    return Problem(**_sizes(q, k))
+def _problem(q: torch.Tensor, k: torch.Tensor, value_dim: int | None = None) -> Problem:
+    """The call's sizes; v's head dim `value_dim` (default: k's)."""
+    return Problem(**_sizes(q, k), Dv=k.shape[3] if value_dim is None else value_dim)
+
+
+def plan_head_dim(problem: Problem) -> int:
+    """The head dim whose tiles a call takes: the larger of q/k's and v's, whose tiles fit the
+    on-chip memory for both."""
+    return max(problem.D, problem.Dv)
 
 
 def _declared(decl: Input) -> str:
@@ -1098,7 +1125,7 @@ def _attention_fake(
     seed: torch.Tensor,
     sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("attncc::attention_backward", mutates_args=())
@@ -1256,7 +1283,7 @@ def _varlen_fake(
     seed: torch.Tensor,
     sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
+    return q.new_empty((*q.shape[:2], v.shape[2])), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("attncc::varlen_attention_backward", mutates_args=())
@@ -1370,7 +1397,8 @@ def _paged_fake(
     scale: float | None,
     sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+    out_shape = (*q.shape[:3], v_cache.shape[3])  # (q's layout, bnhd or bhnd: the head dim last)
+    return q.new_empty(out_shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 def _no_double_backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx

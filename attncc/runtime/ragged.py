@@ -2,7 +2,7 @@
 
 A program speaks of b (the sequence), h, i, j (positions inside the sequence) and N, M (that
 sequence's query and key lengths). A packed batch (FlashAttention's varlen layout: q
-[total_q, H, D], k, v [total_k, Hkv, D], sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1])
+[total_q, H, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv], sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1])
 is one launch on every backend: the kernels take the offsets (ABI q_starts, k_starts), N and M in
 the program are each sequence's own, tiles never straddle two sequences (the tile classes are
 per sequence, tiles past a sequence's end empty) and no work is spent on padding that is not
@@ -295,9 +295,11 @@ def varlen_attention(
 
     q = _tensor("q", q, 3, "[total_q, H, D]")
     k = _tensor("k", k, 3, "[total_k, Hkv, D]")
-    v = _tensor("v", v, 3, "[total_k, Hkv, D]")
-    if v.shape != k.shape:
-        raise InputError(f"v: expected shape {tuple(k.shape)} (that of k), got {tuple(v.shape)}")
+    v = _tensor("v", v, 3, "[total_k, Hkv, Dv]")
+    if v.shape[:2] != k.shape[:2]:
+        raise InputError(
+            f"v: expected shape [{k.shape[0]}, {k.shape[1]}, Dv] (that of k but the head dim), got {tuple(v.shape)}"
+        )
     kern.check_input_names(runtime)
     if not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
         varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
@@ -391,7 +393,7 @@ def paged_forward(
     into it first (in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new)."""
     from attncc.runtime.kernel import PagedKeys, acc_dtype
 
-    B, H, N, D = q.shape
+    B, H, N, _ = q.shape
     page_size = k_cache.shape[1]
     appended = 0 if k_new is None else k_new.shape[1]
     runtime = kern.runtime_values(tensors, options.scalars)
@@ -402,11 +404,11 @@ def paged_forward(
         slots = (positions % page_size).to(k_cache.device)
         k_cache[pages, slots] = k_new
         v_cache[pages, slots] = v_new
-    out = q.new_zeros((B, H, N, D))
+    out = q.new_zeros((B, H, N, v_cache.shape[3]))
     lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
     if sink is not None:
         lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
-    if kern.reads_pages(q, page_size) and max(totals, default=0) > 0:
+    if kern.reads_pages(q, page_size, v_cache.shape[3]) and max(totals, default=0) > 0:
         # one launch reads every sequence's keys through the block table, each sequence to its
         # own key count (k_starts), the call's M the longest
         counts = torch.tensor(totals, dtype=torch.int64)
@@ -467,12 +469,14 @@ def paged_attention(
     q_bhnd = q.transpose(1, 2) if layout == "bnhd" else q
     B, H, N, D = q_bhnd.shape
     k_cache = _tensor("k_cache", k_cache, 4, "[num_pages, page_size, Hkv, D]")
-    v_cache = _tensor("v_cache", v_cache, 4, "[num_pages, page_size, Hkv, D]")
-    if v_cache.shape != k_cache.shape:
+    v_cache = _tensor("v_cache", v_cache, 4, "[num_pages, page_size, Hkv, Dv]")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
         raise InputError(
-            f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}"
+            f"v_cache: expected shape [{', '.join(map(str, k_cache.shape[:3]))}, Dv] (that of k_cache but the head "
+            f"dim), got {tuple(v_cache.shape)}"
         )
     _, page_size, Hkv, Dk = k_cache.shape
+    Dv = v_cache.shape[3]
     if Dk != D:
         raise InputError(f"k_cache: expected head dim {D} (from q), got shape {tuple(k_cache.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -485,10 +489,11 @@ def paged_attention(
         raise InputError("k_new, v_new: give both or neither")
     if k_new is not None:
         k_new = _tensor("k_new", k_new, 4, "[B, N_new, Hkv, D]")
-        v_new = _tensor("v_new", v_new, 4, "[B, N_new, Hkv, D]")
-        if k_new.shape[0] != B or tuple(k_new.shape[2:]) != (Hkv, D) or v_new.shape != k_new.shape:
+        v_new = _tensor("v_new", v_new, 4, "[B, N_new, Hkv, Dv]")
+        if k_new.shape[0] != B or tuple(k_new.shape[2:]) != (Hkv, D) or v_new.shape != (*k_new.shape[:3], Dv):
             raise InputError(
-                f"k_new, v_new: expected [B={B}, N_new, Hkv={Hkv}, D={D}], got {tuple(k_new.shape)} and {tuple(v_new.shape)}"
+                f"k_new, v_new: expected [B={B}, N_new, Hkv={Hkv}, D={D}] and [B={B}, N_new, Hkv={Hkv}, Dv={Dv}], "
+                f"got {tuple(k_new.shape)} and {tuple(v_new.shape)}"
             )
         for name, t in (("k_new", k_new), ("v_new", v_new)):
             if t.dtype != q.dtype or t.device != q.device:
