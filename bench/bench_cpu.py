@@ -389,8 +389,10 @@ def serving_cases(results: list, args) -> None:
 def model_cases(results: list, args) -> None:
     """Issue 12's head shapes: DeepSeek's MLA prefill (q, k 192 wide, v 128; causal, H=16)
     forward and forward+backward, fp32 and bf16, against SDPA (which takes a value head dim of
-    its own) and against attncc on v zero-padded to 192 and the output cut back (what a
-    kernel with one head dim costs: 25% more P V products, 50% more V and O traffic)."""
+    its own, on the CPU by its unfused math path), SDPA on v zero-padded to 192 (its flash
+    kernel; the output cut back: what users of a one-head-dim kernel do) and attncc on the same
+    padded v (what a kernel with one head dim costs: 25% more P V products, 50% more V and O
+    traffic)."""
     causal = attncc.compile(EX / "causal.attn")
     r = args.repeats
     H, D, Dv = 16, 192, 128
@@ -407,16 +409,21 @@ def model_cases(results: list, args) -> None:
             def padded(a, b, c):
                 return causal(a, b, F.pad(c, (0, D - Dv)))[..., :Dv]
 
+            def sdpa_padded(a, b, c):
+                return sdpa(a, b, F.pad(c, (0, D - Dv)))[..., :Dv]
+
             if backward:
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 anchors = {
                     "sdpa": median_s(fwd_bwd(sdpa, *leaves), r),
+                    "sdpa_v_padded": median_s(fwd_bwd(sdpa_padded, *leaves), r),
                     "attncc_v_padded": median_s(fwd_bwd(padded, *leaves), r),
                 }
                 ours = median_s(fwd_bwd(causal, *leaves), r)
             else:
                 anchors = {
                     "sdpa": median_s(partial(sdpa, q, k, v), r),
+                    "sdpa_v_padded": median_s(partial(sdpa_padded, q, k, v), r),
                     "attncc_v_padded": median_s(partial(padded, q, k, v), r),
                 }
                 ours = median_s(partial(causal, q, k, v), r)
