@@ -16,7 +16,7 @@ from attncc.errors import DslError, SourceLoc
 from attncc.frontend.parser import Ast, parse
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, add_op, new_graph
-from attncc.ir.ops import Dropout, Input, Layout, Mask, Output, ScoreMap, ScoreMatmul, Softmax, ValueMatmul
+from attncc.ir.ops import Dropout, Input, Layout, Mask, Output, Rope, ScoreMap, ScoreMatmul, Softmax, ValueMatmul
 
 DTYPES = ("float", "int", "bool")
 MATH_FUNCTIONS = {"abs": 1, "exp": 1, "log": 1, "tanh": 1, "sqrt": 1, "min": 2, "max": 2, "where": 3}
@@ -153,6 +153,9 @@ def _assign(ctx: _Context, stmt: Ast) -> None:
         if ex.free_vars(value) - set(ex.SIZE_VARS) or ex.reads(value):
             raise DslError("the scale may depend only on numbers and the sizes B, H, Hkv, N, M, D", value_ast.start)
         ctx.scale = ex.fold(value)
+        return
+    if name.value in ("q", "k") and value_ast.kind == "call" and value_ast.value == "rope":
+        _rope(ctx, name, value_ast)
         return
     if name.value in RESERVED or (
         name.value in ctx.names
@@ -464,6 +467,80 @@ def _sink(ctx: _Context, a: Ast) -> ex.Expr:
         raise DslError("a sink is one logit per query row: it may use b, h and i, not the key index j", a.start)
     _check_composed_size(value, a.loc)
     return ex.fold(value)
+
+
+#: rope's keyword arguments: constant numbers, and the position expression.
+ROPE_KEYWORDS = ("theta", "dims", "first", "interleaved", "position")
+ROPE_DEFAULT_THETA = 10000.0
+
+
+def _rope(ctx: _Context, name: Ast, call: Ast) -> None:
+    """`q = rope(q, theta=10000, dims=64, first=0, interleaved=0, position=i)` (and for k, its
+    rows' position j by default): the operand's rows rotated before `q @ k.T`."""
+    operand = name.value
+    args = [c for c in call.children if c.kind != "keyword"]
+    keywords = {}
+    for kw in (c for c in call.children if c.kind == "keyword"):
+        if kw.value not in ROPE_KEYWORDS:
+            raise DslError(f"`rope` has no keyword argument `{kw.value}`; expected {', '.join(ROPE_KEYWORDS)}", kw.loc)
+        if kw.value in keywords:
+            raise DslError(f"`rope`: keyword argument `{kw.value}` given twice", kw.loc)
+        keywords[kw.value] = kw.children[0]
+    if len(args) != 1 or not (args[0].kind == "name" and args[0].value == operand):
+        raise DslError(
+            f"`{operand} = rope({operand}, ...)` rotates {operand} itself: one positional argument, `{operand}`",
+            call.loc,
+        )
+    current = ctx.names[operand]
+    assert isinstance(current, TensorRef)
+    if not isinstance(ctx.g.nodes[current.node]["op"], Input):
+        raise DslError(f"`{operand}` is rotated once: a second rope of it", call.loc)
+    if any(isinstance(v, TensorRef) and v.kind == "scores" for v in ctx.names.values()):
+        raise DslError(f"rope({operand}) must come before the scores `q @ k.T` that read it", call.loc)
+
+    def constant(key: str, default: float | None, kind: str) -> float | None:
+        if key not in keywords:
+            return default
+        value = ex.fold(_scalar(ctx, keywords[key], f"rope's {key}"))
+        ok = isinstance(value, ex.Const) and (kind == "float" or value.ty == ex.INT)
+        if not ok:
+            raise DslError(
+                f"rope's {key} must be a constant {'number' if kind == 'float' else 'integer'}", keywords[key].start
+            )
+        return float(value.value)  # type: ignore[union-attr]
+
+    theta = constant("theta", ROPE_DEFAULT_THETA, "float")
+    if not theta or theta <= 1.0:
+        raise DslError("rope's theta must be a number above 1 (10000 in most models)", keywords["theta"].start)
+    dims = constant("dims", None, "int")
+    if dims is not None and (dims <= 0 or dims % 2):
+        raise DslError("rope's dims must be a positive even number of head dims", keywords["dims"].start)
+    first = constant("first", 0, "int")
+    if first < 0:  # type: ignore[operator]
+        raise DslError("rope's first rotated head dim must be 0 or more", keywords["first"].start)
+    interleaved = constant("interleaved", 0, "int")
+    if interleaved not in (0, 1):
+        raise DslError(
+            "rope's interleaved is 0 (pairs p, p + dims/2) or 1 (pairs 2p, 2p + 1)", keywords["interleaved"].start
+        )
+    row = "i" if operand == "q" else "j"
+    position = ex.var(row)
+    if "position" in keywords:
+        value = _lower_expr(ctx, keywords["position"])
+        if isinstance(value, (TensorRef, ScoreExpr)) or value.ty not in (ex.INT, ex.FLOAT):
+            raise DslError(f"rope's position is a number per row of {operand}", keywords["position"].start)
+        other = {"h", "j" if operand == "q" else "i"} & ex.free_vars(value)
+        if other:
+            raise DslError(
+                f"rope's position of {operand}'s rows may use b, {row}, the sizes and inputs, not {', '.join(sorted(other))}",
+                keywords["position"].start,
+            )
+        _check_composed_size(value, keywords["position"].loc)
+        position = ex.fold(value)
+    spec = Rope(
+        operand, theta, None if dims is None else int(dims), int(first), bool(interleaved), position, loc=call.loc
+    )  # type: ignore[arg-type]
+    ctx.names[operand] = TensorRef(add_op(ctx.g, spec, [current.node], _reads(ctx, position)), operand)
 
 
 def _arity(a: Ast, args: list[Value], n: int) -> None:

@@ -20,6 +20,7 @@ from attncc.ir.ops import (
     Mask,
     Op,
     Output,
+    Rope,
     ScoreMap,
     ScoreMatmul,
     Softmax,
@@ -31,7 +32,7 @@ Graph = nx.DiGraph
 #: Number of data operands of each op kind.
 ARITY: dict[type[Op], int] = {
     Input: 0, ScoreMatmul: 2, ScoreMap: 1, Mask: 1, Layout: 1, Softmax: 1, Dropout: 1,
-    ValueMatmul: 2, Output: 1, FusedAttention: 3,
+    ValueMatmul: 2, Output: 1, FusedAttention: 3, Rope: 1,
 }  # fmt: skip
 
 
@@ -140,10 +141,13 @@ def _expressions(op: Op) -> list[tuple[str, ex.Expr, str]]:
         return [("score expression", op.expr, ex.FLOAT)]
     if isinstance(op, Mask):
         return [("mask predicate", op.predicate, ex.BOOL)]
+    if isinstance(op, Rope):
+        return [(f"rope({op.operand}) position", op.position, ex.FLOAT)]
     if isinstance(op, FusedAttention):
         found = [("scale", op.scale, ex.FLOAT), ("score expression", op.score, ex.FLOAT)]
         if op.mask is not None:
             found.append(("mask predicate", op.mask, ex.BOOL))
+        found += [(f"rope({r.operand}) position", r.position, ex.FLOAT) for r in (op.q_rope, op.k_rope) if r]
         return found
     return []
 

@@ -99,6 +99,27 @@ class Layout(Op):
 
 
 @dataclass(frozen=True)
+class Rope(Op):
+    """Rotary position embedding of q's or k's rows (RoFormer; `q = rope(q, theta=10000)`):
+    the head dims first .. first + dims - 1 (dims None: to the end) rotated pairwise, pair p
+    by the angle position * theta^(-2p / dims); pairs are (p, p + dims / 2) (half-split, as
+    GPT-NeoX and transformers' rotate_half) or (2p, 2p + 1) (`interleaved`, as GPT-J).
+    position: the row's position, over b and i (q's rows) or j (k's rows), the sizes and inputs."""
+
+    operand: str  # "q" or "k"
+    theta: float
+    dims: int | None
+    first: int
+    interleaved: bool
+    position: Expr
+
+    def describe(self) -> str:
+        span = f"dims {self.first}..{'D' if self.dims is None else self.first + self.dims}"
+        style = "interleaved" if self.interleaved else "half-split"
+        return f"rope {self.operand} theta={self.theta:g} {span} {style} position={self.position}"
+
+
+@dataclass(frozen=True)
 class Softmax(Op):
     """Row softmax over the key axis. `sink`: a logit per query row (over b, h, i, the sizes,
     `scale` and inputs) that joins the denominator and has no value row (attention sinks)."""
@@ -155,6 +176,8 @@ class FusedAttention(Op):
     tiling: TilingTable | None = None
     cost: CostModel | None = None
     sink: Expr | None = None
+    q_rope: Rope | None = None
+    k_rope: Rope | None = None
 
     def describe(self) -> str:
         parts = [f"scale={self.scale}", f"score={self.score}"]
@@ -165,6 +188,7 @@ class FusedAttention(Op):
         parts.extend(layout.describe() for layout in self.layouts)
         if self.sink is not None:
             parts.append(f"sink={self.sink}")
+        parts.extend(r.describe() for r in (self.q_rope, self.k_rope) if r is not None)
         if self.dropout:
             parts.append(f"dropout={self.dropout}")
         return "fused_attention " + ", ".join(parts)

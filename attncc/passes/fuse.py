@@ -12,6 +12,7 @@ from attncc.ir.ops import (
     Layout,
     Mask,
     Output,
+    Rope,
     ScoreMap,
     ScoreMatmul,
     Softmax,
@@ -69,6 +70,13 @@ def fuse_attention(g: Graph) -> Graph:
     assert isinstance(matmul, ScoreMatmul)
     chain += [node, pv, out]
     q, k = operands(g, node)
+    ropes: dict[str, Rope] = {}
+    for operand in (q, k):  # rope(q), rope(k): row rotations folded in as the kernel's loads
+        rope = op_of(g, operand)
+        if isinstance(rope, Rope):
+            ropes[rope.operand] = rope
+            chain.insert(-3, operand)
+    q, k = (operands(g, n)[0] if isinstance(op_of(g, n), Rope) else n for n in (q, k))
     for n in chain[:-1]:
         users = list(g.successors(n))
         if len(users) != 1:
@@ -88,6 +96,8 @@ def fuse_attention(g: Graph) -> Graph:
         dropout=dropout,
         default_scale=g.graph["scale"],
         sink=sink,
+        q_rope=ropes.get("q"),
+        k_rope=ropes.get("k"),
         loc=matmul.loc,
     )
     reads = {u for n in chain for u, _, d in g.in_edges(n, data=True) if d["operand"] is None}

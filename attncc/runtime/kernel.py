@@ -50,6 +50,7 @@ from attncc.runtime.ragged import (
     varlen_sequences,
 )
 from attncc.runtime.reference import evaluate, reference_attention
+from attncc.runtime.rope import rotate_padded
 from attncc.runtime.sinks import padded_rows, sink_gradient, sink_logits
 from attncc.targets import ISA_ENV
 
@@ -258,6 +259,7 @@ class Kernel:
             scale = checked_scale(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
+        q, k = self.rotated(q, k, runtime)
         sink = None
         if self.op.sink is not None:  # [B, H, N], differentiable w.r.t. the inputs it reads
             B, H, N, _ = q.shape
@@ -272,6 +274,21 @@ class Kernel:
                 self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_value, sink
             )
         return (out, lse) if return_lse else out
+
+    def rotated(
+        self, q: torch.Tensor, k: torch.Tensor, runtime: Mapping[str, object]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [B, heads, rows, D] after the program's rope (runtime/rope.py; differentiable;
+        in fp32, or fp64 for fp64 inputs, rounded once to the inputs' dtype)."""
+        if self.op.q_rope is None and self.op.k_rope is None:
+            return q, k
+        scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
+        tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
+        sizes = _sizes(q, k)
+        turned = []
+        for x, spec in ((q, self.op.q_rope), (k, self.op.k_rope)):
+            turned.append(x if spec is None else rotate_padded(spec, x, sizes, scalars, tensors))  # type: ignore[arg-type]
+        return turned[0], turned[1]
 
     def runtime_values(self, tensors: list[torch.Tensor], scalars: list[float]) -> dict[str, object]:
         """The runtime inputs by name from an op's lists (tensors and scalars in declaration order)."""
@@ -316,6 +333,8 @@ class Kernel:
         if (
             type(self).forward_impl is not Kernel.forward_impl
             or self.op.sink is not None
+            or self.op.q_rope is not None
+            or self.op.k_rope is not None
             or seed is not None
             or (train and self.op.dropout > 0)
             or not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
@@ -446,6 +465,7 @@ class Kernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager result (out, lse) of the same IR (float64 unless `dtype`), for tests and `attncc check`."""
         self.validate(q, k, v, runtime)
+        q, k = self.rotated(q, k, runtime)
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
         problem = _problem(q, k, v.shape[3])

@@ -32,6 +32,7 @@ import torch
 
 from attncc.errors import InputError
 from attncc.ir import expr as ex
+from attncc.runtime.rope import rope_tables, rotate
 from attncc.runtime.sinks import padded_rows
 
 if TYPE_CHECKING:
@@ -251,26 +252,53 @@ def varlen_sink_rows(
     so torch.compile traces it without reading the offsets."""
     from attncc.runtime.kernel import acc_dtype
 
-    cq, ck = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
-    row = torch.arange(q.shape[0], device=q.device)
-    # b with cq[b] <= r < cq[b + 1]; clamped so that offsets the op will refuse (a last offset
-    # short of total_q) index no further than the last sequence while the rows are evaluated
-    sequence = torch.searchsorted(cq[1:], row, right=True).clamp_max(max(cq.shape[0] - 2, 0))
-    n, m = (cq[1:] - cq[:-1])[sequence], (ck[1:] - ck[:-1])[sequence]
-    rows = {
-        "b": sequence.view(-1, 1),
-        "h": torch.arange(q.shape[1], device=q.device).view(1, -1),
-        "i": (row - cq[sequence]).view(-1, 1),
-    }
-    sizes = {
-        "B": cq.shape[0] - 1,
-        "H": q.shape[1],
-        "Hkv": k.shape[1],
-        "D": q.shape[2],
-        "N": n.view(-1, 1),
-        "M": m.view(-1, 1),
-    }
+    rows, lengths = packed_index(cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, q.shape[0], "i")
+    rows["h"] = torch.arange(q.shape[1], device=q.device).view(1, -1)
+    sizes = {"B": cu_seqlens_q.shape[0] - 1, "H": q.shape[1], "Hkv": k.shape[1], "D": q.shape[2], **lengths}
     return kern.sink_rows(rows, sizes, scale, runtime, acc_dtype(q.dtype)).expand(q.shape[:2]).contiguous()
+
+
+def packed_index(
+    cu_rows: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, total: int, row: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """b and the in-sequence index `row` (i or j) of each of `total` packed rows at offsets
+    `cu_rows` ([total, 1] each), and N and M of each row's sequence; tensor operations only,
+    so torch.compile traces them without reading the offsets."""
+    starts, cq, ck = cu_rows.to(torch.int64), cu_q.to(torch.int64), cu_k.to(torch.int64)
+    position = torch.arange(total, device=starts.device)
+    # b with starts[b] <= r < starts[b + 1]; clamped so that offsets the op will refuse (a last
+    # offset short of the total) index no further than the last sequence while rows are evaluated
+    sequence = torch.searchsorted(starts[1:], position, right=True).clamp_max(max(starts.shape[0] - 2, 0))
+    rows = {"b": sequence.view(-1, 1), row: (position - starts[sequence]).view(-1, 1)}
+    lengths = {"N": (cq[1:] - cq[:-1])[sequence].view(-1, 1), "M": (ck[1:] - ck[:-1])[sequence].view(-1, 1)}
+    return rows, lengths
+
+
+def varlen_rotated(
+    kern: Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    runtime: Mapping[str, object],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed q [total_q, H, D] and k [total_k, Hkv, D] after the program's rope, each row at
+    its position inside its sequence (runtime/rope.py; differentiable)."""
+    scalars = {d.name: runtime[d.name] for d in kern.inputs if d.role == "scalar"}
+    tensors = {d.name: runtime[d.name] for d in kern.inputs if d.role == "tensor"}
+    turned = []
+    for x, spec, cu_rows in ((q, kern.op.q_rope, cu_seqlens_q), (k, kern.op.k_rope, cu_seqlens_k)):
+        if spec is None:
+            turned.append(x)
+            continue
+        rows, lengths = packed_index(
+            cu_rows, cu_seqlens_q, cu_seqlens_k, x.shape[0], "i" if spec.operand == "q" else "j"
+        )
+        sizes = {"B": cu_seqlens_q.shape[0] - 1, "H": q.shape[1], "Hkv": k.shape[1], "D": q.shape[2], **lengths}
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = rope_tables(spec, rows, sizes, scalars, tensors, x.shape[2], dtype)  # [total, 1, R / 2]
+        turned.append(rotate(x.to(dtype), spec, cos, sin).to(x.dtype))
+    return turned[0], turned[1]
 
 
 def varlen_attention(
@@ -307,6 +335,7 @@ def varlen_attention(
     dropout = kern.op.dropout if train else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+    q, k = varlen_rotated(kern, q, k, cu_seqlens_q, cu_seqlens_k, runtime)
     sink = None
     if kern.op.sink is not None:
         sink = varlen_sink_rows(kern, q, k, cu_seqlens_q, cu_seqlens_k, scale, runtime)
@@ -508,6 +537,24 @@ def paged_attention(
         scale = checked_scale(scale)
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+    if kern.op.k_rope is not None:
+        raise InputError(
+            f"{kern.name}: paged calls read the cache's keys as they were written; rotate them before caching "
+            "(as transformers does) and keep rope for q alone in the program"
+        )
+    if kern.op.q_rope is not None:  # queries at their positions; M is each sequence's keys after the append
+        spec = kern.op.q_rope
+        lengths = {"N": N, "M": (cache_seqlens.to(torch.int64) + appended).view(-1, 1, 1)}
+        index = {
+            "b": torch.arange(B, device=q.device).view(-1, 1, 1),
+            "i": torch.arange(N, device=q.device).view(1, 1, -1),
+        }
+        scalars_map = {d.name: runtime[d.name] for d in kern.inputs if d.role == "scalar"}
+        tensors_map = {d.name: runtime[d.name] for d in kern.inputs if d.role == "tensor"}
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        sizes = {"B": B, "H": H, "Hkv": Hkv, "D": D, **lengths}
+        cos, sin = rope_tables(spec, index, sizes, scalars_map, tensors_map, D, dtype)
+        q_bhnd = rotate(q_bhnd.to(dtype), spec, cos, sin).to(q.dtype)
     sink = None
     if kern.op.sink is not None:  # [B, H, N]; M is each sequence's key count after the append
         with torch.no_grad():

@@ -1,0 +1,236 @@
+"""Rotary position embeddings in the DSL (`q = rope(q, theta=10000)`), against float64 code
+written here from the papers' formulas: half-split pairs as transformers' `rotate_half`
+(x cos + rotate_half(x) sin with the angles repeated), interleaved pairs as complex
+multiplication (Meta's original `view_as_complex` form); partial rotary dims, bottom-right
+query positions, per-sequence offsets from an input; padded, packed and paged calls; the CUDA
+kernels on the emulator; DSL mistakes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import DslError, InputError
+from attncc.runtime.check import _error
+from tests.test_independent_references import BWD_TOL, FWD_TOL
+
+ROPE_PROGRAM = """attention rope_{name}
+input start: int[B]
+q = rope(q, {q_args})
+k = rope(k, {k_args})
+s = q @ k.T * scale
+mask j <= i + (M - N)
+p = softmax(s)
+o = p @ v
+output o
+"""
+
+
+def program(name: str, q_args: str, k_args: str) -> str:
+    return ROPE_PROGRAM.format(name=name, q_args=q_args, k_args=k_args)
+
+
+def angles(positions: torch.Tensor, dims: int, theta: float) -> torch.Tensor:
+    """[..., dims / 2] angles position * theta^(-2p / dims)."""
+    inv = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+    return positions.double().unsqueeze(-1) * inv
+
+
+def rotate_half_style(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb: x cos + rotate_half(x) sin, angles repeated."""
+    emb = torch.cat([angle, angle], dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * emb.cos() + rotated * emb.sin()
+
+
+def complex_style(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Meta's original: adjacent pairs as complex numbers times e^(i angle)."""
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
+
+
+def reference(q, k, v, start, *, theta, dims, first, interleaved, q_offset_by_start):
+    """Bottom-right causal attention of q [B, H, N, D] over k, v after rope on dims first ..
+    first + dims - 1; q's positions i + (M - N) (+ start[b] when q_offset_by_start), k's j + start[b]."""
+    _, H, N, D = q.shape
+    M = k.shape[2]
+    style = complex_style if interleaved else rotate_half_style
+    q_pos = torch.arange(N).view(1, -1) + (M - N) + (start.view(-1, 1) if q_offset_by_start else 0)
+    k_pos = torch.arange(M).view(1, -1) + start.view(-1, 1)
+
+    def turned(x, pos):
+        part = style(x[..., first : first + dims], angles(pos, dims, theta).unsqueeze(1))
+        return torch.cat([x[..., :first], part, x[..., first + dims :]], dim=-1)
+
+    qr, kr = turned(q, q_pos), turned(k, k_pos)
+    kr, vr = (t.repeat_interleave(H // k.shape[1], dim=1) for t in (kr, v))
+    s = qr @ kr.transpose(-1, -2) / math.sqrt(D)
+    visible = torch.arange(M).view(1, -1) <= torch.arange(N).view(-1, 1) + (M - N)
+    s = s.masked_fill(~visible, -math.inf)
+    return torch.softmax(s, -1) @ vr, torch.logsumexp(s, -1)
+
+
+#: (label, q's arguments, k's arguments, reference options): half-split and interleaved, whole
+#: and partial rotary dims, large theta, q's positions with and without the per-sequence start.
+CASES = [
+    ("half", "theta=10000, position=i + (M - N) + start[b]", "theta=10000, position=j + start[b]",
+     dict(theta=10000.0, dims=40, first=0, interleaved=False, q_offset_by_start=True)),
+    ("interleaved", "theta=500000, interleaved=1, position=i + (M - N) + start[b]",
+     "theta=500000, interleaved=1, position=j + start[b]",
+     dict(theta=500000.0, dims=40, first=0, interleaved=True, q_offset_by_start=True)),
+    ("partial", "theta=1000, dims=16, first=8, position=i + (M - N)", "theta=1000, dims=16, first=8, position=j + start[b]",
+     dict(theta=1000.0, dims=16, first=8, interleaved=False, q_offset_by_start=False)),
+]  # fmt: skip
+
+
+def leaves(B=2, H=4, Hkv=2, N=37, M=70, D=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, N, D, generator=gen).requires_grad_()
+    k = torch.randn(B, Hkv, M, D, generator=gen).requires_grad_()
+    v = torch.randn(B, Hkv, M, D, generator=gen).requires_grad_()
+    return q, k, v, torch.randn(B, H, N, D, generator=gen)
+
+
+@pytest.mark.parametrize(("label", "q_args", "k_args", "options"), CASES, ids=[c[0] for c in CASES])
+def test_forward_and_backward_against_the_formulas(label, q_args, k_args, options) -> None:
+    kern = attncc.compile(program(label, q_args, k_args))
+    q, k, v, dout = leaves()
+    start = torch.tensor([3, 1000])
+    out, lse = kern(q, k, v, return_lse=True, start=start)
+    got = [out, lse, *torch.autograd.grad(out, (q, k, v), dout)]
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*exact, start, **options)
+    want = [ref_out, ref_lse, *torch.autograd.grad(ref_out, exact, dout.double())]
+    for name, g, w, tol in zip(("out", "lse", "dq", "dk", "dv"), got, want, (FWD_TOL, FWD_TOL, *[BWD_TOL] * 3)):
+        assert _error(g, w) <= tol, f"{name}: {_error(g, w):.2e}"
+    # the rotation takes effect: without it (theta huge: every angle ~0) the result differs
+    plain = attncc.compile(program(label + "_flat", "theta=1e300, position=i", "theta=1e300, position=j"))
+    assert (plain(q, k, v, start=start) - out).abs().max() > 100 * FWD_TOL
+
+
+def test_gradcheck_through_the_rotation() -> None:
+    kern = attncc.compile(
+        program("tiny", "theta=10000, interleaved=1, position=i + start[b]", "theta=10000, interleaved=1")
+    )
+    q, k, v = (torch.randn(1, 2, n, 6, dtype=torch.float64, requires_grad=True) for n in (3, 5, 5))
+    start = torch.tensor([2])
+    assert torch.autograd.gradcheck(lambda q, k, v: kern(q, k, v, start=start), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_cuda_kernels_on_the_emulator(dtype: torch.dtype) -> None:
+    label, q_args, k_args, options = CASES[0]
+    kern = attncc.compile(program(label, q_args, k_args), target="sm80", emulate=True)
+    q, k, v, dout = leaves()
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    start = torch.tensor([3, 1000])
+    out, lse = kern(q, k, v, return_lse=True, start=start)
+    got = [out, *torch.autograd.grad(out, (q, k, v), dout.to(dtype))]
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*exact, start, **options)
+    want = [ref_out, *torch.autograd.grad(ref_out, exact, dout.to(dtype).double())]
+    assert _error(lse, ref_lse) <= 1e-2
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _error(g, w) <= 5e-2, f"{name}: {_error(g, w):.2e}"
+
+
+def test_varlen_rotates_each_sequence_from_its_own_positions() -> None:
+    """Packed sequences (lengths 37, 1, 0, 20 queries): each is its padded call's result."""
+    label, q_args, k_args, _ = CASES[1]
+    kern = attncc.compile(program(label, q_args, k_args))
+    lens_q, lens_k = [37, 1, 0, 20], [70, 1, 3, 20]
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(lens_q), 4, 40, generator=gen).requires_grad_()
+    k, v = (torch.randn(sum(lens_k), 2, 40, generator=gen).requires_grad_() for _ in range(2))
+    start = torch.tensor([5, 9, 2, 7])
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]) for lens in (lens_q, lens_k))
+    out = kern.varlen(q, k, v, cu_q, cu_k, start=start)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    for b, n in enumerate(lens_q):
+        if n == 0:
+            continue
+        rows = [
+            t[c[b] : c[b + 1]].transpose(0, 1).unsqueeze(0).detach().requires_grad_()
+            for t, c in ((q, cu_q), (k, cu_k), (v, cu_k))
+        ]
+        want = kern(*rows, start=start[b : b + 1])
+        assert _error(out[cu_q[b] : cu_q[b + 1]].transpose(0, 1), want[0]) <= FWD_TOL, b
+        grads = torch.autograd.grad(want.sum(), rows)
+        for got, c, w in zip((dq, dk, dv), (cu_q, cu_k, cu_k), grads):
+            assert _error(got[c[b] : c[b + 1]].transpose(0, 1), w[0]) <= BWD_TOL, b
+
+
+def test_paged_decoding_rotates_the_queries_at_their_positions() -> None:
+    """The cache holds keys rotated when they were written (as transformers caches them); the
+    program rotates q alone, at positions cache_seqlens + appended - N + i."""
+    kern = attncc.compile(
+        "attention rope_q\nq = rope(q, theta=10000, position=i + (M - N))\ns = q @ k.T * scale\n"
+        "mask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    gen = torch.Generator().manual_seed(6)
+    B, H, Hkv, D, page, held = 2, 4, 2, 32, 16, [40, 9]
+    k_cache, v_cache = (torch.randn(8, page, Hkv, D, generator=gen) for _ in range(2))
+    table = torch.randperm(8, generator=gen)[:6].view(B, 3).int()
+    q = torch.randn(B, 1, H, D, generator=gen)
+    with torch.no_grad():
+        out = kern.paged(q, k_cache, v_cache, table, torch.tensor(held))
+    for b in range(B):
+        k = k_cache[table[b].long()].flatten(0, 1)[: held[b]].transpose(0, 1).double()
+        v = v_cache[table[b].long()].flatten(0, 1)[: held[b]].transpose(0, 1).double()
+        qb = rotate_half_style(q[b].transpose(0, 1).double(), angles(torch.tensor([held[b] - 1]), D, 10000.0))
+        s = qb @ k.repeat_interleave(2, 0).transpose(1, 2) / math.sqrt(D)
+        want = torch.softmax(s, -1) @ v.repeat_interleave(2, 0)
+        assert _error(out[b].transpose(0, 1), want) <= FWD_TOL, b
+    with pytest.raises(InputError, match="paged calls read the cache's keys as they were written"):
+        attncc.compile(program("k_too", "theta=10000", "theta=10000")).paged(
+            q, k_cache, v_cache, table, torch.tensor(held), start=torch.tensor([0, 0])
+        )
+
+
+def test_rotated_dims_beyond_the_head_dim_are_named() -> None:
+    kern = attncc.compile(program("wide", "dims=48", "dims=48"))
+    q, k, v, _ = leaves()
+    with pytest.raises(InputError, match=r"q: rope\(q\) rotates head dims 0\.\.47, which head dim D=40 does not hold"):
+        kern(q, k, v, start=torch.tensor([0, 0]))
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("v = rope(v, theta=10000)", "`v` is reserved or an input and cannot be assigned"),
+        ("q = rope(k, theta=10000)", "`q = rope(q, ...)` rotates q itself"),
+        ("q = rope(q, theta=0.5)", "rope's theta must be a number above 1"),
+        ("q = rope(q, dims=7)", "rope's dims must be a positive even number"),
+        ("q = rope(q, interleaved=2)", "rope's interleaved is 0"),
+        ("q = rope(q, position=j)", "rope's position of q's rows may use b, i, the sizes and inputs, not j"),
+        ("q = rope(q, base=10)", "`rope` has no keyword argument `base`"),
+        ("q = rope(q, theta=start[b])", "rope's theta must be a constant number"),
+    ],
+)
+def test_dsl_mistakes_point_at_the_call(line: str, message: str) -> None:
+    text = f"attention bad\ninput start: int[B]\n{line}\ns = q @ k.T * scale\np = softmax(s)\no = p @ v\noutput o\n"
+    with pytest.raises(DslError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as error:
+        attncc.compile(text)
+    assert ":3:" in str(error.value)  # file:line:column of the statement
+
+
+def test_rope_twice_or_after_the_scores_is_an_error() -> None:
+    twice = "attention bad\nq = rope(q)\nq = rope(q)\ns = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n"
+    with pytest.raises(DslError, match="rotated once"):
+        attncc.compile(twice)
+    late = "attention bad\ns = q @ k.T\nq = rope(q)\np = softmax(s)\no = p @ v\noutput o\n"
+    with pytest.raises(DslError, match="must come before the scores"):
+        attncc.compile(late)
+
+
+def test_explain_shows_the_rotation() -> None:
+    stages = attncc.lower(program("shown", "theta=10000, position=i + (M - N)", "theta=10000, interleaved=1"))
+    text = stages[-1].graph.nodes
+    described = " ".join(d["op"].describe() for _, d in text(data=True))
+    assert "rope q theta=10000 dims 0..D half-split position=i + (M - N)" in described
+    assert "rope k theta=10000 dims 0..D interleaved position=j" in described
