@@ -14,7 +14,7 @@ Every comparison runs in this one process on the same inputs; each time is the m
     python bench/bench_cpu.py --serving --no-flex --json bench/results/cpu-<family>-serving.json
                                               # packed (varlen) vs SDPA on the padded batch, paged decoding
     python bench/bench_cpu.py --models --no-flex --json bench/results/cpu-<family>-models.json
-                                              # the models' head shapes (issue 12): MLA's D=192, Dv=128
+                                              # issue 12's features: MLA's D=192, Dv=128; rope in the kernel
 
 The JSON's meta records the CPU model, its ISA features and the kernel ISA attncc chose (set
 ATTNCC_CPU_ISA to measure a lower level).
@@ -429,6 +429,59 @@ def model_cases(results: list, args) -> None:
                 ours = median_s(partial(causal, q, k, v), r)
             pass_name = "fwd+bwd" if backward else "fwd"
             row(results, f"MLA prefill causal {pass_name} {name} H={H} N={N} D={D} Dv={Dv}", ours, anchors)
+    rope_cases(results, args)
+
+
+ROPE_CAUSAL = """attention rope_causal
+q = rope(q, theta=10000)
+k = rope(k, theta=10000)
+s = q @ k.T * scale
+mask j <= i
+p = softmax(s)
+o = p @ v
+output o
+"""
+
+
+def rope_cases(results: list, args) -> None:
+    """Rotary embeddings (Llama's half-split form, theta 10000) in the kernel against the same
+    rotation in torch (transformers' apply_rotary_pos_emb: cos/sin tables, rotate_half) before
+    attncc's causal kernel and before SDPA; B=1 H=8 D=128, causal."""
+    ours, causal = attncc.compile(ROPE_CAUSAL), attncc.compile(EX / "causal.attn")
+    r = args.repeats
+    H, D = 8, 128
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for N, backward in ((2048, False), (8192, False), (2048, True)):
+            gen = torch.Generator().manual_seed(5)
+            q, k, v = (torch.randn(1, H, N, D, generator=gen).to(dtype) for _ in range(3))
+            angle = torch.arange(N, dtype=torch.float64).view(-1, 1) * 10000.0 ** (-torch.arange(0, D, 2) / D)
+            cos, sin = (torch.cat([f(angle), f(angle)], -1).to(dtype) for f in (torch.cos, torch.sin))
+
+            def rotated(x, cos=cos, sin=sin):
+                return x * cos + torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1) * sin
+
+            def torch_rope_attncc(a, b, c, rotated=rotated):
+                return causal(rotated(a), rotated(b), c)
+
+            def torch_rope_sdpa(a, b, c, rotated=rotated):
+                return F.scaled_dot_product_attention(rotated(a), rotated(b), c, is_causal=True)
+
+            if backward:
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                anchors = {
+                    "sdpa_torch_rope": median_s(fwd_bwd(torch_rope_sdpa, *leaves), r),
+                    "attncc_torch_rope": median_s(fwd_bwd(torch_rope_attncc, *leaves), r),
+                }
+                mine = median_s(fwd_bwd(ours, *leaves), r)
+            else:
+                anchors = {
+                    "sdpa_torch_rope": median_s(partial(torch_rope_sdpa, q, k, v), r),
+                    "attncc_torch_rope": median_s(partial(torch_rope_attncc, q, k, v), r),
+                }
+                mine = median_s(partial(ours, q, k, v), r)
+            pass_name = "fwd+bwd" if backward else "fwd"
+            row(results, f"rope causal {pass_name} {name} H={H} N={N} D={D}", mine, anchors)
 
 
 def attention_flops(B: int, H: int, N: int, M: int, D: int, causal: bool, backward: bool) -> float:

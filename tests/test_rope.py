@@ -113,6 +113,42 @@ def test_forward_and_backward_against_the_formulas(label, q_args, k_args, option
     assert (plain(q, k, v, start=start) - out).abs().max() > 100 * FWD_TOL
 
 
+@pytest.mark.parametrize(
+    ("dtype", "backward", "N"),
+    [
+        (torch.float32, "fused", 37),
+        (torch.float32, "two-pass", 3),
+        (torch.bfloat16, "auto", 37),
+        (torch.bfloat16, "auto", 1),
+    ],
+)
+def test_cpu_kernels_rotate_as_they_load(dtype, backward, N, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU kernels rotate q's and k's rows as they load them (no rotation in torch: the
+    host's is made to fail here) and turn dQ and dK back as they store them: both backward
+    schedules, decoding rows (N = 1, 3: K read row by row), bf16 on this machine's level."""
+    from attncc.runtime import rope
+
+    def no_host_rotation(*args: object) -> None:
+        raise AssertionError("q or k was rotated in torch")
+
+    monkeypatch.setattr(rope, "rotate", no_host_rotation)
+    label, q_args, k_args, options = CASES[1]
+    kern = attncc.compile(program(label, q_args, k_args))
+    kern.backward = backward
+    q, k, v, dout = leaves(N=N, M=300)
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    start = torch.tensor([3, 1000])
+    out, lse = kern(q, k, v, return_lse=True, start=start)
+    got = [out, *torch.autograd.grad(out, (q, k, v), dout.to(dtype))]
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*exact, start, **options)
+    want = [ref_out, *torch.autograd.grad(ref_out, exact, dout.to(dtype).double())]
+    tol = (FWD_TOL, BWD_TOL) if dtype == torch.float32 else (2e-2, 5e-2)
+    assert _error(lse, ref_lse) <= (FWD_TOL if dtype == torch.float32 else 1e-2)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _error(g, w) <= (tol[0] if name == "out" else tol[1]), f"{name}: {_error(g, w):.2e}"
+
+
 def test_gradcheck_through_the_rotation() -> None:
     kern = attncc.compile(
         program("tiny", "theta=10000, interleaved=1, position=i + start[b]", "theta=10000, interleaved=1")
@@ -210,13 +246,14 @@ def test_rotated_dims_beyond_the_head_dim_are_named() -> None:
         ("q = rope(q, position=j)", "rope's position of q's rows may use b, i, the sizes and inputs, not j"),
         ("q = rope(q, base=10)", "`rope` has no keyword argument `base`"),
         ("q = rope(q, theta=start[b])", "rope's theta must be a constant number"),
+        ("q = rope(q, position=i + shift[b])", "rope's position reads the float input `shift`"),
     ],
 )
 def test_dsl_mistakes_point_at_the_call(line: str, message: str) -> None:
-    text = f"attention bad\ninput start: int[B]\n{line}\ns = q @ k.T * scale\np = softmax(s)\no = p @ v\noutput o\n"
+    text = f"attention bad\ninput start: int[B]\ninput shift: float[B]\n{line}\ns = q @ k.T * scale\np = softmax(s)\no = p @ v\noutput o\n"
     with pytest.raises(DslError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as error:
         attncc.compile(text)
-    assert ":3:" in str(error.value)  # file:line:column of the statement
+    assert ":4:" in str(error.value)  # file:line:column of the statement
 
 
 def test_rope_twice_or_after_the_scores_is_an_error() -> None:

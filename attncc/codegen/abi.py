@@ -55,6 +55,16 @@ PAGE_CONTROL = ("page_size", "st_pages_0")
 #: (templates/common/variant.jinja `seq_n`, `seq_m`). A paged call may give key bounds alone:
 #: then only the per-sequence key counts come from them (its rows come from the block table).
 SEQUENCE_BUFFERS = (("q_starts", "const int64_t*"), ("k_starts", "const int64_t*"))
+#: Rotary embeddings applied by the CPU kernels as they load q and k (runtime/rope.py): cos and
+#: sin [B or 1, rows, half] of q's and k's rows (null without rope), then per operand the first
+#: rotated head dim, the pairs' count `half` and the tables' batch stride (0: one for all).
+ROPE_BUFFERS = (
+    ("q_cos", "const acc_t*"),
+    ("q_sin", "const acc_t*"),
+    ("k_cos", "const acc_t*"),
+    ("k_sin", "const acc_t*"),
+)
+ROPE_CONTROL = ("rope_q_first", "rope_q_half", "rope_q_sb", "rope_k_first", "rope_k_half", "rope_k_sb")
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class KernelAbi:
             + list(SPLIT_BUFFERS if self.cuda else ())
             + list(PAGE_BUFFERS)
             + list(SEQUENCE_BUFFERS)
+            + list(ROPE_BUFFERS if not self.cuda else ())
         )
         slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
         slots += [(f"grad_{self.ident_of(n)}", "grad_t*") for n in self.grads]
@@ -83,6 +94,7 @@ class KernelAbi:
         names = list(SIZES)
         names += [f"st_{n}_{d}" for n, _ in OPERANDS for d in range(4)]
         names += list(CONTROL) + list(SPLIT_CONTROL if self.cuda else ()) + list(PAGE_CONTROL)
+        names += list(ROPE_CONTROL if not self.cuda else ())
         names += [f"st_{t.ident}_{d}" for t in self.tensors for d in range(t.rank)]
         names += [f"grad_slice_{self.ident_of(n)}" for n in self.grads]  # per-thread buffer stride
         return names

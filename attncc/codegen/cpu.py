@@ -81,6 +81,8 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         bf16_products=BF16_PRODUCTS.get(op.tiling.micro_kernel.bf16_products, 0) if dtype == "bfloat16" else 0,
         panel_budget_bytes=PANEL_BUDGET_BYTES,
         has_dropout=op.dropout > 0,
+        rope_q=op.q_rope,
+        rope_k=op.k_rope,
         # tasks -> threads fixed when learnable inputs get gradients (reproducible sums)
         backward_schedule="static, 1" if hooks["input_grads"] else "dynamic, 1",
         **hooks,

@@ -535,6 +535,13 @@ def _rope(ctx: _Context, name: Ast, call: Ast) -> None:
                 f"rope's position of {operand}'s rows may use b, {row}, the sizes and inputs, not {', '.join(sorted(other))}",
                 keywords["position"].start,
             )
+        floats = sorted({r.tensor for r in ex.reads(value) if r.ty == ex.FLOAT})
+        if floats:
+            raise DslError(
+                f"rope's position reads the float input `{floats[0]}`: positions take no gradient; "
+                "declare it int (or read it as a scalar)",
+                keywords["position"].start,
+            )
         _check_composed_size(value, keywords["position"].loc)
         position = ex.fold(value)
     spec = Rope(

@@ -32,6 +32,9 @@ class BackwardExprs:
     #: d input[index] += d sink * derivative for each read of a float input in the sink.
     sink_inputs: tuple[InputGradient, ...] = ()
     has_sink: bool = False
+    #: The operands rotated by rope ("q", "k"): the kernels' dQ and dK are those of the rotated
+    #: rows, turned back by the transposed rotation R(-angle) (rotations are orthogonal).
+    rotated: tuple[str, ...] = ()
 
     def describe(self) -> str:
         text = f"dS0 = dS * ({self.dscore})"
@@ -41,6 +44,8 @@ class BackwardExprs:
             text += "; dsink = -exp(sink - lse) * (rowsum(dO * O) - dlse)"
         for grad in self.sink_inputs:
             text += f"; d{grad.read} += dsink * ({grad.derivative})"
+        for operand in self.rotated:
+            text += f"; d{operand} = rope(d{operand}_rotated, -angle)"
         return text
 
 
@@ -53,7 +58,8 @@ def derive_backward(g: Graph) -> Graph:
     accumulates dx[idx] += dS * df/dx[idx] (gradients of learnable biases, ALiBi slopes...).
     A softmax sink adds no term to dS (it has no value row; lse includes it, so the recomputed
     P is right); its own gradient is -exp(sink - lse) (rowsum(dO O) - dlse) per row, and the
-    pass derives d sink / dx[idx] for the float inputs the sink reads.
+    pass derives d sink / dx[idx] for the float inputs the sink reads. With rope, dq and dk of
+    the rotated rows turn back by the rotation's transpose (the angle negated).
     Guarantees: derivatives are folded and reference only what f references.
     """
     g = clone(g)
@@ -69,6 +75,7 @@ def derive_backward(g: Graph) -> Graph:
     for r in ex.reads(op.sink) if op.sink is not None else []:
         if declared[r.tensor].dtype == "float":
             sink_grads.append(InputGradient(r, ex.diff(op.sink, r), per_tile=False))
-    exprs = BackwardExprs(ex.diff(op.score, ex.score()), tuple(grads), tuple(sink_grads), op.sink is not None)
+    rotated = tuple(r.operand for r in (op.q_rope, op.k_rope) if r is not None)
+    exprs = BackwardExprs(ex.diff(op.score, ex.score()), tuple(grads), tuple(sink_grads), op.sink is not None, rotated)
     g.nodes[node]["op"] = replace(op, backward=exprs)
     return g

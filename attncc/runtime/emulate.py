@@ -92,6 +92,7 @@ class EmulatedKernel(Kernel):
 
     schedule = "lockstep"
     cuda_abi = True
+    rotates_in_kernel = False  # the runtime applies rope before the call (runtime/rope.py)
 
     #: dQ by a second kernel instead of fp32 atomics, and gradients of learnable inputs as exact
     #: fixed-point sums (a bounds pass, then the sums; see `fixed_point_shifts`), so every gradient is

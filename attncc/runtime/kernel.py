@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from attncc.codegen.abi import OPERANDS, KernelAbi, kernel_abi
+from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import generate_cpu
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
@@ -50,7 +50,7 @@ from attncc.runtime.ragged import (
     varlen_sequences,
 )
 from attncc.runtime.reference import evaluate, reference_attention
-from attncc.runtime.rope import rotate_padded
+from attncc.runtime.rope import rope_tables, rotate_padded
 from attncc.runtime.sinks import padded_rows, sink_gradient, sink_logits
 from attncc.targets import ISA_ENV
 
@@ -184,6 +184,9 @@ class Kernel:
     cuda_abi = False  # the kernels' ABI has the CUDA kernels' slots (see KernelAbi.cuda)
     #: "auto" (see `backward_entries`), "fused" or "two-pass".
     backward = "auto"
+    #: Whether the kernels apply the program's rope as they load q and k (the CPU kernels), or
+    #: the runtime rotates q and k before the call (runtime/rope.py: the CUDA kernels for now).
+    rotates_in_kernel = True
     #: Attributes `_register` makes, left out of pickles and copies.
     _PER_PROCESS: tuple[str, ...] = ("_libraries", "_lock", "call_key", "_calls", "_plans", "_repeats")
 
@@ -278,8 +281,15 @@ class Kernel:
     def rotated(
         self, q: torch.Tensor, k: torch.Tensor, runtime: Mapping[str, object]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k [B, heads, rows, D] after the program's rope (runtime/rope.py; differentiable;
-        in fp32, or fp64 for fp64 inputs, rounded once to the inputs' dtype)."""
+        """q and k as the call hands them to the op: `rope_applied` where the kernels do not
+        rotate them themselves, else as given."""
+        return (q, k) if self.rotates_in_kernel else self.rope_applied(q, k, runtime)
+
+    def rope_applied(
+        self, q: torch.Tensor, k: torch.Tensor, runtime: Mapping[str, object]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [B, heads, rows, D] after the program's rope, in torch (runtime/rope.py;
+        differentiable; in fp32, or fp64 for fp64 inputs, rounded once to the inputs' dtype)."""
         if self.op.q_rope is None and self.op.k_rope is None:
             return q, k
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
@@ -289,6 +299,40 @@ class Kernel:
         for x, spec in ((q, self.op.q_rope), (k, self.op.k_rope)):
             turned.append(x if spec is None else rotate_padded(spec, x, sizes, scalars, tensors))  # type: ignore[arg-type]
         return turned[0], turned[1]
+
+    def rope_buffers(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        lengths: Lengths | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """The CPU kernels' rope tables (abi.py ROPE_BUFFERS, ROPE_CONTROL) for q [B, H, N, D]
+        and k [B, Hkv, M, D] (the batch views of packed and paged calls, whose sequences have
+        `lengths`): cos and sin of each row's angles, [B or 1, rows, pairs]."""
+        ptrs: dict[str, torch.Tensor] = {}
+        ints: dict[str, int] = {}
+        if self.op.q_rope is None and self.op.k_rope is None:
+            return ptrs, ints
+        scalar_map = {d.name: s for d, s in zip([d for d in self.inputs if d.role == "scalar"], scalars)}
+        tensor_map = {d.name: t for d, t in zip([d for d in self.inputs if d.role == "tensor"], tensors)}
+        B = q.shape[0]
+        sizes: dict[str, int | torch.Tensor] = dict(_sizes(q, k))
+        if lengths is not None:  # each sequence's own N and M
+            sizes.update(N=lengths[0].view(-1, 1), M=lengths[1].view(-1, 1))
+        for name, x, spec in (("q", q, self.op.q_rope), ("k", k, self.op.k_rope)):
+            if spec is None:
+                continue
+            rows = x.shape[2]
+            index = {"b": torch.arange(B).view(-1, 1), "i" if name == "q" else "j": torch.arange(rows).view(1, -1)}
+            cos, sin = rope_tables(spec, index, sizes, scalar_map, tensor_map, x.shape[3], acc_dtype(q.dtype))
+            shape = (*torch.broadcast_shapes(cos.shape[:-1], (1, rows)), cos.shape[-1])
+            cos, sin = cos.expand(shape).contiguous(), sin.expand(shape).contiguous()
+            ptrs.update({f"{name}_cos": cos, f"{name}_sin": sin})
+            ints.update({f"rope_{name}_first": spec.first, f"rope_{name}_half": shape[-1]})
+            ints[f"rope_{name}_sb"] = cos.stride(0) if shape[0] > 1 else 0
+        return ptrs, ints
 
     def runtime_values(self, tensors: list[torch.Tensor], scalars: list[float]) -> dict[str, object]:
         """The runtime inputs by name from an op's lists (tensors and scalars in declaration order)."""
@@ -465,7 +509,7 @@ class Kernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager result (out, lse) of the same IR (float64 unless `dtype`), for tests and `attncc check`."""
         self.validate(q, k, v, runtime)
-        q, k = self.rotated(q, k, runtime)
+        q, k = self.rope_applied(q, k, runtime)
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
         problem = _problem(q, k, v.shape[3])
@@ -695,6 +739,11 @@ class Kernel:
         if out.numel() == 0:
             return rows_out, lse
         ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+        lengths = packed.lengths if packed is not None else paged.lengths(q.shape[2]) if paged is not None else None
+        rope_ptrs, call["rope"] = self.rope_buffers(
+            q, k if paged is None else paged.keys_like(q, k), tensors, scalars, lengths
+        )
+        ptrs.update(rope_ptrs)
         if paged is not None:
             ptrs.update(paged.buffers(q.device))
         if packed is not None:
@@ -761,6 +810,10 @@ class Kernel:
         call["grad_slices"] = {self.abi.ident_of(n): g[0].numel() if len(g) > 1 else 0 for n, g in grads.items()}
         if delta is not None:
             ptrs = dict(operands, lse=lse.contiguous(), delta=delta)
+            rope_ptrs, call["rope"] = self.rope_buffers(
+                operands["q"], operands["k"], tensors, scalars, None if packed is None else packed.lengths
+            )
+            ptrs.update(rope_ptrs)
             if packed is not None:
                 ptrs.update(packed.buffers())
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
@@ -993,6 +1046,7 @@ class Kernel:
             ints.update(zip(stride_names, given))
         pages = ptrs.get("pages")
         ints.update(page_size=call.get("page_size", 0), st_pages_0=pages.stride(0) if pages is not None else 0)
+        ints.update(dict.fromkeys(ROPE_CONTROL, 0), **call.get("rope", {}))  # type: ignore[arg-type]
         cls_strides = [classes.stride(d) if classes.shape[d] > 1 else 0 for d in range(3)]
         ints.update(
             Br=plan.tiles.block_rows,

@@ -283,7 +283,10 @@ def varlen_rotated(
     runtime: Mapping[str, object],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed q [total_q, H, D] and k [total_k, Hkv, D] after the program's rope, each row at
-    its position inside its sequence (runtime/rope.py; differentiable)."""
+    its position inside its sequence (runtime/rope.py; differentiable), where the kernels do not
+    rotate them themselves (`Kernel.rotates_in_kernel`)."""
+    if kern.rotates_in_kernel:
+        return q, k
     scalars = {d.name: runtime[d.name] for d in kern.inputs if d.role == "scalar"}
     tensors = {d.name: runtime[d.name] for d in kern.inputs if d.role == "tensor"}
     turned = []
@@ -542,7 +545,7 @@ def paged_attention(
             f"{kern.name}: paged calls read the cache's keys as they were written; rotate them before caching "
             "(as transformers does) and keep rope for q alone in the program"
         )
-    if kern.op.q_rope is not None:  # queries at their positions; M is each sequence's keys after the append
+    if kern.op.q_rope is not None and not kern.rotates_in_kernel:  # queries at their positions, M after the append
         spec = kern.op.q_rope
         lengths = {"N": N, "M": (cache_seqlens.to(torch.int64) + appended).view(-1, 1, 1)}
         index = {

@@ -8,10 +8,10 @@ program's expression over b and i (q's rows) or j (k's rows), the sizes and inpu
 sequence in packed calls). `rope_tables` gives cos and sin per row from float64 angles;
 `rotate` applies them (its inverse, the transposed rotation, turns by -angle).
 
-The rotation runs in torch, before the kernel, on every backend for now: the rotated q and k
-round-trip through memory, which the issue's in-kernel version (rows rotated as the kernels load
-them, dQ and dK turned back as they store them) will save. Autograd carries the gradients
-through the rotation.
+The CPU kernels take the tables (`Kernel.rope_buffers`) and rotate q's and k's rows as they load
+them, turning dQ and dK back as they store them (templates/cpu `rotate_row`); for the CUDA
+kernels, which do not yet, the runtime rotates q and k in torch before the call
+(`rotate_padded`, ragged.py `varlen_rotated`), and autograd carries the gradients through it.
 """
 
 from __future__ import annotations
