@@ -135,7 +135,16 @@ def test_cpu_kernels_rotate_as_they_load(dtype, backward, N, monkeypatch: pytest
     label, q_args, k_args, options = CASES[1]
     kern = attncc.compile(program(label, q_args, k_args))
     kern.backward = backward
-    q, k, v, dout = leaves(N=N, M=300)
+    exact = dtype == torch.float32
+    check_against_reference(
+        kern, options, dtype, (FWD_TOL, BWD_TOL, FWD_TOL) if exact else (2e-2, 5e-2, 1e-2), N=N, M=300
+    )
+
+
+def check_against_reference(kern, options, dtype, limits, **shape) -> None:
+    """out, dq, dk, dv (within limits[0], [1]) and lse (limits[2]) of `kern` in `dtype` against
+    the float64 formulas on `leaves(**shape)` with starts 3 and 1000."""
+    q, k, v, dout = leaves(**shape)
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     start = torch.tensor([3, 1000])
     out, lse = kern(q, k, v, return_lse=True, start=start)
@@ -143,10 +152,9 @@ def test_cpu_kernels_rotate_as_they_load(dtype, backward, N, monkeypatch: pytest
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*exact, start, **options)
     want = [ref_out, *torch.autograd.grad(ref_out, exact, dout.to(dtype).double())]
-    tol = (FWD_TOL, BWD_TOL) if dtype == torch.float32 else (2e-2, 5e-2)
-    assert _error(lse, ref_lse) <= (FWD_TOL if dtype == torch.float32 else 1e-2)
+    assert _error(lse, ref_lse) <= limits[2]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        assert _error(g, w) <= (tol[0] if name == "out" else tol[1]), f"{name}: {_error(g, w):.2e}"
+        assert _error(g, w) <= (limits[0] if name == "out" else limits[1]), f"{name}: {_error(g, w):.2e}"
 
 
 def test_gradcheck_through_the_rotation() -> None:
@@ -162,17 +170,7 @@ def test_gradcheck_through_the_rotation() -> None:
 def test_cuda_kernels_on_the_emulator(dtype: torch.dtype) -> None:
     label, q_args, k_args, options = CASES[0]
     kern = attncc.compile(program(label, q_args, k_args), target="sm80", emulate=True)
-    q, k, v, dout = leaves()
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    start = torch.tensor([3, 1000])
-    out, lse = kern(q, k, v, return_lse=True, start=start)
-    got = [out, *torch.autograd.grad(out, (q, k, v), dout.to(dtype))]
-    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference(*exact, start, **options)
-    want = [ref_out, *torch.autograd.grad(ref_out, exact, dout.to(dtype).double())]
-    assert _error(lse, ref_lse) <= 1e-2
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        assert _error(g, w) <= 5e-2, f"{name}: {_error(g, w):.2e}"
+    check_against_reference(kern, options, dtype, (5e-2, 5e-2, 1e-2))
 
 
 def test_varlen_rotates_each_sequence_from_its_own_positions() -> None:
