@@ -386,6 +386,15 @@ def serving_cases(results: list, args) -> None:
             row(results, name, median_s(paged, args.repeats), anchors, note)
 
 
+def medians_of(calls: dict, qkv: tuple, backward: bool, repeats: int) -> dict[str, float]:
+    """Median seconds of each call on q, k, v: the forward, or with `backward` forward and
+    backward on fresh leaves (shared by the calls, in dict order)."""
+    if backward:
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        return {name: median_s(fwd_bwd(fn, *leaves), repeats) for name, fn in calls.items()}
+    return {name: median_s(partial(fn, *qkv), repeats) for name, fn in calls.items()}
+
+
 def model_cases(results: list, args) -> None:
     """Issue 12's head shapes: DeepSeek's MLA prefill (q, k 192 wide, v 128; causal, H=16)
     forward and forward+backward, fp32 and bf16, against SDPA (which takes a value head dim of
@@ -412,21 +421,9 @@ def model_cases(results: list, args) -> None:
             def sdpa_padded(a, b, c):
                 return sdpa(a, b, F.pad(c, (0, D - Dv)))[..., :Dv]
 
-            if backward:
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                anchors = {
-                    "sdpa": median_s(fwd_bwd(sdpa, *leaves), r),
-                    "sdpa_v_padded": median_s(fwd_bwd(sdpa_padded, *leaves), r),
-                    "attncc_v_padded": median_s(fwd_bwd(padded, *leaves), r),
-                }
-                ours = median_s(fwd_bwd(causal, *leaves), r)
-            else:
-                anchors = {
-                    "sdpa": median_s(partial(sdpa, q, k, v), r),
-                    "sdpa_v_padded": median_s(partial(sdpa_padded, q, k, v), r),
-                    "attncc_v_padded": median_s(partial(padded, q, k, v), r),
-                }
-                ours = median_s(partial(causal, q, k, v), r)
+            calls = {"attncc": causal, "sdpa": sdpa, "sdpa_v_padded": sdpa_padded, "attncc_v_padded": padded}
+            anchors = medians_of(calls, (q, k, v), backward, r)
+            ours = anchors.pop("attncc")
             pass_name = "fwd+bwd" if backward else "fwd"
             row(results, f"MLA prefill causal {pass_name} {name} H={H} N={N} D={D} Dv={Dv}", ours, anchors)
     rope_cases(results, args)
@@ -467,19 +464,9 @@ def rope_cases(results: list, args) -> None:
             def torch_rope_sdpa(a, b, c, rotated=rotated):
                 return F.scaled_dot_product_attention(rotated(a), rotated(b), c, is_causal=True)
 
-            if backward:
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                anchors = {
-                    "sdpa_torch_rope": median_s(fwd_bwd(torch_rope_sdpa, *leaves), r),
-                    "attncc_torch_rope": median_s(fwd_bwd(torch_rope_attncc, *leaves), r),
-                }
-                mine = median_s(fwd_bwd(ours, *leaves), r)
-            else:
-                anchors = {
-                    "sdpa_torch_rope": median_s(partial(torch_rope_sdpa, q, k, v), r),
-                    "attncc_torch_rope": median_s(partial(torch_rope_attncc, q, k, v), r),
-                }
-                mine = median_s(partial(ours, q, k, v), r)
+            calls = {"attncc": ours, "sdpa_torch_rope": torch_rope_sdpa, "attncc_torch_rope": torch_rope_attncc}
+            anchors = medians_of(calls, (q, k, v), backward, r)
+            mine = anchors.pop("attncc")
             pass_name = "fwd+bwd" if backward else "fwd"
             row(results, f"rope causal {pass_name} {name} H={H} N={N} D={D}", mine, anchors)
 

@@ -617,8 +617,7 @@ class Kernel:
         Hkv = k.shape[1]
         if Hkv == 0 or H % Hkv != 0:
             raise InputError(f"k: query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
-        for name, dim in (("q", "D"), ("v", "Dv")):
-            size = {"q": D, "v": v.shape[3]}[name]
+        for name, dim, size in (("q", "D", D), ("v", "Dv", v.shape[3])):
             if not 1 <= size <= MAX_HEAD_DIM:
                 raise InputError(f"{name}: head dim {dim}={size} must be in [1, {MAX_HEAD_DIM}]")
         self.check_input_names(runtime)

@@ -32,7 +32,7 @@ import torch
 
 from attncc.errors import InputError
 from attncc.ir import expr as ex
-from attncc.runtime.rope import rope_tables, rotate
+from attncc.runtime.rope import rotate_padded, rotate_rows
 from attncc.runtime.sinks import padded_rows
 
 if TYPE_CHECKING:
@@ -298,9 +298,7 @@ def varlen_rotated(
             cu_rows, cu_seqlens_q, cu_seqlens_k, x.shape[0], "i" if spec.operand == "q" else "j"
         )
         sizes = {"B": cu_seqlens_q.shape[0] - 1, "H": q.shape[1], "Hkv": k.shape[1], "D": q.shape[2], **lengths}
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = rope_tables(spec, rows, sizes, scalars, tensors, x.shape[2], dtype)  # [total, 1, R / 2]
-        turned.append(rotate(x.to(dtype), spec, cos, sin).to(x.dtype))
+        turned.append(rotate_rows(spec, x, rows, sizes, scalars, tensors))  # (tables [total, 1, R / 2])
     return turned[0], turned[1]
 
 
@@ -546,18 +544,17 @@ def paged_attention(
             "(as transformers does) and keep rope for q alone in the program"
         )
     if kern.op.q_rope is not None and not kern.rotates_in_kernel:  # queries at their positions, M after the append
-        spec = kern.op.q_rope
-        lengths = {"N": N, "M": (cache_seqlens.to(torch.int64) + appended).view(-1, 1, 1)}
-        index = {
-            "b": torch.arange(B, device=q.device).view(-1, 1, 1),
-            "i": torch.arange(N, device=q.device).view(1, 1, -1),
+        sizes = {
+            "B": B,
+            "H": H,
+            "Hkv": Hkv,
+            "D": D,
+            "N": N,
+            "M": (cache_seqlens.to(torch.int64) + appended).view(-1, 1, 1),
         }
         scalars_map = {d.name: runtime[d.name] for d in kern.inputs if d.role == "scalar"}
         tensors_map = {d.name: runtime[d.name] for d in kern.inputs if d.role == "tensor"}
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        sizes = {"B": B, "H": H, "Hkv": Hkv, "D": D, **lengths}
-        cos, sin = rope_tables(spec, index, sizes, scalars_map, tensors_map, D, dtype)
-        q_bhnd = rotate(q_bhnd.to(dtype), spec, cos, sin).to(q.dtype)
+        q_bhnd = rotate_padded(kern.op.q_rope, q_bhnd, sizes, scalars_map, tensors_map)
     sink = None
     if kern.op.sink is not None:  # [B, H, N]; M is each sequence's key count after the append
         with torch.no_grad():
