@@ -427,6 +427,67 @@ def model_cases(results: list, args) -> None:
             pass_name = "fwd+bwd" if backward else "fwd"
             row(results, f"MLA prefill causal {pass_name} {name} H={H} N={N} D={D} Dv={Dv}", ours, anchors)
     rope_cases(results, args)
+    fp8_cases(results, args)
+
+
+def prefill_calls(causal, q, k8, v8, k_descale, v_descale, widened) -> dict:
+    """fp8_cases' prefill calls on these operands."""
+    k16, v16 = widened(k8, k_descale), widened(v8, v_descale)
+    return {
+        "attncc_fp8": lambda: causal(q, k8, v8, k_descale=k_descale, v_descale=v_descale),
+        "attncc_bf16": lambda: causal(q, k16, v16),
+        "attncc_dequantised_in_torch": lambda: causal(q, widened(k8, k_descale), widened(v8, v_descale)),
+        "sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k16, v16, is_causal=True),
+    }
+
+
+def fp8_cases(results: list, args) -> None:
+    """fp8 K/V (e4m3, a descale factor per token and head) widened in the kernel, bf16 q: paged
+    decoding (GQA 32/8, B=8, M=4096, D=128, pages of 16) and a causal prefill forward (H=8,
+    D=128), against the same call on a bf16 cache / bf16 k and v, dequantising in torch before
+    the bf16 call (what a kernel without fp8 asks of its user), and SDPA on contiguous bf16."""
+    decode, causal = attncc.compile(EX / "vanilla.attn"), attncc.compile(EX / "causal.attn")
+    gen = torch.Generator().manual_seed(6)
+    fmt = torch.float8_e4m3fn
+
+    def widened(x8, descale):
+        return (x8.float() * descale.unsqueeze(-1)).bfloat16()
+
+    B, H, Hkv, M, D, page = 8, 32, 8, 4096, 128, 16
+    pages = B * M // page
+    k_descale, v_descale = (torch.rand(pages, page, Hkv, generator=gen) * 0.02 + 0.005 for _ in range(2))
+    k8, v8 = (
+        (torch.randn(pages, page, Hkv, D, generator=gen) / d.unsqueeze(-1)).to(fmt) for d in (k_descale, v_descale)
+    )
+    k16, v16 = widened(k8, k_descale), widened(v8, v_descale)
+    q = torch.randn(B, 1, H, D, generator=gen).bfloat16()
+    table, lengths = torch.randperm(pages, generator=gen).view(B, -1).int(), torch.full((B,), M, dtype=torch.int32)
+    k_flat, v_flat = (c[table.long()].flatten(1, 2).transpose(1, 2) for c in (k16, v16))
+    calls = {
+        "attncc_fp8": lambda: decode.paged(q, k8, v8, table, lengths, k_descale=k_descale, v_descale=v_descale),
+        "attncc_bf16_cache": lambda: decode.paged(q, k16, v16, table, lengths),
+        "attncc_dequantised_in_torch": lambda: decode.paged(
+            q, widened(k8, k_descale), widened(v8, v_descale), table, lengths
+        ),
+        "sdpa_contiguous_bf16": lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_flat, v_flat, enable_gqa=True
+        ),
+    }
+    anchors = {name: median_s(fn, args.repeats) for name, fn in calls.items()}
+    row(
+        results,
+        f"fp8 e4m3 paged decode GQA {H}/{Hkv} B={B} M={M} D={D} page {page}",
+        anchors.pop("attncc_fp8"),
+        anchors,
+    )
+    H = 8
+    for N in (2048, 8192):
+        k_descale, v_descale = (torch.rand(1, H, N, generator=gen) * 0.02 + 0.005 for _ in range(2))
+        k8, v8 = ((torch.randn(1, H, N, D, generator=gen) / d.unsqueeze(-1)).to(fmt) for d in (k_descale, v_descale))
+        q = torch.randn(1, H, N, D, generator=gen).bfloat16()
+        calls = prefill_calls(causal, q, k8, v8, k_descale, v_descale, widened)
+        anchors = {name: median_s(fn, args.repeats) for name, fn in calls.items()}
+        row(results, f"fp8 e4m3 causal prefill fwd H={H} N={N} D={D}", anchors.pop("attncc_fp8"), anchors)
 
 
 ROPE_CAUSAL = """attention rope_causal

@@ -157,6 +157,7 @@ ISA_LOW_PRECISION_SHAPES = (
     Shape(2, 4, 2, 150, 300, 48, Dv=80),
     Shape(1, 1, 1, 40, 70, 256),
     Shape(1, 2, 2, 3, 90, 16),
+    Shape(1, 4, 1, 20, 70, 576, Dv=512),  # DeepSeek's absorbed MLA (one kv head for the query heads)
 )
 
 

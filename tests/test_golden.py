@@ -334,15 +334,22 @@ def test_dropout_backward_matches_the_explicit_mask() -> None:
 def test_custom_op_passes_opcheck() -> None:
     kern = kernel("alibi")
     q, k, v, rt = make_inputs(kern, Shape(1, 2, 1, 9, 11, 8))
-    args = (kern.call_key, q, k, v, [rt["slopes"]], [], 0.3, 0.0, torch.tensor([0]), None)
+    args = (kern.call_key, q, k, v, [rt["slopes"]], [], 0.3, 0.0, torch.tensor([0]), None, None, None)
     torch.library.opcheck(torch.ops.attncc.attention.default, args)
     dropout = kernel("gpt2")
-    args = (dropout.call_key, q, k, v, [], [], None, 0.1, torch.tensor([7]), None)
+    args = (dropout.call_key, q, k, v, [], [], None, 0.1, torch.tensor([7]), None, None, None)
     torch.library.opcheck(torch.ops.attncc.attention.default, args)
+    # fp8 k and v with descale factors shaped as k and v with a head dim of 1 (forward only)
+    k8, v8 = (t.detach().to(torch.float8_e4m3fn) for t in (k, v))
+    scales = [torch.rand(*t.shape[:-1], 1) + 0.5 for t in (k, v)]
+    args = (kern.call_key, q.detach(), k8, v8, [rt["slopes"].detach()], [], None, 0.0, torch.tensor([0]), None, *scales)
+    # (opcheck's schema test multiplies the inputs, which torch does not do for fp8 tensors)
+    fp8_checks = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.attncc.attention.default, args, test_utils=fp8_checks)
     sinks = kernel("gpt_oss")  # the sink rows [B, H, N] as the op takes them, learnable
     q, k, v, rt = make_inputs(sinks, Shape(1, 2, 1, 9, 11, 8))
     rows = torch.randn(1, 2, 9, requires_grad=True)
-    args = (sinks.call_key, q, k, v, [rt["sinks"]], [5.0], None, 0.0, torch.tensor([0]), rows)
+    args = (sinks.call_key, q, k, v, [rt["sinks"]], [5.0], None, 0.0, torch.tensor([0]), rows, None, None)
     torch.library.opcheck(torch.ops.attncc.attention.default, args)
 
 

@@ -217,3 +217,35 @@ def test_bad_paged_value_shapes_are_named() -> None:
     v_cache = torch.randn(6, 16, 2, 24)
     with pytest.raises(InputError, match=r"Hkv=2, Dv=24\], got \(2, 1, 2, 32\) and \(2, 1, 2, 32\)"):
         kern.paged(q, k_cache, v_cache, table, lengths, k_new=torch.randn(2, 1, 2, 32), v_new=torch.randn(2, 1, 2, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [1, 3, 37])
+def test_absorbed_mla_head_dims_on_the_cpu(N: int, dtype: torch.dtype) -> None:
+    """DeepSeek's absorbed multi-head latent attention: q and k 576 wide (512 latent + 64
+    rotary), v the 512-wide latent, one kv head for 16 query heads; decoding (N = 1, 3: rows
+    read one by one) and a bottom-right causal chunk, forward and backward, against float64."""
+    gen = torch.Generator().manual_seed(9)
+    B, H, M, D, Dv = 2, 16, 300, 576, 512
+    q = (torch.randn(B, H, N, D, generator=gen) * 0.5).to(dtype).requires_grad_()
+    k = torch.randn(B, 1, M, D, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(B, 1, M, Dv, generator=gen).to(dtype).requires_grad_()
+    dout = torch.randn(B, H, N, Dv, generator=gen).to(dtype)
+    out, lse = attncc.compile(BOTTOM_RIGHT_CAUSAL)(q, k, v, return_lse=True)
+    got = [out, lse, *torch.autograd.grad(out, (q, k, v), dout)]
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s = exact[0] @ exact[1].transpose(-1, -2) / math.sqrt(D)
+    s = s.masked_fill(torch.arange(M).view(1, -1) > torch.arange(N).view(-1, 1) + (M - N), -math.inf)
+    ref = torch.softmax(s, -1) @ exact[2]
+    want = [ref, torch.logsumexp(s, -1), *torch.autograd.grad(ref, exact, dout.double())]
+    limits = (FWD_TOL, FWD_TOL, 2e-4, 2e-4, 2e-4) if dtype == torch.float32 else (2e-2, 2e-4, 5e-2, 5e-2, 5e-2)
+    for name, g, w, limit in zip(("out", "lse", "dq", "dk", "dv"), got, want, limits):
+        assert _error(g, w) <= limit, f"{name}: {_error(g, w):.2e}"
+
+
+def test_head_dims_beyond_the_cuda_kernels_are_named() -> None:
+    """The CUDA kernels take head dims up to 256: 576 is refused naming the target."""
+    kern = attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True)
+    q, k, v = torch.randn(1, 2, 1, 576), torch.randn(1, 1, 9, 576), torch.randn(1, 1, 9, 512)
+    with pytest.raises(InputError, match=r"q: head dim D=576 must be in \[1, 256\] on target sm80"):
+        kern(q, k, v)

@@ -7,6 +7,20 @@ from pathlib import Path
 
 import jinja2
 
+from attncc.errors import AttnccError
+
+#: fp8 K/V element types (torch dtype name) -> the decoder include/attncc/fp8bits.h gives them.
+KV_FORMATS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+
+
+def split_dtype(dtype: str) -> tuple[str, str | None]:
+    """A library's dtype name -> q's dtype name and the fp8 K/V format, if any: "bfloat16" ->
+    ("bfloat16", None); "bfloat16+float8_e4m3fn" (k and v fp8) -> ("bfloat16", "e4m3")."""
+    storage, _, kv = dtype.partition("+")
+    if kv and kv not in KV_FORMATS:
+        raise AttnccError(f"fp8 K/V take {' or '.join(KV_FORMATS)}, not {kv}")
+    return storage, KV_FORMATS[kv] if kv else None
+
 
 def _template_dir() -> Path:
     # The templates have one home, the repository's top-level templates/, so a checkout or an

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from attncc.codegen.cexpr import scalar_ident, tensor_ident
 from attncc.ir.graph import Graph, fused_node, inputs, runtime_inputs
 
-#: q/k/v-shaped operands: (name, C type). "storage_t" is the q/k/v element type.
+#: q/k/v-shaped operands: (name, C type). "storage_t" is q's element type, "kv_t" that of k and
+#: v: storage_t, or fp8 bytes (runtime/fp8.py) with their descale factors, one per row of k and
+#: of v (k-shaped with a head dim of 1: per tensor, head or token by their strides; null without fp8).
 OPERANDS = (
-    ("q", "const storage_t*"), ("k", "const storage_t*"), ("v", "const storage_t*"),
+    ("q", "const storage_t*"), ("k", "const kv_t*"), ("v", "const kv_t*"),
     ("out", "storage_t*"), ("dout", "const storage_t*"), ("dq", "storage_t*"),
     ("dk", "storage_t*"), ("dv", "storage_t*"),
+    ("k_descale", "const float*"), ("v_descale", "const float*"),
 )  # fmt: skip
 #: Per-row statistics, the tile classes, and the softmax's sink logit per row ([B, H, N]; null
 #: without one: the CPU forward merges it as it writes each row, runtime/sinks.py).
@@ -55,7 +58,7 @@ PAGE_CONTROL = ("page_size", "st_pages_0")
 #: (templates/common/variant.jinja `seq_n`, `seq_m`). A paged call may give key bounds alone:
 #: then only the per-sequence key counts come from them (its rows come from the block table).
 SEQUENCE_BUFFERS = (("q_starts", "const int64_t*"), ("k_starts", "const int64_t*"))
-#: Rotary embeddings applied by the CPU kernels as they load q and k (runtime/rope.py): cos and
+#: Rotary embeddings applied by the kernels as they load q and k (runtime/rope.py): cos and
 #: sin [B or 1, rows, half] of q's and k's rows (null without rope), then per operand the first
 #: rotated head dim, the pairs' count `half` and the tables' batch stride (0: one for all).
 ROPE_BUFFERS = (
@@ -82,7 +85,7 @@ class KernelAbi:
             + list(SPLIT_BUFFERS if self.cuda else ())
             + list(PAGE_BUFFERS)
             + list(SEQUENCE_BUFFERS)
-            + list(ROPE_BUFFERS if not self.cuda else ())
+            + list(ROPE_BUFFERS)
         )
         slots += [(t.ident, f"const {t.ctype}*") for t in self.tensors]
         slots += [(f"grad_{self.ident_of(n)}", "grad_t*") for n in self.grads]
@@ -94,7 +97,7 @@ class KernelAbi:
         names = list(SIZES)
         names += [f"st_{n}_{d}" for n, _ in OPERANDS for d in range(4)]
         names += list(CONTROL) + list(SPLIT_CONTROL if self.cuda else ()) + list(PAGE_CONTROL)
-        names += list(ROPE_CONTROL if not self.cuda else ())
+        names += list(ROPE_CONTROL)
         names += [f"st_{t.ident}_{d}" for t in self.tensors for d in range(t.rank)]
         names += [f"grad_slice_{self.ident_of(n)}" for n in self.grads]  # per-thread buffer stride
         return names

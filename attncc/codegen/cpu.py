@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attncc.codegen import render
+from attncc.codegen import render, split_dtype
 from attncc.codegen.abi import KernelAbi, kernel_abi
 from attncc.codegen.cexpr import emit
 from attncc.ir import expr as ex
@@ -65,9 +65,12 @@ def hook_values(g: Graph) -> dict[str, object]:
 
 
 def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
-    """C++ source of the forward and backward kernels of `g` for q/k/v of `dtype`."""
+    """C++ source of the forward and backward kernels of `g` for q/k/v of `dtype`; for a dtype
+    naming fp8 K/V too (`split_dtype`: "bfloat16+float8_e4m3fn"), the forward alone, widening
+    K and V as it loads them."""
     _, op = fused_node(g)
     assert op.tiling is not None and op.tiling.micro_kernel is not None, "tile must run for a CPU target first"
+    dtype, kv_format = split_dtype(dtype)
     storage, acc = STORAGE_TYPES[dtype]
     hooks = hook_values(g)
     return render(
@@ -83,6 +86,8 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         has_dropout=op.dropout > 0,
         rope_q=op.q_rope,
         rope_k=op.k_rope,
+        kv_format=kv_format,
+        max_head_dim=op.tiling.max_head_dim,
         # tasks -> threads fixed when learnable inputs get gradients (reproducible sums)
         backward_schedule="static, 1" if hooks["input_grads"] else "dynamic, 1",
         **hooks,

@@ -6,7 +6,7 @@ compiler on attncc's CUDA emulator.
 
 from __future__ import annotations
 
-from attncc.codegen import render
+from attncc.codegen import render, split_dtype
 from attncc.codegen.abi import kernel_abi
 from attncc.codegen.cpu import hook_values
 from attncc.errors import AttnccError
@@ -49,7 +49,9 @@ def generate_cuda(
     call's, rounded up to 16 here; the plan is that of the larger (its tiles and register
     columns fit both: a dK or dV accumulator narrower than the plan's keeps at most its own
     columns in registers). The text for equal dims (a library only such calls use) reads one
-    bound for both (`value_dim` in the template)."""
+    bound for both (`value_dim` in the template). A dtype naming fp8 K/V too (`split_dtype`)
+    gives the forward alone, widening K and V into shared memory."""
+    dtype, kv_format = split_dtype(dtype)
     if dtype not in CUDA_STORAGE_TYPES:
         raise AttnccError(f"CUDA kernels take float16 or bfloat16, not {dtype} (fp32 inputs are converted)")
     if dtype not in storage_dtypes(arch):
@@ -60,7 +62,7 @@ def generate_cuda(
     head_dim, value_dim = rounded_head_dim(exact_head_dim), rounded_head_dim(exact_value_dim)
     if max(head_dim, value_dim) != plan.head_dim:
         raise AttnccError(f"head dims {head_dim} and {value_dim} do not fit the plan of head dim {plan.head_dim}")
-    backward = plan.backward
+    backward = plan.backward if kv_format is None else None
     return render(
         "cuda/attention.cu.jinja",
         variant_name=g.graph["name"],
@@ -75,10 +77,13 @@ def generate_cuda(
         block_rows=plan.block_rows,
         stages=plan.stages,
         block_cols=plan.block_cols,
-        backward=plan.backward,
+        backward=backward,
         abi=kernel_abi(g, cuda=True),
         has_dropout=op.dropout > 0,
         q_in_registers=head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
+        kv_format=kv_format,
+        rope_q=op.q_rope,
+        rope_k=op.k_rope,
         **hook_values(g),
     )
 

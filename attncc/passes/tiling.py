@@ -28,7 +28,13 @@ from attncc.passes.sparsity import Problem
 from attncc.targets import CPU_ISAS, GPU_RATES, NATIVE_FLAGS, Target
 
 HEAD_DIM_STEP = 16
-MAX_HEAD_DIM = 256
+#: The largest head dim (of q and k, and of v) per target kind. The CPU kernels take D and Dv at
+#: run time: up to DeepSeek's absorbed multi-head latent attention (decoding: q and k 576 wide,
+#: v 512). The CUDA kernels keep Q and the O accumulator of a warp's rows in registers, as
+#: FlashAttention does, up to 256.
+CPU_MAX_HEAD_DIM = 576
+GPU_MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = CPU_MAX_HEAD_DIM  # of any target
 
 # CPU tiles: Br a multiple of 4 (the kernels pad a tile's rows to 4), Bc a multiple of 32 floats
 # (a whole number of vectors at every ISA's width).
@@ -192,11 +198,16 @@ class TilingTable:
     plans: tuple[TilePlan | None, ...]
     micro_kernel: CpuMicroKernel | None = None  # CPU targets only
 
+    @property
+    def max_head_dim(self) -> int:
+        """The largest head dim the table plans (CPU_MAX_HEAD_DIM, GPU_MAX_HEAD_DIM)."""
+        return len(self.plans) * HEAD_DIM_STEP
+
     def for_head_dim(self, d: int, backward: bool = False) -> TilePlan:
         """The forward plan for head dim `d` (its `backward` field holds the backward's), or with
         `backward` the backward kernels' plan."""
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise AttnccError(f"head dim {d} outside [1, {MAX_HEAD_DIM}]")
+        if not 1 <= d <= self.max_head_dim:
+            raise AttnccError(f"head dim {d} outside [1, {self.max_head_dim}] (target {self.target})")
         plan = self.plans[math.ceil(d / HEAD_DIM_STEP) - 1]
         if plan is None:
             raise AttnccError(f"head dim {d}: no tiling fits the on-chip memory of target {self.target}")
@@ -258,7 +269,8 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None) -> G
         except NoFit:
             return None
 
-    plans = tuple(plan_or_none(d) for d in range(HEAD_DIM_STEP, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
+    limit = CPU_MAX_HEAD_DIM if target.kind == "cpu" else GPU_MAX_HEAD_DIM
+    plans = tuple(plan_or_none(d) for d in range(HEAD_DIM_STEP, limit + 1, HEAD_DIM_STEP))
     if all(p is None for p in plans):
         raise AttnccError(f"no tiling fits target {target.name}" + (f" with tiles {override}" if override else ""))
     micro_kernel = choose_micro_kernel(target) if target.kind == "cpu" else None

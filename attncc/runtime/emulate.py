@@ -20,6 +20,7 @@ from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, rounded_head_d
 from attncc.errors import AttnccError, InputError
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
+from attncc.runtime.fp8 import is_fp8, library_dtype
 from attncc.runtime.kernel import CallPlan, Kernel, PackedSequences, PagedKeys, acc_dtype, delta_rows
 from attncc.runtime.merge import merge_states
 from attncc.targets import GPUS
@@ -92,7 +93,6 @@ class EmulatedKernel(Kernel):
 
     schedule = "lockstep"
     cuda_abi = True
-    rotates_in_kernel = False  # the runtime applies rope before the call (runtime/rope.py)
 
     #: dQ by a second kernel instead of fp32 atomics, and gradients of learnable inputs as exact
     #: fixed-point sums (a bounds pass, then the sums; see `fixed_point_shifts`), so every gradient is
@@ -187,15 +187,22 @@ class EmulatedKernel(Kernel):
         paged: PagedKeys | None = None,
         sink: torch.Tensor | None = None,
         packed: PackedSequences | None = None,
+        descale: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.storage_dtype(q.dtype)
-        qs, ks, vs = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        qs = rows_of(q, storage, "q")
+        if is_fp8(k):  # fp8 bytes as stored, widened by the kernel (runtime/fp8.py)
+            ks, vs = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+        else:
+            ks, vs = rows_of(k, storage, "k"), rows_of(v, storage, "v")
+        scales = dict(zip(("k_descale", "v_descale"), descale)) if descale is not None else {}
         value_dim = v.shape[-1]
         rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=storage, device=q.device)  # (packed: [total_q, H, Dv])
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         out, lengths = rows_out, None
         if packed is not None:  # the kernels see [B, heads, longest, D] views (PackedSequences)
             qs, ks, vs = packed.as_batch(qs, False), packed.as_batch(ks, True), packed.as_batch(vs, True)
+            scales = {name: packed.as_batch(t, True) for name, t in scales.items()}
             out, lengths = packed.as_batch(rows_out, False), packed.lengths
         elif paged is not None:
             lengths = paged.lengths(q.shape[2])
@@ -203,7 +210,11 @@ class EmulatedKernel(Kernel):
         call = self._prepare(plan, torch.float32, tensors, scalars, lengths)
         call["offset"] = offset
         if rows_out.numel():
-            ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse}
+            ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse, **scales}
+            rope_ptrs, call["rope"] = self.rope_buffers(
+                qs, ks if paged is None else paged.keys_like(qs, ks), tensors, scalars, lengths
+            )
+            ptrs.update(rope_ptrs)
             if packed is not None:
                 ptrs.update(packed.buffers())
             if plan.kv_splits > 1:  # each split's O and log-sum-exp per row [B, H, longest], merged by the kernel
@@ -214,8 +225,8 @@ class EmulatedKernel(Kernel):
             if paged is not None:  # caches [pages, page_size, Hkv, D] read through the block table
                 ptrs.update(paged.buffers(q.device))
                 call["page_size"] = paged.page_size
-                strides = PagedKeys.strides(ks, vs)
-            dtype = str(storage).replace("torch.", "")
+                strides = PagedKeys.strides({"k": ks, "v": vs, **scales})
+            dtype = library_dtype(storage, k.dtype)
             self._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
             with torch.no_grad():
@@ -267,6 +278,10 @@ class EmulatedKernel(Kernel):
             delta = delta_rows(out, dout, dlse, torch.float32)
             ptrs = {name: operands[name] for name in ("q", "k", "v", "dout", "dk", "dv")}
             ptrs.update(lse=lse.float().contiguous(), delta=delta)
+            rope_ptrs, call["rope"] = self.rope_buffers(
+                operands["q"], operands["k"], tensors, scalars, None if packed is None else packed.lengths
+            )
+            ptrs.update(rope_ptrs)
             if packed is not None:
                 ptrs.update(packed.buffers())
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})

@@ -38,8 +38,9 @@ from attncc.passes.sparsity import (
     runtime_tensors,
     visible_keys,
 )
-from attncc.passes.tiling import MAX_HEAD_DIM, TilePlan
+from attncc.passes.tiling import TilePlan
 from attncc.runtime.build import build_library, load_library
+from attncc.runtime.fp8 import FP8_DTYPES, check_operand_dtypes, dequantised, kv_descales, library_dtype
 from attncc.runtime.ragged import (
     CallOptions,
     paged_attention,
@@ -122,10 +123,11 @@ class PagedKeys:
         )
 
     @staticmethod
-    def strides(k: torch.Tensor, v: torch.Tensor) -> dict[str, tuple[int, ...]]:
-        """The kernels' k and v strides for caches [pages, page_size, Hkv, D]: page, kv head,
-        row, element (`Kernel.pack`'s override; the kernels' key_row_offset)."""
-        return {name: (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for name, t in (("k", k), ("v", v))}
+    def strides(caches: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """The kernels' strides of k, v (and their fp8 descale factors) by operand name for
+        caches [pages, page_size, Hkv, D]: page, kv head, row, element (`Kernel.pack`'s
+        override; the kernels' key_row_offset)."""
+        return {name: (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for name, t in caches.items()}
 
 
 #: int64 [B] query and key counts of each sequence (host tensors) where they differ in one launch.
@@ -184,9 +186,6 @@ class Kernel:
     cuda_abi = False  # the kernels' ABI has the CUDA kernels' slots (see KernelAbi.cuda)
     #: "auto" (see `backward_entries`), "fused" or "two-pass".
     backward = "auto"
-    #: Whether the kernels apply the program's rope as they load q and k (the CPU kernels), or
-    #: the runtime rotates q and k before the call (runtime/rope.py: the CUDA kernels for now).
-    rotates_in_kernel = True
     #: Attributes `_register` makes, left out of pickles and copies.
     _PER_PROCESS: tuple[str, ...] = ("_libraries", "_lock", "call_key", "_calls", "_plans", "_repeats")
 
@@ -236,10 +235,17 @@ class Kernel:
         scale: float | None = None,
         train: bool = True,
         seed: int | None = None,
+        k_descale: object = None,
+        v_descale: object = None,
         **runtime: object,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [B, H, N, D], k [B, Hkv, M, D], v [B, Hkv, M, Dv] with this variant;
         out is [B, H, N, Dv] (Dv: v's own head dim, DeepSeek's MLA, or D).
+
+        k and v may be fp8 (float8_e4m3fn or float8_e5m2, forward only) with q float32,
+        bfloat16 or float16: k_descale and v_descale (numbers, or tensors broadcastable to
+        [B, Hkv, M]: per tensor, per head, per token) multiply them as the kernels widen them
+        (runtime/fp8.py).
 
         scale sets the name `scale` (default: the program's `scale = ...`, else 1/sqrt(D)): the
         q.k factor and every score expression using `scale` follow it; train=False disables dropout; seed fixes the
@@ -262,34 +268,31 @@ class Kernel:
             scale = checked_scale(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
-        q, k = self.rotated(q, k, runtime)
+        descale = kv_descales(k, v, k_descale, v_descale)
         sink = None
         if self.op.sink is not None:  # [B, H, N], differentiable w.r.t. the inputs it reads
             B, H, N, _ = q.shape
             rows = padded_rows(B, H, N, q.device)
             sink = self.sink_rows(rows, _sizes(q, k), scale, runtime, acc_dtype(q.dtype)).expand(B, H, N).contiguous()
+        k_scales, v_scales = descale if descale is not None else (None, None)
         if _plain_call(q, k, v, *tensors, *([sink] if sink is not None else [])):
-            out, lse = self.forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed_value.item()), sink=sink)
+            out, lse = self.forward_impl(
+                q, k, v, tensors, scalars, scale, dropout, int(seed_value.item()), sink=sink, descale=descale
+            )
             if repeat_key is not None and out.numel():
                 self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         else:
             out, lse = torch.ops.attncc.attention(
-                self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_value, sink
+                self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_value, sink, k_scales, v_scales
             )
         return (out, lse) if return_lse else out
-
-    def rotated(
-        self, q: torch.Tensor, k: torch.Tensor, runtime: Mapping[str, object]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k as the call hands them to the op: `rope_applied` where the kernels do not
-        rotate them themselves, else as given."""
-        return (q, k) if self.rotates_in_kernel else self.rope_applied(q, k, runtime)
 
     def rope_applied(
         self, q: torch.Tensor, k: torch.Tensor, runtime: Mapping[str, object]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k [B, heads, rows, D] after the program's rope, in torch (runtime/rope.py;
-        differentiable; in fp32, or fp64 for fp64 inputs, rounded once to the inputs' dtype)."""
+        differentiable; in fp32, or fp64 for fp64 inputs, rounded once to the inputs' dtype):
+        the eager reference's (the kernels rotate as they load)."""
         if self.op.q_rope is None and self.op.k_rope is None:
             return q, k
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
@@ -308,7 +311,7 @@ class Kernel:
         scalars: list[float],
         lengths: Lengths | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """The CPU kernels' rope tables (abi.py ROPE_BUFFERS, ROPE_CONTROL) for q [B, H, N, D]
+        """The kernels' rope tables (abi.py ROPE_BUFFERS, ROPE_CONTROL) for q [B, H, N, D]
         and k [B, Hkv, M, D] (the batch views of packed and paged calls, whose sequences have
         `lengths`): cos and sin of each row's angles, [B or 1, rows, pairs]."""
         ptrs: dict[str, torch.Tensor] = {}
@@ -380,6 +383,7 @@ class Kernel:
             or self.op.q_rope is not None
             or self.op.k_rope is not None
             or seed is not None
+            or k.dtype in FP8_DTYPES  # (descale factors: values)
             or (train and self.op.dropout > 0)
             or not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
             or not all(type(value) in (int, float) for value in runtime.values())
@@ -440,6 +444,8 @@ class Kernel:
         scale: float | None = None,
         train: bool = True,
         seed: int | None = None,
+        k_descale: object = None,
+        v_descale: object = None,
         **runtime: object,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of a packed batch (FlashAttention's varlen layout), forward and backward.
@@ -450,12 +456,14 @@ class Kernel:
         its own lengths. Runtime tensors keep padded shapes: B sequences, N = max_seqlen_q,
         M = max_seqlen_k (default: the longest). Returns out [total_q, H, D] (and lse
         [total_q, H] with return_lse); dropout keeps `dropout_mask(seed, b, 1, H, N_b, M_b, p)`
-        for sequence b. See attncc/runtime/ragged.py.
+        for sequence b. fp8 k and v (forward only) with k_descale and v_descale broadcastable to
+        [total_k, Hkv], as in `__call__`. See attncc/runtime/ragged.py.
         """
         _reject_transforms({"q": q, "k": k, "v": v, **runtime})
         return varlen_attention(
             self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             return_lse=return_lse, scale=scale, train=train, seed=seed, runtime=runtime,
+            k_descale=k_descale, v_descale=v_descale,
         )  # fmt: skip
 
     def paged(
@@ -471,6 +479,8 @@ class Kernel:
         layout: str = "bnhd",
         return_lse: bool = False,
         scale: float | None = None,
+        k_descale: object = None,
+        v_descale: object = None,
         **runtime: object,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of new queries over a paged KV cache (the FlashAttention / vLLM layout); forward only.
@@ -483,12 +493,16 @@ class Kernel:
         not changed). Sequence b then attends over M_b = cache_seqlens[b] + N_new keys; the
         queries are its last N positions, so bottom-right causal is `mask j <= i + (M - N)`.
         Runtime tensors keep padded shapes (M: the block table's capacity). Returns out in q's
-        layout, Dv wide (and lse, q's layout without the head dim, with return_lse).
+        layout, Dv wide (and lse, q's layout without the head dim, with return_lse). An fp8
+        cache (float8_e4m3fn or float8_e5m2; k_new and v_new in its dtype, already quantised)
+        takes k_descale and v_descale broadcastable to [num_pages, page_size, Hkv] (a per-token
+        factor sits beside its row: write the appended rows' factors before the call).
         """
         _reject_transforms({"q": q, "k_cache": k_cache, "v_cache": v_cache, **runtime})
         return paged_attention(
             self, q, k_cache, v_cache, block_table, cache_seqlens, k_new=k_new, v_new=v_new,
             layout=layout, return_lse=return_lse, scale=scale, runtime=runtime,
+            k_descale=k_descale, v_descale=v_descale,
         )  # fmt: skip
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
@@ -505,10 +519,16 @@ class Kernel:
         train: bool = True,
         seed: int = 0,
         dtype: torch.dtype = torch.float64,
+        k_descale: object = None,
+        v_descale: object = None,
         **runtime: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The eager result (out, lse) of the same IR (float64 unless `dtype`), for tests and `attncc check`."""
+        """The eager result (out, lse) of the same IR (float64 unless `dtype`), for tests and
+        `attncc check`; fp8 k and v dequantised first (in fp32, rounded to q's dtype)."""
         self.validate(q, k, v, runtime)
+        descale = kv_descales(k, v, k_descale, v_descale)
+        if descale is not None:
+            k, v = (dequantised(t, d, q.dtype) for t, d in zip((k, v), descale))
         q, k = self.rope_applied(q, k, runtime)
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
@@ -594,8 +614,11 @@ class Kernel:
                 raise InputError(
                     f"{name}: expected 4 dimensions [B, {'H' if name == 'q' else 'Hkv'}, {'N' if name == 'q' else 'M'}, D], got shape {tuple(t.shape)}"
                 )
-            if t.dtype not in _DTYPES:
-                raise InputError(f"{name}: expected dtype float32, float64, bfloat16 or float16, got {t.dtype}")
+            if t.dtype not in _DTYPES and (name == "q" or t.dtype not in FP8_DTYPES):
+                fp8 = (
+                    "" if name == "q" else " (or, with q of float32, bfloat16 or float16, float8_e4m3fn or float8_e5m2)"
+                )
+                raise InputError(f"{name}: expected dtype float32, float64, bfloat16 or float16{fp8}, got {t.dtype}")
             if t.device.type != self.device_type:
                 raise InputError(
                     f"{name}: the `{self.target}` target runs on {self.device_type} tensors, got device {t.device}"
@@ -603,8 +626,7 @@ class Kernel:
         for name, t in (("k", k), ("v", v)):
             if t.device != q.device:
                 raise InputError(f"{name}: expected device {q.device} (that of q), got {t.device}")
-        if not (q.dtype == k.dtype == v.dtype):
-            raise InputError(f"q, k, v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        check_operand_dtypes(q, k, v, runtime)
         B, H, _N, D = q.shape
         if k.shape[0] != B:
             raise InputError(f"k: expected batch size {B} (from q), got shape {tuple(k.shape)}")
@@ -617,9 +639,11 @@ class Kernel:
         Hkv = k.shape[1]
         if Hkv == 0 or H % Hkv != 0:
             raise InputError(f"k: query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
+        assert self.op.tiling is not None
+        limit = self.op.tiling.max_head_dim
         for name, dim, size in (("q", "D", D), ("v", "Dv", v.shape[3])):
-            if not 1 <= size <= MAX_HEAD_DIM:
-                raise InputError(f"{name}: head dim {dim}={size} must be in [1, {MAX_HEAD_DIM}]")
+            if not 1 <= size <= limit:
+                raise InputError(f"{name}: head dim {dim}={size} must be in [1, {limit}] on target {self.target}")
         self.check_input_names(runtime)
         sizes = _sizes(q, k)
         bound: dict[str, int] = {}
@@ -701,6 +725,7 @@ class Kernel:
         paged: PagedKeys | None = None,
         sink: torch.Tensor | None = None,
         packed: PackedSequences | None = None,
+        descale: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of one padded call; `offset` is the dropout counters' fourth word
         (0 for plain calls, the sequence's index for packed and paged calls). With `paged`
@@ -708,14 +733,18 @@ class Kernel:
         its block table. `sink` [B, H, N]: the softmax's sink logit per row, merged into each
         row as the kernel writes it (out and lse are those of the softmax with the sink). With
         `packed`, q, k, v are a packed batch [total, heads, D], out and lse
-        [total_q, H, D] and [total_q, H] (sink too), all sequences in one launch."""
-        dtype = _DTYPES[q.dtype]
+        [total_q, H, D] and [total_q, H] (sink too), all sequences in one launch. With fp8 k and v,
+        `descale` holds their descale factors shaped as k and v with a head dim of 1
+        (runtime/fp8.py `descale_rows`: whatever layout k and v have, the factors have too)."""
+        dtype = library_dtype(q.dtype, k.dtype)
         strides: dict[str, tuple[int, ...]] = {}
+        scales = dict(zip(("k_descale", "v_descale"), descale)) if descale is not None else {}
         value_dim = v.shape[-1]
         # (packed: the rows the kernel writes through `out`)
         rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=q.dtype)
         if packed is not None:
             q, k, v = packed.as_batch(q, False), packed.as_batch(k, True), packed.as_batch(v, True)
+            scales = {name: packed.as_batch(t, True) for name, t in scales.items()}
             plan, call = self._forward_call(q, k, scale, tensors, scalars, lengths=packed.lengths, value_dim=value_dim)
         elif paged is None:
             plan, call = self._forward_call(q, k, scale, tensors, scalars, value_dim=value_dim)
@@ -731,13 +760,13 @@ class Kernel:
                 value_dim=value_dim,
             )
             call["page_size"] = paged.page_size
-            strides = PagedKeys.strides(k, v)
+            strides = PagedKeys.strides({"k": k, "v": v, **scales})
         call["offset"] = offset
         out = rows_out if packed is None else packed.as_batch(rows_out, False)
         lse = torch.empty(rows_out.shape[:-1], dtype=acc_dtype(q.dtype))
         if out.numel() == 0:
             return rows_out, lse
-        ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+        ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **scales}
         lengths = packed.lengths if packed is not None else paged.lengths(q.shape[2]) if paged is not None else None
         rope_ptrs, call["rope"] = self.rope_buffers(
             q, k if paged is None else paged.keys_like(q, k), tensors, scalars, lengths
@@ -1181,8 +1210,13 @@ def attention_op(
     dropout: float,
     seed: torch.Tensor,
     sink: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _REGISTRY[key].forward_impl(q, k, v, tensors, scalars, scale, dropout, int(seed.item()), sink=sink)
+    descale = (k_descale, v_descale) if k_descale is not None and v_descale is not None else None
+    return _REGISTRY[key].forward_impl(
+        q, k, v, tensors, scalars, scale, dropout, int(seed.item()), sink=sink, descale=descale
+    )
 
 
 @attention_op.register_fake
@@ -1197,6 +1231,8 @@ def _attention_fake(
     dropout: float,
     seed: torch.Tensor,
     sink: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
@@ -1273,7 +1309,7 @@ def _input_gradients(
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
-    key, q, k, v, tensors, scalars, scale, dropout, seed, sink = inputs
+    key, q, k, v, tensors, scalars, scale, dropout, seed, sink, _, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed, sink, *tensors)
     ctx.key, ctx.scalars, ctx.scale, ctx.dropout = key, scalars, scale, dropout
@@ -1287,7 +1323,7 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: AN
         ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs
     )
     tensor_grads, scalar_grads, dsink = _input_gradients(ctx, grads, sink, 9, out, lse, dout, dlse)
-    return None, dq, dk, dv, tensor_grads, scalar_grads, None, None, None, dsink
+    return None, dq, dk, dv, tensor_grads, scalar_grads, None, None, None, dsink, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -1332,11 +1368,14 @@ def varlen_op(
     dropout: float,
     seed: torch.Tensor,
     sink: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kern, packed, options = _varlen_call(
         key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
     )
-    return varlen_forward(kern, packed, options, q, k, v, sink, tensors)
+    descale = (k_descale, v_descale) if k_descale is not None and v_descale is not None else None
+    return varlen_forward(kern, packed, options, q, k, v, sink, tensors, descale)
 
 
 @varlen_op.register_fake
@@ -1355,6 +1394,8 @@ def _varlen_fake(
     dropout: float,
     seed: torch.Tensor,
     sink: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty((*q.shape[:2], v.shape[2])), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
 
@@ -1411,7 +1452,7 @@ def _varlen_backward_fake(
 
 
 def _setup_varlen_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
-    key, q, k, v, cu_q, cu_k, max_q, max_k, tensors, scalars, scale, dropout, seed, sink = inputs
+    key, q, k, v, cu_q, cu_k, max_q, max_k, tensors, scalars, scale, dropout, seed, sink, _, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, sink, *tensors)
     ctx.key, ctx.lengths, ctx.scalars, ctx.scale, ctx.dropout = key, (max_q, max_k), scalars, scale, dropout
@@ -1426,7 +1467,7 @@ def _varlen_backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # n
         tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs,
     )  # fmt: skip
     tensor_grads, scalar_grads, dsink = _input_gradients(ctx, grads, sink, 13, out, lse, dout, dlse)
-    return None, dq, dk, dv, None, None, None, None, tensor_grads, scalar_grads, None, None, None, dsink
+    return None, dq, dk, dv, None, None, None, None, tensor_grads, scalar_grads, None, None, None, dsink, None, None
 
 
 varlen_op.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
@@ -1448,10 +1489,13 @@ def paged_op(
     scalars: list[float],
     scale: float | None,
     sink: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     options = CallOptions(scalars, scale, 0.0, 0)
+    descale = (k_descale, v_descale) if k_descale is not None and v_descale is not None else None
     return paged_forward(
-        _REGISTRY[key], q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, options, tensors, sink
+        _REGISTRY[key], q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, options, tensors, sink, descale
     )
 
 
@@ -1469,6 +1513,8 @@ def _paged_fake(
     scalars: list[float],
     scale: float | None,
     sink: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out_shape = (*q.shape[:3], v_cache.shape[3])  # (q's layout, bnhd or bhnd: the head dim last)
     return q.new_empty(out_shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))

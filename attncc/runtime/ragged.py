@@ -32,7 +32,7 @@ import torch
 
 from attncc.errors import InputError
 from attncc.ir import expr as ex
-from attncc.runtime.rope import rotate_padded, rotate_rows
+from attncc.runtime.fp8 import check_operand_dtypes, kv_descales
 from attncc.runtime.sinks import padded_rows
 
 if TYPE_CHECKING:
@@ -143,6 +143,15 @@ def check_batch_free(kern: Kernel) -> None:
         )
 
 
+def _check_operands(q: torch.Tensor, kv: tuple[tuple[str, torch.Tensor], ...], runtime: Mapping[str, object]) -> None:
+    """The key-side operands (k and v, or a cache's) on q's device, of q's dtype or fp8
+    (`check_operand_dtypes`)."""
+    for name, t in kv:
+        if t.device != q.device:
+            raise InputError(f"{name}: expected device {q.device} (that of q), got {t.device}")
+    check_operand_dtypes(q, kv[0][1], kv[1][1], runtime, ", ".join(("q", kv[0][0], kv[1][0])))
+
+
 def _proxy(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor of `shape` with like's dtype and device and no storage to speak of (for validation)."""
     return like.new_zeros(1).as_strided(shape, (0,) * len(shape))
@@ -209,12 +218,13 @@ def varlen_forward(
     v: torch.Tensor,
     sink: torch.Tensor | None,
     tensors: list[torch.Tensor],
+    descale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out, lse of a packed batch in one launch; rows of sequences with no key are 0 and -inf
-    (or the sink alone)."""
+    (or the sink alone). `descale`: fp8 k's and v's factors [total_k, Hkv, 1] (runtime/fp8.py)."""
     return kern.forward_impl(
         q, k, v, tensors, options.scalars, options.scale, options.dropout, options.seed,
-        sink=sink, packed=packed,
+        sink=sink, packed=packed, descale=descale,
     )  # fmt: skip
 
 
@@ -274,34 +284,6 @@ def packed_index(
     return rows, lengths
 
 
-def varlen_rotated(
-    kern: Kernel,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    runtime: Mapping[str, object],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed q [total_q, H, D] and k [total_k, Hkv, D] after the program's rope, each row at
-    its position inside its sequence (runtime/rope.py; differentiable), where the kernels do not
-    rotate them themselves (`Kernel.rotates_in_kernel`)."""
-    if kern.rotates_in_kernel:
-        return q, k
-    scalars = {d.name: runtime[d.name] for d in kern.inputs if d.role == "scalar"}
-    tensors = {d.name: runtime[d.name] for d in kern.inputs if d.role == "tensor"}
-    turned = []
-    for x, spec, cu_rows in ((q, kern.op.q_rope, cu_seqlens_q), (k, kern.op.k_rope, cu_seqlens_k)):
-        if spec is None:
-            turned.append(x)
-            continue
-        rows, lengths = packed_index(
-            cu_rows, cu_seqlens_q, cu_seqlens_k, x.shape[0], "i" if spec.operand == "q" else "j"
-        )
-        sizes = {"B": cu_seqlens_q.shape[0] - 1, "H": q.shape[1], "Hkv": k.shape[1], "D": q.shape[2], **lengths}
-        turned.append(rotate_rows(spec, x, rows, sizes, scalars, tensors))  # (tables [total, 1, R / 2])
-    return turned[0], turned[1]
-
-
 def varlen_attention(
     kern: Kernel,
     q: torch.Tensor,
@@ -317,6 +299,8 @@ def varlen_attention(
     train: bool,
     seed: int | None,
     runtime: Mapping[str, object],
+    k_descale: object = None,
+    v_descale: object = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`Kernel.varlen`: attention of a packed batch, forward and backward, through the op
     `attncc::varlen_attention` (so torch.compile(fullgraph=True) takes it whole)."""
@@ -329,6 +313,7 @@ def varlen_attention(
         raise InputError(
             f"v: expected shape [{k.shape[0]}, {k.shape[1]}, Dv] (that of k but the head dim), got {tuple(v.shape)}"
         )
+    _check_operands(q, (("k", k), ("v", v)), runtime)
     kern.check_input_names(runtime)
     if not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
         varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
@@ -336,13 +321,14 @@ def varlen_attention(
     dropout = kern.op.dropout if train else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
-    q, k = varlen_rotated(kern, q, k, cu_seqlens_q, cu_seqlens_k, runtime)
+    descale = kv_descales(k, v, k_descale, v_descale)
+    k_scales, v_scales = descale if descale is not None else (None, None)
     sink = None
     if kern.op.sink is not None:
         sink = varlen_sink_rows(kern, q, k, cu_seqlens_q, cu_seqlens_k, scale, runtime)
     out, lse = torch.ops.attncc.varlen_attention(
         kern.call_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        tensors, scalars, scale, dropout, seed_tensor(seed, dropout), sink,
+        tensors, scalars, scale, dropout, seed_tensor(seed, dropout), sink, k_scales, v_scales,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -418,9 +404,11 @@ def paged_forward(
     options: CallOptions,
     tensors: list[torch.Tensor],
     sink: torch.Tensor | None,
+    descale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out, lse [B, H, N, ...] of q [B, H, N, D] over the paged cache, k_new and v_new appended
-    into it first (in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new)."""
+    into it first (in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new).
+    `descale`: an fp8 cache's factors [num_pages, page_size, Hkv, 1] (runtime/fp8.py)."""
     from attncc.runtime.kernel import PagedKeys, acc_dtype
 
     B, H, N, _ = q.shape
@@ -443,7 +431,7 @@ def paged_forward(
         # own key count (k_starts), the call's M the longest
         counts = torch.tensor(totals, dtype=torch.int64)
         return kern.forward_impl(
-            q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink,
+            q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink, descale=descale,
             paged=PagedKeys(table.to(q.device), page_size, max(totals), None if len(set(totals)) == 1 else counts),
         )  # fmt: skip
     used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
@@ -470,6 +458,7 @@ def paged_forward(
             0.0,
             0,
             sink=None if sink is None else sink[batch],
+            descale=None if descale is None else tuple(_cached_keys(d, pages, seg.count, seg.m) for d in descale),  # type: ignore[arg-type]
         )
     return out, lse
 
@@ -488,6 +477,8 @@ def paged_attention(
     return_lse: bool,
     scale: float | None,
     runtime: Mapping[str, object],
+    k_descale: object = None,
+    v_descale: object = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`Kernel.paged`: attention of new queries over a paged KV cache (forward only), through
     the op `attncc::paged_attention` (so torch.compile(fullgraph=True) takes it whole)."""
@@ -509,9 +500,7 @@ def paged_attention(
     Dv = v_cache.shape[3]
     if Dk != D:
         raise InputError(f"k_cache: expected head dim {D} (from q), got shape {tuple(k_cache.shape)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise InputError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+    _check_operands(q, (("k_cache", k_cache), ("v_cache", v_cache)), runtime)
     if page_size == 0:
         raise InputError(f"k_cache: expected pages of at least one row, got shape {tuple(k_cache.shape)}")
     appended = 0
@@ -526,8 +515,10 @@ def paged_attention(
                 f"got {tuple(k_new.shape)} and {tuple(v_new.shape)}"
             )
         for name, t in (("k_new", k_new), ("v_new", v_new)):
-            if t.dtype != q.dtype or t.device != q.device:
-                raise InputError(f"{name}: expected {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+            if t.dtype != k_cache.dtype or t.device != q.device:
+                raise InputError(
+                    f"{name}: expected {k_cache.dtype} (as the cache) on {q.device}, got {t.dtype} on {t.device}"
+                )
         appended = k_new.shape[1]
     if any(t.requires_grad for t in (q, k_cache, v_cache)) and torch.is_grad_enabled():
         raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
@@ -543,18 +534,6 @@ def paged_attention(
             f"{kern.name}: paged calls read the cache's keys as they were written; rotate them before caching "
             "(as transformers does) and keep rope for q alone in the program"
         )
-    if kern.op.q_rope is not None and not kern.rotates_in_kernel:  # queries at their positions, M after the append
-        sizes = {
-            "B": B,
-            "H": H,
-            "Hkv": Hkv,
-            "D": D,
-            "N": N,
-            "M": (cache_seqlens.to(torch.int64) + appended).view(-1, 1, 1),
-        }
-        scalars_map = {d.name: runtime[d.name] for d in kern.inputs if d.role == "scalar"}
-        tensors_map = {d.name: runtime[d.name] for d in kern.inputs if d.role == "tensor"}
-        q_bhnd = rotate_padded(kern.op.q_rope, q_bhnd, sizes, scalars_map, tensors_map)
     sink = None
     if kern.op.sink is not None:  # [B, H, N]; M is each sequence's key count after the append
         with torch.no_grad():
@@ -562,9 +541,11 @@ def paged_attention(
             row_sizes["M"] = (cache_seqlens.to(torch.int64) + appended).view(-1, 1, 1)
             sink = kern.sink_rows(padded_rows(B, H, N, q.device), row_sizes, scale, runtime, acc_dtype(q.dtype))
             sink = sink.expand(B, H, N).contiguous()
+    descale = kv_descales(k_cache, v_cache, k_descale, v_descale)
+    k_scales, v_scales = descale if descale is not None else (None, None)
     out, lse = torch.ops.attncc.paged_attention(
         kern.call_key, q_bhnd, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new,
-        tensors, scalars, scale, sink,
+        tensors, scalars, scale, sink, k_scales, v_scales,
     )  # fmt: skip
     if layout == "bnhd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)

@@ -8,10 +8,10 @@ program's expression over b and i (q's rows) or j (k's rows), the sizes and inpu
 sequence in packed calls). `rope_tables` gives cos and sin per row from float64 angles;
 `rotate` applies them (its inverse, the transposed rotation, turns by -angle).
 
-The CPU kernels take the tables (`Kernel.rope_buffers`) and rotate q's and k's rows as they load
-them, turning dQ and dK back as they store them (templates/cpu `rotate_row`); for the CUDA
-kernels, which do not yet, the runtime rotates q and k in torch before the call
-(`rotate_padded`, ragged.py `varlen_rotated`), and autograd carries the gradients through it.
+The kernels take the tables (`Kernel.rope_buffers`) and rotate q's and k's rows as they load
+them, turning dQ and dK back where they are complete (templates/cpu `rotate_row`,
+templates/cuda `rotate_shared_rows` and `turn_back_rows`); `rotate_padded` rotates in torch for
+the eager reference (`Kernel.reference`).
 """
 
 from __future__ import annotations

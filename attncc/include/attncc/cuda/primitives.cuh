@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attncc/fp8bits.h"
+
 #if defined(ATTNCC_EMULATE)
 #include <cmath>
 #include <cstring>
@@ -75,6 +77,7 @@ template <> inline f16 from_float<f16>(float f) { return f16{float_to_fp16_bits(
 template <> inline float from_float<float>(float f) { return f; }
 inline uint16_t bits_of(f16 x) { return x.bits; }
 inline uint16_t bits_of(bf16 x) { return x.bits; }
+inline float float_of_bits(uint32_t u) { return bits_to_float(u); }
 struct alignas(8) f32x2 { float x, y; };  // CUDA's float2
 #else
 using f16 = __half;
@@ -88,8 +91,15 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float f) { return _
 template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
 __device__ __forceinline__ uint16_t bits_of(f16 x) { return __half_as_ushort(x); }
 __device__ __forceinline__ uint16_t bits_of(bf16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ float float_of_bits(uint32_t u) { return __uint_as_float(u); }
 using f32x2 = float2;
 #endif
+
+// An fp8 byte (e4m3fn, or e5m2 with kE5M2; include/attncc/fp8bits.h) as float: exact.
+template <bool kE5M2>
+__device__ __forceinline__ float fp8_to_float(uint8_t byte) {
+  return float_of_bits(kE5M2 ? fp8_e5m2_float_bits(byte) : fp8_e4m3_float_bits(byte));
+}
 
 // Two floats rounded to T and packed low-first into one 32-bit register (an mma operand pair).
 template <typename T>

@@ -1,0 +1,118 @@
+"""fp8 K and V with descale factors: the forward of a quantised KV cache.
+
+k and v of torch.float8_e4m3fn or torch.float8_e5m2 (one of them for both) attend with q of
+float32, bfloat16 or float16. The kernels widen each row of k and v to q's dtype, times its
+descale factor, as they load it (include/attncc/fp8bits.h; templates/cpu `copied_rows`,
+templates/cuda `load_fp8_rows`): attention is that of the dequantised operands
+
+    k_deq = k.float() * k_descale[..., None],   v_deq = v.float() * v_descale[..., None],
+
+rounded once to q's dtype, and fp8 K/V cross memory at one byte per element. A descale factor
+is a number or a float tensor broadcastable to k's shape without its head dim: [B, Hkv, M] in
+padded calls, [total_k, Hkv] in packed ones, [num_pages, page_size, Hkv] for a paged cache; so
+a 0-d tensor is per tensor, [B, Hkv, 1] per (sequence, head) like FlashAttention 3's
+[B, Hkv] (one more axis), and [B, Hkv, M] per (token, head). Forward only: the fp8 kernels have
+no backward (q and learnable inputs get no gradient through them: an error says so).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from attncc.errors import InputError
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: q's dtypes an fp8 K/V call takes (the kernels widen K/V to q's dtype).
+FP8_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in FP8_DTYPES
+
+
+def library_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """The name a kernel library is built under (codegen `split_dtype`): q's dtype, and with fp8
+    K/V their dtype after a '+'."""
+    name = str(q_dtype).removeprefix("torch.")
+    return f"{name}+{str(kv_dtype).removeprefix('torch.')}" if kv_dtype in FP8_DTYPES else name
+
+
+def check_operand_dtypes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: Mapping[str, object], names: str = "q, k, v"
+) -> None:
+    """One dtype for q, k and v; or fp8 k and v: one fp8 dtype for both, q of a dtype they widen
+    to, and no gradient asked for (of q or of a runtime tensor). `names`: the operands' names
+    in the call (a paged call's "q, k_cache, v_cache")."""
+    if not (is_fp8(k) or is_fp8(v)):
+        if not (q.dtype == k.dtype == v.dtype):
+            q_name, k_name, v_name = names.split(", ")
+            raise InputError(
+                f"{names} must have one dtype, got {q_name} {q.dtype}, {k_name} {k.dtype}, {v_name} {v.dtype}"
+            )
+        return
+    learnable = [t for t in runtime.values() if isinstance(t, torch.Tensor)]
+    if k.dtype != v.dtype:
+        raise InputError(f"k, v: fp8 K/V take one dtype for both, got k {k.dtype} and v {v.dtype}")
+    if q.dtype not in FP8_QUERY_DTYPES:
+        raise InputError(f"q: with fp8 k and v, expected dtype float32, bfloat16 or float16, got {q.dtype}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, *learnable)):
+        raise InputError(
+            "k, v: fp8 K/V calls are forward only (the fp8 kernels have no backward), and q or a runtime "
+            "tensor requires grad; run them under torch.no_grad() or detach"
+        )
+
+
+def descale_rows(name: str, descale: object, rows: torch.Size, device: torch.device) -> torch.Tensor:
+    """`descale` (None: 1; a number; a float tensor broadcastable to `rows`, the operand's shape
+    without its head dim) as float32 of shape (*rows, 1): the operand's shape with a head dim of
+    1, so every layout's strides (packed, paged) apply to it as to the operand."""
+    if descale is None:
+        descale = 1.0
+    if isinstance(descale, bool) or not isinstance(descale, (int, float, torch.Tensor)):
+        raise InputError(f"{name}: expected a number or a float tensor, got {type(descale).__name__}")
+    if not isinstance(descale, torch.Tensor):
+        if not math.isfinite(descale):
+            raise InputError(f"{name}: expected a finite number, got {descale!r}")
+        return torch.full((), float(descale), dtype=torch.float32, device=device).expand(*rows, 1)
+    if not descale.is_floating_point() or descale.dtype in FP8_DTYPES:
+        raise InputError(f"{name}: expected a float32, bfloat16 or float16 tensor, got dtype {descale.dtype}")
+    if descale.device != device:
+        raise InputError(f"{name}: expected a tensor on {device} (that of q), got device {descale.device}")
+    try:
+        shape = torch.broadcast_shapes(descale.shape, rows)
+    except RuntimeError:
+        shape = None
+    if shape != rows:
+        raise InputError(
+            f"{name}: expected a shape broadcastable to {list(rows)} (the operand's without its head dim: "
+            f"per tensor [], per head and sequence [..., 1], per token [{', '.join(map(str, rows))}]), "
+            f"got {tuple(descale.shape)}"
+        )
+    return descale.detach().to(torch.float32).expand(rows).unsqueeze(-1)
+
+
+def kv_descales(
+    k: torch.Tensor, v: torch.Tensor, k_descale: object, v_descale: object
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """k's and v's descale factors as `descale_rows` gives them, or None where k and v are not
+    fp8 (then none may be given)."""
+    if not is_fp8(k):
+        for name, given in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if given is not None:
+                raise InputError(f"{name}: descale factors go with fp8 k and v, got k of dtype {k.dtype}")
+        return None
+    return (
+        descale_rows("k_descale", k_descale, k.shape[:-1], k.device),
+        descale_rows("v_descale", v_descale, v.shape[:-1], v.device),
+    )
+
+
+def dequantised(x: torch.Tensor, descale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 operand as the kernels read it (`descale` from `descale_rows`), in `dtype`; other
+    operands as given."""
+    if descale is None or not is_fp8(x):
+        return x
+    return (x.to(torch.float32) * descale).to(dtype)

@@ -1,0 +1,337 @@
+"""fp8 K and V with descale factors (forward only): k, v of float8_e4m3fn / float8_e5m2, q of
+float32, bfloat16 or float16, the kernels widening each row times its factor as they load it.
+
+References are eager code that dequantises first (k.float() * k_descale, rounded to q's dtype,
+then the hand-written float64 attention of test_independent_references.py); the decoders are
+checked on every one of the 256 byte patterns of each format, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import InputError
+from attncc.runtime.check import _error
+from attncc.runtime.inputs import Shape
+from attncc.runtime.nvcc import compile_cuda
+from tests.conftest import EXAMPLES, ROOT, kernel
+from tests.test_cuda import HAVE_NVCC
+from tests.test_independent_references import CASES, FWD_TOL, draw, runtime_inputs
+from tests.test_serving import BOTTOM_RIGHT_CAUSAL, offsets, packed_lengths, per_sequence_reference
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+#: Half-precision kernels against the float64 reference on the same (rounded) inputs: P and the
+#: output rounded to 8 (bf16) or 11 (fp16) bits.
+HALF_TOL = {torch.float32: FWD_TOL, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def emulated(name: str, target: str) -> attncc.Kernel:
+    return attncc.compile(ROOT / "examples" / f"{name}.attn", target=target, emulate=True)
+
+
+def quantised(x: torch.Tensor, descale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """x / descale in fp8 (the factors broadcast over x's rows)."""
+    return (x.detach() / descale.unsqueeze(-1)).to(fmt)
+
+
+def dequantised(x8: torch.Tensor, descale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """What the kernels compute with: x8 widened, times its factor in fp32, rounded to `dtype`, as float64."""
+    factor = descale.unsqueeze(-1) if isinstance(descale, torch.Tensor) else descale
+    return (x8.float() * factor).to(dtype).double()
+
+
+def every_byte(fmt: torch.dtype) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt)
+
+
+# ----------------------------------------------------------------------- decoders, exactly
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("cpu", torch.float32), ("sm80", torch.bfloat16), ("sm75", torch.float16)]
+)
+def test_every_byte_decodes_exactly(fmt: str, backend: str, dtype: torch.dtype) -> None:
+    """One key: out is v's row as the kernel widened it (every byte of the format, NaN and
+    infinities too), and with q = 16 e_d (scale 1/16) the lse of query d is k's element d."""
+    values = every_byte(FORMATS[fmt])
+    v8 = values.view(1, 1, 1, 256)
+    finite = values.float().isfinite()
+    k8 = torch.where(finite, values.float(), 0.0).to(FORMATS[fmt]).view(1, 1, 1, 256)
+    q = (torch.eye(256) * 16).view(1, 1, 256, 256).to(dtype)
+    kern = kernel("vanilla") if backend == "cpu" else emulated("vanilla", backend)
+    out, lse = kern(q, k8, v8, return_lse=True)
+    expected = values.float()
+    assert torch.equal(out[0, 0, 0].float().isnan(), expected.isnan())
+    assert torch.equal(out[0, 0, 0].float().nan_to_num(), expected.nan_to_num()), "v decoded"
+    assert torch.allclose(lse[0, 0].float(), k8.float().view(256), rtol=1e-6, atol=0), "k decoded"
+
+
+# ----------------------------------------------------------------------- every example
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_example_with_fp8_k_and_v(name: str, dtype: torch.dtype) -> None:
+    """e4m3 k with a factor per token and head, e5m2-free v with one per (sequence, head): out and
+    lse against the hand-written reference on the dequantised operands."""
+    case = CASES[name]
+    q, k, v, _ = draw(case)
+    inputs = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in runtime_inputs(case).items()}
+    s = case.shape
+    gen = torch.Generator().manual_seed(7)
+    k_descale = torch.rand(s.B, s.Hkv, s.M, generator=gen) * 0.02 + 0.005
+    v_descale = torch.rand(s.B, s.Hkv, 1, generator=gen) * 0.02 + 0.005
+    k8, v8 = quantised(k, k_descale, torch.float8_e4m3fn), quantised(v, v_descale, torch.float8_e4m3fn)
+    q = q.detach().to(dtype)
+    with torch.no_grad():
+        out, lse = kernel(name)(
+            q, k8, v8, k_descale=k_descale, v_descale=v_descale, return_lse=True, **case.call, **inputs
+        )
+        ref_inputs = {
+            n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in inputs.items()
+        }
+        k64, v64 = dequantised(k8, k_descale, dtype), dequantised(v8, v_descale, dtype)
+        ref_out, ref_lse = case.reference(q.double(), k64, v64, ref_inputs)
+    assert out.dtype == dtype and out.shape == (s.B, s.H, s.N, s.Dv)
+    assert _error(out, ref_out) <= HALF_TOL[dtype], _error(out, ref_out)
+    assert _error(lse, ref_lse) <= (FWD_TOL if dtype == torch.float32 else 2e-4), _error(lse, ref_lse)
+    # the factors matter: the same bytes without them are another answer
+    assert _error(kernel(name)(q, k8, v8, **case.call, **inputs), ref_out) > 0.1
+
+
+EMULATED_SHAPES = (
+    Shape(2, 4, 2, 77, 130, 48, Dv=24),  # tails, GQA, Dv != D
+    Shape(1, 2, 1, 3, 300, 64),  # decoding: split-KV
+    Shape(1, 2, 2, 40, 45, 192, Dv=128),
+)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("target", "dtype"), [("sm80", torch.bfloat16), ("sm75", torch.float16)])
+@pytest.mark.parametrize("name", ["alibi", "gpt_oss"])
+def test_cuda_kernels_on_the_emulator(name: str, target: str, dtype: torch.dtype, fmt: str) -> None:
+    """The CUDA forward widening fp8 K/V into shared memory (per-token k factors, per-tensor v
+    factor), split-KV forced on, against float64 code on the dequantised operands."""
+    kern = emulated(name, target)
+    kern.kv_splits = 3
+    case = CASES[name]
+    for shape in EMULATED_SHAPES:
+        case_here = replace(case, shape=shape)
+        q, k, v, _ = draw(case_here)
+        inputs = {
+            n: t.detach() if isinstance(t, torch.Tensor) else t
+            for n, t in case.inputs(torch.Generator().manual_seed(3), shape).items()
+        }
+        k_descale = torch.rand(shape.B, shape.Hkv, shape.M) * 0.02 + 0.005
+        v_descale = 0.01
+        k8 = quantised(k, k_descale, FORMATS[fmt])
+        v8 = (v.detach() / v_descale).to(FORMATS[fmt])
+        q = q.detach().to(dtype)
+        with torch.no_grad():
+            out, lse = kern(q, k8, v8, k_descale=k_descale, v_descale=v_descale, return_lse=True, **inputs)
+            ref_inputs = {
+                n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in inputs.items()
+            }
+            ref_out, ref_lse = case.reference(
+                q.double(), dequantised(k8, k_descale, dtype), dequantised(v8, v_descale, dtype), ref_inputs
+            )
+        assert _error(out, ref_out) <= 2e-2, (shape, _error(out, ref_out))
+        assert _error(lse, ref_lse) <= 2e-3, (shape, _error(lse, ref_lse))
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_fp8_forward_compiles_without_spills(arch: str) -> None:
+    """nvcc's ptxas for the fp8 forward (alibi: a learnable input in the score map) at d = 128
+    and the MLA 192/128: within the register file, no spills, no stack."""
+    kern = emulated("alibi", arch)
+    for dims in ((128, 128), (192, 128)):
+        report = compile_cuda(kern.cuda_source("bfloat16+float8_e4m3fn", *dims), arch)
+        assert report.spill_stores == 0 and report.spill_loads == 0 and report.stack_bytes == 0, report.describe()
+
+
+# ----------------------------------------------------------------------- packed and paged
+@pytest.mark.parametrize("backend", ["cpu", "sm80"])
+def test_varlen_with_fp8_k_and_v(backend: str) -> None:
+    """A packed batch of ragged sequences (0 and 1 queries included), factors per packed key
+    row and head [total_k, Hkv], against the float64 reference per sequence."""
+    case = CASES["alibi"]
+    shape = replace(case.shape, D=40)
+    lens_q, lens_k = packed_lengths(shape)
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float32 if backend == "cpu" else torch.bfloat16
+    q = torch.randn(sum(lens_q), shape.H, shape.D, generator=gen).to(dtype)
+    k = torch.randn(sum(lens_k), shape.Hkv, shape.D, generator=gen)
+    v = torch.randn(sum(lens_k), shape.Hkv, shape.D, generator=gen)
+    k_descale = torch.rand(sum(lens_k), shape.Hkv, generator=gen) * 0.02 + 0.005
+    v_descale = torch.rand(1, shape.Hkv, generator=gen) * 0.02 + 0.005
+    k8, v8 = quantised(k, k_descale, torch.float8_e5m2), quantised(v, v_descale, torch.float8_e5m2)
+    slopes = torch.rand(shape.H, generator=gen)
+    kern = kernel("alibi") if backend == "cpu" else emulated("alibi", "sm80")
+    out, lse = kern.varlen(
+        q,
+        k8,
+        v8,
+        offsets(lens_q),
+        offsets(lens_k),
+        return_lse=True,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        slopes=slopes,
+    )
+    ref_out, ref_lse = per_sequence_reference(
+        case.reference,
+        q.double(),
+        dequantised(k8, k_descale, dtype),
+        dequantised(v8, v_descale, dtype),
+        {"slopes": slopes.double()},
+        lens_q,
+        lens_k,
+    )
+    tol = FWD_TOL if backend == "cpu" else 2e-2
+    assert _error(out, ref_out) <= tol and _error(lse, ref_lse) <= max(tol / 10, FWD_TOL)
+
+
+@pytest.mark.parametrize(
+    ("backend", "page_size", "queries"),
+    [("cpu", 16, 1), ("cpu", 32, 5), ("cpu", 5, 2), ("sm80", 5, 3)],
+)
+def test_paged_fp8_cache(backend: str, page_size: int, queries: int) -> None:
+    """Decoding and chunked prefill over an fp8 cache with a factor per cached token and head
+    ([num_pages, page_size, Hkv], the appended rows' written before the call), pages shuffled,
+    fp8 k/v appended in place, GQA 6/2, bottom-right causal; page size 5 on the CPU takes the
+    gathered path (no key tile divides it)."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, Hkv, D, Dv, held = 3, 6, 2, 72, 40, [130, 0, 47]
+    pages_per_seq = -(-(max(held) + queries) // page_size)
+    num_pages = B * pages_per_seq + 2
+    fmt = torch.float8_e4m3fn
+    k_descale = torch.rand(num_pages, page_size, Hkv, generator=gen) * 0.02 + 0.005
+    v_descale = torch.rand(num_pages, page_size, Hkv, generator=gen) * 0.02 + 0.005
+    k_cache = quantised(torch.randn(num_pages, page_size, Hkv, D, generator=gen), k_descale, fmt)
+    v_cache = quantised(torch.randn(num_pages, page_size, Hkv, Dv, generator=gen), v_descale, fmt)
+    table = torch.randperm(num_pages, generator=gen)[: B * pages_per_seq].view(B, pages_per_seq).int()
+    dtype = torch.float32 if backend == "cpu" else torch.bfloat16
+    q = torch.randn(B, queries, H, D, generator=gen).to(dtype)
+    k_new = torch.randn(B, queries, Hkv, D, generator=gen).to(fmt)
+    v_new = torch.randn(B, queries, Hkv, Dv, generator=gen).to(fmt)
+    before = k_cache.clone(), v_cache.clone()
+    kern = (
+        attncc.compile(BOTTOM_RIGHT_CAUSAL)
+        if backend == "cpu"
+        else attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
+    )
+    out, lse = kern.paged(
+        q, k_cache, v_cache, table, torch.tensor(held), k_new=k_new, v_new=v_new,
+        k_descale=k_descale, v_descale=v_descale, return_lse=True,
+    )  # fmt: skip
+    tol = FWD_TOL if backend == "cpu" else 2e-2
+    for b in range(B):
+        m = held[b] + queries
+        rows = held[b] + torch.arange(queries)
+        written = table[b].long()[rows // page_size]
+        assert torch.equal(k_cache[written, rows % page_size].view(torch.uint8), k_new[b].view(torch.uint8))
+        kv = []
+        for cache, new, descale in ((before[0], k_new, k_descale), (before[1], v_new, v_descale)):
+            rows_of_b = cache[table[b].long()].flatten(0, 1)[: held[b]]
+            factors = descale[table[b].long()].flatten(0, 1)[:m]
+            widened = torch.cat([rows_of_b.float(), new[b].float()]) * factors.unsqueeze(-1)
+            kv.append(widened.to(dtype).double().transpose(0, 1).repeat_interleave(H // Hkv, 0))
+        s = q[b].transpose(0, 1).double() @ kv[0].transpose(1, 2) / math.sqrt(D)
+        visible = torch.arange(m).view(1, -1) <= torch.arange(queries).view(-1, 1) + (m - queries)
+        s = s.masked_fill(~visible, -math.inf)
+        assert _error(out[b].transpose(0, 1), torch.softmax(s, -1).nan_to_num() @ kv[1]) <= tol, b
+        assert _error(lse[b].transpose(0, 1), torch.logsumexp(s, -1)) <= max(tol / 10, FWD_TOL), b
+
+
+# ----------------------------------------------------------------------- bad input
+def _operands(fmt: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(1, 2, 5, 16), torch.randn(1, 1, 7, 16).to(fmt), torch.randn(1, 1, 7, 16).to(fmt)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q, k, v: (q.requires_grad_(), k, v, {}), "fp8 K/V calls are forward only"),
+        (lambda q, k, v: (q, k, v.float(), {}), "k, v: fp8 K/V take one dtype for both"),
+        (lambda q, k, v: (q, k, v.to(torch.float8_e5m2), {}), "k, v: fp8 K/V take one dtype for both"),
+        (lambda q, k, v: (q.double(), k, v, {}), "q: with fp8 k and v, expected dtype float32, bfloat16 or float16"),
+        (
+            lambda q, k, v: (q, k, v, {"k_descale": torch.ones(1, 1, 6)}),
+            "k_descale: expected a shape broadcastable to [1, 1, 7]",
+        ),
+        (lambda q, k, v: (q, k, v, {"v_descale": torch.ones(2)}), "v_descale: expected a shape broadcastable"),
+        (lambda q, k, v: (q, k, v, {"k_descale": torch.ones(7, dtype=torch.int32)}), "k_descale: expected a float32"),
+        (lambda q, k, v: (q, k, v, {"k_descale": math.nan}), "k_descale: expected a finite number"),
+        (
+            lambda q, k, v: (q, k.float(), v.float(), {"k_descale": 2.0}),
+            "k_descale: descale factors go with fp8 k and v",
+        ),
+    ],
+)
+def test_bad_fp8_calls_are_named(change, message: str) -> None:
+    q, k, v, extra = change(*_operands())
+    with pytest.raises(InputError) as error:
+        kernel("causal")(q, k, v, **extra)
+    assert message in str(error.value)
+
+
+def test_bad_fp8_paged_and_varlen_calls_are_named() -> None:
+    kern = attncc.compile(BOTTOM_RIGHT_CAUSAL)
+    k_cache = torch.randn(4, 16, 1, 16).to(torch.float8_e4m3fn)
+    table, held = torch.arange(4).view(1, 4).int(), torch.tensor([20])
+    q = torch.randn(1, 1, 2, 16)
+    with pytest.raises(InputError, match=r"k_new: expected torch.float8_e4m3fn \(as the cache\)"):
+        kern.paged(
+            q, k_cache, k_cache.clone(), table, held, k_new=torch.randn(1, 1, 1, 16), v_new=torch.randn(1, 1, 1, 16)
+        )
+    with pytest.raises(InputError, match=r"k_descale: expected a shape broadcastable to \[4, 16, 1\]"):
+        kern.paged(q, k_cache, k_cache.clone(), table, held, k_descale=torch.ones(4, 1, 16))
+    with pytest.raises(InputError, match="q, k_cache, v_cache must have one dtype"):
+        kern.paged(q, k_cache.float(), k_cache.bfloat16(), table, held)
+    packed = torch.randn(7, 1, 16)
+    with pytest.raises(InputError, match="q, k, v must have one dtype"):
+        kern.varlen(torch.randn(5, 2, 16), packed, packed.bfloat16(), offsets([5]), offsets([7]))
+
+
+# ----------------------------------------------------------------------- IO report
+def test_io_report_counts_fp8_and_in_kernel_rope_bytes() -> None:
+    """fp8 K/V: the forward's K/V reads at one byte instead of four (dense causal tiles at
+    N = M = 1024, D = 64); in-kernel rope: q and k read and written once more forward, dq and dk
+    turned back once more backward, were they rotated in torch; nothing saved without rope."""
+    rope = attncc.compile(
+        "attention r\nq = rope(q, theta=10000)\nk = rope(k, theta=10000)\ns = q @ k.T * scale\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    for kern, rotated in ((rope, 2), (kernel("vanilla"), 0)):
+        op = kern.op
+        assert op.cost is not None
+        report = op.cost.predict(1, 2, 1024, 1024, 64, 4, 64, 64)
+        key_bytes = 2 * (1024 // 64) ** 2 * 64 * (64 + 64)  # B H x visible tiles x Bc x (D + Dv)
+        assert report.fused_fwd_bytes - report.fp8_fwd_bytes == key_bytes * 3
+        assert report.rope_saved_bytes == 2 * 4 * rotated * 1024 * 64 * 4
+        assert ("in-kernel rope saves" in report.describe()) == bool(rotated)
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("cpu", torch.float32), ("cpu", torch.bfloat16), ("sm80", torch.bfloat16)]
+)
+def test_fp8_keys_with_rope(backend: str, dtype: torch.dtype) -> None:
+    """rope(k) of fp8 keys rotates the dequantised rows (the CPU kernels widen, scale, then
+    rotate as they load; the CUDA kernels widen and scale into shared memory, then rotate the
+    tile there): the same as the kernel on the dequantised k and v, whose rope test_rope.py
+    checks by hand."""
+    program = (
+        "attention rope_fp8\nq = rope(q, theta=10000, dims=32, interleaved=1)\nk = rope(k, theta=500, first=8)\n"
+        "s = q @ k.T * scale\nmask j <= i\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    kern = attncc.compile(program) if backend == "cpu" else attncc.compile(program, target=backend, emulate=True)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 70, 48, generator=gen).to(dtype)
+    k_descale = torch.rand(2, 2, 70, generator=gen) * 0.02 + 0.005
+    k8 = quantised(torch.randn(2, 2, 70, 48, generator=gen), k_descale, torch.float8_e4m3fn)
+    v8 = (torch.randn(2, 2, 70, 40, generator=gen) * 50).to(torch.float8_e4m3fn)
+    out = kern(q, k8, v8, k_descale=k_descale, v_descale=0.02)
+    plain = kern(q, dequantised(k8, k_descale, dtype).to(dtype), dequantised(v8, 0.02, dtype).to(dtype))
+    assert _error(out, plain) <= (FWD_TOL if dtype == torch.float32 else 1e-2)
