@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import attncc
+from attncc.codegen import KV_FORMATS
 from attncc.errors import AttnccError
 from attncc.ir.graph import fused_node
 from attncc.ir.ops import FusedAttention
@@ -251,6 +252,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     dtypes = [DTYPES[d] for d in args.dtypes]
+    kv_dtypes = [getattr(torch, d) for d in args.kv_dtypes]
     total = 0
     with prebuilding_into(output):
         for program in args.programs:
@@ -258,7 +260,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
                 stages = attncc.lower(program, target)
                 kern = attncc.Kernel(stages, target) if target == "cpu" else GpuKernel(stages, target)
                 start = time.perf_counter()
-                paths = kern.prebuild(dtypes, args.head_dims)
+                paths = kern.prebuild(dtypes, args.head_dims, kv_dtypes)
                 total += len(paths)
                 what = "head dims " + ",".join(map(str, args.head_dims)) if target != "cpu" else "any head dim"
                 print(
@@ -332,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("programs", nargs="+", metavar="PROGRAM")
     p.add_argument("--targets", nargs="+", default=["cpu"], choices=["cpu", *GPUS])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--kv-dtypes", nargs="+", default=[], choices=list(KV_FORMATS), help="fp8 K/V: their forwards too")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="head dims for GPU targets")
     p.add_argument("-o", "--output", required=True, help="the directory to fill")
     p.set_defaults(fn=cmd_prebuild)

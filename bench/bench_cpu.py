@@ -14,7 +14,8 @@ Every comparison runs in this one process on the same inputs; each time is the m
     python bench/bench_cpu.py --serving --no-flex --json bench/results/cpu-<family>-serving.json
                                               # packed (varlen) vs SDPA on the padded batch, paged decoding
     python bench/bench_cpu.py --models --no-flex --json bench/results/cpu-<family>-models.json
-                                              # issue 12's features: MLA's D=192, Dv=128; rope in the kernel
+                                              # issue 12's features: MLA's D=192, Dv=128; rope in the
+                                              # kernel; fp8 K/V (--fp8: those alone)
 
 The JSON's meta records the CPU model, its ISA features and the kernel ISA attncc chose (set
 ATTNCC_CPU_ISA to measure a lower level).
@@ -703,6 +704,7 @@ def main() -> None:
     parser.add_argument("--serving", action="store_true", help="varlen and paged-KV cases (issue 11) only")
     parser.add_argument("--serving-n", type=int, default=2048, help="the longest sequence of the varlen cases")
     parser.add_argument("--models", action="store_true", help="the models' head shapes (issue 12) only")
+    parser.add_argument("--fp8", action="store_true", help="the fp8 K/V cases (part of --models) only")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep:
@@ -734,6 +736,8 @@ def main() -> None:
         serving_cases(results, args)
     elif args.models:
         model_cases(results, args)
+    elif args.fp8:
+        fp8_cases(results, args)
     elif args.grid:
         grid_cases(results, args, flex, rates)
         if args.grid_part != "extra":

@@ -335,3 +335,11 @@ def test_fp8_keys_with_rope(backend: str, dtype: torch.dtype) -> None:
     out = kern(q, k8, v8, k_descale=k_descale, v_descale=0.02)
     plain = kern(q, dequantised(k8, k_descale, dtype).to(dtype), dequantised(v8, 0.02, dtype).to(dtype))
     assert _error(out, plain) <= (FWD_TOL if dtype == torch.float32 else 1e-2)
+
+
+def test_fp8_kv_cache_example_runs() -> None:
+    """examples/fp8_kv_cache.py: the fp8 cache decodes as the bf16 cache of the same values."""
+    import runpy
+
+    example = runpy.run_path(str(ROOT / "examples" / "fp8_kv_cache.py"))
+    assert example["main"](batch=2, held=70, heads=4, kv_heads=2, head_dim=32) <= 1e-2

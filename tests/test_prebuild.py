@@ -130,3 +130,18 @@ def test_prebuild_errors_are_one_line(tmp_path, capsys) -> None:
     assert cli_main(["prebuild", str(tmp_path / "missing.attn"), "-o", str(tmp_path / "out")]) == 1
     assert "missing.attn: no such program file" in capsys.readouterr().err
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+def test_fp8_forwards_prebuild_and_load_from_the_directory(tmp_path, monkeypatch, capsys) -> None:
+    """`--kv-dtypes float8_e4m3fn`: the fp8 forward of each q dtype that takes it (not float64)
+    is prebuilt beside the plain libraries and an fp8 call loads it from there."""
+    prebuilt = tmp_path / "prebuilt"
+    args = ["prebuild", CAUSAL, "--dtypes", "float32", "float64", "--kv-dtypes", "float8_e4m3fn", "-o", str(prebuilt)]
+    assert cli_main(args) == 0
+    assert "causal.attn: cpu, 3 libraries" in capsys.readouterr().out
+    monkeypatch.setenv(PREBUILT_ENV, str(prebuilt))
+    kern = attncc.compile(CAUSAL)
+    assert kern.library_path("float32+float8_e4m3fn").parent.parent == prebuilt
+    q, k = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    out = kern(q, k.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), k_descale=1.0, v_descale=1.0)
+    assert torch.allclose(out, kern(q, k.to(torch.float8_e4m3fn).float(), k.to(torch.float8_e4m3fn).float()), atol=1e-5)

@@ -195,8 +195,8 @@ def test_under_torch_compile_fullgraph() -> None:
 @pytest.mark.parametrize(
     ("v_shape", "message"),
     [
-        ((2, 2, 30, 0), "v: head dim Dv=0 must be in [1, 256]"),
-        ((2, 2, 30, 257), "v: head dim Dv=257 must be in [1, 256]"),
+        ((2, 2, 30, 0), "v: head dim Dv=0 must be in [1, 576] on target cpu"),
+        ((2, 2, 30, 577), "v: head dim Dv=577 must be in [1, 576] on target cpu"),
         ((2, 2, 31, 16), "v: expected shape [2, 2, 30, Dv] (that of k but the head dim), got (2, 2, 31, 16)"),
         ((2, 1, 30, 16), "v: expected shape [2, 2, 30, Dv] (that of k but the head dim), got (2, 1, 30, 16)"),
     ],

@@ -165,13 +165,18 @@ class EmulatedKernel(Kernel):
                 self._libraries[key] = load_library(self.library_path_for(dtype, head_dim, value_dim))
             return self._libraries[key]
 
-    def prebuild(self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[Path]:
+    def prebuild(
+        self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int], kv_dtypes: Sequence[torch.dtype] = ()
+    ) -> list[Path]:
         """Build, without loading, the libraries for q/k/v of `dtypes` (their tensor-core storage
-        dtypes) at the plans of `head_dims`."""
+        dtypes) at the plans of `head_dims`, and the fp8 forwards of those storages with
+        `kv_dtypes`."""
         assert self.op.tiling is not None
-        storages = dict.fromkeys(str(self.storage_dtype(d)).removeprefix("torch.") for d in dtypes)
+        storages = dict.fromkeys(self.storage_dtype(d) for d in dtypes)
+        names = [library_dtype(s, s) for s in storages]
+        names += [library_dtype(s, kv) for kv in dict.fromkeys(kv_dtypes) for s in storages]
         plans = dict.fromkeys(rounded_head_dim(d) for d in head_dims)
-        return [self.library_path_for(s, d) for s in storages for d in plans]
+        return [self.library_path_for(name, d) for name in names for d in plans]
 
     def forward_impl(
         self,

@@ -40,7 +40,14 @@ from attncc.passes.sparsity import (
 )
 from attncc.passes.tiling import TilePlan
 from attncc.runtime.build import build_library, load_library
-from attncc.runtime.fp8 import FP8_DTYPES, check_operand_dtypes, dequantised, kv_descales, library_dtype
+from attncc.runtime.fp8 import (
+    FP8_DTYPES,
+    FP8_QUERY_DTYPES,
+    check_operand_dtypes,
+    dequantised,
+    kv_descales,
+    library_dtype,
+)
 from attncc.runtime.ragged import (
     CallOptions,
     paged_attention,
@@ -599,11 +606,21 @@ class Kernel:
                 self._libraries[dtype] = load_library(self.library_path(dtype), "attncc_forward")
             return self._libraries[dtype]
 
-    def prebuild(self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[Path]:
+    def prebuild(
+        self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int], kv_dtypes: Sequence[torch.dtype] = ()
+    ) -> list[Path]:
         """Build, without loading, every library that calls with q/k/v of `dtypes` and these head
-        dims use (`attncc prebuild`). A CPU library serves every head dim."""
+        dims use (`attncc prebuild`), and for fp8 `kv_dtypes` the forward of q of `dtypes` with
+        such k and v. A CPU library serves every head dim."""
         del head_dims  # the CPU kernels take D at run time
-        return [self.library_path(_DTYPES[d]) for d in dict.fromkeys(dtypes)]
+        names = [_DTYPES[d] for d in dict.fromkeys(dtypes)]
+        names += [
+            library_dtype(q, kv)
+            for kv in dict.fromkeys(kv_dtypes)
+            for q in dict.fromkeys(dtypes)
+            if q in FP8_QUERY_DTYPES
+        ]
+        return [self.library_path(name) for name in names]
 
     # ------------------------------------------------------------------ validation
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: Mapping[str, object]) -> None:
