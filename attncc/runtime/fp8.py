@@ -7,7 +7,8 @@ templates/cuda `load_fp8_rows`): attention is that of the dequantised operands
 
     k_deq = k.float() * k_descale[..., None],   v_deq = v.float() * v_descale[..., None],
 
-rounded once to q's dtype, and fp8 K/V cross memory at one byte per element. A descale factor
+rounded once to q's dtype (the CPU kernels' decoding path keeps them in fp32), and fp8 K/V
+cross memory at one byte per element. A descale factor
 is a number or a float tensor broadcastable to k's shape without its head dim: [B, Hkv, M] in
 padded calls, [total_k, Hkv] in packed ones, [num_pages, page_size, Hkv] for a paged cache; so
 a 0-d tensor is per tensor, [B, Hkv, 1] per (sequence, head) like FlashAttention 3's

@@ -43,6 +43,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "attncc/fp8bits.h"
 #include "attncc/halfbits.h"
 #include "attncc/philox.h"
 
@@ -291,6 +292,32 @@ class OwnedTasks {
   int threads_;
   std::unique_ptr<Range[]> ranges_;
 };
+
+// `n` fp8 bytes (e4m3fn, or e5m2 with kE5M2: fp8bits.h) widened to float, times `factor`, into
+// dst. AVX-512: 16 at a time through fp16, which holds every fp8 value: e5m2 is fp16's upper
+// byte; an e4m3 magnitude shifted into fp16's fields reads as 2^-8 of its value (its subnormals
+// as fp16 subnormals, which vcvtph2ps converts whatever DAZ says), and S.1111.111 is made NaN.
+// Exact, like fp8bits.h.
+template <bool kE5M2>
+inline void widen_fp8(float* __restrict dst, const uint8_t* __restrict src, int n, float factor) {
+  int c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512 scale = _mm512_set1_ps(kE5M2 ? factor : factor * 256.0f);
+  for (; c + 16 <= n; c += 16) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c)));
+    if constexpr (kE5M2) {
+      _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(x, 8)), scale));
+    } else {
+      const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(x, 8), _mm256_set1_epi16(int16_t(0x8000)));
+      const __m256i magnitude = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+      const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, _mm256_slli_epi16(magnitude, 7))), scale);
+      const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7f));
+      _mm512_storeu_ps(dst + c, _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
+    }
+  }
+#endif
+  for (; c < n; ++c) dst[c] = bits_to_float(kE5M2 ? fp8_e5m2_float_bits(src[c]) : fp8_e4m3_float_bits(src[c])) * factor;
+}
 
 // rows x cols of src (row stride `stride`, unit column stride) -> dst[r * ld + c], zero padded
 // to pad_rows x pad_cols, converted to acc_t.
