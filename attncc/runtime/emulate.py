@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -192,7 +192,7 @@ class EmulatedKernel(Kernel):
         paged: PagedKeys | None = None,
         sink: torch.Tensor | None = None,
         packed: PackedSequences | None = None,
-        descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+        descale: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.storage_dtype(q.dtype)
         qs = rows_of(q, storage, "q")
@@ -200,7 +200,7 @@ class EmulatedKernel(Kernel):
             ks, vs = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
         else:
             ks, vs = rows_of(k, storage, "k"), rows_of(v, storage, "v")
-        scales = dict(zip(("k_descale", "v_descale"), descale)) if descale is not None else {}
+        scales = dict(descale or {})
         value_dim = v.shape[-1]
         rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=storage, device=q.device)  # (packed: [total_q, H, Dv])
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

@@ -95,20 +95,23 @@ def descale_rows(name: str, descale: object, rows: torch.Size, device: torch.dev
     return descale.detach().to(torch.float32).expand(rows).unsqueeze(-1)
 
 
-def kv_descales(
-    k: torch.Tensor, v: torch.Tensor, k_descale: object, v_descale: object
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """k's and v's descale factors as `descale_rows` gives them, or None where k and v are not
-    fp8 (then none may be given)."""
+def kv_descales(k: torch.Tensor, v: torch.Tensor, k_descale: object, v_descale: object) -> dict[str, torch.Tensor]:
+    """k's and v's descale factors as `descale_rows` gives them, by their ABI names
+    (`by_name`), or {} where k and v are not fp8 (then none may be given)."""
     if not is_fp8(k):
         for name, given in (("k_descale", k_descale), ("v_descale", v_descale)):
             if given is not None:
                 raise InputError(f"{name}: descale factors go with fp8 k and v, got k of dtype {k.dtype}")
-        return None
-    return (
+        return {}
+    return by_name(
         descale_rows("k_descale", k_descale, k.shape[:-1], k.device),
         descale_rows("v_descale", v_descale, v.shape[:-1], v.device),
     )
+
+
+def by_name(k_descale: torch.Tensor | None, v_descale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The factors as the kernels' ABI names them (the ops take them as two optional tensors)."""
+    return {} if k_descale is None or v_descale is None else {"k_descale": k_descale, "v_descale": v_descale}
 
 
 def dequantised(x: torch.Tensor, descale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

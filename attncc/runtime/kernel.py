@@ -43,6 +43,7 @@ from attncc.runtime.build import build_library, load_library
 from attncc.runtime.fp8 import (
     FP8_DTYPES,
     FP8_QUERY_DTYPES,
+    by_name,
     check_operand_dtypes,
     dequantised,
     kv_descales,
@@ -281,7 +282,6 @@ class Kernel:
             B, H, N, _ = q.shape
             rows = padded_rows(B, H, N, q.device)
             sink = self.sink_rows(rows, _sizes(q, k), scale, runtime, acc_dtype(q.dtype)).expand(B, H, N).contiguous()
-        k_scales, v_scales = descale if descale is not None else (None, None)
         if _plain_call(q, k, v, *tensors, *([sink] if sink is not None else [])):
             out, lse = self.forward_impl(
                 q, k, v, tensors, scalars, scale, dropout, int(seed_value.item()), sink=sink, descale=descale
@@ -290,7 +290,18 @@ class Kernel:
                 self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         else:
             out, lse = torch.ops.attncc.attention(
-                self.call_key, q, k, v, tensors, scalars, scale, dropout, seed_value, sink, k_scales, v_scales
+                self.call_key,
+                q,
+                k,
+                v,
+                tensors,
+                scalars,
+                scale,
+                dropout,
+                seed_value,
+                sink,
+                descale.get("k_descale"),
+                descale.get("v_descale"),
             )
         return (out, lse) if return_lse else out
 
@@ -534,8 +545,8 @@ class Kernel:
         `attncc check`; fp8 k and v dequantised first (in fp32, rounded to q's dtype)."""
         self.validate(q, k, v, runtime)
         descale = kv_descales(k, v, k_descale, v_descale)
-        if descale is not None:
-            k, v = (dequantised(t, d, q.dtype) for t, d in zip((k, v), descale))
+        if descale:
+            k, v = (dequantised(t, descale[name], q.dtype) for t, name in ((k, "k_descale"), (v, "v_descale")))
         q, k = self.rope_applied(q, k, runtime)
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
@@ -742,7 +753,7 @@ class Kernel:
         paged: PagedKeys | None = None,
         sink: torch.Tensor | None = None,
         packed: PackedSequences | None = None,
-        descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+        descale: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of one padded call; `offset` is the dropout counters' fourth word
         (0 for plain calls, the sequence's index for packed and paged calls). With `paged`
@@ -751,11 +762,11 @@ class Kernel:
         row as the kernel writes it (out and lse are those of the softmax with the sink). With
         `packed`, q, k, v are a packed batch [total, heads, D], out and lse
         [total_q, H, D] and [total_q, H] (sink too), all sequences in one launch. With fp8 k and v,
-        `descale` holds their descale factors shaped as k and v with a head dim of 1
+        `descale` holds their descale factors by ABI name, shaped as k and v with a head dim of 1
         (runtime/fp8.py `descale_rows`: whatever layout k and v have, the factors have too)."""
         dtype = library_dtype(q.dtype, k.dtype)
         strides: dict[str, tuple[int, ...]] = {}
-        scales = dict(zip(("k_descale", "v_descale"), descale)) if descale is not None else {}
+        scales = dict(descale or {})
         value_dim = v.shape[-1]
         # (packed: the rows the kernel writes through `out`)
         rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=q.dtype)
@@ -1230,7 +1241,7 @@ def attention_op(
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    descale = (k_descale, v_descale) if k_descale is not None and v_descale is not None else None
+    descale = by_name(k_descale, v_descale)
     return _REGISTRY[key].forward_impl(
         q, k, v, tensors, scalars, scale, dropout, int(seed.item()), sink=sink, descale=descale
     )
@@ -1391,7 +1402,7 @@ def varlen_op(
     kern, packed, options = _varlen_call(
         key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
     )
-    descale = (k_descale, v_descale) if k_descale is not None and v_descale is not None else None
+    descale = by_name(k_descale, v_descale)
     return varlen_forward(kern, packed, options, q, k, v, sink, tensors, descale)
 
 
@@ -1510,7 +1521,7 @@ def paged_op(
     v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     options = CallOptions(scalars, scale, 0.0, 0)
-    descale = (k_descale, v_descale) if k_descale is not None and v_descale is not None else None
+    descale = by_name(k_descale, v_descale)
     return paged_forward(
         _REGISTRY[key], q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, options, tensors, sink, descale
     )

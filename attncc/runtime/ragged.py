@@ -218,7 +218,7 @@ def varlen_forward(
     v: torch.Tensor,
     sink: torch.Tensor | None,
     tensors: list[torch.Tensor],
-    descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+    descale: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out, lse of a packed batch in one launch; rows of sequences with no key are 0 and -inf
     (or the sink alone). `descale`: fp8 k's and v's factors [total_k, Hkv, 1] (runtime/fp8.py)."""
@@ -322,13 +322,12 @@ def varlen_attention(
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     descale = kv_descales(k, v, k_descale, v_descale)
-    k_scales, v_scales = descale if descale is not None else (None, None)
     sink = None
     if kern.op.sink is not None:
         sink = varlen_sink_rows(kern, q, k, cu_seqlens_q, cu_seqlens_k, scale, runtime)
     out, lse = torch.ops.attncc.varlen_attention(
         kern.call_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        tensors, scalars, scale, dropout, seed_tensor(seed, dropout), sink, k_scales, v_scales,
+        tensors, scalars, scale, dropout, seed_tensor(seed, dropout), sink, descale.get("k_descale"), descale.get("v_descale"),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -404,7 +403,7 @@ def paged_forward(
     options: CallOptions,
     tensors: list[torch.Tensor],
     sink: torch.Tensor | None,
-    descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+    descale: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out, lse [B, H, N, ...] of q [B, H, N, D] over the paged cache, k_new and v_new appended
     into it first (in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new).
@@ -458,7 +457,7 @@ def paged_forward(
             0.0,
             0,
             sink=None if sink is None else sink[batch],
-            descale=None if descale is None else tuple(_cached_keys(d, pages, seg.count, seg.m) for d in descale),  # type: ignore[arg-type]
+            descale={name: _cached_keys(d, pages, seg.count, seg.m) for name, d in (descale or {}).items()},
         )
     return out, lse
 
@@ -542,10 +541,9 @@ def paged_attention(
             sink = kern.sink_rows(padded_rows(B, H, N, q.device), row_sizes, scale, runtime, acc_dtype(q.dtype))
             sink = sink.expand(B, H, N).contiguous()
     descale = kv_descales(k_cache, v_cache, k_descale, v_descale)
-    k_scales, v_scales = descale if descale is not None else (None, None)
     out, lse = torch.ops.attncc.paged_attention(
         kern.call_key, q_bhnd, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new,
-        tensors, scalars, scale, sink, k_scales, v_scales,
+        tensors, scalars, scale, sink, descale.get("k_descale"), descale.get("v_descale"),
     )  # fmt: skip
     if layout == "bnhd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
