@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import attncc
+from attncc import distributed
 from attncc.codegen import KV_FORMATS
 from attncc.errors import AttnccError
 from attncc.ir.graph import fused_node
@@ -165,7 +166,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
             f"// split-KV on {args.target} ({sms} SMs): {query_blocks} query blocks, {key_tiles} key tiles: "
             f"{splits} block(s) per query tile"
         )
+    if args.context_parallel:
+        explain_context_parallel(kern, shape, args.context_parallel, runtime)
     return 0
+
+
+def explain_context_parallel(kern: attncc.Kernel, shape: Shape, world_size: int, runtime: dict[str, object]) -> None:
+    """The globalized program, both layouts' chunk pairs and traffic, and the layout chosen."""
+    globalized = kern.at_global_positions()
+    print(f"// context parallel over {world_size} ranks: the program at global positions")
+    print(globalized.stages[[s.name for s in globalized.stages].index("globalize_positions")].text())
+    sizes = {"B": shape.B, "H": shape.H, "Hkv": shape.Hkv, "D": shape.D, "Dv": shape.Dv}
+    try:
+        plans = distributed.layout_plans(kern, world_size, shape.N, shape.M, **sizes, **runtime)  # type: ignore[arg-type]
+    except attncc.InputError as e:
+        print(f"// {e}")
+        return
+    for plan in plans:
+        print(f"// {plan.describe(itemsize=4)}")
+    chosen = distributed.balanced(plans)
+    print(f"// chosen layout: {chosen.layout} (the smallest largest per-rank work)")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -319,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--target", default="cpu")
     p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64))
+    p.add_argument("--context-parallel", type=int, metavar="P", help="chunk pairs and ring traffic over P ranks")
     p.set_defaults(fn=cmd_explain)
 
     p = sub.add_parser("check", help="compare forward and backward against eager float64")

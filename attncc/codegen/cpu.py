@@ -51,6 +51,7 @@ def hook_values(g: Graph) -> dict[str, object]:
         ex.SCORE_VAR in ex.free_vars(gr.derivative) for gr in op.backward.inputs
     )
     dscore = op.backward.dscore
+    query_position0, key_position0 = (emit(e) for e in op.position0) if op.position0 else ("0", "0")
     return {
         "has_score_map": op.score != ex.score(),
         # dS0 = dS * dscore unless dscore is the constant 1 (a constant such as `s * 2` or a
@@ -61,6 +62,8 @@ def hook_values(g: Graph) -> dict[str, object]:
         "mask": emit(op.mask) if op.mask is not None else "true",
         "dscore": emit(op.backward.dscore),
         "input_grads": grads,
+        "query_position0": query_position0,
+        "key_position0": key_position0,
     }
 
 

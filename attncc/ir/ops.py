@@ -161,7 +161,10 @@ class FusedAttention(Op):
     default_scale: the value of the name `scale` unless a call gives one (the program's
     `scale = ...` or 1/sqrt(D)); score: the score expression over `s` (the scaled product)
     and `scale`; mask: the predicate (masks and layouts together, after sparsity analysis) or
-    None; layouts: block-sparse layouts; sink: the softmax's sink logit per query row or None.
+    None; layouts: block-sparse layouts; sink: the softmax's sink logit per query row or None;
+    position0: the global positions of the call's first query and key row where the program's
+    positions are global (passes/positions.py: context-parallel chunks; dropout counts from them),
+    else None (0).
     Later passes fill the analysis fields; the verifier checks each is present once its pass ran.
     """
 
@@ -178,6 +181,7 @@ class FusedAttention(Op):
     sink: Expr | None = None
     q_rope: Rope | None = None
     k_rope: Rope | None = None
+    position0: tuple[Expr, Expr] | None = None
 
     def describe(self) -> str:
         parts = [f"scale={self.scale}", f"score={self.score}"]
@@ -189,6 +193,9 @@ class FusedAttention(Op):
         if self.sink is not None:
             parts.append(f"sink={self.sink}")
         parts.extend(r.describe() for r in (self.q_rope, self.k_rope) if r is not None)
+
         if self.dropout:
             parts.append(f"dropout={self.dropout}")
+        if self.position0 is not None:
+            parts.append(f"positions from ({self.position0[0]}, {self.position0[1]})")
         return "fused_attention " + ", ".join(parts)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attncc.frontend.lower import parse_program
-from attncc.ir.graph import Graph, print_graph, verify
+from attncc.ir.graph import Graph, clone, fused_node, print_graph, verify
 from attncc.passes.backward import derive_backward
 from attncc.passes.canonicalize import canonicalize
 from attncc.passes.cost import cost
 from attncc.passes.fuse import fuse_attention
+from attncc.passes.positions import globalize_positions
 from attncc.passes.sparsity import analyse_sparsity
 from attncc.passes.tiling import tile
 from attncc.targets import Target
@@ -45,3 +46,28 @@ def run_pipeline(source: str, path: str, target: Target, tiles: tuple[int, int] 
     step("tile", lambda g: tile(g, target, tiles))  # Br, Bc per head dim from the target
     step("cost", cost)  # IO model of the fused node and the unfused chain
     return stages
+
+
+def at_global_positions(stages: list[Stage]) -> list[Stage]:
+    """`stages` (a `run_pipeline` result) again from sparsity analysis on, with
+    `globalize_positions` after it: the program of a chunk pair of a longer sequence
+    (context parallelism). The tiling is the original's: it depends on the target and the head
+    dims, not on where positions start."""
+    names = [stage.name for stage in stages]
+    kept = stages[: names.index("analyse_sparsity") + 1]
+    tiling = fused_node(stages[names.index("tile")].graph)[1].tiling
+
+    def with_tiling(g: Graph) -> Graph:
+        g = clone(g)
+        node, op = fused_node(g)
+        g.nodes[node]["op"] = replace(op, tiling=tiling)
+        return g
+
+    for name, fn in (
+        ("globalize_positions", globalize_positions),
+        ("derive_backward", derive_backward),
+        ("tile", with_tiling),
+        ("cost", cost),
+    ):
+        kept.append(Stage(name, verify(fn(kept[-1].graph), name)))
+    return kept

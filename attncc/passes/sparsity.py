@@ -40,6 +40,9 @@ class SparsityInfo:
     varies_with_batch: bool
     varies_with_head: bool
     runtime_inputs: tuple[str, ...]
+    #: The sizes the layout grids span: the call's N and M, or the scalars naming the whole
+    #: sequence's lengths where positions are global (passes/positions.py).
+    grid_sizes: tuple[str, str] = ("N", "M")
 
     def describe(self) -> str:
         if self.predicate is None:
@@ -408,12 +411,18 @@ class Problem:
 
 
 def runtime_tensors(
-    info: SparsityInfo, problem: Problem, tensors: Mapping[str, torch.Tensor]
+    info: SparsityInfo,
+    problem: Problem,
+    tensors: Mapping[str, torch.Tensor],
+    scalars: Mapping[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The call's tensors plus the generated layout grids."""
+    """The call's tensors plus the generated layout grids (spanning `info.grid_sizes`: the
+    problem's N and M, or the scalars of that name)."""
     out = dict(tensors)
+    sizes = {"N": problem.N, "M": problem.M, **(scalars or {})}
+    n, m = (int(sizes[name]) for name in info.grid_sizes)
     for name, layout in info.layout_grids:
-        out[name] = layout_grid(layout, problem.N, problem.M)
+        out[name] = layout_grid(layout, n, m)
     return out
 
 

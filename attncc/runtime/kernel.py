@@ -9,6 +9,7 @@ have fake implementations, so kernels work under `torch.compile`.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import itertools
@@ -28,7 +29,8 @@ from attncc.codegen.cpu import generate_cpu
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
-from attncc.passes import Stage
+from attncc.passes import Stage, at_global_positions
+from attncc.passes.positions import GLOBAL_SIZES
 from attncc.passes.sparsity import (
     Problem,
     check_reads_and_divisors,
@@ -195,19 +197,38 @@ class Kernel:
     #: "auto" (see `backward_entries`), "fused" or "two-pass".
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
-    _PER_PROCESS: tuple[str, ...] = ("_libraries", "_lock", "call_key", "_calls", "_plans", "_repeats")
+    _PER_PROCESS: tuple[str, ...] = (
+        "_libraries", "_lock", "call_key", "_calls", "_plans", "_repeats", "_globalized",
+    )  # fmt: skip
 
     def __init__(self, stages: list[Stage], target: str) -> None:
+        self.target = target
+        self._take_stages(stages)
+        self._register()
+
+    def _take_stages(self, stages: list[Stage]) -> None:
         self.stages = stages
         self.graph: Graph = stages[-1].graph
         _, self.op = fused_node(self.graph)
         self.name: str = self.graph.graph["name"]
-        self.target = target
         self.abi: KernelAbi = kernel_abi(self.graph, cuda=self.cuda_abi)
         self.inputs: list[Input] = runtime_inputs(self.graph)
-        text = print_graph(self.graph) + repr(self.op) + target
+        text = print_graph(self.graph) + repr(self.op) + self.target
         self.key = f"{self.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-        self._register()
+
+    def at_global_positions(self) -> Kernel:
+        """This variant for chunk pairs of a longer sequence (passes/positions.py): the same kind
+        of kernel (target, emulation settings), taking the int scalars `__query_position0`,
+        `__key_position0` (the chunks' first global positions), `__global_N` and `__global_M`
+        (the whole sequence's lengths) besides the program's inputs. Made once per kernel."""
+        with self._lock:
+            globalized = self._globalized
+            if globalized is None:
+                globalized = copy.copy(self)  # (a fresh registration: __setstate__)
+                globalized._take_stages(at_global_positions(self.stages))
+                globalized._register()
+                self._globalized = globalized
+        return globalized
 
     def _register(self) -> None:
         self._libraries: dict[str | tuple[str, int], ctypes.CDLL] = {}  # CPU: dtype; CUDA: (dtype, head dim)
@@ -215,6 +236,7 @@ class Kernel:
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
         self._repeats: dict[tuple, RepeatLaunch] = {}  # packed launches of checked calls (see _repeat_key)
+        self._globalized: Kernel | None = None  # see at_global_positions
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
         self.call_key = f"{self.key}#{next(_KEYS)}"
@@ -551,7 +573,7 @@ class Kernel:
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
         problem = _problem(q, k, v.shape[3])
-        tensors = runtime_tensors(self.op.sparsity, problem, tensors)  # type: ignore[arg-type]
+        tensors = runtime_tensors(self.op.sparsity, problem, tensors, scalars)  # type: ignore[arg-type]
         scale_value = float(scale) if scale is not None else self.default_scale(q, k)
         dropout = self.op.dropout if train else 0.0
         return reference_attention(self.op, q, k, v, scale_value, scalars, tensors, seed, 0, dropout, dtype)  # type: ignore[arg-type]
@@ -674,6 +696,8 @@ class Kernel:
                 raise InputError(f"{name}: head dim {dim}={size} must be in [1, {limit}] on target {self.target}")
         self.check_input_names(runtime)
         sizes = _sizes(q, k)
+        # a globalized program's N and M are the whole sequence's (passes/positions.py)
+        sizes.update({size: int(runtime[name]) for size, name in GLOBAL_SIZES.items() if name in runtime})  # type: ignore[call-overload]
         bound: dict[str, int] = {}
         for decl in self.inputs:
             self._validate_input(decl, runtime[decl.name], sizes, bound, q.device)
@@ -1032,7 +1056,7 @@ class Kernel:
         info = self.op.sparsity
         assert info is not None
         problem = plan.problem
-        all_tensors = runtime_tensors(info, problem, given)
+        all_tensors = runtime_tensors(info, problem, given, scalar_map)
         exprs = [self.op.score] + ([self.op.mask] if self.op.mask is not None else [])
         if problem.N and problem.M:
             check_reads_and_divisors(exprs, problem, scalar_map, all_tensors, lengths)

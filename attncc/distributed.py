@@ -1,0 +1,560 @@
+"""Context parallelism: one sequence split across ranks, attention over torch.distributed.
+
+Each of P ranks of a process group holds a slice of the sequence's rows: q [B, H, N/P, D],
+k and v [B, Hkv, M/P, D]. The sequence is cut into chunks of equal length; a layout assigns
+them to ranks: "contiguous" (P chunks, rank r holds chunk r) or "zigzag" (2P chunks, rank r
+holds chunks r and 2P-1-r, so a causal program gives every rank the same work; `shard` cuts a
+whole tensor this way, `unshard` puts the slices back). `context_parallel` computes, on every
+rank, the attention of its query rows over all keys, exactly the single-process call's:
+
+- The program is compiled once more with global positions (passes/positions.py): i, j, N and M
+  mean the whole sequence's, so masks, rope, sinks and document ids are written once.
+- The chunk pairs are classified like tiles (passes/sparsity.py, one tile per chunk pair, at
+  the whole sequence's sizes and inputs): every rank computes the same table, so a pair that is
+  empty for every (b, h) costs nothing, neither its compute nor its transfer, and full pairs
+  skip mask evaluation inside the kernel (their tiles are full).
+- Step s = 0 .. P-1 of the ring: rank r works on the K/V slice of rank r - s, which that rank
+  sends to it directly (torch.distributed P2P, `batch_isend_irecv`, gloo or NCCL); the next
+  step's transfer is posted before the current step's compute, so they overlap. A slice is
+  only sent where the receiver has a non-empty pair with it. Partial outputs are merged by
+  their log-sum-exp as they arrive (merge_states), so a rank holds at most two remote slices.
+- The backward runs the ring again: the K/V slices travel as in the forward, each pair's
+  kernel backward (with the merged out and lse) gives dQ, kept, and dK, dV of the remote
+  slice, sent back to its owner. Gradients of learnable inputs are summed over the ranks
+  (all-reduce), so every rank holds the single-process gradient.
+- Dropout draws from global positions with one seed (broadcast from the group's first rank
+  when not given), so a sharded run keeps the same elements as the unsharded one.
+
+Sequence lengths must divide into the layout's chunks (N and M multiples of P, or of 2P for
+zigzag): pad the sequence and mask the padding in the program otherwise. Packed (varlen) and
+paged calls and fp8 K/V are not context-parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from attncc.errors import InputError
+from attncc.ir import expr as ex
+from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
+from attncc.passes.sparsity import EMPTY, FULL, PARTIAL, Problem, check_reads_and_divisors, classify_tiles
+from attncc.passes.sparsity import runtime_tensors as with_layout_grids
+from attncc.runtime.fp8 import is_fp8
+from attncc.runtime.kernel import Kernel, checked_scale, seed_tensor
+from attncc.runtime.merge import merge_states
+from attncc.runtime.reference import evaluate
+
+LAYOUTS = ("contiguous", "zigzag")
+#: Message tags of the four kinds of transfer (gloo matches by tag; NCCL by order, the same here).
+_TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 1, 2, 3, 4
+
+
+# ----------------------------------------------------------------------------- layouts
+def chunks_per_rank(layout: str) -> int:
+    if layout not in LAYOUTS:
+        raise InputError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return 2 if layout == "zigzag" else 1
+
+
+def rank_chunks(layout: str, rank: int, world_size: int) -> tuple[int, ...]:
+    """The global chunk indices rank `rank` holds, in the order its slice stacks them."""
+    return (rank, 2 * world_size - 1 - rank) if chunks_per_rank(layout) == 2 else (rank,)
+
+
+def _chunk_length(length: int, world_size: int, layout: str, name: str) -> int:
+    count = world_size * chunks_per_rank(layout)
+    if length % count:
+        raise InputError(
+            f"{name}: a sequence of {length} rows does not split into the {count} equal chunks of the "
+            f"{layout} layout over {world_size} ranks; pad it to a multiple of {count} and mask the padding"
+        )
+    return length // count
+
+
+def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
+    """Rank `rank`'s slice of the whole-sequence tensor `x` (sequence along `dim`)."""
+    n = _chunk_length(x.shape[dim], world_size, layout, "x")
+    return torch.cat([x.narrow(dim, c * n, n) for c in rank_chunks(layout, rank, world_size)], dim=dim)
+
+
+def unshard(slices: Sequence[torch.Tensor], layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
+    """The whole-sequence tensor from every rank's slice (`slices[r]`: rank r's), as `shard` cut it."""
+    world_size = len(slices)
+    per_rank = chunks_per_rank(layout)
+    chunks: dict[int, torch.Tensor] = {}
+    for rank, part in enumerate(slices):
+        for piece, c in zip(part.chunk(per_rank, dim=dim), rank_chunks(layout, rank, world_size)):
+            chunks[c] = piece
+    return torch.cat([chunks[c] for c in sorted(chunks)], dim=dim)
+
+
+# ----------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """Which chunk pairs a context-parallel call computes, and what travels.
+
+    classes: uint8 [C, C] over the layout's C chunks (query chunk, key chunk): EMPTY where every
+    (b, h) of the pair is masked, FULL where none is, else PARTIAL (passes/sparsity.py).
+    work: the score elements of each rank's query rows in visible tiles (a finer
+    classification, 16 x 16 tiles per zigzag chunk pair), the load `choose_layout` balances."""
+
+    layout: str
+    world_size: int
+    problem: Problem  # the whole sequence's sizes
+    chunk_rows: int
+    chunk_cols: int
+    classes: torch.Tensor
+    work: tuple[int, ...]
+
+    def pairs(self, rank: int, source: int) -> list[tuple[int, int, int]]:
+        """(query chunk slot, key chunk slot, class) of the non-empty pairs of rank `rank`'s
+        queries with rank `source`'s keys (slots: positions in the ranks' slices)."""
+        mine = rank_chunks(self.layout, rank, self.world_size)
+        theirs = rank_chunks(self.layout, source, self.world_size)
+        return [
+            (a, b, int(self.classes[qc, kc]))
+            for a, qc in enumerate(mine)
+            for b, kc in enumerate(theirs)
+            if self.classes[qc, kc] != EMPTY
+        ]
+
+    def needs(self, rank: int, source: int) -> bool:
+        return bool(self.pairs(rank, source))
+
+    @property
+    def skipped_pairs(self) -> int:
+        return int((self.classes == EMPTY).sum())
+
+    def transfers(self, rank: int) -> list[tuple[bool, bool]]:
+        """Per ring step s (s = 1 .. P-1): whether rank `rank` receives the K/V slice of rank
+        rank - s, and whether it sends its own to rank rank + s."""
+        P = self.world_size
+        return [(self.needs(rank, (rank - s) % P), self.needs((rank + s) % P, rank)) for s in range(1, P)]
+
+    def describe(self, itemsize: int = 2) -> str:
+        """The IO report of the ring: per rank and step, the bytes received (forward: a K/V
+        slice; backward: it again plus the dK/dV it gets back), against an all-gather design
+        (every rank gathers all of K and V, and reduce-scatters dK, dV)."""
+        p, P = self.problem, self.world_size
+        slice_bytes = p.B * p.Hkv * (p.M // P) * (p.D + p.Dv) * itemsize
+        lines = [
+            f"context parallel: {self.layout} layout, {P} ranks, {len(self.classes)} chunks of {self.chunk_rows} query "
+            f"and {self.chunk_cols} key rows; {self.skipped_pairs} of {self.classes.numel()} chunk pairs empty "
+            f"(skipped), {int((self.classes == FULL).sum())} full (no mask evaluation)",
+            f"work per rank (score elements in visible tiles, 16x16 per chunk pair): {list(self.work)}",
+        ]
+        ring_total = 0
+        for rank in range(P):
+            steps = self.transfers(rank)
+            received = [slice_bytes if recv else 0 for recv, _ in steps]
+            returned = [slice_bytes if send else 0 for _, send in steps]  # dK, dV of its own slice
+            ring_total += sum(received) * 2 + sum(returned)
+            lines.append(
+                f"  rank {rank}: forward receives {[_mib(b) for b in received]} MiB per step; backward "
+                f"{[_mib(a + b) for a, b in zip(received, returned)]} MiB (K/V again, dK/dV back)"
+            )
+        gather = P * (P - 1) * slice_bytes * 3  # K/V gathered twice, dK/dV reduce-scattered
+        lines.append(
+            f"  all ranks, forward + backward: ring {_mib(ring_total)} MiB, all-gather {_mib(gather)} MiB; "
+            f"peak remote K/V per rank: ring {_mib(2 * slice_bytes)} MiB, all-gather {_mib((P - 1) * slice_bytes)} MiB"
+        )
+        return "\n".join(lines)
+
+
+def _mib(nbytes: float) -> float:
+    return round(nbytes / 2**20, 2)
+
+
+def plan_context_parallel(
+    kern: Kernel,
+    world_size: int,
+    problem: Problem,
+    layout: str,
+    scalars: Mapping[str, float],
+    tensors: Mapping[str, torch.Tensor],
+    scale_value: float,
+) -> ContextParallelPlan:
+    """The chunk-pair classes and per-rank work of `kern` over the whole sequence `problem`."""
+    info = kern.op.sparsity
+    assert info is not None
+    chunk_rows = _chunk_length(problem.N, world_size, layout, "q")
+    chunk_cols = _chunk_length(problem.M, world_size, layout, "k")
+    scalar_map = {**scalars, "scale": scale_value}
+    host_tensors = {name: t.detach().cpu() for name, t in tensors.items()}
+    all_tensors = with_layout_grids(info, problem, host_tensors)
+    exprs = [kern.op.score] + ([kern.op.mask] if kern.op.mask is not None else [])
+    check_reads_and_divisors(exprs, problem, scalar_map, all_tensors)
+    per_bh = classify_tiles(info, problem, scalar_map, all_tensors, chunk_rows, chunk_cols)
+    classes = torch.where(
+        (per_bh == EMPTY).all(0).all(0), EMPTY, torch.where((per_bh == FULL).all(0).all(0), FULL, PARTIAL)
+    ).to(torch.uint8)
+    # the same fine tiles whatever the layout (so layouts compare): 16 per zigzag chunk
+    sub_rows, sub_cols = math.ceil(problem.N / (32 * world_size)), math.ceil(problem.M / (32 * world_size))
+    fine = classify_tiles(info, problem, scalar_map, all_tensors, sub_rows, sub_cols)
+    visible = (fine != EMPTY).expand(problem.B, problem.H, -1, -1).sum((0, 1, 3))  # per fine query tile
+    per_chunk = [0] * len(classes)
+    for tile, count in enumerate(visible.tolist()):
+        per_chunk[tile * sub_rows // chunk_rows] += count * sub_rows * sub_cols
+    work = tuple(sum(per_chunk[c] for c in rank_chunks(layout, r, world_size)) for r in range(world_size))
+    return ContextParallelPlan(layout, world_size, problem, chunk_rows, chunk_cols, classes, work)
+
+
+def layout_plans(
+    kern: Kernel,
+    world_size: int,
+    N: int,
+    M: int | None = None,
+    *,
+    B: int = 1,
+    H: int = 1,
+    Hkv: int | None = None,
+    D: int = 64,
+    Dv: int | None = None,
+    scale: float | None = None,
+    **inputs: object,
+) -> list[ContextParallelPlan]:
+    """The plan of every layout (LAYOUTS order) for this program, sizes and inputs (those
+    over the whole sequence, as `context_parallel` takes them)."""
+    problem = Problem(B, H, Hkv or H, N, N if M is None else M, D, D if Dv is None else Dv)
+    scalars, tensors, scale_value = _program_values(kern, problem, scale, inputs)
+    return [plan_context_parallel(kern, world_size, problem, lay, scalars, tensors, scale_value) for lay in LAYOUTS]
+
+
+def balanced(plans: Sequence[ContextParallelPlan]) -> ContextParallelPlan:
+    """The plan whose busiest rank has the least work (ties: the earlier layout, contiguous)."""
+    return min(plans, key=lambda plan: (max(plan.work), LAYOUTS.index(plan.layout)))
+
+
+def choose_layout(
+    kern: Kernel, world_size: int, N: int, M: int | None = None, **sizes_and_inputs: object
+) -> ContextParallelPlan:
+    """The plan of the layout that balances the ranks' work best (`layout_plans`, `balanced`),
+    from the tile classes, not from knowing the mask: causal and bottom-right programs get
+    zigzag, a sliding window or a dense program contiguous. Shard q, k, v with its `layout`."""
+    return balanced(layout_plans(kern, world_size, N, M, **sizes_and_inputs))  # type: ignore[arg-type]
+
+
+def _program_values(
+    kern: Kernel, problem: Problem, scale: float | None, inputs: Mapping[str, object]
+) -> tuple[dict[str, float], dict[str, torch.Tensor], float]:
+    """The program's scalars and tensors by name, and the value of `scale` at the whole sizes."""
+    kern.check_input_names(inputs)
+    scalars = {d.name: float(inputs[d.name]) for d in kern.inputs if d.role == "scalar"}  # type: ignore[arg-type]
+    tensors = {d.name: inputs[d.name] for d in kern.inputs if d.role == "tensor"}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: expected a tensor, got {type(t).__name__}")
+    sizes = {name: getattr(problem, name) for name in ex.SIZE_VARS}
+    checked = checked_scale(scale)
+    value = checked if checked is not None else float(evaluate(kern.op.default_scale, sizes, {}))
+    return scalars, tensors, value  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- the ring
+class _SumOverRanks(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group's ranks (learnable inputs
+    that every rank holds a copy of, each rank's gradient covering its own query rows)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+@dataclass
+class _Ring:
+    """One context-parallel call: its plan, rank, group and the globalized kernel's arguments."""
+
+    kern: Kernel  # globalized (Kernel.at_global_positions)
+    plan: ContextParallelPlan
+    group: dist.ProcessGroup | None
+    rank: int
+    scalars: dict[str, float]
+    scale: float
+    dropout: float
+    seed: int
+
+    def _peer(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def _positions(self, query_slot: int, key_slot: int, source: int) -> list[float]:
+        """The program's scalars for one chunk pair, in the globalized kernel's order."""
+        P, lay = self.plan.world_size, self.plan.layout
+        values = {
+            **self.scalars,
+            QUERY_POSITION0: rank_chunks(lay, self.rank, P)[query_slot] * self.plan.chunk_rows,
+            KEY_POSITION0: rank_chunks(lay, source, P)[key_slot] * self.plan.chunk_cols,
+            GLOBAL_N: self.plan.problem.N,
+            GLOBAL_M: self.plan.problem.M,
+        }
+        return [float(values[d.name]) for d in self.kern.inputs if d.role == "scalar"]
+
+    def _exchange(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list:
+        ops = [dist.P2POp(dist.isend, t, self._peer(peer), self.group, tag) for t, peer, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._peer(peer), self.group, tag) for t, peer, tag in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def _post_keys(self, step: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list, tuple | None]:
+        """Post step `step`'s K/V transfers: this rank's slice to rank + step where it needs it,
+        rank - step's slice into fresh buffers where this rank needs it."""
+        P, r = self.plan.world_size, self.rank
+        source, target = (r - step) % P, (r + step) % P
+        sends = [(k, target, _TAG_K), (v, target, _TAG_V)] if self.plan.needs(target, r) else []
+        buffers = (torch.empty_like(k), torch.empty_like(v)) if self.plan.needs(r, source) else None
+        recvs = [(buffers[0], source, _TAG_K), (buffers[1], source, _TAG_V)] if buffers else []
+        return self._exchange(sends, recvs), buffers
+
+    def _ring_keys(self, k: torch.Tensor, v: torch.Tensor):  # noqa: ANN202 - generator
+        """(step, source rank, its K, its V) for every step s = 0 .. P-1 (K and V None where this
+        rank needs nothing of the source's slice), the next step's transfer posted before the
+        current one is handed out."""
+        P, r = self.plan.world_size, self.rank
+        pending = self._post_keys(1, k, v) if P > 1 else ([], None)
+        yield (0, r, k, v) if self.plan.needs(r, r) else (0, r, None, None)
+        for step in range(1, P):
+            works, buffers = pending
+            for work in works:
+                work.wait()
+            pending = self._post_keys(step + 1, k, v) if step + 1 < P else ([], None)
+            yield (step, (r - step) % P, *(buffers if buffers is not None else (None, None)))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, acc = self.plan.chunk_rows, torch.promote_types(torch.float32, q.dtype)
+        slots = q.shape[2] // n
+        rows_out = [q.new_zeros((*q.shape[:2], n, v.shape[3]), dtype=acc) for _ in range(slots)]
+        rows_lse = [q.new_full((*q.shape[:2], n), -math.inf, dtype=acc) for _ in range(slots)]
+        m = self.plan.chunk_cols
+        for _, source, ks, vs in self._ring_keys(k.contiguous(), v.contiguous()):
+            if ks is None:
+                continue
+            for a, b, _ in self.plan.pairs(self.rank, source):
+                out, lse = self.kern.forward_impl(
+                    q.narrow(2, a * n, n),
+                    ks.narrow(2, b * m, m),
+                    vs.narrow(2, b * m, m),
+                    tensors,
+                    self._positions(a, b, source),
+                    self.scale,
+                    self.dropout,
+                    self.seed,
+                )
+                rows_out[a], rows_lse[a] = merge_states([rows_out[a], out.to(acc)], [rows_lse[a], lse.to(acc)])
+        return torch.cat(rows_out, 2).to(q.dtype), torch.cat(rows_lse, 2)
+
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        tensors: list[torch.Tensor],
+        grad_inputs: list[bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        P, r = self.plan.world_size, self.rank
+        n, m = self.plan.chunk_rows, self.plan.chunk_cols
+        acc = torch.promote_types(torch.float32, q.dtype)
+        k, v, dout = k.contiguous(), v.contiguous(), dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk_own, dv_own = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
+        grads = [
+            torch.zeros(t.shape, dtype=torch.float64, device=t.device) if want else None
+            for t, want in zip(tensors, grad_inputs)
+        ]
+        # dK/dV of this rank's slice coming back from rank + step: received as the ring goes,
+        # added one step later, so at most two such buffers live at once
+        returned: list[tuple[list, torch.Tensor, torch.Tensor]] = []
+        sent: list[list] = []
+        for step, source, ks, vs in self._ring_keys(k, v):
+            helper = (r + step) % P
+            if step and self.plan.needs(helper, r):
+                buffers = tuple(torch.empty(t.shape, dtype=acc, device=t.device) for t in (k, v))
+                works = self._exchange([], [(buffers[0], helper, _TAG_DK), (buffers[1], helper, _TAG_DV)])
+                returned.append((works, *buffers))
+            if ks is not None:
+                dk = torch.zeros(ks.shape, dtype=acc, device=ks.device) if step else dk_own
+                dv = torch.zeros(vs.shape, dtype=acc, device=vs.device) if step else dv_own
+                for a, b, _ in self.plan.pairs(r, source):
+                    rows, keys = slice(a * n, (a + 1) * n), slice(b * m, (b + 1) * m)
+                    dq_part, dk_part, dv_part, input_grads = self.kern.backward_impl(
+                        q[:, :, rows],
+                        ks[:, :, keys],
+                        vs[:, :, keys],
+                        out[:, :, rows],
+                        lse[:, :, rows],
+                        dout[:, :, rows],
+                        None if dlse is None else dlse[:, :, rows],
+                        tensors,
+                        self._positions(a, b, source),
+                        self.scale,
+                        self.dropout,
+                        self.seed,
+                        grad_inputs,
+                    )
+                    dq[:, :, rows] += dq_part
+                    dk[:, :, keys] += dk_part
+                    dv[:, :, keys] += dv_part
+                    for total, part in zip(grads, input_grads):
+                        if total is not None and part.numel():
+                            total += part
+                if step:
+                    sent.append(self._exchange([(dk, source, _TAG_DK), (dv, source, _TAG_DV)], []))
+            while len(returned) > 1 or (returned and step == P - 1):
+                works, dk_back, dv_back = returned.pop(0)
+                for work in works:
+                    work.wait()
+                dk_own += dk_back
+                dv_own += dv_back
+            for works in sent[:-1]:
+                for work in works:
+                    work.wait()
+            sent = sent[-1:]
+        for works in sent:
+            for work in works:
+                work.wait()
+        input_grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
+        return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), input_grads  # type: ignore[return-value]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *tensors: torch.Tensor) -> tuple:  # noqa: ANN001
+        out, lse = ring.forward(q, k, v, list(tensors))
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        wanted = list(ctx.needs_input_grad[4:])
+        dq, dk, dv, grads = ctx.ring.backward(q, k, v, out, lse, dout, dlse, tensors, wanted)
+        return (None, dq, dk, dv, *grads)
+
+
+# ----------------------------------------------------------------------------- public call
+def context_parallel(
+    kern: Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    scale: float | None = None,
+    train: bool = True,
+    seed: int | None = None,
+    **inputs: object,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of `kern`'s attention over a sequence split across `group` (default:
+    the world): q [B, H, N/P, D], k [B, Hkv, M/P, D], v [B, Hkv, M/P, Dv] this rank's slices
+    in `layout` (`shard`); inputs are the program's runtime inputs over the whole sequence (a
+    document-id tensor [B, N], not a slice), the same on every rank. Returns out [B, H, N/P, Dv]
+    (and lse [B, H, N/P]), equal to the rows of the single-process call `kern(q, k, v)` on the
+    whole tensors; differentiable (q, k, v and learnable inputs; module docstring). Every rank
+    of the group must call it with the same sizes, layout and inputs."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError("context_parallel: torch.distributed is not initialised (call init_process_group first)")
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"{name}: expected this rank's slice [B, heads, rows, D], got {shape}")
+        if is_fp8(t):
+            raise InputError(f"{name}: fp8 K/V are forward-only serving inputs; context_parallel takes float q, k, v")
+    if any(size in ex.free_vars(kern.op.scale) for size in ("N", "M")):
+        raise InputError(
+            f"{kern.name}: its scale ({kern.op.scale}) depends on the sequence length; not context-parallel"
+        )
+    _check_same_call(group, world_size, rank, layout, q, k, v)
+    per_rank = chunks_per_rank(layout)
+    B, H, N_local, D = q.shape
+    problem = Problem(B, H, k.shape[1], N_local * world_size, k.shape[2] * world_size, D, v.shape[3])
+    scalars, tensors, scale_value = _program_values(kern, problem, scale, inputs)
+    chunk_rows = _chunk_length(problem.N, world_size, layout, "q")
+    chunk_cols = _chunk_length(problem.M, world_size, layout, "k")
+    globalized = kern.at_global_positions()
+    first = {
+        **inputs,
+        QUERY_POSITION0: rank_chunks(layout, rank, world_size)[0] * chunk_rows,
+        KEY_POSITION0: rank_chunks(layout, rank, world_size)[0] * chunk_cols,
+        GLOBAL_N: problem.N,
+        GLOBAL_M: problem.M,
+    }
+    globalized.validate(q.narrow(2, 0, chunk_rows), k.narrow(2, 0, chunk_cols), v.narrow(2, 0, chunk_cols), first)
+    dropout = kern.op.dropout if train else 0.0
+    if dropout and chunk_cols % 4:
+        raise InputError(
+            f"k: with dropout, key chunks must be multiples of 4 rows (the dropout draws cover aligned quads of "
+            f"keys); {problem.M} keys in {world_size * per_rank} chunks of {chunk_cols}"
+        )
+    plan = plan_context_parallel(kern, world_size, problem, layout, scalars, tensors, scale_value)
+    seed_value = seed_tensor(seed, dropout).to(q.device)
+    if dropout and seed is None:  # one seed for every rank: the group's first rank's
+        dist.broadcast(seed_value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    ring = _Ring(globalized, plan, group, rank, scalars, scale_value, dropout, int(seed_value.item()))
+    shared = [
+        _SumOverRanks.apply(t, group) if t.requires_grad and torch.is_grad_enabled() else t for t in tensors.values()
+    ]
+    out, lse = _RingAttention.apply(ring, q, k, v, *shared)
+    if kern.op.sink is not None:  # merged once, at the rows' global positions
+        out, lse = _merge_sink(globalized, plan, rank, out, lse, scale_value, dict(zip(tensors, shared)), first)
+    return (out, lse) if return_lse else out
+
+
+def _merge_sink(
+    globalized: Kernel,
+    plan: ContextParallelPlan,
+    rank: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale_value: float,
+    tensors: Mapping[str, torch.Tensor],
+    first: Mapping[str, object],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse with the program's sink merged in (runtime/sinks.py), differentiable."""
+    B, H, rows, _ = out.shape
+    n = plan.chunk_rows
+    starts = [c * n for c in rank_chunks(plan.layout, rank, plan.world_size)]
+    position = torch.cat([torch.arange(s, s + n, device=out.device) for s in starts]).view(1, 1, -1)
+    index = {
+        "b": torch.arange(B, device=out.device).view(-1, 1, 1),
+        "h": torch.arange(H, device=out.device).view(1, -1, 1),
+    }
+    index["i"] = position - int(first[QUERY_POSITION0])  # type: ignore[call-overload]
+    sizes = {"B": B, "H": H, "Hkv": plan.problem.Hkv, "N": n, "M": plan.chunk_cols, "D": plan.problem.D}
+    runtime = {**first, **tensors}
+    sink = globalized.sink_rows(index, sizes, scale_value, runtime, lse.dtype).expand(B, H, rows)
+    return merge_states([out, torch.zeros_like(out)], [lse, sink])
+
+
+def _check_same_call(
+    group: dist.ProcessGroup | None, world_size: int, rank: int, layout: str, *operands: torch.Tensor
+) -> None:
+    """Every rank calls with the same layout, slice shapes and dtypes (else an error on every
+    rank naming the first that differs, rather than a hang in a transfer of the wrong size)."""
+    mine = (layout, *((tuple(t.shape), str(t.dtype)) for t in operands))
+    everyone: list[object] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    for other, theirs in enumerate(everyone):
+        if theirs != mine:
+            raise InputError(
+                f"context_parallel: rank {rank} calls with (layout, (q, k, v) shapes and dtypes) {mine}, "
+                f"but rank {other} with {theirs}; every rank must call with the same"
+            )

@@ -1,0 +1,382 @@
+"""Context parallelism (attncc/distributed.py): ranks on localhost against the single-process kernel.
+
+Each world size (2, 3, 4) is one group of gloo processes (spawned, loopback only, bounded in
+time) that runs a list of jobs: an example (or a program written here), a layout, sizes and a
+seed. Every rank computes its rows' out and lse and the gradients of a loss on them; the parent
+puts the slices together (`unshard`) and compares them, fp32, with the single-process call on
+the whole tensors: forward, backward, learnable inputs' gradients (every rank must hold the
+whole-sequence gradient), dropout included (same seed, global counters).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import attncc
+from attncc import distributed as cp
+from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
+from attncc.passes.sparsity import Problem
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 2e-5  # fp32: a pair split changes only the order of the softmax sums
+
+ROPE_CAUSAL = """attention rope_causal
+q = rope(q, theta=10000)
+k = rope(k, theta=10000, dims=8, first=4, interleaved=1)
+s = q @ k.T * scale
+mask j <= i
+p = softmax(s)
+o = p @ v
+output o
+"""
+# a row-dependent sink over the global position and length, a document mask and dropout at once
+DOCUMENT_SINK_DROPOUT = """attention document_sink_dropout
+input doc: int[B, N]
+input sinks: float[H]
+s = q @ k.T * scale
+mask doc[b, i] == doc[b, j] and j <= i
+p = softmax(s, sink=sinks[h] - 0.01 * (N - i))
+p = dropout(p, 0.2)
+o = p @ v
+output o
+"""
+
+
+def program(name: str) -> str | Path:
+    return {"rope_causal": ROPE_CAUSAL, "document_sink_dropout": DOCUMENT_SINK_DROPOUT}.get(
+        name, ROOT / "examples" / f"{name}.attn"
+    )
+
+
+def runtime_inputs(name: str, B: int, H: int, N: int, M: int, gen: torch.Generator) -> dict[str, object]:
+    """Inputs over the whole sequence, such that every part of the program matters at N, M ~ 200."""
+    if name == "alibi":
+        return {"slopes": torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)]).requires_grad_()}
+    if name in ("document", "document_sink_dropout"):
+        ids = torch.randint(0, 4, (B, N), generator=gen).sort(dim=-1).values
+        doc = {"doc": torch.tensor([3, 0, 2, 1])[ids]}
+        if name == "document":
+            return doc
+        return {**doc, "sinks": (1.0 + torch.randn(H, generator=gen)).requires_grad_()}
+    if name == "gpt_oss":
+        return {"sinks": (3.0 + 2.0 * torch.randn(H, generator=gen)).requires_grad_(), "window": 70}
+    if name == "local_blocks":
+        blocks = -(-N // 64), -(-M // 64)
+        return {"block_mask": torch.rand(H, *blocks, generator=gen) < 0.6}
+    if name == "padding":
+        return {"lengths": torch.tensor([0, M // 2 + 7])[:B]}
+    if name == "prefix_lm":
+        return {"prefix": torch.tensor([0, 70])[:B]}
+    if name == "relative_bias":
+        return {"bias": (0.5 * torch.randn(H, 257, generator=gen)).requires_grad_()}
+    return {}
+
+
+def job_tensors(job: dict) -> dict[str, object]:
+    """q, k, v, the output and lse gradients and the runtime inputs of a job (from its seed)."""
+    B, H, Hkv, N, M, D, Dv = (job[x] for x in ("B", "H", "Hkv", "N", "M", "D", "Dv"))
+    gen = torch.Generator().manual_seed(job["seed"])
+    return {
+        "q": torch.randn(B, H, N, D, generator=gen),
+        "k": torch.randn(B, Hkv, M, D, generator=gen),
+        "v": torch.randn(B, Hkv, M, Dv, generator=gen),
+        "dout": torch.randn(B, H, N, Dv, generator=gen),
+        "dlse": torch.randn(B, H, N, generator=gen),
+        "inputs": runtime_inputs(job["name"], B, H, N, M, gen),
+    }
+
+
+def learnable(inputs: dict[str, object]) -> list[str]:
+    return [n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _rank_main(rank: int, world: int, port: int, jobs: list[dict], outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for index, job in enumerate(jobs):
+            kern = compiled(job)
+            x = job_tensors(job)
+            layout = job["layout"]
+            q, k, v = (cp.shard(x[n], rank, world, layout).requires_grad_() for n in ("q", "k", "v"))
+            inputs = x["inputs"]
+            out, lse = cp.context_parallel(
+                kern, q, k, v, layout=layout, return_lse=True, seed=job["seed"], scale=job.get("scale"), **inputs
+            )
+            dout, dlse = (cp.shard(x[n], rank, world, layout) for n in ("dout", "dlse"))
+            ((out * dout).sum() + (lse * dlse).sum()).backward()
+            grads = {n: inputs[n].grad for n in learnable(inputs)}
+            result = {
+                "out": out.detach(),
+                "lse": lse.detach(),
+                "dq": q.grad,
+                "dk": k.grad,
+                "dv": v.grad,
+                "inputs": grads,
+            }
+            torch.save(result, Path(outdir) / f"{index}_{rank}.pt")
+    except Exception:
+        (Path(outdir) / f"error_{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, jobs: list[dict], outdir: Path, timeout: float = 600) -> None:
+    """Spawn `world` gloo ranks running `jobs`; fail (killing them) past `timeout` seconds."""
+    for job in jobs:  # build every library once here, not in every rank at once
+        warm_up(job)
+    context = mp.get_context("spawn")
+    port = free_port()
+    ranks = [context.Process(target=_rank_main, args=(r, world, port, jobs, str(outdir))) for r in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout)
+    alive = [p for p in ranks if p.is_alive()]
+    for p in alive:
+        p.kill()
+    errors = "\n".join(f.read_text() for f in sorted(outdir.glob("error_*.txt")))
+    assert not alive, f"ranks still running after {timeout} s (a transfer that never matched?)\n{errors}"
+    assert all(p.exitcode == 0 for p in ranks), f"exit codes {[p.exitcode for p in ranks]}\n{errors}"
+
+
+def compiled(job: dict) -> attncc.Kernel:
+    target = job.get("target", "cpu")
+    return attncc.compile(program(job["name"]), target, emulate=target != "cpu")
+
+
+def warm_up(job: dict) -> None:
+    """Build the globalized kernel's forward and backward: one chunk pair, forward and backward."""
+    x = job_tensors(job)
+    q, k, v = (x[n][:, :, :16].clone().requires_grad_() for n in ("q", "k", "v"))
+    N, M = x["q"].shape[2], x["k"].shape[2]
+    positions = {QUERY_POSITION0: 0, KEY_POSITION0: 0, GLOBAL_N: N, GLOBAL_M: M}
+    compiled(job).at_global_positions()(q, k, v, **x["inputs"], **positions).sum().backward()
+
+
+def single_process(job: dict) -> dict[str, object]:
+    kern = compiled(job)
+    x = job_tensors(job)
+    q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    inputs = x["inputs"]
+    out, lse = kern(q, k, v, return_lse=True, seed=job["seed"], scale=job.get("scale"), **inputs)
+    ((out * x["dout"]).sum() + (lse * x["dlse"]).sum()).backward()
+    grads = {n: inputs[n].grad for n in learnable(inputs)}
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "inputs": grads}
+
+
+def compare(jobs: list[dict], world: int, outdir: Path) -> None:
+    for index, job in enumerate(jobs):
+        want = single_process(job)
+        ranks = [torch.load(outdir / f"{index}_{r}.pt") for r in range(world)]
+        where = f"{job['name']} {job['layout']} P={world}"
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            got = cp.unshard([r[name] for r in ranks], job["layout"])
+            expected = want[name]
+            finite = torch.isfinite(expected)
+            assert torch.equal(finite, torch.isfinite(got)), f"{where}: {name} differs in which entries are finite"
+            err = (got[finite] - expected[finite]).abs().max().item() if finite.any() else 0.0
+            limit = job.get("tol", TOL) * max(1.0, expected[finite].abs().max().item())
+            assert err <= limit, f"{where}: {name} off by {err:.3g}"
+        for name, expected in want["inputs"].items():
+            for r, result in enumerate(ranks):
+                err = (result["inputs"][name] - expected).abs().max().item()
+                limit = 5 * job.get("tol", TOL) * max(1.0, expected.abs().max().item())  # sums of N x M terms
+                assert err <= limit, f"{where}: d{name} on rank {r} off by {err:.3g}"
+
+
+def job(name: str, layout: str, N: int = 192, M: int | None = None, **sizes: int) -> dict:
+    B, H, Hkv, D = sizes.get("B", 2), sizes.get("H", 2), sizes.get("Hkv", 2), sizes.get("D", 24)
+    Hkv = 1 if name == "vanilla" else Hkv
+    H = 4 if name == "gqa" else H
+    return {
+        "name": name, "layout": layout, "B": B, "H": H, "Hkv": Hkv, "N": N, "M": N if M is None else M,
+        "D": D, "Dv": sizes.get("Dv", D), "seed": 11 + len(name),
+    }  # fmt: skip
+
+
+EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.attn"))
+JOBS = {
+    # every example, zigzag; the causal family contiguous too; N < M (bottom-right), odd dims
+    2: [job(name, "zigzag") for name in EXAMPLES]
+    + [job(name, "contiguous") for name in ("causal", "document", "gpt2", "prefix_lm")]
+    + [
+        job("gpt_oss", "zigzag", N=160, M=224, Dv=16),
+        job("vanilla", "contiguous", N=96, M=240),
+        job("rope_causal", "zigzag"),
+        job("document_sink_dropout", "zigzag"),
+        job("causal", "zigzag", N=4, B=1),  # chunks of one row
+        # the CUDA kernels (sm80, bf16 tiles) on the emulator: their dropout counters and hooks;
+        # each pair's output is rounded to bf16 before the merge, hence the bf16 tolerance
+        dict(job("gpt2", "zigzag", N=64, B=1), target="sm80", tol=2e-2),
+        dict(job("document_sink_dropout", "contiguous", N=64, B=1), target="sm80", tol=2e-2),
+    ],
+    3: [
+        job("causal", "zigzag"),
+        job("causal", "contiguous", D=40, Dv=16),
+        job("gpt_oss", "zigzag", N=192, M=288),
+        job("local_blocks", "contiguous"),
+        job("relative_bias", "zigzag"),
+        job("document_sink_dropout", "contiguous"),
+    ],
+    4: [
+        job("gpt2", "zigzag"),
+        job("sliding_window", "contiguous", N=384),
+        job("alibi", "zigzag"),
+        job("gqa", "contiguous"),
+        job("rope_causal", "contiguous"),
+    ],
+}
+
+
+@pytest.mark.parametrize("world", sorted(JOBS))
+def test_context_parallel_matches_the_single_process_call(world: int, tmp_path: Path) -> None:
+    jobs = JOBS[world]
+    run_ranks(world, jobs, tmp_path)
+    compare(jobs, world, tmp_path)
+
+
+# ----------------------------------------------------------------------------- without processes
+def test_a_globalized_chunk_pair_is_that_block_of_the_whole_call() -> None:
+    """The globalized kernel over (query rows 64..127, keys 32..95) of a document-masked,
+    dropout program gives exactly the whole call's attention restricted to those keys."""
+    kern = attncc.compile(DOCUMENT_SINK_DROPOUT)
+    x = job_tensors(job("document_sink_dropout", "zigzag", N=128, B=1))
+    q, k, v, inputs = x["q"], x["k"], x["v"], x["inputs"]
+    rows, keys = slice(64, 128), slice(32, 96)
+    positions = {QUERY_POSITION0: 64, KEY_POSITION0: 32, GLOBAL_N: 128, GLOBAL_M: 128}
+    glob = kern.at_global_positions()
+    out, lse = glob(q[:, :, rows], k[:, :, keys], v[:, :, keys], return_lse=True, seed=3, **inputs, **positions)
+    # the reference: the whole call's scores, masked to those keys, its dropout bits (no sink: a
+    # direct call merges it, as here)
+    keep = attncc.dropout_mask(3, 0, 1, 2, 128, 128, 0.2)[:, :, rows, keys]
+    scores = (q[:, :, rows] @ k[:, :, keys].transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    i, j = torch.arange(64, 128).view(-1, 1), torch.arange(32, 96).view(1, -1)
+    doc = inputs["doc"]
+    visible = (doc[:, None, 64:128, None] == doc[:, None, None, 32:96]) & (j <= i)
+    scores = scores.masked_fill(~visible, -math.inf)
+    sink = (inputs["sinks"].detach().view(1, -1, 1) - 0.01 * (128 - torch.arange(64, 128))).unsqueeze(-1)
+    both = torch.cat([scores, sink.expand(1, 2, 64, 1)], dim=-1)
+    want_lse = torch.logsumexp(both, dim=-1)
+    p = torch.exp(scores - want_lse.unsqueeze(-1)) * keep / 0.8
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, p @ v[:, :, keys], atol=1e-5, rtol=1e-5)
+
+
+def causal_plan(
+    world: int, layout: str, N: int = 1024, name: str = "causal", **inputs: object
+) -> cp.ContextParallelPlan:
+    kern = attncc.compile(ROOT / "examples" / f"{name}.attn")
+    problem = Problem(1, 2, 2, N, N, 64)
+    return cp.plan_context_parallel(kern, world, problem, layout, inputs, {}, 0.125)
+
+
+def test_empty_chunk_pairs_are_neither_computed_nor_sent() -> None:
+    plan = causal_plan(4, "contiguous")
+    assert plan.skipped_pairs == 6 and int((plan.classes == 2).sum()) == 6  # above / below the diagonal
+    assert plan.transfers(0) == [(False, True)] * 3  # rank 0's queries see only its own keys
+    assert plan.transfers(3) == [(True, False)] * 3  # nobody needs rank 3's keys
+    assert plan.pairs(1, 2) == [] and plan.pairs(2, 1) == [(0, 0, 2)]
+    window = causal_plan(4, "contiguous", N=4096, name="sliding_window")  # window 256 < chunk 1024
+    assert window.skipped_pairs == 16 - 7
+    assert window.transfers(2) == [(True, True), (False, False), (False, False)]  # rank 1's keys in, to rank 3
+
+
+def test_choose_layout_balances_the_work_from_the_tile_classes() -> None:
+    causal = attncc.compile(ROOT / "examples" / "causal.attn")
+    plan = cp.choose_layout(causal, 4, 2048, H=2)
+    assert plan.layout == "zigzag" and max(plan.work) == min(plan.work)
+    contiguous = cp.plan_context_parallel(causal, 4, plan.problem, "contiguous", {}, {}, 0.125)
+    assert max(contiguous.work) > 1.7 * max(plan.work)
+    for name in ("vanilla", "sliding_window"):  # balanced either way: the simpler layout
+        assert cp.choose_layout(attncc.compile(ROOT / "examples" / f"{name}.attn"), 4, 4096).layout == "contiguous"
+    gpt_oss = attncc.compile(ROOT / "examples" / "gpt_oss.attn")
+    assert cp.choose_layout(gpt_oss, 2, 1024, 4096, sinks=torch.zeros(1), window=4096).layout == "zigzag"
+    assert cp.choose_layout(gpt_oss, 2, 1024, 4096, sinks=torch.zeros(1), window=128).layout == "contiguous"
+
+
+def test_the_io_report_counts_ring_and_all_gather_traffic() -> None:
+    text = causal_plan(4, "contiguous").describe(itemsize=4)
+    slice_mib = 1 * 2 * 256 * 128 * 4 / 2**20  # B Hkv M/P (D + Dv) bytes
+    assert "6 of 16 chunk pairs empty" in text
+    assert f"rank 0: forward receives {[0.0] * 3} MiB" in text
+    assert f"rank 3: forward receives {[round(slice_mib, 2)] * 3} MiB" in text
+    ring = 2 * 6 * slice_mib + 6 * slice_mib  # 6 transfers, K/V twice and dK/dV back
+    assert f"ring {round(ring, 2)} MiB, all-gather {round(4 * 3 * slice_mib * 3, 2)} MiB" in text
+
+
+def test_shard_and_unshard_are_inverse_and_zigzag_pairs_the_ends() -> None:
+    x = torch.arange(16).view(1, 1, 16, 1)
+    assert cp.shard(x, 0, 2, "zigzag").flatten().tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert cp.shard(x, 1, 4, "contiguous").flatten().tolist() == [4, 5, 6, 7]
+    for layout in cp.LAYOUTS:
+        assert torch.equal(cp.unshard([cp.shard(x, r, 4, layout) for r in range(4)], layout), x)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    """A process group of this process alone (gloo, a file store)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_is_the_plain_call(one_rank: None) -> None:
+    kern = attncc.compile(program("document_sink_dropout"))
+    x = job_tensors(job("document_sink_dropout", "zigzag", N=64))
+    out, lse = cp.context_parallel(kern, x["q"], x["k"], x["v"], return_lse=True, seed=9, **x["inputs"])
+    want, want_lse = kern(x["q"], x["k"], x["v"], return_lse=True, seed=9, **x["inputs"])
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_bad_calls_are_named(one_rank: None) -> None:
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(attncc.InputError, match="q: a sequence of 9 rows does not split into the 2 equal chunks"):
+        cp.context_parallel(kern, torch.randn(1, 2, 9, 16), q, q)
+    with pytest.raises(attncc.InputError, match="with dropout, key chunks must be multiples of 4 rows"):
+        x = torch.randn(1, 2, 6, 16)
+        cp.context_parallel(attncc.compile(ROOT / "examples" / "gpt2.attn"), x, x, x)
+    assert cp.context_parallel(attncc.compile(ROOT / "examples" / "gpt2.attn"), x, x, x, train=False).shape == x.shape
+    with pytest.raises(attncc.InputError, match="fp8 K/V are forward-only"):
+        cp.context_parallel(kern, q, q.to(torch.float8_e4m3fn), q.to(torch.float8_e4m3fn))
+    with pytest.raises(attncc.InputError, match="missing runtime input `doc`"):
+        cp.context_parallel(attncc.compile(ROOT / "examples" / "document.attn"), q, q, q)
+    with pytest.raises(attncc.InputError, match=r"doc: expected shape int\[B, N\] with N=8"):
+        cp.context_parallel(
+            attncc.compile(ROOT / "examples" / "document.attn"), q, q, q, doc=torch.zeros(1, 4, dtype=torch.int64)
+        )
+
+
+def test_without_a_process_group_the_error_says_so() -> None:
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(attncc.InputError, match="not initialised"):
+        cp.context_parallel(kern, q, q, q)
+    with pytest.raises(attncc.InputError, match="does not split into the 8 equal chunks"):
+        cp.shard(torch.randn(1, 1, 36, 4), 0, 4, "zigzag")
+    with pytest.raises(attncc.InputError, match="layout: expected one of contiguous, zigzag"):
+        cp.shard(q, 0, 2, "striped")
+    with pytest.raises(attncc.DslError, match="names starting with `__` are reserved"):
+        attncc.compile(
+            "attention bad\ninput __global_N: int\ns = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n"
+        ).at_global_positions()
