@@ -332,11 +332,11 @@ class _Ring:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n, acc = self.plan.chunk_rows, torch.promote_types(torch.float32, q.dtype)
+        n, m = self.plan.chunk_rows, self.plan.chunk_cols
+        acc = torch.promote_types(torch.float32, q.dtype)
         slots = q.shape[2] // n
-        rows_out = [q.new_zeros((*q.shape[:2], n, v.shape[3]), dtype=acc) for _ in range(slots)]
-        rows_lse = [q.new_full((*q.shape[:2], n), -math.inf, dtype=acc) for _ in range(slots)]
-        m = self.plan.chunk_cols
+        rows_out: list[torch.Tensor | None] = [None] * slots  # merged in place as pairs arrive
+        rows_lse: list[torch.Tensor | None] = [None] * slots
         for _, source, ks, vs in self._ring_keys(k.contiguous(), v.contiguous()):
             if ks is None:
                 continue
@@ -351,8 +351,13 @@ class _Ring:
                     self.dropout,
                     self.seed,
                 )
-                rows_out[a], rows_lse[a] = merge_states([rows_out[a], out.to(acc)], [rows_lse[a], lse.to(acc)])
-        return torch.cat(rows_out, 2).to(q.dtype), torch.cat(rows_lse, 2)
+                if rows_out[a] is None:
+                    rows_out[a], rows_lse[a] = out.to(acc), lse.to(acc)
+                else:
+                    _merge_into(rows_out[a], rows_lse[a], out, lse.to(acc))  # type: ignore[arg-type]
+        out_rows = [t if t is not None else q.new_zeros((*q.shape[:2], n, v.shape[3]), dtype=acc) for t in rows_out]
+        lse_rows = [t if t is not None else q.new_full((*q.shape[:2], n), -math.inf, dtype=acc) for t in rows_lse]
+        return torch.cat(out_rows, 2).to(q.dtype), torch.cat(lse_rows, 2)
 
     def backward(
         self,
@@ -370,14 +375,16 @@ class _Ring:
         n, m = self.plan.chunk_rows, self.plan.chunk_cols
         acc = torch.promote_types(torch.float32, q.dtype)
         k, v, dout = k.contiguous(), v.contiguous(), dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk_own, dv_own = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
+        # gradients of q's and k's slices, made by their first contribution (`_accumulate`)
+        dq: torch.Tensor | None = None
+        dk_own: torch.Tensor | None = None
+        dv_own: torch.Tensor | None = None
         grads = [
             torch.zeros(t.shape, dtype=torch.float64, device=t.device) if want else None
             for t, want in zip(tensors, grad_inputs)
         ]
-        # dK/dV of this rank's slice coming back from rank + step: received as the ring goes,
-        # added one step later, so at most two such buffers live at once
+        # dK/dV of this rank's slice coming back from rank + step: posted at the step's start,
+        # added at its end (the helper computes that step meanwhile)
         returned: list[tuple[list, torch.Tensor, torch.Tensor]] = []
         sent: list[list] = []
         for step, source, ks, vs in self._ring_keys(k, v):
@@ -387,8 +394,7 @@ class _Ring:
                 works = self._exchange([], [(buffers[0], helper, _TAG_DK), (buffers[1], helper, _TAG_DV)])
                 returned.append((works, *buffers))
             if ks is not None:
-                dk = torch.zeros(ks.shape, dtype=acc, device=ks.device) if step else dk_own
-                dv = torch.zeros(vs.shape, dtype=acc, device=vs.device) if step else dv_own
+                dk, dv = (dk_own, dv_own) if step == 0 else (None, None)
                 for a, b, _ in self.plan.pairs(r, source):
                     rows, keys = slice(a * n, (a + 1) * n), slice(b * m, (b + 1) * m)
                     dq_part, dk_part, dv_part, input_grads = self.kern.backward_impl(
@@ -406,20 +412,22 @@ class _Ring:
                         self.seed,
                         grad_inputs,
                     )
-                    dq[:, :, rows] += dq_part
-                    dk[:, :, keys] += dk_part
-                    dv[:, :, keys] += dv_part
+                    dq = _accumulate(dq, dq_part, a, q.shape, acc)
+                    dk = _accumulate(dk, dk_part, b, k.shape, acc)
+                    dv = _accumulate(dv, dv_part, b, v.shape, acc)
                     for total, part in zip(grads, input_grads):
                         if total is not None and part.numel():
                             total += part
                 if step:
-                    sent.append(self._exchange([(dk, source, _TAG_DK), (dv, source, _TAG_DV)], []))
-            while len(returned) > 1 or (returned and step == P - 1):
+                    sent.append(self._exchange([(dk, source, _TAG_DK), (dv, source, _TAG_DV)], []))  # type: ignore[list-item]
+                else:
+                    dk_own, dv_own = dk, dv
+            while returned:  # (waited in the step that posted it: two slices, not four, live)
                 works, dk_back, dv_back = returned.pop(0)
                 for work in works:
                     work.wait()
-                dk_own += dk_back
-                dv_own += dv_back
+                dk_own = dk_back if dk_own is None else dk_own.add_(dk_back)
+                dv_own = dv_back if dv_own is None else dv_own.add_(dv_back)
             for works in sent[:-1]:
                 for work in works:
                     work.wait()
@@ -428,7 +436,35 @@ class _Ring:
             for work in works:
                 work.wait()
         input_grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
+        dq, dk_own, dv_own = (
+            g if g is not None else torch.zeros_like(t) for g, t in ((dq, q), (dk_own, k), (dv_own, v))
+        )
         return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), input_grads  # type: ignore[return-value]
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """out, lse (accumulator dtype) <- their merge with a partial result over other keys, in
+    place (merge_states' formula without its stacked copies); rows empty in both stay 0, -inf."""
+    merged = torch.logaddexp(lse, part_lse)
+    empty = torch.isneginf(merged)
+    safe = torch.where(empty, torch.zeros_like(merged), merged)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.addcmul_(part, torch.exp(part_lse - safe).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def _accumulate(
+    total: torch.Tensor | None, part: torch.Tensor, slot: int, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """`total` (a slice's gradient, `shape`, or None before its first contribution) plus the
+    contribution `part` of chunk slot `slot`. A slice of one chunk takes its first part as is
+    (no zero-filled copy: the single-chunk layouts' memory); others fill a zeroed slice."""
+    if part.shape == shape:
+        return part.to(dtype) if total is None else total.add_(part)
+    if total is None:
+        total = torch.zeros(shape, dtype=dtype, device=part.device)
+    total.narrow(2, slot * part.shape[2], part.shape[2]).add_(part)
+    return total
 
 
 class _RingAttention(torch.autograd.Function):

@@ -5,7 +5,9 @@
 For each program (causal, sliding window) and world size P, P gloo ranks on localhost (spawned,
 loopback) run `attncc.distributed.context_parallel` forward + backward on their slices of one
 sequence [B, H, N, D] (layout: `choose_layout`'s); each rank reports its median time and its
-peak resident memory above its state before the first large call (ru_maxrss). In the same
+peak resident memory above what was resident before its first large call (the peak reset by
+/proc/self/clear_refs, read as VmHWM; allocations of 128 KiB and more are mmapped, so freed
+memory leaves the resident set). In the same
 run, one process times the single-process kernel and SDPA on the whole sequence (P = 1 rows,
 the anchors). The ranks share this machine's cores (threads per rank: cores / P, at least 1),
 so time against P shows the ring's overhead, not a speedup; memory per rank is what must fall
@@ -18,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import socket
 import statistics
 import sys
@@ -39,8 +40,17 @@ from attncc import distributed as cp  # noqa: E402
 PROGRAMS = {"causal": {}, "sliding_window": {}}
 
 
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+def status_mib(field: str) -> float:
+    """A /proc/self/status memory field (VmRSS: resident now, VmHWM: its peak) in MiB."""
+    line = next(line for line in open("/proc/self/status") if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024  # kB
+
+
+def reset_peak() -> float:
+    """Reset the resident-memory peak (Linux: clear_refs 5) and return what is resident now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_mib("VmRSS")
 
 
 def timed(fn, reps: int) -> float:
@@ -64,7 +74,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, name: 
     gen = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(B, H, local, D, generator=gen).requires_grad_() for _ in range(3))
     dist.barrier()
-    before = peak_mib()
+    before = reset_peak()
 
     def step() -> None:
         q.grad = k.grad = v.grad = None
@@ -72,7 +82,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, name: 
         dist.barrier()
 
     seconds = timed(step, args.reps)
-    queue.put((rank, seconds, peak_mib() - before))
+    queue.put((rank, seconds, status_mib("VmHWM") - before))
     dist.destroy_process_group()
 
 
@@ -83,6 +93,9 @@ def free_port() -> int:
 
 
 def run_world(world: int, args: argparse.Namespace, name: str, layout: str) -> list[tuple[int, float, float]]:
+    # ranks allocate with mmap from 128 KiB up and so unmap what they free: the resident peak is
+    # what was live, not what glibc's heap kept (a dynamic threshold keeps up to 32 MiB blocks)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()

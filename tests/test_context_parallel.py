@@ -85,11 +85,12 @@ def job_tensors(job: dict) -> dict[str, object]:
     """q, k, v, the output and lse gradients and the runtime inputs of a job (from its seed)."""
     B, H, Hkv, N, M, D, Dv = (job[x] for x in ("B", "H", "Hkv", "N", "M", "D", "Dv"))
     gen = torch.Generator().manual_seed(job["seed"])
+    dtype = getattr(torch, job.get("dtype", "float32"))
     return {
-        "q": torch.randn(B, H, N, D, generator=gen),
-        "k": torch.randn(B, Hkv, M, D, generator=gen),
-        "v": torch.randn(B, Hkv, M, Dv, generator=gen),
-        "dout": torch.randn(B, H, N, Dv, generator=gen),
+        "q": torch.randn(B, H, N, D, generator=gen).to(dtype),
+        "k": torch.randn(B, Hkv, M, D, generator=gen).to(dtype),
+        "v": torch.randn(B, Hkv, M, Dv, generator=gen).to(dtype),
+        "dout": torch.randn(B, H, N, Dv, generator=gen).to(dtype),
         "dlse": torch.randn(B, H, N, generator=gen),
         "inputs": runtime_inputs(job["name"], B, H, N, M, gen),
     }
@@ -192,7 +193,7 @@ def compare(jobs: list[dict], world: int, outdir: Path) -> None:
             expected = want[name]
             finite = torch.isfinite(expected)
             assert torch.equal(finite, torch.isfinite(got)), f"{where}: {name} differs in which entries are finite"
-            err = (got[finite] - expected[finite]).abs().max().item() if finite.any() else 0.0
+            err = (got[finite] - expected[finite]).abs().max().float().item() if finite.any() else 0.0
             limit = job.get("tol", TOL) * max(1.0, expected[finite].abs().max().item())
             assert err <= limit, f"{where}: {name} off by {err:.3g}"
         for name, expected in want["inputs"].items():
@@ -226,6 +227,7 @@ JOBS = {
         # the CUDA kernels (sm80, bf16 tiles) on the emulator: their dropout counters and hooks;
         # each pair's output is rounded to bf16 before the merge, hence the bf16 tolerance
         dict(job("gpt2", "zigzag", N=64, B=1), target="sm80", tol=2e-2),
+        dict(job("alibi", "zigzag"), dtype="bfloat16", tol=2e-2),  # partial outputs rounded to bf16
         dict(job("document_sink_dropout", "contiguous", N=64, B=1), target="sm80", tol=2e-2),
     ],
     3: [
