@@ -68,6 +68,8 @@ def rank_chunks(layout: str, rank: int, world_size: int) -> tuple[int, ...]:
 
 def _chunk_length(length: int, world_size: int, layout: str, name: str) -> int:
     count = world_size * chunks_per_rank(layout)
+    if length == 0:
+        raise InputError(f"{name}: an empty sequence (0 rows) has nothing to split across ranks")
     if length % count:
         raise InputError(
             f"{name}: a sequence of {length} rows does not split into the {count} equal chunks of the "
@@ -146,7 +148,7 @@ class ContextParallelPlan:
             f"context parallel: {self.layout} layout, {P} ranks, {len(self.classes)} chunks of {self.chunk_rows} query "
             f"and {self.chunk_cols} key rows; {self.skipped_pairs} of {self.classes.numel()} chunk pairs empty "
             f"(skipped), {int((self.classes == FULL).sum())} full (no mask evaluation)",
-            f"work per rank (score elements in visible tiles, 16x16 per chunk pair): {list(self.work)}",
+            f"  work per rank (score elements in visible tiles, 16 x 16 per zigzag chunk pair): {list(self.work)}",
         ]
         ring_total = 0
         for rank in range(P):

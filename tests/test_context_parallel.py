@@ -355,6 +355,8 @@ def test_bad_calls_are_named(one_rank: None) -> None:
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(attncc.InputError, match="q: a sequence of 9 rows does not split into the 2 equal chunks"):
         cp.context_parallel(kern, torch.randn(1, 2, 9, 16), q, q)
+    with pytest.raises(attncc.InputError, match="k: an empty sequence"):
+        cp.context_parallel(kern, q, q[:, :, :0], q[:, :, :0])
     with pytest.raises(attncc.InputError, match="with dropout, key chunks must be multiples of 4 rows"):
         x = torch.randn(1, 2, 6, 16)
         cp.context_parallel(attncc.compile(ROOT / "examples" / "gpt2.attn"), x, x, x)
@@ -382,3 +384,26 @@ def test_without_a_process_group_the_error_says_so() -> None:
         attncc.compile(
             "attention bad\ninput __global_N: int\ns = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n"
         ).at_global_positions()
+
+
+def test_explain_prints_the_globalized_program_and_the_ring_traffic(capsys: pytest.CaptureFixture[str]) -> None:
+    from attncc.cli import main
+
+    assert (
+        main(
+            [
+                "explain",
+                str(ROOT / "examples" / "causal.attn"),
+                "--shape",
+                "1,2,2,1024,1024,64",
+                "--context-parallel",
+                "4",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "after globalize_positions" in text and "mask=j + __key_position0 <= i + __query_position0" in text
+    assert "contiguous layout, 4 ranks, 4 chunks of 256 query and 256 key rows; 6 of 16 chunk pairs empty" in text
+    assert "zigzag layout, 4 ranks, 8 chunks of 128 query and 128 key rows; 28 of 64 chunk pairs empty" in text
+    assert "// chosen layout: zigzag" in text
