@@ -71,22 +71,6 @@ def rotate(x: torch.Tensor, spec: Rope, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat([x[..., :first], turned, x[..., last:]], dim=-1)
 
 
-def rotate_rows(
-    spec: Rope,
-    x: torch.Tensor,
-    rows: Mapping[str, Value],
-    sizes: Mapping[str, Value],
-    scalars: Mapping[str, Value],
-    tensors: Mapping[str, torch.Tensor],
-) -> torch.Tensor:
-    """x [..., D] rotated at the positions of its rows (`rows`, `sizes` as in `rope_tables`,
-    broadcasting to x's shape without the head dim), in fp32 (fp64 for fp64 x) rounded once
-    to x's dtype; differentiable."""
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = rope_tables(spec, rows, sizes, scalars, tensors, x.shape[-1], dtype)
-    return rotate(x.to(dtype), spec, cos, sin).to(x.dtype)
-
-
 def rotate_padded(
     spec: Rope,
     x: torch.Tensor,
@@ -95,10 +79,13 @@ def rotate_padded(
     tensors: Mapping[str, torch.Tensor],
 ) -> torch.Tensor:
     """q [B, H, N, D] or k [B, Hkv, M, D] of a padded call (sizes may give each sequence's M
-    as [B, 1, 1]), rotated at its rows' positions."""
+    as [B, 1, 1]), rotated at its rows' positions, in fp32 (fp64 for fp64 x) rounded once to
+    x's dtype; differentiable."""
     B, _, count, _ = x.shape
     rows = {
         "b": torch.arange(B, device=x.device).view(-1, 1, 1),
         "i" if spec.operand == "q" else "j": torch.arange(count, device=x.device).view(1, 1, -1),
     }
-    return rotate_rows(spec, x, rows, sizes, scalars, tensors)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = rope_tables(spec, rows, sizes, scalars, tensors, x.shape[-1], dtype)
+    return rotate(x.to(dtype), spec, cos, sin).to(x.dtype)
