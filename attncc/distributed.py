@@ -329,21 +329,23 @@ class _Ring:
             for work in works:
                 work.wait()
             pending = self._post_keys(step + 1, k, v) if step + 1 < P else ([], None)
-            yield (step, (r - step) % P, *(buffers if buffers is not None else (None, None)))
+            held = [buffers if buffers is not None else (None, None)]
+            del works, buffers  # (the consumer alone holds this step's slice: it can drop it early)
+            yield (step, (r - step) % P, *held.pop())
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, m = self.plan.chunk_rows, self.plan.chunk_cols
         acc = torch.promote_types(torch.float32, q.dtype)
-        slots = q.shape[2] // n
-        rows_out: list[torch.Tensor | None] = [None] * slots  # merged in place as pairs arrive
-        rows_lse: list[torch.Tensor | None] = [None] * slots
+        # this rank's rows, merged in place chunk slot by chunk slot as pairs arrive
+        out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)
+        lse = q.new_full(q.shape[:3], -math.inf, dtype=acc)
         for _, source, ks, vs in self._ring_keys(k.contiguous(), v.contiguous()):
             if ks is None:
                 continue
             for a, b, _ in self.plan.pairs(self.rank, source):
-                out, lse = self.kern.forward_impl(
+                part, part_lse = self.kern.forward_impl(
                     q.narrow(2, a * n, n),
                     ks.narrow(2, b * m, m),
                     vs.narrow(2, b * m, m),
@@ -353,13 +355,10 @@ class _Ring:
                     self.dropout,
                     self.seed,
                 )
-                if rows_out[a] is None:
-                    rows_out[a], rows_lse[a] = out.to(acc), lse.to(acc)
-                else:
-                    _merge_into(rows_out[a], rows_lse[a], out, lse.to(acc))  # type: ignore[arg-type]
-        out_rows = [t if t is not None else q.new_zeros((*q.shape[:2], n, v.shape[3]), dtype=acc) for t in rows_out]
-        lse_rows = [t if t is not None else q.new_full((*q.shape[:2], n), -math.inf, dtype=acc) for t in rows_lse]
-        return torch.cat(out_rows, 2).to(q.dtype), torch.cat(lse_rows, 2)
+                _merge_into(out.narrow(2, a * n, n), lse.narrow(2, a * n, n), part, part_lse.to(acc))
+                del part, part_lse
+            ks = vs = None
+        return out.to(q.dtype), lse
 
     def backward(
         self,
@@ -385,16 +384,12 @@ class _Ring:
             torch.zeros(t.shape, dtype=torch.float64, device=t.device) if want else None
             for t, want in zip(tensors, grad_inputs)
         ]
-        # dK/dV of this rank's slice coming back from rank + step: posted at the step's start,
-        # added at its end (the helper computes that step meanwhile)
-        returned: list[tuple[list, torch.Tensor, torch.Tensor]] = []
-        sent: list[list] = []
+        # Per step: the pairs with the source's slice; then, its K/V dropped, the remote slice's
+        # dK/dV sent back, this rank's own coming back from rank + step added, and the sends
+        # waited, so no gradient buffer outlives its step (the peak: the step's K/V, the next
+        # step's in flight, the remote dK/dV and the pairs' outputs).
         for step, source, ks, vs in self._ring_keys(k, v):
-            helper = (r + step) % P
-            if step and self.plan.needs(helper, r):
-                buffers = tuple(torch.empty(t.shape, dtype=acc, device=t.device) for t in (k, v))
-                works = self._exchange([], [(buffers[0], helper, _TAG_DK), (buffers[1], helper, _TAG_DV)])
-                returned.append((works, *buffers))
+            sends: list = []
             if ks is not None:
                 dk, dv = (dk_own, dv_own) if step == 0 else (None, None)
                 for a, b, _ in self.plan.pairs(r, source):
@@ -420,22 +415,22 @@ class _Ring:
                     for total, part in zip(grads, input_grads):
                         if total is not None and part.numel():
                             total += part
+                    del dq_part, dk_part, dv_part
+                ks = vs = None
                 if step:
-                    sent.append(self._exchange([(dk, source, _TAG_DK), (dv, source, _TAG_DV)], []))  # type: ignore[list-item]
+                    sends = self._exchange([(dk, source, _TAG_DK), (dv, source, _TAG_DV)], [])  # type: ignore[list-item]
                 else:
                     dk_own, dv_own = dk, dv
-            while returned:  # (waited in the step that posted it: two slices, not four, live)
-                works, dk_back, dv_back = returned.pop(0)
-                for work in works:
+                dk = dv = None
+            helper = (r + step) % P
+            if step and self.plan.needs(helper, r):
+                back = tuple(torch.empty(t.shape, dtype=acc, device=t.device) for t in (k, v))
+                for work in self._exchange([], [(back[0], helper, _TAG_DK), (back[1], helper, _TAG_DV)]):
                     work.wait()
-                dk_own = dk_back if dk_own is None else dk_own.add_(dk_back)
-                dv_own = dv_back if dv_own is None else dv_own.add_(dv_back)
-            for works in sent[:-1]:
-                for work in works:
-                    work.wait()
-            sent = sent[-1:]
-        for works in sent:
-            for work in works:
+                dk_own = back[0] if dk_own is None else dk_own.add_(back[0])
+                dv_own = back[1] if dv_own is None else dv_own.add_(back[1])
+                del back
+            for work in sends:
                 work.wait()
         input_grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, tensors)]
         dq, dk_own, dv_own = (
