@@ -95,6 +95,27 @@ def unshard(slices: Sequence[torch.Tensor], layout: str = "zigzag", dim: int = 2
     return torch.cat([chunks[c] for c in sorted(chunks)], dim=dim)
 
 
+def pair_positions(
+    layout: str,
+    world_size: int,
+    problem: Problem,
+    chunk_rows: int,
+    chunk_cols: int,
+    query_rank: int,
+    query_slot: int,
+    key_rank: int,
+    key_slot: int,
+) -> dict[str, int]:
+    """The position scalars of a globalized kernel (passes/positions.py) for the pair of
+    `query_rank`'s query chunk `query_slot` and `key_rank`'s key chunk `key_slot`."""
+    return {
+        QUERY_POSITION0: rank_chunks(layout, query_rank, world_size)[query_slot] * chunk_rows,
+        KEY_POSITION0: rank_chunks(layout, key_rank, world_size)[key_slot] * chunk_cols,
+        GLOBAL_N: problem.N,
+        GLOBAL_M: problem.M,
+    }
+
+
 # ----------------------------------------------------------------------------- plan
 @dataclass(frozen=True)
 class ContextParallelPlan:
@@ -269,7 +290,7 @@ class _SumOverRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None
 
@@ -292,13 +313,12 @@ class _Ring:
 
     def _positions(self, query_slot: int, key_slot: int, source: int) -> list[float]:
         """The program's scalars for one chunk pair, in the globalized kernel's order."""
-        P, lay = self.plan.world_size, self.plan.layout
+        p = self.plan
         values = {
             **self.scalars,
-            QUERY_POSITION0: rank_chunks(lay, self.rank, P)[query_slot] * self.plan.chunk_rows,
-            KEY_POSITION0: rank_chunks(lay, source, P)[key_slot] * self.plan.chunk_cols,
-            GLOBAL_N: self.plan.problem.N,
-            GLOBAL_M: self.plan.problem.M,
+            **pair_positions(
+                p.layout, p.world_size, p.problem, p.chunk_rows, p.chunk_cols, self.rank, query_slot, source, key_slot
+            ),
         }
         return [float(values[d.name]) for d in self.kern.inputs if d.role == "scalar"]
 
@@ -523,13 +543,7 @@ def context_parallel(
     chunk_rows = _chunk_length(problem.N, world_size, layout, "q")
     chunk_cols = _chunk_length(problem.M, world_size, layout, "k")
     globalized = kern.at_global_positions()
-    first = {
-        **inputs,
-        QUERY_POSITION0: rank_chunks(layout, rank, world_size)[0] * chunk_rows,
-        KEY_POSITION0: rank_chunks(layout, rank, world_size)[0] * chunk_cols,
-        GLOBAL_N: problem.N,
-        GLOBAL_M: problem.M,
-    }
+    first = {**inputs, **pair_positions(layout, world_size, problem, chunk_rows, chunk_cols, rank, 0, rank, 0)}
     globalized.validate(q.narrow(2, 0, chunk_rows), k.narrow(2, 0, chunk_cols), v.narrow(2, 0, chunk_cols), first)
     dropout = kern.op.dropout if train else 0.0
     if dropout and chunk_cols % 4:
@@ -547,33 +561,32 @@ def context_parallel(
     ]
     out, lse = _RingAttention.apply(ring, q, k, v, *shared)
     if kern.op.sink is not None:  # merged once, at the rows' global positions
-        out, lse = _merge_sink(globalized, plan, rank, out, lse, scale_value, dict(zip(tensors, shared)), first)
+        runtime = {**scalars, **dict(zip(tensors, shared))}
+        out, lse = _merge_sink(kern, plan, rank, out, lse, scale_value, runtime)
     return (out, lse) if return_lse else out
 
 
 def _merge_sink(
-    globalized: Kernel,
+    kern: Kernel,
     plan: ContextParallelPlan,
     rank: int,
     out: torch.Tensor,
     lse: torch.Tensor,
     scale_value: float,
-    tensors: Mapping[str, torch.Tensor],
-    first: Mapping[str, object],
+    runtime: Mapping[str, object],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out and lse with the program's sink merged in (runtime/sinks.py), differentiable."""
+    """out and lse with the program's sink merged in (runtime/sinks.py), evaluated at this
+    rank's rows' global positions and the whole sizes; differentiable."""
     B, H, rows, _ = out.shape
     n = plan.chunk_rows
     starts = [c * n for c in rank_chunks(plan.layout, rank, plan.world_size)]
-    position = torch.cat([torch.arange(s, s + n, device=out.device) for s in starts]).view(1, 1, -1)
     index = {
         "b": torch.arange(B, device=out.device).view(-1, 1, 1),
         "h": torch.arange(H, device=out.device).view(1, -1, 1),
+        "i": torch.cat([torch.arange(s, s + n, device=out.device) for s in starts]).view(1, 1, -1),
     }
-    index["i"] = position - int(first[QUERY_POSITION0])  # type: ignore[call-overload]
-    sizes = {"B": B, "H": H, "Hkv": plan.problem.Hkv, "N": n, "M": plan.chunk_cols, "D": plan.problem.D}
-    runtime = {**first, **tensors}
-    sink = globalized.sink_rows(index, sizes, scale_value, runtime, lse.dtype).expand(B, H, rows)
+    sizes = {name: getattr(plan.problem, name) for name in ex.SIZE_VARS}
+    sink = kern.sink_rows(index, sizes, scale_value, runtime, lse.dtype).expand(B, H, rows)
     return merge_states([out, torch.zeros_like(out)], [lse, sink])
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import attncc  # noqa: E402
 from attncc import distributed as cp  # noqa: E402
 
-PROGRAMS = {"causal": {}, "sliding_window": {}}
+PROGRAMS = ("causal", "sliding_window")
 
 
 def status_mib(field: str) -> float:
