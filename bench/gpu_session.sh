@@ -41,7 +41,7 @@ with ThreadPoolExecutor(16) as pool:
     list(pool.map(lambda job: job[0].emulated_library(job[1], job[2]), jobs))
 print(f"prebuilt {len(jobs)} libraries in {time.time() - start:.0f} s")
 PY
-    CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
+    CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q --maxfail=8 --timeout=300 tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
     ;;
   bench)
     dims=${2:-64}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,6 +12,16 @@ import attncc
 from attncc.runtime.check import check
 from attncc.runtime.inputs import Shape, adapt
 from tests.conftest import EXAMPLES, ROOT
+from tests.test_independent_references import CASES, assert_within, learnable
+from tests.test_serving import (
+    four_sequences,
+    grads_of,
+    leaf64,
+    offsets,
+    packed_leaves,
+    packed_lengths,
+    per_sequence_reference,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
@@ -67,3 +80,96 @@ def test_gpu_deterministic_mode_gives_the_same_bits_every_run() -> None:
         kern.deterministic = False
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
     assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("name", ["alibi", "document", "gpt_oss", "sliding_window"])
+def test_gpu_varlen_matches_hand_written_reference_per_sequence(name: str) -> None:
+    """A packed batch of four ragged sequences (lengths 0 and 1 among them) on the GPU, forward
+    and backward, against the hand-written float64 reference of each sequence on the CPU."""
+    case = CASES[name]
+    lens_q, lens_k = packed_lengths(case.shape)
+    q, k, v, dout = (t.detach().bfloat16() for t in packed_leaves(case.shape, lens_q, lens_k))
+    inputs = four_sequences(case.inputs(torch.Generator().manual_seed(1000), replace(case.shape, B=4)))
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n in learnable(inputs)]
+    on_gpu = {n: t.detach().cuda().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+              for n, t in inputs.items()}  # fmt: skip
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="cuda")
+    cu_q, cu_k = offsets(lens_q).cuda(), offsets(lens_k).cuda()
+    out, lse = kern.varlen(*leaves, cu_q, cu_k, return_lse=True, **case.call, **on_gpu)
+    got = grads_of(out, lse, [*leaves, *(on_gpu[n] for n in learnable(inputs))], names, dout.cuda())
+    got = {n: t.cpu() if t is not None else None for n, t in got.items()}
+    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
+    exact = [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))]
+    ref = grads_of(ref_out, ref_lse, exact, names, dout.double())
+    assert_within(got, ref, {n: 2e-2 if n in ("out", "lse") else 6e-2 for n in ref})
+
+
+@pytest.mark.parametrize(("page_size", "queries"), [(16, 1), (64, 7), (32, 70)])
+def test_gpu_paged_decode_and_prefill_with_appended_keys(page_size: int, queries: int) -> None:
+    """GQA 8/2 from shuffled pages on the GPU, new k/v appended in place at cache_seqlens (one
+    sequence empty before), bottom-right causal: against float64 attention written here."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, Hkv, D, held = 3, 8, 2, 128, [300, 0, 77]
+    pages_per_seq = -(-(max(held) + queries) // page_size) + 1
+    num_pages = B * pages_per_seq + 3
+    k_cache, v_cache = (torch.randn(num_pages, page_size, Hkv, D, generator=gen).bfloat16() for _ in range(2))
+    table = torch.randperm(num_pages, generator=gen)[: B * pages_per_seq].view(B, pages_per_seq).int()
+    q = torch.randn(B, queries, H, D, generator=gen).bfloat16()
+    k_new, v_new = (torch.randn(B, queries, Hkv, D, generator=gen).bfloat16() for _ in range(2))
+    before = k_cache.clone(), v_cache.clone()
+    kern = attncc.compile(
+        "attention bottom_right\ns = q @ k.T * scale\nmask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n",
+        target="cuda",
+    )
+    caches = [c.cuda() for c in (k_cache, v_cache)]
+    out, lse = kern.paged(
+        q.cuda(), *caches, table.cuda(), torch.tensor(held, dtype=torch.int32).cuda(),
+        k_new=k_new.cuda(), v_new=v_new.cuda(), return_lse=True,
+    )  # fmt: skip
+    out, lse, caches = out.cpu(), lse.cpu(), [c.cpu() for c in caches]
+    for b in range(B):
+        m = held[b] + queries
+        keys = [
+            torch.cat([c[table[b].long()].flatten(0, 1)[: held[b]], new[b]]) for c, new in zip(before, (k_new, v_new))
+        ]
+        k, v = (t.transpose(0, 1).double().repeat_interleave(H // Hkv, 0) for t in keys)
+        s = q[b].transpose(0, 1).double() @ k.transpose(1, 2) / math.sqrt(D)
+        visible = torch.arange(m).view(1, -1) <= torch.arange(queries).view(-1, 1) + (m - queries)
+        s = s.masked_fill(~visible, -math.inf)
+        assert torch.allclose(out[b].transpose(0, 1).double(), torch.softmax(s, -1) @ v, atol=2e-2), b
+        assert torch.allclose(lse[b].transpose(0, 1).double(), torch.logsumexp(s, -1), atol=1e-3), b
+        rows = held[b] + torch.arange(queries)
+        written = table[b].long()[rows // page_size], rows % page_size
+        assert torch.equal(caches[0][written], k_new[b]) and torch.equal(caches[1][written], v_new[b])
+
+
+def test_gpu_globalized_chunk_pair_draws_the_whole_calls_dropout_bits() -> None:
+    """A context-parallel chunk pair on the GPU (query rows 64..127, keys 32..95 of a 128-token
+    document-masked, dropout program with a position-dependent sink): with V the identity the
+    output is the pair's probabilities, kept exactly where the whole call's dropout mask keeps."""
+    from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
+    from tests.test_context_parallel import DOCUMENT_SINK_DROPOUT
+
+    gen = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(1, 2, 64, 64, generator=gen).bfloat16() for _ in range(2))
+    v = torch.eye(64).expand(1, 2, 64, 64).bfloat16()
+    doc = torch.tensor([[0] * 40 + [1] * 50 + [2] * 38])
+    sinks = torch.randn(2, generator=gen)
+    positions = {QUERY_POSITION0: 64, KEY_POSITION0: 32, GLOBAL_N: 128, GLOBAL_M: 128}
+    glob = attncc.compile(DOCUMENT_SINK_DROPOUT, target="cuda").at_global_positions()
+    out, lse = glob(
+        q.cuda(), k.cuda(), v.cuda(), return_lse=True, seed=3, doc=doc.cuda(), sinks=sinks.cuda(), **positions
+    )
+    keep = attncc.dropout_mask(3, 0, 1, 2, 128, 128, 0.2)[:, :, 64:, 32:96]
+    i, j = torch.arange(64, 128).view(-1, 1), torch.arange(32, 96).view(1, -1)
+    visible = (doc[:, None, 64:, None] == doc[:, None, None, 32:96]) & (j <= i)
+    scores = (q.double() @ k.double().transpose(-1, -2) / 8).masked_fill(~visible, -math.inf)
+    sink = (sinks.double().view(1, -1, 1) - 0.01 * (128 - torch.arange(64, 128))).unsqueeze(-1)
+    want_lse = torch.logsumexp(torch.cat([scores, sink.expand(1, 2, 64, 1)], dim=-1), dim=-1)
+    probs = torch.exp(scores - want_lse.unsqueeze(-1)) * keep / 0.8
+    out, lse = out.cpu().double(), lse.cpu().double()
+    assert torch.equal(out != 0, (probs != 0))
+    assert torch.allclose(out, probs, atol=1e-2) and torch.allclose(lse, want_lse, atol=1e-3)

@@ -128,8 +128,8 @@ class EmulatedKernel(Kernel):
         allowed = [getattr(torch, name) for name in storage_dtypes(self.target)]
         return dtype if dtype in allowed else allowed[0]
 
-    def validate(self, q, k, v, runtime) -> None:  # noqa: ANN001 - as Kernel
-        super().validate(q, k, v, runtime)
+    def validate(self, q, k, v, runtime, *, on_target: bool = True) -> None:  # noqa: ANN001 - as Kernel
+        super().validate(q, k, v, runtime, on_target=on_target)
         if q.dtype in (torch.float16, torch.bfloat16) and self.storage_dtype(q.dtype) != q.dtype:
             raise InputError(
                 f"q: the {self.target} tensor cores take {' or '.join(storage_dtypes(self.target))}, got {q.dtype}"
