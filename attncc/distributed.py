@@ -295,6 +295,28 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+def through_host(t: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether `t` travels through a host copy: gloo's send and recv take host memory only, so
+    with gloo, device tensors do (which lets several ranks share one GPU, as NCCL does not)."""
+    return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+@dataclass
+class _StagedTransfers:
+    """Transfers through host memory (gloo with device tensors): wait() waits for them all,
+    then copies what arrived into the device tensors. Holds the host copies until then."""
+
+    works: list
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (device tensor, its host landing buffer)
+    sent: list[torch.Tensor]  # (the host copies being sent, alive until then)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        for device_tensor, host in self.copies:
+            device_tensor.copy_(host)
+
+
 @dataclass
 class _Ring:
     """One context-parallel call: its plan, rank, group and the globalized kernel's arguments."""
@@ -323,9 +345,18 @@ class _Ring:
         return [float(values[d.name]) for d in self.kern.inputs if d.role == "scalar"]
 
     def _exchange(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list:
-        ops = [dist.P2POp(dist.isend, t, self._peer(peer), self.group, tag) for t, peer, tag in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._peer(peer), self.group, tag) for t, peer, tag in recvs]
-        return dist.batch_isend_irecv(ops) if ops else []
+        """Post the transfers; the returned works' wait() completes them (tensors that travel
+        through host memory, `through_host`, are copied into place there)."""
+        sent = [t.to("cpu", copy=True) if through_host(t, self.group) else t for t, _, _ in sends]
+        landing = [torch.empty(t.shape, dtype=t.dtype) if through_host(t, self.group) else t for t, _, _ in recvs]
+        ops = [dist.P2POp(dist.isend, t, self._peer(peer), self.group, tag) for t, (_, peer, tag) in zip(sent, sends)]
+        ops += [
+            dist.P2POp(dist.irecv, t, self._peer(peer), self.group, tag) for t, (_, peer, tag) in zip(landing, recvs)
+        ]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        copies = [(t, host) for (t, _, _), host in zip(recvs, landing) if host is not t]
+        staged = copies or any(host is not t for host, (t, _, _) in zip(sent, sends))
+        return [_StagedTransfers(works, copies, sent)] if staged else works
 
     def _post_keys(self, step: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list, tuple | None]:
         """Post step `step`'s K/V transfers: this rank's slice to rank + step where it needs it,

@@ -3,9 +3,11 @@
 Runs side by side in one process on the same inputs: bf16, B*H*N = 16K*16 tokens per case,
 N from 512 to 16K, d 64 and 128, forward and forward+backward, for the cases asked
 (`--cases`: dense and causal against SDPA-flash and FlexAttention; sliding window 256, ALiBi
-and softcap against FlexAttention with the same block mask / score_mod); then decoding (one
-query per sequence against M = 4K..64K keys, H = 32, d = 128), where attncc's split-KV forward
-runs against itself unsplit (`kv_splits = 1`) and the anchors (with --decode).
+and softcap against FlexAttention with the same block mask / score_mod); before them, with
+--decode, decoding (one query per sequence against M = 4K..64K keys, H = 32, d = 128: attncc's
+split-KV forward against itself unsplit (`kv_splits = 1`) and the anchors; GQA 32/8 from a
+paged cache against SDPA on the keys stored contiguously) and, with --serving, packed batches
+(`kern.varlen` against SDPA on the padded batch with its mask, 25% and 50% padding).
 
 Each time is the median of `--repeats` measurements, taken two ways: one call between CUDA
 events (host overhead included: validation, packing, the ctypes call) and `--calls`
@@ -148,6 +150,46 @@ def paged_decode_case(kern: attncc.Kernel, B: int, M: int, repeats: int) -> dict
             "attncc_ms": ours, "sdpa_contiguous_ms": sdpa}  # fmt: skip
 
 
+def serving_cases(repeats: int) -> list[dict]:
+    """Issue 11's packed batches on the GPU: `kern.varlen` against SDPA on the padded batch with
+    its padding mask (and against attncc's padded call), 8 sequences up to 4096 tokens at 25%
+    and 50% padding, H=16 d=128 bf16, dense and causal, forward and forward+backward."""
+    from bench.bench_cpu import padded_lengths
+
+    rows = []
+    H, D, batch, longest = 16, 128, 8, 4096
+    for program, causal in (("vanilla", False), ("causal", True)):
+        kern = attncc.compile(ROOT / "examples" / f"{program}.attn", target="cuda")
+        for padding in (0.25, 0.5):
+            lens = padded_lengths(batch, longest, padding)
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+            packed = [torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            padded = [torch.zeros(batch, H, longest, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            for b in range(batch):
+                for dst, src in zip(padded, packed):
+                    dst[b, :, : lens[b]] = src[cu[b] : cu[b + 1]].transpose(0, 1)
+            keys = torch.arange(longest, device="cuda").view(1, -1) < torch.tensor(lens, device="cuda").view(-1, 1)
+            mask = keys.view(batch, 1, 1, longest)
+            if causal:
+                mask = mask & torch.ones(longest, longest, dtype=torch.bool, device="cuda").tril()
+            for backward in (False, True):
+                leaves = [t.clone().requires_grad_(backward) for t in packed]
+                boxes = [t.clone().requires_grad_(backward) for t in padded]
+                ours = median_ms(partial(step, partial(kern.varlen, *leaves, cu, cu), backward), repeats)
+                sdpa_call = partial(F.scaled_dot_product_attention, *boxes, attn_mask=mask)
+                sdpa = median_ms(partial(step, sdpa_call, backward), repeats)
+                rows.append(
+                    {"varlen": program, "padding": padding, "lengths": lens, "H": H, "D": D, "backward": backward,
+                     "attncc_ms": ours, "sdpa_padded_ms": sdpa}
+                )  # fmt: skip
+                print(
+                    f"varlen {program:7s} pad {padding:.0%} {'fwd+bwd' if backward else 'fwd    '}: attncc {ours:7.3f} ms"
+                    f"  sdpa (padded, mask) {sdpa / ours:5.2f}x",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
@@ -159,6 +201,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=480.0, help="start no case after this many seconds")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--decode", action="store_true", help="also the decoding cases (split-KV)")
+    parser.add_argument("--serving", action="store_true", help="also the packed (varlen) cases")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
@@ -185,6 +228,18 @@ def main() -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+    # first the short ones, so that the budget cuts the grid below, not these
+    if args.decode:
+        results += decode_cases(
+            kernels.get("dense") or attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
+            flex,
+            args.repeats,
+        )
+        save()
+    if args.serving:
+        results += serving_cases(args.repeats)
+        save()
 
     for D in args.dims:
         for N in args.sizes:
@@ -232,13 +287,6 @@ def main() -> None:
                         f"(single call {row['attncc_single_ms']:7.3f}, {row['attncc_tflops']:6.1f} TFLOP/s)  {anchors}{model}",
                         flush=True,
                     )
-    if args.decode:
-        results += decode_cases(
-            kernels.get("dense") or attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
-            flex,
-            args.repeats,
-        )
-        save()
 
 
 if __name__ == "__main__":

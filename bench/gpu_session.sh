@@ -8,9 +8,11 @@
 # machine: bench cases stop starting past --budget-s and keep what they measured):
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl"])        probe, prebuild, golden tests
 #   run(command="bash bench/gpu_session.sh bench 64", carry=[".whl"])     dense, causal at d=64
-#   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl"])    dense, causal at d=128, decoding
+#   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl"])    dense, causal at d=128, decoding, varlen
 #   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl"])    sliding window, ALiBi, softcap
 #   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl"])     racecheck, synccheck logs
+#   run(command="bash bench/gpu_session.sh sweep", carry=[".whl"])        forward tiles, decoding splits
+#   run(command="bash bench/gpu_session.sh ncu", carry=[".whl"])          Nsight Compute, dense d=128
 # Results land in $OUT (JSON with the device name and versions; the forwards with the roofline
 # estimate beside them): commit them under bench/results/ with the device name.
 set -uo pipefail
@@ -41,17 +43,30 @@ with ThreadPoolExecutor(16) as pool:
     list(pool.map(lambda job: job[0].emulated_library(job[1], job[2]), jobs))
 print(f"prebuilt {len(jobs)} libraries in {time.time() - start:.0f} s")
 PY
-    CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q --maxfail=8 --timeout=300 tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
+    # the tests beyond the examples (rope, fp8, Dv != D, packed, paged) build their own libraries:
+    # 8 workers (pytest-xdist, in the device image) build them side by side
+    CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q -n 8 --maxfail=8 --timeout=300 tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
     ;;
   bench)
     dims=${2:-64}
-    python3 bench/bench_cuda.py --dims "$dims" --budget-s 450 $([ "$dims" = 128 ] && echo --decode) \
+    python3 bench/bench_cuda.py --dims "$dims" --budget-s 450 $([ "$dims" = 128 ] && echo --decode --serving) \
       --json "$OUT/cuda-$device-d$dims.json" 2>&1 | tee "$OUT/bench-d$dims.log"
     ;;
   masks)
     dims=${2:-128}
     python3 bench/bench_cuda.py --dims "$dims" --budget-s 480 --cases sliding_window alibi softcap \
       --sizes 1024 4096 16384 --json "$OUT/cuda-$device-masks-d$dims.json" 2>&1 | tee "$OUT/bench-masks-d$dims.log"
+    ;;
+  sweep)
+    python3 bench/sweep_tiles_cuda.py --dims 64 128 2>&1 | tee "$OUT/sweep-tiles.log"
+    python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
+    ;;
+  ncu)
+    python3 bench/profile_cuda.py  # build outside the profiler
+    ncu --clock-control none --kernel-name regex:attention --launch-count 3 --section SpeedOfLight \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis python3 bench/profile_cuda.py > "$OUT/ncu.txt" 2>&1
+    grep -E "attention_|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued" "$OUT/ncu.txt"
     ;;
   sanitize)
     # A causal backward (N=64 queries, M=1024 keys: key blocks no query sees) and a sliding-window

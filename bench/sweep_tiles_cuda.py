@@ -1,12 +1,18 @@
-"""Forward tile sweep on a GPU: the dense bf16 forward (B=4 H=16 N=4096) at each (Br, Bc) the
-`tiles=` override takes (Br, Bc up to 64), against the roofline's choice, for calibrating the tiling pass.
+"""Sweeps on a GPU for calibrating the tiling pass's choices.
+
+Forward tiles: the dense bf16 forward (B=4 H=16 N=4096) at each (Br, Bc) the `tiles=` override
+takes (Br, Bc up to 64), against the roofline's choice. Decoding (`--decode`): one query, d=128,
+MHA 32/32 and GQA 32/8 (a group's heads folded into one head's rows), B=1 and 8, M=16K and 64K,
+at split-KV counts 1..64 against `choose_kv_splits`'s.
 
     python bench/sweep_tiles_cuda.py --dims 64 128
+    python bench/sweep_tiles_cuda.py --decode
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -24,7 +30,11 @@ from bench.bench_cuda import median_ms  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--decode", action="store_true", help="the split-KV sweep of decoding instead")
     args = parser.parse_args()
+    if args.decode:
+        decode_splits()
+        return
     program = ROOT / "examples" / "vanilla.attn"
     variants = {(d, tiles): None for d in args.dims for tiles in [None, (64, 32), (64, 64), (32, 64)]}
     kernels = {key: attncc.compile(program, target="cuda", tiles=key[1]) for key in variants}
@@ -39,6 +49,31 @@ def main() -> None:
         label = "roofline" if tiles is None else "override"
         print(f"d={d:3d} {label:8s} Br={plan.block_rows:3d} Bc={plan.block_cols:3d} warps={plan.warps}: "
               f"{ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)  # fmt: skip
+
+
+def decode_splits() -> None:
+    program = ROOT / "examples" / "vanilla.attn"
+    kernels = {tiles: attncc.compile(program, target="cuda", tiles=tiles) for tiles in (None, (64, 64), (16, 64))}
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda kern: kern.library_path_for("bfloat16", 128), kernels.values()))
+    print(f"{torch.cuda.get_device_name()}: bf16 decoding, one query, d=128; ms per call (splits)", flush=True)
+    for (H, Hkv), B, M in itertools.product(((32, 32), (32, 8)), (1, 8), (16384, 65536)):
+        q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, M, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for kern in kernels.values():
+            rows = q.view(B, Hkv, H // Hkv, 128)  # as the forward runs it (a group's heads as rows)
+            chosen = kern.plan(rows, k, None)
+            times = []
+            for splits in (1, 2, 4, 8, 16, 32, 64):
+                kern.kv_splits = splits
+                times.append(f"{median_ms(partial(kern, q, k, v), 15, 5):.3f} ({splits})")
+            kern.kv_splits = None
+            best = median_ms(partial(kern, q, k, v), 15, 5)
+            print(
+                f"H={H} Hkv={Hkv} B={B} M={M:5d} Br={chosen.tiles.block_rows:3d}: chosen {best:.3f} "
+                f"({chosen.kv_splits})  " + "  ".join(times),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

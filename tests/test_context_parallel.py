@@ -82,17 +82,24 @@ def runtime_inputs(name: str, B: int, H: int, N: int, M: int, gen: torch.Generat
 
 
 def job_tensors(job: dict) -> dict[str, object]:
-    """q, k, v, the output and lse gradients and the runtime inputs of a job (from its seed)."""
+    """q, k, v, the output and lse gradients and the runtime inputs of a job (from its seed),
+    on the job's device."""
     B, H, Hkv, N, M, D, Dv = (job[x] for x in ("B", "H", "Hkv", "N", "M", "D", "Dv"))
     gen = torch.Generator().manual_seed(job["seed"])
-    dtype = getattr(torch, job.get("dtype", "float32"))
+    dtype, device = getattr(torch, job.get("dtype", "float32")), job.get("device", "cpu")
+
+    def placed(t: object) -> object:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().to(device).requires_grad_(t.requires_grad)
+
     return {
-        "q": torch.randn(B, H, N, D, generator=gen).to(dtype),
-        "k": torch.randn(B, Hkv, M, D, generator=gen).to(dtype),
-        "v": torch.randn(B, Hkv, M, Dv, generator=gen).to(dtype),
-        "dout": torch.randn(B, H, N, Dv, generator=gen).to(dtype),
-        "dlse": torch.randn(B, H, N, generator=gen),
-        "inputs": runtime_inputs(job["name"], B, H, N, M, gen),
+        "q": torch.randn(B, H, N, D, generator=gen).to(device, dtype),
+        "k": torch.randn(B, Hkv, M, D, generator=gen).to(device, dtype),
+        "v": torch.randn(B, Hkv, M, Dv, generator=gen).to(device, dtype),
+        "dout": torch.randn(B, H, N, Dv, generator=gen).to(device, dtype),
+        "dlse": torch.randn(B, H, N, generator=gen).to(device),
+        "inputs": {n: placed(t) for n, t in runtime_inputs(job["name"], B, H, N, M, gen).items()},
     }
 
 
@@ -100,12 +107,17 @@ def learnable(inputs: dict[str, object]) -> list[str]:
     return [n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def _rank_main(rank: int, world: int, port: int, jobs: list[dict], outdir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, jobs: list[dict], outdir: str, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if torch.cuda.is_available():  # a GPU per rank where there are enough (NCCL needs that)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    as_device_tensors = cp.through_host
     try:
         for index, job in enumerate(jobs):
+            # `through_host`: CPU tensors travel through host copies as device tensors do over gloo
+            cp.through_host = (lambda t, group: True) if job.get("through_host") else as_device_tensors
             kern = compiled(job)
             x = job_tensors(job)
             layout = job["layout"]
@@ -117,15 +129,8 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[dict], outdir: str) 
             dout, dlse = (cp.shard(x[n], rank, world, layout) for n in ("dout", "dlse"))
             ((out * dout).sum() + (lse * dlse).sum()).backward()
             grads = {n: inputs[n].grad for n in learnable(inputs)}
-            result = {
-                "out": out.detach(),
-                "lse": lse.detach(),
-                "dq": q.grad,
-                "dk": k.grad,
-                "dv": v.grad,
-                "inputs": grads,
-            }
-            torch.save(result, Path(outdir) / f"{index}_{rank}.pt")
+            result = {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+            torch.save(on_host({**result, "inputs": grads}), Path(outdir) / f"{index}_{rank}.pt")
     except Exception:
         (Path(outdir) / f"error_{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -139,13 +144,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, jobs: list[dict], outdir: Path, timeout: float = 600) -> None:
-    """Spawn `world` gloo ranks running `jobs`; fail (killing them) past `timeout` seconds."""
+def on_host(result: dict) -> dict:
+    """A rank's or the single process's results with every tensor on the CPU."""
+    return {
+        n: on_host(t) if isinstance(t, dict) else t.cpu() if isinstance(t, torch.Tensor) else t
+        for n, t in result.items()
+    }
+
+
+def run_ranks(world: int, jobs: list[dict], outdir: Path, timeout: float = 600, backend: str = "gloo") -> None:
+    """Spawn `world` ranks of `backend` running `jobs`; fail (killing them) past `timeout` seconds."""
     for job in jobs:  # build every library once here, not in every rank at once
         warm_up(job)
     context = mp.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=_rank_main, args=(r, world, port, jobs, str(outdir))) for r in range(world)]
+    ranks = [
+        context.Process(target=_rank_main, args=(r, world, port, jobs, str(outdir), backend)) for r in range(world)
+    ]
     for p in ranks:
         p.start()
     for p in ranks:
@@ -160,7 +175,7 @@ def run_ranks(world: int, jobs: list[dict], outdir: Path, timeout: float = 600) 
 
 def compiled(job: dict) -> attncc.Kernel:
     target = job.get("target", "cpu")
-    return attncc.compile(program(job["name"]), target, emulate=target != "cpu")
+    return attncc.compile(program(job["name"]), target, emulate=target not in ("cpu", "cuda"))
 
 
 def warm_up(job: dict) -> None:
@@ -180,7 +195,9 @@ def single_process(job: dict) -> dict[str, object]:
     out, lse = kern(q, k, v, return_lse=True, seed=job["seed"], scale=job.get("scale"), **inputs)
     ((out * x["dout"]).sum() + (lse * x["dlse"]).sum()).backward()
     grads = {n: inputs[n].grad for n in learnable(inputs)}
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "inputs": grads}
+    return on_host(
+        {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "inputs": grads}
+    )
 
 
 def compare(jobs: list[dict], world: int, outdir: Path) -> None:
@@ -229,6 +246,10 @@ JOBS = {
         dict(job("gpt2", "zigzag", N=64, B=1), target="sm80", tol=2e-2),
         dict(job("alibi", "zigzag"), dtype="bfloat16", tol=2e-2),  # partial outputs rounded to bf16
         dict(job("document_sink_dropout", "contiguous", N=64, B=1), target="sm80", tol=2e-2),
+        # GQA chunks of 48 rows: each pair's forward folds the group's heads into rows
+        dict(job("gqa", "contiguous", N=96), target="sm80", tol=2e-2),
+        # every transfer through host copies, as device tensors travel over gloo
+        dict(job("document_sink_dropout", "zigzag"), through_host=True),
     ],
     3: [
         job("causal", "zigzag"),
@@ -244,6 +265,7 @@ JOBS = {
         job("alibi", "zigzag"),
         job("gqa", "contiguous"),
         job("rope_causal", "contiguous"),
+        dict(job("relative_bias", "zigzag"), through_host=True),
     ],
 }
 

@@ -771,3 +771,42 @@ def test_cli_writes_self_contained_cuda_sources(tmp_path) -> None:
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", ["alibi", "relative_bias", "gpt_oss", "padding", "prefix_lm", "rope_causal", "gpt2"])
+@pytest.mark.parametrize("queries", [1, 5])
+def test_gqa_decoding_runs_a_groups_query_heads_as_one_heads_rows(
+    name: str, queries: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding and short chunks with GQA (H = 8 over Hkv = 2, groups of 4): the forward runs q
+    as [B, Hkv, 4 N, D] (`with_folded_query_heads`: a block per K/V head and split reads each K/V
+    tile once for the group) and gives the bits of the call with a block per query head, on
+    programs that read h (ALiBi slopes, a per-head bias table, sinks), i and N (padding,
+    prefix, rope, bottom-right windows). With dropout (gpt2 in training) it does not fold."""
+    from tests.test_context_parallel import ROPE_CAUSAL
+
+    kern = attncc.compile(ROPE_CAUSAL, target="sm80", emulate=True) if name == "rope_causal" else emulated(name)
+    shape = Shape(2, 8, 2, queries, 150, 64)
+    q, k, v, runtime = make_inputs(kern, shape, torch.bfloat16, requires_grad=False)
+    problems: list[tuple[int, ...]] = []
+    run = type(kern)._run
+
+    def recorded(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
+        plan = args[1]
+        problems.append((plan.problem.H, plan.problem.Hkv, plan.problem.N))  # type: ignore[attr-defined]
+        run(self, entry, *args, **kwargs)
+
+    monkeypatch.setattr(type(kern), "_run", recorded)
+    train = name == "gpt2"
+    folded = kern(q, k, v, return_lse=True, train=train, seed=5, **runtime)
+    monkeypatch.setattr(kern, "query_head_group", lambda *args: 1)
+    per_head = kern(q, k, v, return_lse=True, train=train, seed=5, **runtime)
+    assert problems == ([(8, 2, queries)] * 2 if train else [(2, 2, 4 * queries), (8, 2, queries)])
+    assert torch.equal(folded[0], per_head[0]) and torch.equal(folded[1], per_head[1])
+    if not train:  # and a reference: rows of the right heads and positions, not merely consistent
+        exact = {
+            n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in runtime.items()
+        }
+        want_out, want_lse = kern.reference(q.double(), k.double(), v.double(), train=False, **exact)
+        torch.testing.assert_close(folded[0].double(), want_out, atol=3e-2, rtol=0)
+        torch.testing.assert_close(folded[1].double(), want_lse, atol=1e-2, rtol=0)  # rope: bf16 rotated rows

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 import attncc
-from attncc.runtime.check import check
+from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
+from attncc.runtime.check import _error, check
 from attncc.runtime.inputs import Shape, adapt
 from tests.conftest import EXAMPLES, ROOT
-from tests.test_independent_references import CASES, assert_within, learnable
+from tests.test_context_parallel import DOCUMENT_SINK_DROPOUT, compare, job, run_ranks
+from tests.test_fp8 import EMULATED_SHAPES as FP8_SHAPES
+from tests.test_fp8 import FORMATS, dequantised, quantised
+from tests.test_independent_references import CASES, assert_within, draw, learnable
+from tests.test_rope import CASES as ROPE_CASES
+from tests.test_rope import program
 from tests.test_serving import (
     four_sequences,
     grads_of,
@@ -22,6 +29,7 @@ from tests.test_serving import (
     packed_lengths,
     per_sequence_reference,
 )
+from tests.test_value_head_dim import EMULATED_SHAPES as VALUE_DIM_SHAPES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
@@ -150,9 +158,6 @@ def test_gpu_globalized_chunk_pair_draws_the_whole_calls_dropout_bits() -> None:
     """A context-parallel chunk pair on the GPU (query rows 64..127, keys 32..95 of a 128-token
     document-masked, dropout program with a position-dependent sink): with V the identity the
     output is the pair's probabilities, kept exactly where the whole call's dropout mask keeps."""
-    from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
-    from tests.test_context_parallel import DOCUMENT_SINK_DROPOUT
-
     gen = torch.Generator().manual_seed(9)
     q, k = (torch.randn(1, 2, 64, 64, generator=gen).bfloat16() for _ in range(2))
     v = torch.eye(64).expand(1, 2, 64, 64).bfloat16()
@@ -173,3 +178,89 @@ def test_gpu_globalized_chunk_pair_draws_the_whole_calls_dropout_bits() -> None:
     out, lse = out.cpu().double(), lse.cpu().double()
     assert torch.equal(out != 0, (probs != 0))
     assert torch.allclose(out, probs, atol=1e-2) and torch.allclose(lse, want_lse, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["alibi", "gpt2", "document"])
+def test_gpu_value_head_dim_differs_from_the_query_head_dim(name: str) -> None:
+    """Dv != D (DeepSeek's 192/128 MLA prefill and 64/256) on the GPU: forward, backward with
+    atomic dQ and the deterministic backward, split-KV forced in the former, within the eager
+    low-precision error of float64."""
+    kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="cuda")
+    for shape in VALUE_DIM_SHAPES:
+        for deterministic in (False, True):
+            kern.deterministic, kern.kv_splits = deterministic, None if deterministic else 3
+            result = check(kern, adapt(shape, kern), torch.bfloat16, device="cuda")
+            assert result.ok, f"deterministic={deterministic}: {result.describe()}"
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_gpu_rope_inside_the_kernels(case: int) -> None:
+    """Rotary embeddings applied to the Q and K tiles in shared memory (half-split, interleaved,
+    partial; positions offset per sequence), forward and backward against float64."""
+    label, q_args, k_args, _ = ROPE_CASES[case]
+    kern = attncc.compile(program(label, q_args, k_args), target="cuda")
+    for shape in (Shape(2, 4, 2, 77, 130, 64), Shape(2, 2, 1, 1, 300, 128)):
+        result = check(kern, adapt(shape, kern), torch.bfloat16, device="cuda")
+        # lse: the rotated rows are rounded to bf16 in the tiles, as in the emulator's rope tests
+        assert all(result.errors[n] <= result.limits[n] for n in result.errors if n != "lse"), result.describe()
+        assert result.errors["lse"] <= 1e-2, result.describe()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", ["alibi", "gpt_oss"])
+def test_gpu_fp8_keys_and_values_with_descale_factors(name: str, fmt: str) -> None:
+    """fp8 K/V (per-token k factors, a per-tensor v factor) widened into shared memory on the
+    GPU, split-KV forced on, against float64 code on the dequantised operands."""
+    kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="cuda")
+    kern.kv_splits = 3
+    case = CASES[name]
+    for shape in FP8_SHAPES:
+        q, k, v, _ = draw(replace(case, shape=shape))
+        inputs = {
+            n: t.detach() if isinstance(t, torch.Tensor) else t
+            for n, t in case.inputs(torch.Generator().manual_seed(3), shape).items()
+        }
+        k_descale = torch.rand(shape.B, shape.Hkv, shape.M) * 0.02 + 0.005
+        k8, v8 = quantised(k, k_descale, FORMATS[fmt]), (v.detach() / 0.01).to(FORMATS[fmt])
+        q = q.detach().bfloat16()
+        on_gpu = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+        with torch.no_grad():
+            out, lse = kern(
+                q.cuda(), k8.cuda(), v8.cuda(), k_descale=k_descale.cuda(), v_descale=0.01, return_lse=True, **on_gpu
+            )
+            exact = {
+                n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in inputs.items()
+            }
+            ref_out, ref_lse = case.reference(
+                q.double(), dequantised(k8, k_descale, q.dtype), dequantised(v8, 0.01, q.dtype), exact
+            )
+        assert _error(out.cpu(), ref_out) <= 2e-2, (shape, _error(out.cpu(), ref_out))
+        assert _error(lse.cpu(), ref_lse) <= 2e-3, (shape, _error(lse.cpu(), ref_lse))
+
+
+#: Context-parallel jobs on the GPU kernels (fp32 inputs in bf16 tiles: each pair's output is
+#: rounded to bf16 before the merge, hence the bf16 tolerance).
+GPU_CONTEXT_PARALLEL_JOBS = [
+    dict(job(name, layout, **sizes), target="cuda", device="cuda", tol=2e-2)
+    for name, layout, sizes in (
+        ("document_sink_dropout", "zigzag", {"N": 128, "B": 1, "D": 64}),
+        ("causal", "zigzag", {"D": 64}),
+        ("gqa", "contiguous", {"D": 128}),
+        ("gpt_oss", "zigzag", {"N": 160, "M": 224, "D": 64}),
+    )
+]
+
+
+def test_gpu_context_parallel_two_ranks_share_one_gpu_over_gloo(tmp_path: Path) -> None:
+    """Two ranks on one GPU (NCCL refuses two ranks per device; gloo moves device tensors
+    through host copies): the ring's forward and backward against the single-process call."""
+    run_ranks(2, GPU_CONTEXT_PARALLEL_JOBS, tmp_path)
+    compare(GPU_CONTEXT_PARALLEL_JOBS, 2, tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank")
+def test_gpu_context_parallel_over_nccl(tmp_path: Path) -> None:
+    """The ring over NCCL, a GPU per rank (device tensors sent directly)."""
+    world = min(torch.cuda.device_count(), 4)
+    run_ranks(world, GPU_CONTEXT_PARALLEL_JOBS, tmp_path, backend="nccl")
+    compare(GPU_CONTEXT_PARALLEL_JOBS, world, tmp_path)

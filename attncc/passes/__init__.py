@@ -10,7 +10,7 @@ from attncc.passes.backward import derive_backward
 from attncc.passes.canonicalize import canonicalize
 from attncc.passes.cost import cost
 from attncc.passes.fuse import fuse_attention
-from attncc.passes.positions import globalize_positions
+from attncc.passes.positions import fold_query_heads, globalize_positions
 from attncc.passes.sparsity import analyse_sparsity
 from attncc.passes.tiling import tile
 from attncc.targets import Target
@@ -48,13 +48,19 @@ def run_pipeline(source: str, path: str, target: Target, tiles: tuple[int, int] 
     return stages
 
 
-def at_global_positions(stages: list[Stage]) -> list[Stage]:
-    """`stages` (a `run_pipeline` result) again from sparsity analysis on, with
-    `globalize_positions` after it: the program of a chunk pair of a longer sequence
-    (context parallelism). The tiling is the original's: it depends on the target and the head
-    dims, not on where positions start."""
+#: Rewrites of where a kernel's rows are (passes/positions.py), by the name `with_rows` takes.
+ROW_REWRITES = {"globalize_positions": globalize_positions, "fold_query_heads": fold_query_heads}
+
+
+def with_rows(stages: list[Stage], rewrite: str) -> list[Stage]:
+    """`stages` (a `run_pipeline` result) again from sparsity analysis on, with the row
+    rewrite `rewrite` after it: `globalize_positions` (a chunk pair of a longer sequence,
+    context parallelism) or `fold_query_heads` (a GQA group's query heads as one head's rows).
+    The tiling is the original's: it depends on the target and the head dims, not on which
+    program rows a kernel row is. Rewrites compose: a globalized kernel's folded variant keeps
+    its global positions."""
     names = [stage.name for stage in stages]
-    kept = stages[: names.index("analyse_sparsity") + 1]
+    kept = stages[: max(i for i, name in enumerate(names) if name == "analyse_sparsity" or name in ROW_REWRITES) + 1]
     tiling = fused_node(stages[names.index("tile")].graph)[1].tiling
 
     def with_tiling(g: Graph) -> Graph:
@@ -64,7 +70,7 @@ def at_global_positions(stages: list[Stage]) -> list[Stage]:
         return g
 
     for name, fn in (
-        ("globalize_positions", globalize_positions),
+        (rewrite, ROW_REWRITES[rewrite]),
         ("derive_backward", derive_backward),
         ("tile", with_tiling),
         ("cost", cost),

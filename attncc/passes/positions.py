@@ -1,4 +1,5 @@
-"""Global positions: the program's i, j, N and M of a chunk of a longer sequence.
+"""Where a kernel's rows are in the program: global positions of a chunk of a longer sequence
+(context parallelism), and a GQA group's query heads folded into one head's rows (decoding).
 
 Context parallelism (runtime/distributed.py) splits one sequence into chunks and runs a kernel
 per (query chunk, key chunk) pair. The program speaks of the whole sequence: `mask j <= i`
@@ -51,36 +52,78 @@ def globalize_positions(g: Graph) -> Graph:
     by the caller at the global sizes); the four scalars are declared inputs of the graph;
     `position0` holds the query and key offsets (dropout counters).
     """
+    return _rewrite_rows(
+        g,
+        "globalize_positions",
+        global_mapping(),
+        POSITION_SCALARS,
+        (GLOBAL_N, GLOBAL_M),
+        position0=(ex.var(QUERY_POSITION0), ex.var(KEY_POSITION0)),
+    )
+
+
+FOLD_ROWS = "__fold_rows"
+FOLD_GROUP = "__fold_group"
+#: The scalars a folded kernel takes, in the order they are declared.
+FOLD_SCALARS = (FOLD_ROWS, FOLD_GROUP)
+
+
+def fold_query_heads(g: Graph) -> Graph:
+    """The fused node for queries [B, Hkv, G * N, D]: a GQA group's G query heads as the rows
+    of its key/value head, so that the kernels read each K/V tile once per group, not once per
+    query head, and a decoding step (N = 1) fills G rows of a query tile instead of one.
+
+    Row r of kernel head h is query r % N of program head h * G + r // N: the program's i, h,
+    N and H become `i % __fold_rows`, `h * __fold_group + i // __fold_rows`, `__fold_rows` and
+    `H * __fold_group` (two int scalars the caller passes: N and G). Runs where
+    `globalize_positions` does; the same guarantees for i, h, N and H. Dropout's counters are
+    not rewritten (`position0` stays): callers fold only calls without dropout.
+    """
+    rows, group = ex.var(FOLD_ROWS), ex.var(FOLD_GROUP)
+    mapping: dict[ex.Expr, ex.Expr] = {
+        ex.var("i"): ex.Binary("mod", ex.var("i"), rows),
+        ex.var("h"): ex.Binary("add", ex.Binary("mul", ex.var("h"), group), ex.Binary("floordiv", ex.var("i"), rows)),
+        ex.var("N"): rows,
+        ex.var("H"): ex.Binary("mul", ex.var("H"), group),
+    }
+    return _rewrite_rows(g, "fold_query_heads", mapping, FOLD_SCALARS, (FOLD_ROWS, "M"))
+
+
+def _rewrite_rows(
+    g: Graph,
+    name: str,
+    mapping: dict[ex.Expr, ex.Expr],
+    scalars: tuple[str, ...],
+    grid_sizes: tuple[str, str],
+    **changes: object,
+) -> Graph:
+    """The fused node with `mapping` substituted (simultaneously) in every expression the
+    kernels evaluate per score or row (score, mask and sparsity predicate, sink, rope
+    positions), the int scalars `scalars` declared as inputs of the graph, the layout grids
+    spanning `grid_sizes`, and `changes` to the op."""
     g = clone(g)
     node, op = fused_node(g)
-    assert op.sparsity is not None and op.backward is None, "globalize_positions runs between sparsity and backward"
-    mapping = global_mapping()
+    assert op.sparsity is not None and op.backward is None, f"{name} runs between sparsity and backward"
 
     def rewrite(e: ex.Expr | None) -> ex.Expr | None:
         return None if e is None else ex.substitute(e, mapping)
 
-    for name in POSITION_SCALARS:
-        add_op(g, Input(name, "scalar", "int"))
-        g.add_edge(input_node(g, name), node, operand=None)
-    sparsity = op.sparsity
-    predicate = rewrite(sparsity.predicate)
-    used = {n for n in POSITION_SCALARS if predicate is not None and n in ex.free_vars(predicate)}
+    for scalar in scalars:
+        add_op(g, Input(scalar, "scalar", "int"))
+        g.add_edge(input_node(g, scalar), node, operand=None)
+    predicate = rewrite(op.sparsity.predicate)
+    free = ex.free_vars(predicate) if predicate is not None else set()
     sparsity = replace(
-        sparsity,
+        op.sparsity,
         predicate=predicate,
-        runtime_inputs=tuple(sorted(set(sparsity.runtime_inputs) | used)),
-        grid_sizes=(GLOBAL_N, GLOBAL_M),
+        runtime_inputs=tuple(sorted(set(op.sparsity.runtime_inputs) | (free & set(scalars)))),
+        varies_with_head=op.sparsity.varies_with_head and "h" in free,
+        grid_sizes=grid_sizes,
     )
     ropes = {
         field: replace(r, position=rewrite(r.position)) for field in ("q_rope", "k_rope") if (r := getattr(op, field))
     }
     g.nodes[node]["op"] = replace(
-        op,
-        score=rewrite(op.score),
-        mask=rewrite(op.mask),
-        sink=rewrite(op.sink),
-        sparsity=sparsity,
-        position0=(ex.var(QUERY_POSITION0), ex.var(KEY_POSITION0)),
-        **ropes,
+        op, score=rewrite(op.score), mask=rewrite(op.mask), sink=rewrite(op.sink), sparsity=sparsity, **ropes, **changes
     )
     return g

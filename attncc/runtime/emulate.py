@@ -9,6 +9,7 @@ same bits under every schedule.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -18,6 +19,7 @@ import torch
 
 from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, rounded_head_dim, storage_dtypes
 from attncc.errors import AttnccError, InputError
+from attncc.passes.positions import FOLD_GROUP, FOLD_ROWS
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
@@ -209,14 +211,25 @@ class EmulatedKernel(Kernel):
             qs, ks, vs = packed.as_batch(qs, False), packed.as_batch(ks, True), packed.as_batch(vs, True)
             scales = {name: packed.as_batch(t, True) for name, t in scales.items()}
             out, lengths = packed.as_batch(rows_out, False), packed.lengths
-        elif paged is not None:
-            lengths = paged.lengths(q.shape[2])
-        plan = self.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale, value_dim=value_dim)
-        call = self._prepare(plan, torch.float32, tensors, scalars, lengths)
+        kern, kernel_lse = self, lse
+        group = self.query_head_group(qs, ks.shape[1], value_dim, dropout, packed)
+        if group > 1:  # the group's query heads as one head's rows: K/V tiles read once per group
+            kern = self.with_folded_query_heads()
+            B, H, N, D = qs.shape
+            qs = qs.reshape(B, H // group, group * N, D)
+            out = out.view(B, H // group, group * N, value_dim)
+            kernel_lse = lse.view(B, H // group, group * N)
+            values = {**self.runtime_values(tensors, scalars), FOLD_ROWS: N, FOLD_GROUP: group}
+            tensors = [values[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
+            scalars = [float(values[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+        if paged is not None:
+            lengths = paged.lengths(qs.shape[2])
+        plan = kern.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale, value_dim=value_dim)
+        call = kern._prepare(plan, torch.float32, tensors, scalars, lengths)
         call["offset"] = offset
         if rows_out.numel():
-            ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": lse, **scales}
-            rope_ptrs, call["rope"] = self.rope_buffers(
+            ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": kernel_lse, **scales}
+            rope_ptrs, call["rope"] = kern.rope_buffers(
                 qs, ks if paged is None else paged.keys_like(qs, ks), tensors, scalars, lengths
             )
             ptrs.update(rope_ptrs)
@@ -232,12 +245,28 @@ class EmulatedKernel(Kernel):
                 call["page_size"] = paged.page_size
                 strides = PagedKeys.strides({"k": ks, "v": vs, **scales})
             dtype = library_dtype(storage, k.dtype)
-            self._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
+            kern._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
             with torch.no_grad():
                 sink_lse = sink.to(lse.dtype).expand(lse.shape)
                 rows_out, lse = merge_states([rows_out, torch.zeros_like(rows_out)], [lse, sink_lse])
         return rows_out.to(q.dtype), lse.to(acc_dtype(q.dtype))
+
+    def query_head_group(
+        self, q: torch.Tensor, kv_heads: int, value_dim: int, dropout: float, packed: PackedSequences | None
+    ) -> int:
+        """G = H / Hkv where the forward runs each GQA group's query heads as the rows of one
+        head (`with_folded_query_heads`), else 1: where that needs fewer query tiles (decoding,
+        short chunks; with G heads of N rows, ceil(G N / Br) < G ceil(N / Br)), and only for
+        padded and paged calls without dropout (packed sequences have their own N; dropout
+        counts its counters from the program's head and row)."""
+        _, H, N, D = q.shape
+        if packed is not None or dropout > 0 or kv_heads == 0 or H == kv_heads or N == 0:
+            return 1
+        assert self.op.tiling is not None
+        rows = self.op.tiling.for_head_dim(max(D, value_dim)).block_rows
+        group = H // kv_heads
+        return group if math.ceil(group * N / rows) < group * math.ceil(N / rows) else 1
 
     def reads_pages(self, q: torch.Tensor, page_size: int, value_dim: int) -> bool:
         """The CUDA forward looks each key row up in the block table: any page size."""

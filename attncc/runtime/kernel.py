@@ -29,7 +29,7 @@ from attncc.codegen.cpu import generate_cpu
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
-from attncc.passes import Stage, at_global_positions
+from attncc.passes import Stage, with_rows
 from attncc.passes.positions import GLOBAL_SIZES
 from attncc.passes.sparsity import (
     Problem,
@@ -96,6 +96,10 @@ class CallPlan:
     scale: float  # multiplies q.k: FusedAttention.scale at this call's sizes and scale value
     scale_value: float  # the program's name `scale` (the call's `scale=`, else its default)
     kv_splits: int = 1  # blocks sharing one query tile's keys (the CUDA forward's split-KV)
+
+
+#: Per-object settings that a kernel's row variants (`Kernel._with_rows`) follow.
+ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits")
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,7 @@ class Kernel:
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
     _PER_PROCESS: tuple[str, ...] = (
-        "_libraries", "_lock", "call_key", "_calls", "_plans", "_repeats", "_globalized",
+        "_libraries", "_lock", "call_key", "_calls", "_plans", "_repeats", "_row_variants",
     )  # fmt: skip
 
     def __init__(self, stages: list[Stage], target: str) -> None:
@@ -221,14 +225,26 @@ class Kernel:
         of kernel (target, emulation settings), taking the int scalars `__query_position0`,
         `__key_position0` (the chunks' first global positions), `__global_N` and `__global_M`
         (the whole sequence's lengths) besides the program's inputs. Made once per kernel."""
+        return self._with_rows("globalize_positions")
+
+    def with_folded_query_heads(self) -> Kernel:
+        """This variant for q viewed as [B, Hkv, G * N, D] (passes/positions.py
+        `fold_query_heads`), taking the int scalars `__fold_rows` (N) and `__fold_group` (G)
+        besides the program's inputs. Made once per kernel."""
+        return self._with_rows("fold_query_heads")
+
+    def _with_rows(self, rewrite: str) -> Kernel:
         with self._lock:
-            globalized = self._globalized
-            if globalized is None:
-                globalized = copy.copy(self)  # (a fresh registration: __setstate__)
-                globalized._take_stages(at_global_positions(self.stages))
-                globalized._register()
-                self._globalized = globalized
-        return globalized
+            variant = self._row_variants.get(rewrite)
+            if variant is None:
+                variant = copy.copy(self)  # (a fresh registration: __setstate__)
+                variant._take_stages(with_rows(self.stages, rewrite))
+                variant._register()
+                self._row_variants[rewrite] = variant
+        for name in ROW_VARIANT_SETTINGS:  # as this kernel's now (kern.kv_splits = 1 set after the variant was made)
+            if hasattr(self, name):
+                setattr(variant, name, getattr(self, name))
+        return variant
 
     def _register(self) -> None:
         self._libraries: dict[str | tuple[str, int], ctypes.CDLL] = {}  # CPU: dtype; CUDA: (dtype, head dim)
@@ -236,7 +252,7 @@ class Kernel:
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
         self._repeats: dict[tuple, RepeatLaunch] = {}  # packed launches of checked calls (see _repeat_key)
-        self._globalized: Kernel | None = None  # see at_global_positions
+        self._row_variants: dict[str, Kernel] = {}  # by rewrite: see at_global_positions
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
         self.call_key = f"{self.key}#{next(_KEYS)}"
