@@ -318,6 +318,42 @@ def padded_lengths(batch: int, longest: int, padding: float) -> list[int]:
     return [max(1, round(longest * (low + (1.0 - low) * (b + 0.5) / batch))) for b in range(batch)]
 
 
+def alternating_medians(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each of `fns`, timed in turn within every repeat (a noisy machine's
+    drift falls on all of them alike)."""
+    for fn in fns:
+        fn()  # warm-up (and build)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, kept in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - start)
+    return [sorted(kept)[len(kept) // 2] for kept in times]
+
+
+def short_cases(results: list, args) -> None:
+    """Many short sequences (a padded batch of 1024 tokens per head, N = M = 16 .. 128, H=8
+    D=64): key tiles fitted to the key count (TilePlan.for_few_keys), against SDPA; fp32 and
+    bf16, dense and causal, forward and forward+backward."""
+    gen = torch.Generator().manual_seed(5)
+    for program in ("vanilla", "causal"):
+        kern = attncc.compile(EX / f"{program}.attn")
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in (16, 32, 64, 128):
+                q, k, v = (torch.randn(1024 // n, 8, n, 64, generator=gen).to(dtype) for _ in range(3))
+
+                def sdpa(q_, k_, v_, causal=program == "causal"):
+                    return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
+
+                name = f"short {program} {str(dtype).removeprefix('torch.')} B={1024 // n} H=8 N=M={n} D=64"
+                ours, anchor = alternating_medians([partial(kern, q, k, v), partial(sdpa, q, k, v)], args.repeats)
+                row(results, f"{name} fwd", ours, {"sdpa": anchor})
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                ours, anchor = alternating_medians([fwd_bwd(kern, *leaves), fwd_bwd(sdpa, *leaves)], args.repeats)
+                row(results, f"{name} fwd+bwd", ours, {"sdpa": anchor})
+
+
 def serving_cases(results: list, args) -> None:
     """Issue 11's targets: packed (varlen) batches against SDPA on the padded batch with its
     padding mask, at 25% and 50% padding (8 sequences up to --serving-n, and 64 short ones up to
@@ -705,6 +741,7 @@ def main() -> None:
     parser.add_argument("--serving-n", type=int, default=2048, help="the longest sequence of the varlen cases")
     parser.add_argument("--models", action="store_true", help="the models' head shapes (issue 12) only")
     parser.add_argument("--fp8", action="store_true", help="the fp8 K/V cases (part of --models) only")
+    parser.add_argument("--short", action="store_true", help="many short sequences (N = M = 16 .. 128) only")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep:
@@ -734,6 +771,8 @@ def main() -> None:
     print(f"{meta['cpu_model']} ({meta['cpu_family_model']}), attncc {meta['attncc_isa']}; torch.mm GFLOP/s: {rates}")
     if args.serving:
         serving_cases(results, args)
+    elif args.short:
+        short_cases(results, args)
     elif args.models:
         model_cases(results, args)
     elif args.fp8:

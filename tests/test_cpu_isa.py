@@ -315,3 +315,30 @@ def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> 
         assert len(warned) == 1 and "rebuilding it" in warned[0], stderr
         assert "Traceback" not in stderr and library.read_bytes() != damaged
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", LEVELS_HERE)
+def test_key_tiles_fitted_to_few_keys(isa: str, monkeypatch) -> None:
+    """A call with fewer keys than Bc takes key tiles of its key count rounded up to 16 (32
+    for AMX's bf16 products), one tile per row: M = 5, 16, 17 and 40 with N above and below M,
+    causal, padding (rows without keys), ALiBi's learnable slopes, GQA, odd head dims; fp32 and
+    bf16, forward and backward, against float64, on each level."""
+    from attncc.runtime.inputs import make_inputs
+
+    monkeypatch.setenv(ISA_ENV, isa)
+    for name in ("causal", "padding", "alibi"):
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn")
+        for shape in (
+            Shape(3, 4, 2, 16, 16, 64),
+            Shape(2, 2, 1, 7, 5, 40),
+            Shape(2, 4, 2, 33, 17, 24),
+            Shape(1, 2, 2, 9, 40, 80),
+        ):
+            shape = adapt(shape, kern)
+            for dtype in (torch.float32, torch.bfloat16):
+                q, k, _, runtime = make_inputs(kern, shape, dtype, requires_grad=False)
+                step = 32 if dtype == torch.bfloat16 and CPU_ISAS[isa].bf16_products == "amx" else 16
+                tiles, _ = kern.forward_classes(q, k, **runtime)
+                assert tiles.block_cols == max(step, -(-shape.M // step) * step), (isa, name, shape, dtype)
+                result = check(kern, shape, dtype)
+                assert result.ok, f"{isa} {name} {dtype} {shape}: {result.describe()}"

@@ -40,7 +40,7 @@ from attncc.passes.sparsity import (
     runtime_tensors,
     visible_keys,
 )
-from attncc.passes.tiling import TilePlan
+from attncc.passes.tiling import CPU_AMX_KEY_STEP, CPU_FEW_KEYS_STEP, TilePlan
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.fp8 import (
     FP8_DTYPES,
@@ -901,6 +901,7 @@ class Kernel:
         if packed is not None:  # (key-side operands: those of k's shape)
             operands = {name: packed.as_batch(t, name in ("k", "v", "dk", "dv")) for name, t in operands.items()}
         plan = self.plan(operands["q"], operands["k"], scale, backward=True, value_dim=v.shape[-1])
+        plan = self._with_few_keys(plan, q.dtype)
         call = self._prepare(plan, q.dtype, tensors, scalars, None if packed is None else packed.lengths)
         call["offset"] = offset
         tensor_decls = [d for d in self.inputs if d.role == "tensor"]
@@ -984,6 +985,8 @@ class Kernel:
         plan = self.plan(q, k, scale, value_dim=value_dim)
         if page_size is not None:  # (reads_pages said there are such tiles)
             plan = replace(plan, tiles=plan.tiles.for_pages(page_size, plan.problem.N))
+        else:
+            plan = self._with_few_keys(plan, q.dtype)
         side_by_side = page_size is not None or k.stride(1) < k.stride(2)  # kv heads within each key row
         if plan.problem.N < 4 and plan.problem.Hkv > 1 and side_by_side:
             plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
@@ -998,6 +1001,19 @@ class Kernel:
             return plan, call
         plan = replace(plan, tiles=streamed)
         return plan, self._prepare(plan, q.dtype, tensors, scalars, lengths)
+
+    def _with_few_keys(self, plan: CallPlan, dtype: torch.dtype) -> CallPlan:
+        """`plan` with key tiles fitted to a key count below Bc (TilePlan.for_few_keys) on the
+        CPU, whose kernels take Bc at run time, in multiples of one vector of fp32 lanes (32
+        keys for AMX's bf16 products); the GPU kernels' tiles are compiled in."""
+        assert self.op.tiling is not None
+        micro_kernel = self.op.tiling.micro_kernel
+        if micro_kernel is None:
+            return plan
+        amx = dtype == torch.bfloat16 and micro_kernel.bf16_products == "amx"
+        return replace(
+            plan, tiles=plan.tiles.for_few_keys(plan.problem.M, CPU_AMX_KEY_STEP if amx else CPU_FEW_KEYS_STEP)
+        )
 
     def _prepare(
         self,
