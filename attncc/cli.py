@@ -159,7 +159,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     report = predict_io(op, shape, 4, tiles, density)
     print(f"// IO at {shape}, density {density:.2f}: {report.describe()}")
     if args.target != "cpu":
-        query_blocks, key_tiles = split_kv_blocks(shape.B, shape.H, shape.N, shape.M, op.tiling.for_head_dim(shape.D))
+        gpu_kernel = attncc.compile(args.file, args.target, emulate=True)
+        on_gpu = torch.empty(shape.B, shape.H, shape.N, shape.D, device="meta")
+        group = gpu_kernel.query_head_group(on_gpu, shape.Hkv, shape.Dv, op.dropout, None)
+        heads, rows = (shape.Hkv, group * shape.N) if group > 1 else (shape.H, shape.N)
+        if group > 1:
+            print(
+                f"// GQA decoding on {args.target}: each group's {group} query heads run as the rows of one head "
+                f"(fold_query_heads: q as [B, Hkv, {group} N, D]), so each K/V tile is read once per group"
+            )
+        query_blocks, key_tiles = split_kv_blocks(shape.B, heads, rows, shape.M, op.tiling.for_head_dim(shape.D))
         sms = GPUS[args.target].multiprocessors
         splits = choose_kv_splits(query_blocks, key_tiles, sms)
         print(
