@@ -23,6 +23,7 @@ from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
 from attncc.passes.tiling import TilePlan, choose_kv_splits, split_kv_blocks
 from attncc.runtime.check import check
+from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
 from attncc.targets import GPUS
 
@@ -159,7 +160,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     report = predict_io(op, shape, 4, tiles, density)
     print(f"// IO at {shape}, density {density:.2f}: {report.describe()}")
     if args.target != "cpu":
-        gpu_kernel = attncc.compile(args.file, args.target, emulate=True)
+        gpu_kernel = EmulatedKernel(stages, args.target)  # (the lowered stages above: nothing built)
         on_gpu = torch.empty(shape.B, shape.H, shape.N, shape.D, device="meta")
         group = gpu_kernel.query_head_group(on_gpu, shape.Hkv, shape.Dv, op.dropout, None)
         heads, rows = (shape.Hkv, group * shape.N) if group > 1 else (shape.H, shape.N)

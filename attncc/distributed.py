@@ -354,9 +354,10 @@ class _Ring:
             dist.P2POp(dist.irecv, t, self._peer(peer), self.group, tag) for t, (_, peer, tag) in zip(landing, recvs)
         ]
         works = dist.batch_isend_irecv(ops) if ops else []
+        if not any(through_host(t, self.group) for t, _, _ in (*sends, *recvs)):
+            return works
         copies = [(t, host) for (t, _, _), host in zip(recvs, landing) if host is not t]
-        staged = copies or any(host is not t for host, (t, _, _) in zip(sent, sends))
-        return [_StagedTransfers(works, copies, sent)] if staged else works
+        return [_StagedTransfers(works, copies, sent)]
 
     def _post_keys(self, step: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list, tuple | None]:
         """Post step `step`'s K/V transfers: this rank's slice to rank + step where it needs it,

@@ -79,9 +79,9 @@ def delta_from_output(
     the rounding of O in delta (relative eps / 2, summed over d) leaves ~eps |dO| |V| in them.
     Rows without keys (lse -inf) keep the exact gradients.
     """
-    r = (dout * (out.to(ref_out.dtype) - ref_out.detach())).sum(-1)
-    r = torch.where(torch.isfinite(ref_lse.detach()), r, 0.0)
-    finite_lse = torch.where(torch.isfinite(ref_lse.detach()), ref_lse, 0.0)
+    has_keys = torch.isfinite(ref_lse.detach())
+    r = torch.where(has_keys, (dout * (out.to(ref_out.dtype) - ref_out.detach())).sum(-1), 0.0)
+    finite_lse = torch.where(has_keys, ref_lse, 0.0)
     moved = torch.autograd.grad(finite_lse, wrt, r, allow_unused=True)
     return [g - m if g is not None and m is not None else g for g, m in zip(grads, moved)]
 

@@ -252,7 +252,7 @@ class Kernel:
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
         self._repeats: dict[tuple, RepeatLaunch] = {}  # packed launches of checked calls (see _repeat_key)
-        self._row_variants: dict[str, Kernel] = {}  # by rewrite: see at_global_positions
+        self._row_variants: dict[str, Kernel] = {}  # by rewrite: see _with_rows
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
         self.call_key = f"{self.key}#{next(_KEYS)}"
