@@ -52,7 +52,7 @@ def compile(
     """Compile a DSL program (a .attn path or its text) into a callable kernel.
 
     target "cpu" builds C++ kernels; "cuda" builds the CUDA kernels with nvcc for the current
-    GPU; a GPU target (sm75, sm80, sm86, sm90) with emulate=True runs the generated CUDA kernels on
+    GPU; a GPU target (sm75, sm80, sm86, sm89, sm90) with emulate=True runs the generated CUDA kernels on
     the host CUDA emulator (CPU tensors). The library for each
     input dtype is generated, built and cached on first call.
     """

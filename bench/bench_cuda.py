@@ -6,8 +6,9 @@ N from 512 to 16K, d 64 and 128, forward and forward+backward, for the cases ask
 and softcap against FlexAttention with the same block mask / score_mod); before them, with
 --decode, decoding (one query per sequence against M = 4K..64K keys, H = 32, d = 128: attncc's
 split-KV forward against itself unsplit (`kv_splits = 1`) and the anchors; GQA 32/8 from a
-paged cache against SDPA on the keys stored contiguously) and, with --serving, packed batches
-(`kern.varlen` against SDPA on the padded batch with its mask, 25% and 50% padding).
+paged cache against SDPA on the keys stored contiguously), with --serving, packed batches
+(`kern.varlen` against SDPA on the padded batch with its mask, 25% and 50% padding) and, with
+--fp8, fp8 K/V widened and on the fp8 tensor cores (`fp8_cases`).
 
 Each time is the median of `--repeats` measurements, taken two ways: one call between CUDA
 events (host overhead included: validation, packing, the ctypes call) and `--calls`
@@ -150,6 +151,45 @@ def paged_decode_case(kern: attncc.Kernel, B: int, M: int, repeats: int) -> dict
             "attncc_ms": ours, "sdpa_contiguous_ms": sdpa}  # fmt: skip
 
 
+def fp8_cases(repeats: int) -> list[dict]:
+    """Issue 12's fp8 K/V forward on the GPU: e4m3 K/V with a factor per token (k) and per kv head
+    (v), bf16 q, dense, H=16 d=128, N = M = 4K and 16K: widened into bf16 tiles, on the fp8
+    tensor cores (`fp8_mma`, sm89/sm90), the bf16 call, and SDPA-flash on bf16 K/V."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda")
+    H, D = 16, 128
+    for N in (4096, 16384):
+        B = max(1, 16384 // N)
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        k_descale = k.float().abs().amax(-1) / 448
+        v_descale = v.float().abs().amax((-1, -2), keepdim=True).squeeze(-1) / 448
+        k8 = (k.float() / k_descale.unsqueeze(-1)).to(torch.float8_e4m3fn)
+        v8 = (v.float() / v_descale.unsqueeze(-1)).to(torch.float8_e4m3fn)
+        row = {"fp8": True, "B": B, "H": H, "N": N, "M": N, "D": D}
+        with torch.no_grad():
+            row["attncc_bf16_ms"] = median_ms(partial(kern, q, k, v), repeats, 10)
+            fp8_call = partial(kern, q, k8, v8, k_descale=k_descale, v_descale=v_descale)
+            row["attncc_fp8_widened_ms"] = median_ms(fp8_call, repeats, 10)
+            kern.fp8_mma = True
+            try:
+                row["attncc_fp8_mma_ms"] = median_ms(fp8_call, repeats, 10)
+            finally:
+                kern.fp8_mma = False
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                row["sdpa_flash_bf16_ms"] = median_ms(partial(F.scaled_dot_product_attention, q, k, v), repeats, 10)
+        rows.append(row)
+        print(
+            f"fp8 e4m3 K/V dense d={D} N={N:5d}: fp8 products {row['attncc_fp8_mma_ms']:7.3f} ms  "
+            f"widened {row['attncc_fp8_widened_ms'] / row['attncc_fp8_mma_ms']:5.2f}x  "
+            f"attncc bf16 {row['attncc_bf16_ms'] / row['attncc_fp8_mma_ms']:5.2f}x  "
+            f"sdpa-flash bf16 {row['sdpa_flash_bf16_ms'] / row['attncc_fp8_mma_ms']:5.2f}x",
+            flush=True,
+        )
+    return rows
+
+
 def serving_cases(repeats: int) -> list[dict]:
     """Issue 11's packed batches on the GPU: `kern.varlen` against SDPA on the padded batch with
     its padding mask (and against attncc's padded call), 8 sequences up to 4096 tokens at 25%
@@ -202,6 +242,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--decode", action="store_true", help="also the decoding cases (split-KV)")
     parser.add_argument("--serving", action="store_true", help="also the packed (varlen) cases")
+    parser.add_argument("--fp8", action="store_true", help="also fp8 K/V: widened, fp8 products (sm89+)")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
@@ -239,6 +280,9 @@ def main() -> None:
         save()
     if args.serving:
         results += serving_cases(args.repeats)
+        save()
+    if args.fp8:
+        results += fp8_cases(args.repeats)
         save()
 
     for D in args.dims:

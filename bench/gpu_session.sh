@@ -49,7 +49,7 @@ PY
     ;;
   bench)
     dims=${2:-64}
-    python3 bench/bench_cuda.py --dims "$dims" --budget-s 450 $([ "$dims" = 128 ] && echo --decode --serving) \
+    python3 bench/bench_cuda.py --dims "$dims" --budget-s 450 $([ "$dims" = 128 ] && echo --decode --serving --fp8) \
       --json "$OUT/cuda-$device-d$dims.json" 2>&1 | tee "$OUT/bench-d$dims.log"
     ;;
   masks)

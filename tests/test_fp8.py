@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attncc
-from attncc.errors import InputError
+from attncc.errors import AttnccError, InputError
 from attncc.runtime.check import _error
 from attncc.runtime.inputs import Shape
 from attncc.runtime.nvcc import compile_cuda
@@ -142,14 +142,215 @@ def test_cuda_kernels_on_the_emulator(name: str, target: str, dtype: torch.dtype
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
-@pytest.mark.parametrize("arch", ["sm80", "sm90"])
-def test_fp8_forward_compiles_without_spills(arch: str) -> None:
-    """nvcc's ptxas for the fp8 forward (alibi: a learnable input in the score map) at d = 128
-    and the MLA 192/128: within the register file, no spills, no stack."""
+@pytest.mark.parametrize(
+    ("arch", "dtype"),
+    [("sm80", "bfloat16+float8_e4m3fn"), ("sm90", "bfloat16+float8_e4m3fn"), ("sm89", "bfloat16+float8_e5m2+mma"),
+     ("sm90", "bfloat16+float8_e4m3fn+mma")],
+)  # fmt: skip
+def test_fp8_forward_compiles_without_spills(arch: str, dtype: str) -> None:
+    """nvcc's ptxas for the fp8 forward (alibi: a learnable input in the score map), widening
+    or on the fp8 tensor cores (sm89, sm90), at d = 128 and the MLA 192/128: within the
+    register file, no spills, no stack; but for the fp8 products on sm90, whose 128 x 64 tiles
+    (the widening kernel's, at 254 registers there) spill a little: at most 16 B at d = 128 and
+    128 B at 192/128 (measured 16 and 84/120 B; a bound, so that growth is seen)."""
     kern = emulated("alibi", arch)
-    for dims in ((128, 128), (192, 128)):
-        report = compile_cuda(kern.cuda_source("bfloat16+float8_e4m3fn", *dims), arch)
-        assert report.spill_stores == 0 and report.spill_loads == 0 and report.stack_bytes == 0, report.describe()
+    for dims, spill_bound in (((128, 128), 16), ((192, 128), 128)):
+        report = compile_cuda(kern.cuda_source(dtype, *dims), arch)
+        bound = spill_bound if (arch, dtype.endswith("+mma")) == ("sm90", True) else 0
+        assert max(report.spill_stores, report.spill_loads) <= bound, report.describe()
+        assert report.stack_bytes <= (bound and 64), report.describe()
+
+
+# ----------------------------------------------------------------------- fp8 tensor cores (sm89, sm90)
+def e4m3_rounded_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q as the fp8-product kernels take it (templates/cuda `e4m3_row_scale`), written from
+    their documented rule: each row times the largest power of two 2^e with max |q_row| 2^e <=
+    448, rounded to e4m3 (nearest even); returns the rounded rows as float64 and 2^-e."""
+    q32 = q.float()
+    amax = q32.abs().amax(-1, keepdim=True)
+    power = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(448.0 / amax.double()))), 1.0).float()
+    return (q32 * power).to(torch.float8_e4m3fn).double(), 1.0 / power.double()
+
+
+def fp8_product_model(
+    q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, k_descale: torch.Tensor, v_descale: float, block_cols: int,
+    causal: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The output the fp8 products compute, in float64 but for their two roundings: q's rows
+    (`e4m3_rounded_rows`) and P: key tiles of `block_cols` in order with the running row max m,
+    each tile's P = exp(s - m) rounded to e4m3 after times 256, O and the row sum rescaled as
+    the maximum grows (FlashAttention's online softmax), O = sum P8 v / (256 l) times v's factor."""
+    q8, q_factor = e4m3_rounded_rows(q)
+    group = q.shape[1] // k8.shape[1]
+    k64, v64 = (t.double().repeat_interleave(group, 1) for t in (k8, v8))
+    k_factor = k_descale.double().repeat_interleave(group, 1).unsqueeze(-2)
+    s = (q8 @ k64.transpose(-1, -2)) * q_factor * k_factor / math.sqrt(q.shape[-1])
+    N, M = s.shape[-2:]
+    if causal:
+        s = s.masked_fill(torch.arange(M).view(1, -1) > torch.arange(N).view(-1, 1), -math.inf)
+    m = torch.full((*s.shape[:-1], 1), -math.inf, dtype=torch.float64)
+    row_sum, acc = torch.zeros_like(m), torch.zeros(*s.shape[:-1], v8.shape[-1], dtype=torch.float64)
+    for j0 in range(0, M, block_cols):
+        tile = s[..., j0 : j0 + block_cols]
+        m_new = torch.maximum(m, tile.amax(-1, keepdim=True))
+        shift = torch.where(m_new == -math.inf, 0.0, m_new)
+        alpha, p = torch.exp(m - shift), torch.exp(tile - shift)
+        p8 = (p * 256).float().to(torch.float8_e4m3fn).double()
+        acc = acc * alpha + p8 @ v64[..., j0 : j0 + block_cols, :]
+        row_sum = row_sum * alpha + p.sum(-1, keepdim=True)
+        m = m_new
+    return acc * v_descale / (256 * row_sum)
+
+
+def rms_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """|got - ref| / |ref| over all elements (root mean squares)."""
+    return float((got.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
+FP8_MMA_TARGETS = ("sm89", "sm90")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("target", FP8_MMA_TARGETS)
+@pytest.mark.parametrize("name", ["vanilla", "causal"])
+def test_fp8_products_follow_their_rounding_model(name: str, target: str, fmt: str) -> None:
+    """With `fp8_mma` the emulated sm89/sm90 forward multiplies e4m3 Q (rounded per row in the
+    kernel) by the fp8 K bytes and e4m3 P by the fp8 V bytes (V stored transposed, keys
+    reordered for the P fragments): the output is `fp8_product_model`'s to bf16 rounding, at
+    GQA with tails, D = 64 and 128, a single key tile and several, peaked rows; further from the exact
+    answer than the widening kernels (the roundings are really there)."""
+    kern = emulated(name, target)
+    kern.fp8_mma, kern.kv_splits = True, 1  # one split: the model's order of key tiles
+    gen = torch.Generator().manual_seed(17)
+    # (the last: q near key 0, whose score is ~8 above the others: a tenth of each row's weight
+    # is in P ~ e^-8, below e4m3's normal range unless P is scaled up first)
+    for B, H, Hkv, N, M, D, peaked in (
+        (2, 4, 2, 77, 130, 64, False),
+        (1, 2, 1, 33, 300, 128, False),
+        (1, 1, 1, 5, 300, 64, True),
+    ):
+        k = torch.randn(B, Hkv, M, D, generator=gen)
+        q = torch.randn(B, H, N, D, generator=gen) * (0.3 if peaked else 1.0) + (k[:, :1, :1] if peaked else 0.0)
+        q = q.to(torch.bfloat16)
+        k_descale = torch.rand(B, Hkv, M, generator=gen) * 0.02 + 0.005
+        k8 = quantised(k, k_descale, FORMATS[fmt])
+        v8 = (torch.randn(B, Hkv, M, D, generator=gen) / 0.01).to(FORMATS[fmt])
+        with torch.no_grad():
+            out = kern(q, k8, v8, k_descale=k_descale, v_descale=0.01)
+        plan = kern.plan(q, k8, None, value_dim=D)
+        assert kern.takes_fp8_products(k8, torch.tensor(0.01).expand(B, Hkv, M, 1), (2,), plan)
+        model = fp8_product_model(q, k8, v8, k_descale, 0.01, plan.tiles.block_cols, name == "causal")
+        assert rms_error(out, model) <= 3e-3 and _error(out, model) <= 1e-2, (B, N, M, D, rms_error(out, model))
+        widened = dequantised(k8, k_descale, torch.bfloat16), dequantised(v8, 0.01, torch.bfloat16)
+        s = q.double() @ widened[0].repeat_interleave(H // Hkv, 1).transpose(-1, -2) / math.sqrt(D)
+        if name == "causal":
+            s = s.masked_fill(torch.arange(M).view(1, -1) > torch.arange(N).view(-1, 1), -math.inf)
+        reference = torch.softmax(s, -1) @ widened[1].repeat_interleave(H // Hkv, 1)
+        assert rms_error(out, reference) <= 0.05
+        assert peaked or rms_error(out, reference) > 2 * rms_error(out, model)  # (peaked: key 0 decides)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("target", FP8_MMA_TARGETS)
+@pytest.mark.parametrize("name", ["alibi", "gpt_oss"])
+def test_fp8_products_on_the_emulator(name: str, target: str, fmt: str) -> None:
+    """Score maps with learnable inputs, sinks and windows on the fp8 tensor cores, split-KV
+    as chosen per call, GQA decoding folded: against float64 code on the dequantised operands,
+    within e4m3's precision (3% rms of the output here). D = 48 (not a multiple of 32) widens."""
+    kern = emulated(name, target)
+    kern.fp8_mma = True
+    case = CASES[name]
+    decoding = Shape(2, 8, 2, 1, 300, 128, Dv=64)
+    for shape in (*EMULATED_SHAPES, decoding):
+        q, k, v, _ = draw(replace(case, shape=shape))
+        inputs = {
+            n: t.detach() if isinstance(t, torch.Tensor) else t
+            for n, t in case.inputs(torch.Generator().manual_seed(3), shape).items()
+        }
+        k_descale = torch.rand(shape.B, shape.Hkv, shape.M) * 0.02 + 0.005
+        v_descale = torch.rand(shape.B, shape.Hkv, 1) * 0.02 + 0.005
+        k8, v8 = quantised(k, k_descale, FORMATS[fmt]), quantised(v, v_descale, FORMATS[fmt])
+        q = q.detach().to(torch.bfloat16)
+        with torch.no_grad():
+            out, lse = kern(q, k8, v8, k_descale=k_descale, v_descale=v_descale, return_lse=True, **inputs)
+            ref_inputs = {
+                n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in inputs.items()
+            }
+            ref_out, ref_lse = case.reference(
+                q.double(), dequantised(k8, k_descale, torch.bfloat16), dequantised(v8, v_descale, torch.bfloat16),
+                ref_inputs,
+            )  # fmt: skip
+        plan = kern.plan(q, k8, None, value_dim=shape.Dv)
+        products = kern.takes_fp8_products(k8, v_descale.expand(shape.B, shape.Hkv, shape.M).unsqueeze(-1), (2,), plan)
+        assert products == (shape.D % 32 == 0), shape
+        tol = (0.05, 0.15, 0.1) if products else (5e-3, 2e-2, 2e-3)  # rms and max of out, max of lse
+        assert rms_error(out, ref_out) <= tol[0] and _error(out, ref_out) <= tol[1], (shape, _error(out, ref_out))
+        assert _error(lse, ref_lse) <= tol[2], (shape, _error(lse, ref_lse))
+
+
+@pytest.mark.parametrize("target", FP8_MMA_TARGETS)
+def test_fp8_products_in_packed_and_paged_calls(target: str) -> None:
+    """The same sequences padded, packed and in a paged cache (pages shuffled, GQA 4/2, one v
+    factor per kv head, per-token k factors) give the same fp8-product outputs: the calls
+    differ in how rows are found, not in what is multiplied."""
+    kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target=target, emulate=True)
+    kern.fp8_mma, kern.kv_splits = True, 1
+    gen = torch.Generator().manual_seed(23)
+    B, H, Hkv, N, M, D, page = 2, 4, 2, 3, 90, 64, 16
+    q = torch.randn(B, H, N, D, generator=gen).to(torch.bfloat16)
+    k_descale = torch.rand(B, Hkv, M, generator=gen) * 0.02 + 0.005
+    k8 = quantised(torch.randn(B, Hkv, M, D, generator=gen), k_descale, torch.float8_e4m3fn)
+    v8 = quantised(torch.randn(B, Hkv, M, D, generator=gen), torch.full((B, Hkv, M), 0.01), torch.float8_e4m3fn)
+    with torch.no_grad():
+        padded = kern(q, k8, v8, k_descale=k_descale, v_descale=0.01)
+        packed = kern.varlen(
+            q.transpose(1, 2).flatten(0, 1), k8.transpose(1, 2).flatten(0, 1), v8.transpose(1, 2).flatten(0, 1),
+            offsets([N] * B), offsets([M] * B), k_descale=k_descale.transpose(1, 2).flatten(0, 1), v_descale=0.01,
+        )  # fmt: skip
+        pages = -(-M // page)
+        table = torch.randperm(B * pages + 3, generator=gen)[: B * pages].view(B, pages).int()
+        caches = []
+        for t in (k8, v8, k_descale.unsqueeze(-1)):
+            cache = torch.zeros(B * pages + 3, page, Hkv, t.shape[-1], dtype=t.dtype)
+            rows = torch.zeros(B, pages * page, Hkv, t.shape[-1], dtype=t.dtype)
+            rows[:, :M] = t.transpose(1, 2)
+            cache[table.long()] = rows.view(B, pages, page, Hkv, t.shape[-1])
+            caches.append(cache)
+        paged = kern.paged(
+            q.transpose(1, 2), caches[0], caches[1], table, torch.full((B,), M), k_descale=caches[2].squeeze(-1),
+            v_descale=0.01,
+        )  # fmt: skip
+    assert torch.equal(packed.view(B, N, H, D).transpose(1, 2), padded)
+    assert torch.equal(paged.transpose(1, 2), padded)
+
+
+def test_fp8_products_are_taken_where_they_apply() -> None:
+    """`takes_fp8_products`: asked for, on a target with fp8 tensor cores, fp8 k, one v factor
+    per kv head, key tiles and q/k's head dim in steps of 32, K not rotated in the kernel;
+    else the widening kernels (exact to the dequantised operands) run."""
+    q = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)
+    k8 = torch.zeros(1, 2, 40, 64, dtype=torch.float8_e4m3fn)
+    per_head = torch.tensor(0.5).expand(1, 2, 40, 1)
+    per_token = torch.rand(1, 2, 40, 1)
+    kern = emulated("alibi", "sm90")
+    plan = kern.plan(q, k8, None)
+    assert not kern.takes_fp8_products(k8, per_head, (2,), plan)  # not asked for
+    kern.fp8_mma = True
+    assert kern.takes_fp8_products(k8, per_head, (2,), plan)
+    assert not kern.takes_fp8_products(k8, per_token, (2,), plan)
+    assert not kern.takes_fp8_products(k8.to(torch.bfloat16), None, (2,), plan)
+    assert not kern.takes_fp8_products(k8[..., :48], per_head, (2,), kern.plan(q[..., :48], k8[..., :48], None))
+    sm80 = emulated("alibi", "sm80")
+    sm80.fp8_mma = True
+    assert not sm80.takes_fp8_products(k8, per_head, (2,), sm80.plan(q, k8, None))
+    rotated = attncc.compile(
+        "attention r\nq = rope(q, theta=10000)\nk = rope(k, theta=10000)\ns = q @ k.T * scale\np = softmax(s)\no = p @ v\noutput o\n",
+        target="sm90", emulate=True,
+    )  # fmt: skip
+    rotated.fp8_mma = True
+    assert not rotated.takes_fp8_products(k8, per_head, (2,), rotated.plan(q, k8, None))
+    with pytest.raises(AttnccError, match="no fp8 tensor cores"):
+        sm80.cuda_source("bfloat16+float8_e4m3fn+mma", 64)
 
 
 # ----------------------------------------------------------------------- packed and paged

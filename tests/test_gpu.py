@@ -13,10 +13,11 @@ import attncc
 from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
 from attncc.runtime.check import _error, check
 from attncc.runtime.inputs import Shape, adapt
+from attncc.targets import GPUS
 from tests.conftest import EXAMPLES, ROOT
 from tests.test_context_parallel import DOCUMENT_SINK_DROPOUT, compare, job, run_ranks
 from tests.test_fp8 import EMULATED_SHAPES as FP8_SHAPES
-from tests.test_fp8 import FORMATS, dequantised, quantised
+from tests.test_fp8 import FORMATS, dequantised, fp8_product_model, quantised, rms_error
 from tests.test_independent_references import CASES, assert_within, draw, learnable
 from tests.test_rope import CASES as ROPE_CASES
 from tests.test_rope import program
@@ -236,6 +237,30 @@ def test_gpu_fp8_keys_and_values_with_descale_factors(name: str, fmt: str) -> No
             )
         assert _error(out.cpu(), ref_out) <= 2e-2, (shape, _error(out.cpu(), ref_out))
         assert _error(lse.cpu(), ref_lse) <= 2e-3, (shape, _error(lse.cpu(), ref_lse))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", ["vanilla", "causal"])
+def test_gpu_fp8_products_follow_their_rounding_model(name: str, fmt: str) -> None:
+    """`fp8_mma` on an sm89/sm90 GPU: mma m16n8k32 on e4m3 Q (rounded in the kernel) and the
+    fp8 K/V bytes, e4m3 P: the output is the rounding model's (tests/test_fp8.py) within bf16
+    rounding and the hardware's own accumulation order (fp32, or narrower: then this fails and
+    says by how much), one split as the model's key order."""
+    kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="cuda")
+    if not GPUS[kern.target].fp8_mma:
+        pytest.skip(f"{kern.target} has no fp8 tensor cores")
+    kern.fp8_mma, kern.kv_splits = True, 1
+    gen = torch.Generator().manual_seed(17)
+    for B, H, Hkv, N, M, D in ((2, 4, 2, 77, 130, 64), (1, 2, 1, 33, 300, 128), (2, 8, 8, 256, 1024, 128)):
+        q = torch.randn(B, H, N, D, generator=gen).bfloat16()
+        k_descale = torch.rand(B, Hkv, M, generator=gen) * 0.02 + 0.005
+        k8 = quantised(torch.randn(B, Hkv, M, D, generator=gen), k_descale, FORMATS[fmt])
+        v8 = (torch.randn(B, Hkv, M, D, generator=gen) / 0.01).to(FORMATS[fmt])
+        with torch.no_grad():
+            out = kern(q.cuda(), k8.cuda(), v8.cuda(), k_descale=k_descale.cuda(), v_descale=0.01).cpu()
+        plan = kern.plan(q, k8, None, value_dim=D)
+        model = fp8_product_model(q, k8, v8, k_descale, 0.01, plan.tiles.block_cols, name == "causal")
+        assert rms_error(out, model) <= 3e-3 and _error(out, model) <= 1e-2, (N, M, D, rms_error(out, model))
 
 
 #: Context-parallel jobs on the GPU kernels (fp32 inputs in bf16 tiles: each pair's output is

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 
@@ -13,13 +14,30 @@ from attncc.errors import AttnccError
 KV_FORMATS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 
-def split_dtype(dtype: str) -> tuple[str, str | None]:
-    """A library's dtype name -> q's dtype name and the fp8 K/V format, if any: "bfloat16" ->
-    ("bfloat16", None); "bfloat16+float8_e4m3fn" (k and v fp8) -> ("bfloat16", "e4m3")."""
-    storage, _, kv = dtype.partition("+")
+class LibraryDtype(NamedTuple):
+    """What a library's dtype name says: q's dtype (the storage of the products), the fp8 K/V
+    format if any, and whether the products run on fp8 tensor cores (CUDA sm_89+)."""
+
+    storage: str
+    kv_format: str | None = None
+    fp8_mma: bool = False
+
+
+#: The suffix of a library dtype whose fp8 K/V products run on fp8 tensor cores.
+FP8_MMA_SUFFIX = "+mma"
+
+
+def split_dtype(dtype: str) -> LibraryDtype:
+    """A library's dtype name -> its parts: "bfloat16" -> ("bfloat16", None, False);
+    "bfloat16+float8_e4m3fn" (k and v fp8) -> ("bfloat16", "e4m3", False); with "+mma" the
+    products on fp8 tensor cores."""
+    fp8_mma = dtype.endswith(FP8_MMA_SUFFIX)
+    storage, _, kv = dtype.removesuffix(FP8_MMA_SUFFIX).partition("+")
     if kv and kv not in KV_FORMATS:
         raise AttnccError(f"fp8 K/V take {' or '.join(KV_FORMATS)}, not {kv}")
-    return storage, KV_FORMATS[kv] if kv else None
+    if fp8_mma and not kv:
+        raise AttnccError(f"`{dtype}`: fp8 products need fp8 K/V")
+    return LibraryDtype(storage, KV_FORMATS[kv] if kv else None, fp8_mma)
 
 
 def _template_dir() -> Path:

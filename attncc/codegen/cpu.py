@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from attncc.codegen import render, split_dtype
 from attncc.codegen.abi import KernelAbi, kernel_abi
 from attncc.codegen.cexpr import emit
+from attncc.errors import AttnccError
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, fused_node
 
@@ -73,7 +74,9 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
     K and V as it loads them."""
     _, op = fused_node(g)
     assert op.tiling is not None and op.tiling.micro_kernel is not None, "tile must run for a CPU target first"
-    dtype, kv_format = split_dtype(dtype)
+    dtype, kv_format, fp8_mma = split_dtype(dtype)
+    if fp8_mma:
+        raise AttnccError("CPU kernels widen fp8 K/V: fp8 products are a CUDA sm_89+ choice")
     storage, acc = STORAGE_TYPES[dtype]
     hooks = hook_values(g)
     return render(

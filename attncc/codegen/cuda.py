@@ -12,11 +12,14 @@ from attncc.codegen.cpu import hook_values
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, fused_node
 from attncc.passes.tiling import HEAD_DIM_STEP, Q_IN_REGISTERS_MAX_HEAD_DIM, TilePlan
+from attncc.targets import GPUS
 
 #: torch dtype name -> the storage type in generated CUDA.
 CUDA_STORAGE_TYPES = {"float16": "attncc::f16", "bfloat16": "attncc::bf16"}
 #: Turing (sm75) has fp16 tensor cores only; bf16 mma starts with sm80.
 TURING = 75
+#: k of one fp8 mma (m16n8k32): Q/K bytes per product step, keys per P.V step.
+FP8_MMA_K = 32
 
 
 def arch_number(arch: str) -> int:
@@ -50,8 +53,11 @@ def generate_cuda(
     columns fit both: a dK or dV accumulator narrower than the plan's keeps at most its own
     columns in registers). The text for equal dims (a library only such calls use) reads one
     bound for both (`value_dim` in the template). A dtype naming fp8 K/V too (`split_dtype`)
-    gives the forward alone, widening K and V into shared memory."""
-    dtype, kv_format = split_dtype(dtype)
+    gives the forward alone, widening K and V into shared memory, or with "+mma" (sm89, sm90)
+    multiplying their bytes on the fp8 tensor cores (runtime/fp8.py `takes_fp8_products`)."""
+    dtype, kv_format, fp8_mma = split_dtype(dtype)
+    if fp8_mma and not GPUS[arch].fp8_mma:
+        raise AttnccError(f"{arch} has no fp8 tensor cores (sm89 and sm90 have)")
     if dtype not in CUDA_STORAGE_TYPES:
         raise AttnccError(f"CUDA kernels take float16 or bfloat16, not {dtype} (fp32 inputs are converted)")
     if dtype not in storage_dtypes(arch):
@@ -62,6 +68,10 @@ def generate_cuda(
     head_dim, value_dim = rounded_head_dim(exact_head_dim), rounded_head_dim(exact_value_dim)
     if max(head_dim, value_dim) != plan.head_dim:
         raise AttnccError(f"head dims {head_dim} and {value_dim} do not fit the plan of head dim {plan.head_dim}")
+    if fp8_mma:  # Q and K in steps of 32 bytes of k (zero filled beyond D)
+        head_dim = -(-head_dim // FP8_MMA_K) * FP8_MMA_K
+        if head_dim > plan.head_dim or plan.block_cols % FP8_MMA_K:
+            raise AttnccError(f"fp8 products need a head dim and key tiles in steps of {FP8_MMA_K}")
     backward = plan.backward if kv_format is None else None
     return render(
         "cuda/attention.cu.jinja",
@@ -82,6 +92,7 @@ def generate_cuda(
         has_dropout=op.dropout > 0,
         q_in_registers=head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
         kv_format=kv_format,
+        fp8_mma=fp8_mma,
         rope_q=op.q_rope,
         rope_k=op.k_rope,
         **hook_values(g),

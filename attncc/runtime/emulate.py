@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from attncc.codegen.cuda import EMULATION_WRAPPER, generate_cuda, rounded_head_dim, storage_dtypes
+from attncc.codegen import FP8_MMA_SUFFIX
+from attncc.codegen.cuda import EMULATION_WRAPPER, FP8_MMA_K, generate_cuda, rounded_head_dim, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.positions import FOLD_GROUP, FOLD_ROWS
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
@@ -105,6 +106,12 @@ class EmulatedKernel(Kernel):
     #: tiles leave most of the GPU idle, as when decoding); an int forces that many splits.
     kv_splits: int | None = None
 
+    #: fp8 K/V calls multiply on the fp8 tensor cores where the target has them (sm89, sm90; see
+    #: `takes_fp8_products`): q and P are rounded to e4m3 in the kernel, which moves the result
+    #: by about e4m3's precision (runtime/fp8.py). False: K and V are widened to q's dtype, and
+    #: the result is that of the dequantised operands.
+    fp8_mma = False
+
     def multiprocessors(self) -> int:
         """SMs the split-KV choice fills: the target's reference part (the emulator has no device)."""
         return GPUS[self.target].multiprocessors
@@ -177,6 +184,8 @@ class EmulatedKernel(Kernel):
         storages = dict.fromkeys(self.storage_dtype(d) for d in dtypes)
         names = [library_dtype(s, s) for s in storages]
         names += [library_dtype(s, kv) for kv in dict.fromkeys(kv_dtypes) for s in storages]
+        if self.fp8_mma and GPUS[self.target].fp8_mma:  # and the same on fp8 tensor cores
+            names += [library_dtype(s, kv) + FP8_MMA_SUFFIX for kv in dict.fromkeys(kv_dtypes) for s in storages]
         plans = dict.fromkeys(rounded_head_dim(d) for d in head_dims)
         return [self.library_path_for(name, d) for name in names for d in plans]
 
@@ -245,12 +254,32 @@ class EmulatedKernel(Kernel):
                 call["page_size"] = paged.page_size
                 strides = PagedKeys.strides({"k": ks, "v": vs, **scales})
             dtype = library_dtype(storage, k.dtype)
+            token_dims = (0,) if packed is not None else (0, 1) if paged is not None else (2,)
+            if kern.takes_fp8_products(k, (descale or {}).get("v_descale"), token_dims, plan):
+                dtype += FP8_MMA_SUFFIX
             kern._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
             with torch.no_grad():
                 sink_lse = sink.to(lse.dtype).expand(lse.shape)
                 rows_out, lse = merge_states([rows_out, torch.zeros_like(rows_out)], [lse, sink_lse])
         return rows_out.to(q.dtype), lse.to(acc_dtype(q.dtype))
+
+    def takes_fp8_products(
+        self, k: torch.Tensor, v_descale: torch.Tensor | None, token_dims: tuple[int, ...], plan: CallPlan
+    ) -> bool:
+        """Whether an fp8 K/V call runs its products on the fp8 tensor cores: asked for
+        (`fp8_mma`) on a target that has them, K not rotated in the kernel (the kernel takes its
+        bytes as stored), q's and k's head dim in steps of 32 once rounded to 16 (one mma's k)
+        and key tiles too, and one v factor per kv head: `v_descale` ([..., 1], as
+        fp8.descale_rows gives it) constant along the layout's token dims, since the kernel
+        scales the output by it (a factor per token would have to enter P before its rounding)."""
+        if not (self.fp8_mma and GPUS[self.target].fp8_mma and is_fp8(k) and v_descale is not None):
+            return False
+        if self.op.k_rope is not None or plan.tiles.block_cols % FP8_MMA_K:
+            return False
+        if rounded_head_dim(k.shape[-1]) % FP8_MMA_K:
+            return False
+        return all(v_descale.stride(d) == 0 or v_descale.shape[d] == 1 for d in token_dims)
 
     def query_head_group(
         self, q: torch.Tensor, kv_heads: int, value_dim: int, dropout: float, packed: PackedSequences | None

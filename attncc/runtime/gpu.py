@@ -28,8 +28,8 @@ def device_target() -> str:
 
     The newest target whose architecture the device runs (cubins run on later minor versions of
     the same major, and the embedded PTX is JIT-compiled on later majors) and whose shared
-    memory plan fits the device's opt-in per-block maximum (e.g. sm_89 and sm_120 have 99 KiB:
-    they get the sm86 plan).
+    memory plan fits the device's opt-in per-block maximum (e.g. sm_120 has 99 KiB: it gets the
+    sm89 plan, not sm90's).
     """
     if not torch.cuda.is_available():
         raise AttnccError("target `cuda`: torch sees no CUDA device (a CPU build of torch, or no GPU)")

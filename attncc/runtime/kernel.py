@@ -99,7 +99,7 @@ class CallPlan:
 
 
 #: Per-object settings that a kernel's row variants (`Kernel._with_rows`) follow.
-ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits")
+ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits", "fp8_mma")
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ class Target:
     CPU_ISAS), whose vector_bytes (SIMD width), vector_registers and compile_flags are copied
     here; fma_ports: vector FMA issue per cycle (CPU); features: the ISA extensions the machine
     reports (CPU, for the plan's printout);
-    registers_per_sm / max_registers_per_thread / warp_size / mma_shape: GPU facts;
-    multiprocessors: the SM count of the target's reference part (T4, A100, A40, H100 SXM),
+    registers_per_sm / max_registers_per_thread / warp_size / mma_shape: GPU facts; fp8_mma:
+    the tensor cores multiply fp8 (e4m3/e5m2, mma m16n8k32: sm_89 and newer);
+    multiprocessors: the SM count of the target's reference part (T4, A100, A40, L40S, H100 SXM),
     for call-time decisions where no device can be asked (the emulator); a real GPU's own
     count is used on it.
     """
@@ -52,6 +53,7 @@ class Target:
     warp_size: int = 32
     mma_shape: tuple[int, int, int] = (0, 0, 0)
     multiprocessors: int = 0
+    fp8_mma: bool = False
 
 
 def _cache_sizes() -> dict[tuple[int, str], int]:
@@ -195,9 +197,12 @@ GPUS = {
     "sm86": Target("sm86", "cuda", onchip_bytes=99 * 1024, sm_version=86, shared_bytes_per_sm=100 * 1024,
                    registers_per_sm=65536, max_registers_per_thread=255, max_threads_per_block=1024,
                    mma_shape=(16, 8, 16), multiprocessors=84),
+    "sm89": Target("sm89", "cuda", onchip_bytes=99 * 1024, sm_version=89, shared_bytes_per_sm=100 * 1024,
+                   registers_per_sm=65536, max_registers_per_thread=255, max_threads_per_block=1024,
+                   mma_shape=(16, 8, 16), multiprocessors=142, fp8_mma=True),
     "sm90": Target("sm90", "cuda", onchip_bytes=227 * 1024, sm_version=90, shared_bytes_per_sm=228 * 1024,
                    registers_per_sm=65536, max_registers_per_thread=255, max_threads_per_block=1024,
-                   mma_shape=(16, 8, 16), multiprocessors=132),
+                   mma_shape=(16, 8, 16), multiprocessors=132, fp8_mma=True),
 }  # fmt: skip
 
 
@@ -234,6 +239,7 @@ GPU_RATES = {
     "sm75": GpuRates("Tesla T4", 1.59e9, 1024, 16, 64, 64, 320e9, 1024, 16, 0),
     "sm80": GpuRates("A100 SXM4 80GB", 1.41e9, 2048, 16, 64, 64, 2039e9, 2048, 32, 1024),
     "sm86": GpuRates("A40", 1.74e9, 1024, 16, 128, 64, 696e9, 1536, 16, 1024),
+    "sm89": GpuRates("L40S", 2.52e9, 1024, 16, 128, 64, 864e9, 1536, 24, 1024),
     "sm90": GpuRates("H100 SXM5", 1.83e9, 2731, 16, 128, 64, 3350e9, 2048, 32, 1024),
 }  # fmt: skip
 

@@ -380,7 +380,7 @@ inline void syncthreads(int line = 0) {
 using Compute = void (*)(WarpSlot& slot, unsigned mask);
 
 // The collective operations the device primitives issue (attncc/cuda/primitives.cuh).
-enum CollectiveOp { kShflXor = 1, kMmaF16, kMmaBf16, kLdmatrix, kLdmatrixTrans, kMmaF16K8 };
+enum CollectiveOp { kShflXor = 1, kMmaF16, kMmaBf16, kLdmatrix, kLdmatrixTrans, kMmaF16K8, kMmaFp8, kMmaFp8E5M2 };
 
 inline const char* op_name(int op) {
   switch (op) {
@@ -388,6 +388,8 @@ inline const char* op_name(int op) {
     case kMmaF16: return "mma.m16n8k16.f16";
     case kMmaBf16: return "mma.m16n8k16.bf16";
     case kMmaF16K8: return "mma.m16n8k8.f16";
+    case kMmaFp8: return "mma.m16n8k32.e4m3.e4m3";
+    case kMmaFp8E5M2: return "mma.m16n8k32.e4m3.e5m2";
     case kLdmatrix: return "ldmatrix.x4";
     case kLdmatrixTrans: return "ldmatrix.x4.trans";
     default: return "no operation";

@@ -6,10 +6,10 @@
 // without a GPU. Fragment layouts follow the PTX ISA "Matrix Fragments for mma.m16n8k16"
 // (g = lane >> 2, t = lane % 4).
 //
-// ATTNCC_ARCH (75, 80, 86, 90; set by the generated kernel) selects the instructions: sm_75
+// ATTNCC_ARCH (75, 80, 86, 89, 90; set by the generated kernel) selects the instructions: sm_75
 // (Turing) has no m16n8k16, no bf16 mma and no cp.async, so there an m16n8k16 is two m16n8k8
-// and a 16-byte async copy is a synchronous one. The emulator follows the same choice, so the
-// Turing decomposition is tested like the rest.
+// and a 16-byte async copy is a synchronous one; fp8 mma (m16n8k32) and cvt to e4m3 start with
+// sm_89. The emulator follows the same choice, so the Turing decomposition is tested like the rest.
 #pragma once
 
 #ifndef ATTNCC_ARCH
@@ -183,6 +183,41 @@ inline void mma_compute(attncc_emu::WarpSlot& s, unsigned) {
   }
 }
 
+// One mma.m16n8k32 with fp8 inputs ("Matrix Fragments for mma.m16n8k32", 8-bit types): lane
+// l's inputs are 4 A registers of four e4m3 bytes, 2 B registers of four bytes (e5m2 with
+// kBE5M2, else e4m3) and 4 C floats; A register r byte e: row g (+8 for odd r), col 4t + e (+16
+// for r >= 2); B register r byte e: row 4t + e (+16 for r = 1), col g. Each product of two fp8
+// values is exact in fp32; the sum runs in fp32 in k order (the hardware's accumulation order
+// and width are its own: results agree to rounding).
+template <bool kBE5M2>
+inline void mma_fp8_compute(attncc_emu::WarpSlot& s, unsigned) {
+  float A[16][32], B[32][8], C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int r = 0; r < 4; ++r) {
+      for (int e = 0; e < 4; ++e) {
+        A[g + 8 * (r & 1)][4 * t + e + 16 * (r >> 1)] = float_of_bits(fp8_e4m3_float_bits(uint8_t(s.in[l][r] >> (8 * e))));
+      }
+    }
+    for (int r = 0; r < 2; ++r) {
+      for (int e = 0; e < 4; ++e) {
+        const uint8_t byte = uint8_t(s.in[l][4 + r] >> (8 * e));
+        B[4 * t + e + 16 * r][g] = float_of_bits(kBE5M2 ? fp8_e5m2_float_bits(byte) : fp8_e4m3_float_bits(byte));
+      }
+    }
+    for (int i = 0; i < 4; ++i) C[g + 8 * (i >= 2)][2 * t + (i & 1)] = bits_to_float(s.in[l][6 + i]);
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i >= 2), col = 2 * t + (i & 1);
+      float acc = C[row][col];
+      for (int k = 0; k < 32; ++k) acc += A[row][k] * B[k][col];
+      s.out[l][i] = float_to_bits(acc);
+    }
+  }
+}
+
 template <bool Trans>
 inline void ldmatrix_compute(attncc_emu::WarpSlot& s, unsigned) {
   for (int l = 0; l < 32; ++l) {
@@ -276,6 +311,49 @@ __device__ __forceinline__ void mma_m16n8k16(float c[4], const uint32_t a[4], co
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
+#endif
+}
+
+// c[0..3] += A (16x32, 4 regs of e4m3 bytes) . B (32x8, 2 regs of bytes: e5m2 with kBE5M2, else
+// e4m3): fp8 inputs, fp32 accumulation (sm_89+; fragments as emu_ops::mma_fp8_compute says).
+// Only kernels generated for sm_89 and newer call it.
+template <bool kBE5M2>
+__device__ __forceinline__ void mma_m16n8k32_fp8(float c[4], const uint32_t a[4], const uint32_t b[2] ATTNCC_SITE) {
+#if defined(ATTNCC_EMULATE)
+  uint32_t in[10] = {a[0], a[1], a[2], a[3], b[0], b[1], float_to_bits(c[0]), float_to_bits(c[1]), float_to_bits(c[2]), float_to_bits(c[3])};
+  uint32_t out[4];
+  attncc_emu::warp_collective(kBE5M2 ? emu_ops::kMmaFp8E5M2 : emu_ops::kMmaFp8, 0xffffffffu, in, 10, nullptr, out, 4,
+                              emu_ops::mma_fp8_compute<kBE5M2>, line);
+  for (int i = 0; i < 4; ++i) c[i] = bits_to_float(out[i]);
+#elif ATTNCC_ARCH >= 89
+  if constexpr (kBE5M2) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e5m2.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  __trap();
+#endif
+}
+
+// Four floats rounded to e4m3 (nearest even, saturating to +-448) and packed low-first into one
+// 32-bit register: x0 in the lowest byte (an fp8 mma operand register).
+__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
+#if defined(ATTNCC_EMULATE)
+  return uint32_t(fp8_e4m3_from_float(x0)) | (uint32_t(fp8_e4m3_from_float(x1)) << 8) |
+         (uint32_t(fp8_e4m3_from_float(x2)) << 16) | (uint32_t(fp8_e4m3_from_float(x3)) << 24);
+#elif ATTNCC_ARCH >= 89
+  uint16_t low, high;  // cvt puts its first operand in the upper byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(low) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(high) : "f"(x3), "f"(x2));
+  return uint32_t(low) | (uint32_t(high) << 16);
+#else
+  __trap();
+  return 0;
 #endif
 }
 
