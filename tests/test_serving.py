@@ -566,6 +566,108 @@ def test_paged_cache_must_hold_the_appended_keys() -> None:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(("backend", "page_size", "queries"), [("cpu", 16, 1), ("cpu", 5, 3), ("sm80", 16, 1)])
+def test_a_paged_plan_serves_every_layer_without_reading_back(
+    backend: str, page_size: int, queries: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`attncc.plan_paged` reads and checks the table and lengths once; two layers' calls with
+    it (their own caches, k_new appended) give the unplanned calls' results bit for bit, read
+    no tensor back to the host (the table reader is made to fail), and the second layer
+    classifies no tiles (ragged lengths: classes per sequence, prepared once per plan)."""
+    from attncc.runtime import ragged
+    from attncc.runtime.kernel import Kernel
+
+    gen = torch.Generator().manual_seed(13)
+    B, H, Hkv, D, held = 3, 4, 2, 32, [61, 0, 23]
+    pages_per_seq = -(-(max(held) + queries) // page_size)
+    num_pages = B * pages_per_seq + 3
+    table = torch.randperm(num_pages, generator=gen)[: B * pages_per_seq].view(B, pages_per_seq).int()
+    dtype = torch.float32 if backend == "cpu" else torch.bfloat16
+    kern = (
+        attncc.compile(BOTTOM_RIGHT, target=backend, emulate=True) if backend != "cpu" else attncc.compile(BOTTOM_RIGHT)
+    )
+    layers = []
+    for _ in range(2):
+        caches = [torch.randn(num_pages, page_size, Hkv, D, generator=gen).to(dtype) for _ in range(2)]
+        new = [torch.randn(B, queries, Hkv, D, generator=gen).to(dtype) for _ in range(2)]
+        q = torch.randn(B, queries, H, D, generator=gen).to(dtype)
+        layers.append((q, caches, new, torch.rand(H, generator=gen)))
+    lengths = torch.tensor(held)
+    unplanned = [
+        kern.paged(q, *[c.clone() for c in caches], table, lengths, k_new=new[0], v_new=new[1], slopes=slopes)
+        for q, caches, new, slopes in layers
+    ]
+    plan = attncc.plan_paged(layers[0][1][0], table, lengths, new_tokens=queries)
+    classified: list[object] = []
+    prepare_call = Kernel._prepare_call
+
+    def counting(self: Kernel, *args: object, **kwargs: object) -> dict:
+        classified.append(self)
+        return prepare_call(self, *args, **kwargs)
+
+    def no_read_back(*args: object) -> None:
+        raise AssertionError("a planned call read a tensor back to the host")
+
+    monkeypatch.setattr(Kernel, "_prepare_call", counting)
+    monkeypatch.setattr(ragged, "_host_ints", no_read_back)
+    classified_by_layer = []
+    for (q, caches, new, slopes), want in zip(layers, unplanned):
+        got = kern.paged(q, *caches, plan=plan, k_new=new[0], v_new=new[1], slopes=slopes)
+        classified_by_layer.append(len(classified))
+        assert torch.equal(got, want)
+        for written, rows in zip(caches, new):  # appended in place, as without a plan
+            for b in range(B):
+                at = held[b] + torch.arange(queries)
+                assert torch.equal(written[table[b].long()[at // page_size], at % page_size], rows[b])
+    assert classified_by_layer[1] == classified_by_layer[0]  # the second layer classified nothing
+    monkeypatch.undo()
+    plan_without_append = attncc.plan_paged(layers[0][1][0], table, lengths)
+    with pytest.raises(attncc.InputError, match=r"plan: made for .* this call has"):
+        q, caches, new, slopes = layers[0]
+        kern.paged(q, *caches, plan=plan_without_append, k_new=new[0], v_new=new[1], slopes=slopes)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ({"block_table": torch.tensor([[0, 9], [1, 2]]), "cache_seqlens": torch.tensor([12, 9])},
+         "block_table[0, 1]: page 9 is outside the cache's 4 pages"),
+        ({"cache_seqlens": torch.tensor([3, 17])}, "cache_seqlens: sequence 1 holds 17 keys, beyond 0..16"),
+        ({"new_tokens": 8}, "cache_seqlens: sequence 1 holds 9 keys + 8 appended, beyond 0..16"),
+        ({"new_tokens": -1}, "new_tokens: expected an int >= 0"),
+        ({"block_table": torch.tensor([[0, 1]])}, "block_table, cache_seqlens: expected one sequence count"),
+    ],
+)  # fmt: skip
+def test_paged_plan_bad_input_is_a_clear_error(call: dict, message: str) -> None:
+    args = {"block_table": torch.tensor([[0, 1], [2, 3]]), "cache_seqlens": torch.tensor([3, 9]), **call}
+    with pytest.raises(attncc.InputError) as err:
+        attncc.plan_paged(torch.randn(4, 8, 2, 16), **args)
+    assert message in str(err.value)
+
+
+def test_a_planned_call_is_checked_against_its_plan() -> None:
+    q, pages = torch.randn(2, 1, 4, 16), torch.randn(4, 8, 2, 16)
+    table, lengths = torch.tensor([[0, 1], [2, 3]]), torch.tensor([3, 9])
+    plan = attncc.plan_paged(pages, table, lengths)
+    kern = kernel("vanilla")
+    want = kern.paged(q, pages, pages, table, lengths)
+    assert torch.equal(kern.paged(q, pages, pages, plan=plan), want)
+    assert torch.equal(torch.compile(kern.paged, fullgraph=True)(q, pages, pages, plan=plan), want)
+    for bad, message in (
+        (dict(q=q[:1]), r"plan: made for \(num_pages, page_size, batch, new_tokens, device\) = \(4, 8, 2, 0, cpu\)"),
+        (
+            dict(k_cache=torch.randn(5, 8, 2, 16), v_cache=torch.randn(5, 8, 2, 16)),
+            r"this call has \(5, 8, 2, 0, cpu\)",
+        ),
+        (dict(block_table=table), "a call given a plan takes its table and lengths; give neither"),
+        (dict(plan="plan"), "plan: expected an attncc.PagedPlan"),
+        (dict(plan=None), "block_table, cache_seqlens: give both, or a plan"),
+    ):
+        args = dict(q=q, k_cache=pages, v_cache=pages, plan=plan) | bad
+        with pytest.raises(attncc.InputError, match=message):
+            kern.paged(**args)
+
+
 def test_vanilla_and_causal_references_differ_here() -> None:
     """The packed shapes make the causal mask bite (else the tests above could not tell)."""
     shape = CASES["causal"].shape

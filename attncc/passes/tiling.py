@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from functools import cache
 
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, clone, fused_node
@@ -630,6 +631,7 @@ def split_kv_blocks(B: int, H: int, N: int, M: int, tiles: TilePlan) -> tuple[in
     return B * H * math.ceil(N / tiles.block_rows), math.ceil(M / tiles.block_cols)
 
 
+@cache  # (ints in, an int out: called per GPU forward)
 def choose_kv_splits(query_blocks: int, key_tiles: int, multiprocessors: int) -> int:
     """Split-KV for the GPU forward: how many blocks share the key tiles of one query tile.
 

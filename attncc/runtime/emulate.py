@@ -234,7 +234,7 @@ class EmulatedKernel(Kernel):
         if paged is not None:
             lengths = paged.lengths(qs.shape[2])
         plan = kern.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale, value_dim=value_dim)
-        call = kern._prepare(plan, torch.float32, tensors, scalars, lengths)
+        call = kern._prepare(plan, torch.float32, tensors, scalars, lengths, None if paged is None else paged.prepared)
         call["offset"] = offset
         if rows_out.numel():
             ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": kernel_lse, **scales}

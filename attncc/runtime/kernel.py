@@ -53,8 +53,10 @@ from attncc.runtime.fp8 import (
 )
 from attncc.runtime.ragged import (
     CallOptions,
+    PagedPlan,
     paged_attention,
     paged_forward,
+    planned,
     varlen_attention,
     varlen_backward,
     varlen_forward,
@@ -113,6 +115,10 @@ class PagedKeys:
     #: int64 [B] each sequence's key count (host), where they differ: one launch for all, the
     #: call's M the longest (`keys`); None: every sequence has `keys`
     key_counts: torch.Tensor | None = None
+    #: from a PagedPlan (runtime/ragged.py): key_counts' offsets already on the device, and the
+    #: plan's memo of prepared calls (`Kernel._prepare`), which outlive this call
+    k_starts: torch.Tensor | None = None
+    prepared: dict | None = None
 
     def lengths(self, queries: int) -> Lengths | None:
         """Each sequence's query and key counts where the key counts differ (the tile classes
@@ -126,7 +132,9 @@ class PagedKeys:
         their cumulative sums as k_starts (int64 [B + 1], `seq_m`)."""
         if self.key_counts is None:
             return {"pages": self.table}
-        starts = torch.cat([self.key_counts.new_zeros(1), self.key_counts.cumsum(0)]).to(device)
+        starts = self.k_starts
+        if starts is None:
+            starts = torch.cat([self.key_counts.new_zeros(1), self.key_counts.cumsum(0)]).to(device)
         return {"pages": self.table, "k_starts": starts}
 
     def keys_like(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -527,9 +535,10 @@ class Kernel:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor | None = None,
+        cache_seqlens: torch.Tensor | None = None,
         *,
+        plan: PagedPlan | None = None,
         k_new: torch.Tensor | None = None,
         v_new: torch.Tensor | None = None,
         layout: str = "bnhd",
@@ -553,12 +562,17 @@ class Kernel:
         cache (float8_e4m3fn or float8_e5m2; k_new and v_new in its dtype, already quantised)
         takes k_descale and v_descale broadcastable to [num_pages, page_size, Hkv] (a per-token
         factor sits beside its row: write the appended rows' factors before the call).
+
+        `plan` (`attncc.plan_paged(k_cache, block_table, cache_seqlens, new_tokens)`) in place of
+        block_table and cache_seqlens: the table and lengths read and checked once for every
+        call that shares them (each layer of a decoding step), so the call reads nothing back
+        from the device and its tile classes are prepared once per kernel and plan.
         """
         _reject_transforms({"q": q, "k_cache": k_cache, "v_cache": v_cache, **runtime})
         return paged_attention(
             self, q, k_cache, v_cache, block_table, cache_seqlens, k_new=k_new, v_new=v_new,
             layout=layout, return_lse=return_lse, scale=scale, runtime=runtime,
-            k_descale=k_descale, v_descale=v_descale,
+            k_descale=k_descale, v_descale=v_descale, plan=plan,
         )  # fmt: skip
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
@@ -837,6 +851,7 @@ class Kernel:
                 page_size=paged.page_size,
                 lengths=paged.lengths(q.shape[2]),
                 value_dim=value_dim,
+                memo=paged.prepared,
             )
             call["page_size"] = paged.page_size
             strides = PagedKeys.strides({"k": k, "v": v, **scales})
@@ -975,6 +990,7 @@ class Kernel:
         page_size: int | None = None,
         lengths: Lengths | None = None,
         value_dim: int | None = None,
+        memo: dict | None = None,
     ) -> tuple[CallPlan, dict[str, object]]:
         """The forward's plan and prepared call. Where many of the visible tiles are partial the
         AMX forward's wide key tiles narrow (TilePlan.for_partial_tiles); where a query tile sees
@@ -990,17 +1006,17 @@ class Kernel:
         side_by_side = page_size is not None or k.stride(1) < k.stride(2)  # kv heads within each key row
         if plan.problem.N < 4 and plan.problem.Hkv > 1 and side_by_side:
             plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
-        call = self._prepare(plan, q.dtype, tensors, scalars, lengths)
+        call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
         narrowed = plan.tiles.for_partial_tiles(partial_fraction(call["classes"]))  # type: ignore[arg-type]
         if narrowed is not plan.tiles:
             plan = replace(plan, tiles=narrowed)
-            call = self._prepare(plan, q.dtype, tensors, scalars, lengths)
+            call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
         visible = visible_keys(call["classes"], plan.tiles.block_cols, plan.problem.M)  # type: ignore[arg-type]
         streamed = plan.tiles.for_keys(visible)
         if streamed is plan.tiles:
             return plan, call
         plan = replace(plan, tiles=streamed)
-        return plan, self._prepare(plan, q.dtype, tensors, scalars, lengths)
+        return plan, self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
 
     def _with_few_keys(self, plan: CallPlan, dtype: torch.dtype) -> CallPlan:
         """`plan` with key tiles fitted to a key count below Bc (TilePlan.for_few_keys) on the
@@ -1022,6 +1038,7 @@ class Kernel:
         tensors: list[torch.Tensor],
         scalars: list[float],
         lengths: Lengths | None = None,
+        memo: dict | None = None,
     ) -> dict[str, object]:
         """`_prepare_call`'s result, placed on the kernel's device. Unless some runtime tensor's
         values decide the tile classes or the read checks (`host_read_tensors`: a padding or
@@ -1029,26 +1046,30 @@ class Kernel:
         shapes: they are classified (and copied to a GPU) once per such key, which takes ~0.5 ms
         of host work off every call, and the runtime tensors (ALiBi slopes, bias tables) are
         converted per call where they live. Classes that follow each sequence's `lengths` are
-        prepared per call."""
+        prepared per call, or once per `memo` (a PagedPlan's, whose lengths are fixed), which
+        then holds them under this kernel's key too."""
         names = [d.name for d in self.inputs if d.role == "tensor"]
-        if self._host_reads & set(names) or lengths is not None:
+        if self._host_reads & set(names) or (lengths is not None and memo is None):
             on_host = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
             return self._to_device(self._prepare_call(plan, dtype, on_host, scalars, lengths))
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
         shapes = tuple(tuple(t.shape) for t in tensors)
         key = (plan.problem, tiles, dtype, plan.scale_value, tuple(scalars), shapes, self._device_index())
+        calls = self._calls
+        if lengths is not None and memo is not None:
+            calls, key = memo, (self.call_key, *key)
         with self._lock:
-            call = self._calls.get(key)
+            call = calls.get(key)
         if call is None:
-            call = self._to_device(self._prepare_call(plan, dtype, tensors, scalars))
+            call = self._to_device(self._prepare_call(plan, dtype, tensors, scalars, lengths))
             per_call = {slot.ident for slot in self.abi.tensors if slot.name in names}
             call["tensors"] = {
                 ident: t for ident, t in call["tensors"].items() if ident not in per_call
             }  # layout grids
             with self._lock:
-                if len(self._calls) >= PREPARED_CALLS_KEPT:
-                    self._calls.pop(next(iter(self._calls)))  # the oldest key
-                self._calls[key] = call
+                if len(calls) >= PREPARED_CALLS_KEPT:
+                    calls.pop(next(iter(calls)))  # the oldest key
+                calls[key] = call
         fresh = self._kernel_tensors(dict(zip(names, tensors)), acc_dtype(dtype))
         return dict(call, tensors={**call["tensors"], **fresh})
 
@@ -1586,12 +1607,14 @@ def paged_op(
     sink: torch.Tensor | None,
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
+    plan_key: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     options = CallOptions(scalars, scale, 0.0, 0)
     descale = by_name(k_descale, v_descale)
     return paged_forward(
-        _REGISTRY[key], q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, options, tensors, sink, descale
-    )
+        _REGISTRY[key], q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, options, tensors, sink, descale,
+        planned(plan_key),
+    )  # fmt: skip
 
 
 @paged_op.register_fake
@@ -1610,6 +1633,7 @@ def _paged_fake(
     sink: torch.Tensor | None,
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
+    plan_key: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out_shape = (*q.shape[:3], v_cache.shape[3])  # (q's layout, bnhd or bhnd: the head dim last)
     return q.new_empty(out_shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))

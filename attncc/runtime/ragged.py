@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -348,6 +349,33 @@ def _cached_keys(cache: torch.Tensor, pages: list[int], count: int, length: int)
     return rows.unflatten(0, (count, -1)).flatten(1, 2)[:, :length].transpose(1, 2)
 
 
+def _checked_totals(
+    table: torch.Tensor, lengths: torch.Tensor, appended: int, num_pages: int, page_size: int
+) -> list[int]:
+    """Each sequence's key count after the append, from the host copies of a block table and
+    the cache lengths, checked: lengths within the table's pages, the pages they use within the
+    cache (all sequences at once: a fixed number of tensor operations at any batch size)."""
+    capacity = table.shape[1] * page_size
+    totals = lengths + appended
+    beyond = ((lengths < 0) | (totals > capacity)).nonzero()
+    if beyond.numel():
+        b = int(beyond[0, 0])
+        raise InputError(
+            f"cache_seqlens: sequence {b} holds {int(lengths[b])} keys{f' + {appended} appended' if appended else ''}, "
+            f"beyond 0..{capacity} (block_table's {table.shape[1]} pages of {page_size})"
+        )
+    used = torch.arange(table.shape[1]).view(1, -1) < (totals + page_size - 1).div(
+        page_size, rounding_mode="floor"
+    ).view(-1, 1)
+    bad = (used & ((table < 0) | (table >= num_pages))).nonzero()
+    if bad.numel():
+        b, page = int(bad[0, 0]), int(bad[0, 1])
+        raise InputError(
+            f"block_table[{b}, {page}]: page {int(table[b, page])} is outside the cache's {num_pages} pages"
+        )
+    return totals.tolist()
+
+
 def paged_totals(
     kern: Kernel,
     q: torch.Tensor,
@@ -369,26 +397,87 @@ def paged_totals(
         raise InputError(
             f"block_table, cache_seqlens: expected {B} sequences (q's batch), got {table.shape[0]} and {lengths.shape[0]}"
         )
-    capacity = table.shape[1] * page_size
-    totals = []
-    for b in range(B):
-        held = int(lengths[b])
-        total = held + appended
-        if held < 0 or total > capacity:
-            raise InputError(
-                f"cache_seqlens: sequence {b} holds {held} keys{f' + {appended} appended' if appended else ''}, "
-                f"beyond 0..{capacity} (block_table's {table.shape[1]} pages of {page_size})"
-            )
-        used = table[b, : -(-total // page_size)]
-        bad = ((used < 0) | (used >= num_pages)).nonzero()
-        if bad.numel():
-            page = int(bad[0, 0])
-            raise InputError(
-                f"block_table[{b}, {page}]: page {int(used[page])} is outside the cache's {num_pages} pages"
-            )
-        totals.append(total)
-    _validate_runtime(kern, q, (B, H, Hkv, N, capacity, D), runtime)
+    totals = _checked_totals(table, lengths, appended, num_pages, page_size)
+    _validate_runtime(kern, q, (B, H, Hkv, N, table.shape[1] * page_size, D), runtime)
     return table, lengths, totals
+
+
+@dataclass(frozen=True, eq=False)
+class PagedPlan:
+    """A paged batch's block table and cache lengths, read and checked on the host once for all
+    the calls that share them (FlashInfer's plan/run: every layer of one decoding step): a
+    call given `plan=` reads no tensor value on the host (on a GPU: no synchronisation, the
+    host runs ahead of the kernels), and each kernel prepares its tile classes for the plan
+    once. Made by `attncc.plan_paged`; valid while the table and lengths it was made from
+    hold (a later step, with longer sequences, needs a new plan)."""
+
+    num_pages: int
+    page_size: int
+    appended: int  # keys appended by each call (k_new's N_new)
+    table: torch.Tensor  # int64 [B, max_pages], host
+    lengths: torch.Tensor  # int64 [B] keys held before the append, host
+    totals: tuple[int, ...]  # keys per sequence after the append
+    device: torch.device  # the cache's
+    table_on_device: torch.Tensor  # int64 [B, max_pages]
+    lengths_on_device: torch.Tensor  # int64 [B]
+    append_rows: tuple[torch.Tensor, torch.Tensor] | None  # (pages, slots) [B, appended] on the device
+    k_starts: torch.Tensor | None  # int64 [B + 1] on the device where the totals differ (`PagedKeys.buffers`)
+    key: str  # the op `attncc::paged_attention` finds the plan by it (`_PAGED_PLANS`)
+    prepared: dict = field(default_factory=dict)  # kernels' prepared calls (`Kernel._prepare` memo)
+
+    @property
+    def batch(self) -> int:
+        return self.table.shape[0]
+
+
+def plan_paged(
+    k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, new_tokens: int = 0
+) -> PagedPlan:
+    """The `PagedPlan` of a block table [B, max_pages] and cache lengths [B] over `k_cache`
+    [num_pages, page_size, Hkv, D] (its shape and device; any cache of that shape can be
+    given to the calls), for calls that append `new_tokens` keys per sequence (k_new's N_new)
+    or none. The checks of `Kernel.paged`, once."""
+    k_cache = _tensor("k_cache", k_cache, 4, "[num_pages, page_size, Hkv, D]")
+    num_pages, page_size = k_cache.shape[:2]
+    if page_size == 0:
+        raise InputError(f"k_cache: expected pages of at least one row, got shape {tuple(k_cache.shape)}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
+        raise InputError(f"new_tokens: expected an int >= 0, got {new_tokens!r}")
+    table = _host_ints("block_table", block_table, 2, "[B, max_pages]", k_cache.device)
+    lengths = _host_ints("cache_seqlens", cache_seqlens, 1, "[B]", k_cache.device)
+    if table.shape[0] != lengths.shape[0]:
+        raise InputError(
+            f"block_table, cache_seqlens: expected one sequence count, got {table.shape[0]} and {lengths.shape[0]}"
+        )
+    totals = _checked_totals(table, lengths, new_tokens, num_pages, page_size)
+    device = k_cache.device
+    append_rows = _append_rows(table, lengths, new_tokens, page_size, device) if new_tokens else None
+    counts = torch.tensor(totals, dtype=torch.int64)
+    k_starts = None if len(set(totals)) <= 1 else torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
+    plan = PagedPlan(
+        num_pages, page_size, new_tokens, table, lengths, tuple(totals), device, table.to(device),
+        lengths.to(device), append_rows, k_starts, f"plan#{next(_PLAN_KEYS)}",
+    )  # fmt: skip
+    _PAGED_PLANS[plan.key] = plan
+    return plan
+
+
+#: Plans by key while their callers hold them.
+_PAGED_PLANS: weakref.WeakValueDictionary[str, PagedPlan] = weakref.WeakValueDictionary()
+_PLAN_KEYS = itertools.count()
+
+
+def planned(key: str) -> PagedPlan | None:
+    """The plan the op `attncc::paged_attention` was given by key ("" for none)."""
+    return _PAGED_PLANS[key] if key else None
+
+
+def _append_rows(
+    table: torch.Tensor, lengths: torch.Tensor, appended: int, page_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages, slots) [B, appended] on `device`: where rows cache_seqlens[b] .. + appended go."""
+    positions = lengths.view(-1, 1) + torch.arange(appended).view(1, -1)
+    return table.gather(1, positions // page_size).to(device), (positions % page_size).to(device)
 
 
 def paged_forward(
@@ -404,21 +493,29 @@ def paged_forward(
     tensors: list[torch.Tensor],
     sink: torch.Tensor | None,
     descale: Mapping[str, torch.Tensor] | None = None,
+    plan: PagedPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out, lse [B, H, N, ...] of q [B, H, N, D] over the paged cache, k_new and v_new appended
     into it first (in place, as flash_attn_with_kvcache: rows cache_seqlens[b] .. + N_new).
-    `descale`: an fp8 cache's factors [num_pages, page_size, Hkv, 1] (runtime/fp8.py)."""
+    `descale`: an fp8 cache's factors [num_pages, page_size, Hkv, 1] (runtime/fp8.py). With
+    `plan` (checked by `paged_attention` against this call), its table and lengths in place of
+    block_table and cache_seqlens: nothing is read back from the device."""
     from attncc.runtime.kernel import PagedKeys, acc_dtype
 
-    B, H, N, _ = q.shape
+    B, H, N, D = q.shape
     page_size = k_cache.shape[1]
     appended = 0 if k_new is None else k_new.shape[1]
     runtime = kern.runtime_values(tensors, options.scalars)
-    table, lengths, totals = paged_totals(kern, q, k_cache, block_table, cache_seqlens, appended, runtime)
+    if plan is None:
+        table, lengths, totals = paged_totals(kern, q, k_cache, block_table, cache_seqlens, appended, runtime)
+        table_on_device = table.to(q.device)
+    else:
+        table, lengths, totals, table_on_device = plan.table, plan.lengths, list(plan.totals), plan.table_on_device
+        _validate_runtime(kern, q, (B, H, k_cache.shape[2], N, table.shape[1] * page_size, D), runtime)
     if appended:
-        positions = lengths.view(-1, 1) + torch.arange(appended).view(1, -1)
-        pages = table.gather(1, positions // page_size).to(k_cache.device)
-        slots = (positions % page_size).to(k_cache.device)
+        pages, slots = (
+            _append_rows(table, lengths, appended, page_size, k_cache.device) if plan is None else plan.append_rows
+        )
         k_cache[pages, slots] = k_new
         v_cache[pages, slots] = v_new
     out = q.new_zeros((B, H, N, v_cache.shape[3]))
@@ -428,10 +525,13 @@ def paged_forward(
     if kern.reads_pages(q, page_size, v_cache.shape[3]) and max(totals, default=0) > 0:
         # one launch reads every sequence's keys through the block table, each sequence to its
         # own key count (k_starts), the call's M the longest
-        counts = torch.tensor(totals, dtype=torch.int64)
+        counts = None if len(set(totals)) == 1 else torch.tensor(totals, dtype=torch.int64)
+        paged = PagedKeys(table_on_device, page_size, max(totals), counts)
+        if plan is not None:
+            paged = replace(paged, k_starts=plan.k_starts, prepared=plan.prepared)
         return kern.forward_impl(
             q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink, descale=descale,
-            paged=PagedKeys(table.to(q.device), page_size, max(totals), None if len(set(totals)) == 1 else counts),
+            paged=paged,
         )  # fmt: skip
     used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
     calls: list[tuple[Segment, list[int]]] = []
@@ -462,13 +562,31 @@ def paged_forward(
     return out, lse
 
 
+def _check_plan(
+    plan: object, block_table: object, cache_seqlens: object, k_cache: torch.Tensor, batch: int, appended: int
+) -> None:
+    """A plan given to a paged call: made for this cache's shape and device, this batch and
+    this many appended keys (by shapes alone: no value is read)."""
+    if not isinstance(plan, PagedPlan):
+        raise InputError(f"plan: expected an attncc.PagedPlan (attncc.plan_paged), got {type(plan).__name__}")
+    if block_table is not None or cache_seqlens is not None:
+        raise InputError("block_table, cache_seqlens: a call given a plan takes its table and lengths; give neither")
+    made_for = (plan.num_pages, plan.page_size, plan.batch, plan.appended, plan.device)
+    given = (k_cache.shape[0], k_cache.shape[1], batch, appended, k_cache.device)
+    if made_for != given:
+        raise InputError(
+            "plan: made for (num_pages, page_size, batch, new_tokens, device) = "
+            f"({', '.join(map(str, made_for))}), this call has ({', '.join(map(str, given))})"
+        )
+
+
 def paged_attention(
     kern: Kernel,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
     *,
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
@@ -478,10 +596,13 @@ def paged_attention(
     runtime: Mapping[str, object],
     k_descale: object = None,
     v_descale: object = None,
+    plan: PagedPlan | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`Kernel.paged`: attention of new queries over a paged KV cache (forward only), through
-    the op `attncc::paged_attention` (so torch.compile(fullgraph=True) takes it whole)."""
-    from attncc.runtime.kernel import acc_dtype, checked_scale
+    the op `attncc::paged_attention` (so torch.compile(fullgraph=True) takes it whole); with
+    `plan` (`plan_paged`), its checked table and lengths instead of block_table and
+    cache_seqlens."""
+    from attncc.runtime.kernel import _plain_call, acc_dtype, checked_scale
 
     if layout not in ("bnhd", "bhnd"):
         raise InputError(f"layout: expected 'bnhd' (q [B, N, H, D]) or 'bhnd' (q [B, H, N, D]), got {layout!r}")
@@ -523,10 +644,20 @@ def paged_attention(
         raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
     check_batch_free(kern)
     kern.check_input_names(runtime)
-    if not torch.compiler.is_compiling():  # the table's values: only the op reads them when traced
-        paged_totals(kern, q_bhnd, k_cache, block_table, cache_seqlens, appended, runtime)
-        scale = checked_scale(scale)
+    if plan is not None:
+        _check_plan(plan, block_table, cache_seqlens, k_cache, B, appended)
+        block_table, cache_seqlens = plan.table_on_device, plan.lengths_on_device
+    elif block_table is None or cache_seqlens is None:
+        raise InputError("block_table, cache_seqlens: give both, or a plan (attncc.plan_paged)")
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
+    # Without autograd, tracing or modes to see the op, its implementation runs directly (torch's
+    # dispatch of an op that mutates its inputs costs ~100 us of host time per call), checking
+    # the table before it appends; else the table is checked here first, where nothing is traced.
+    plain = _plain_call(q, k_cache, v_cache, block_table, cache_seqlens, *tensors)
+    if not torch.compiler.is_compiling():  # the table's values: only the op reads them when traced
+        if plan is None and not plain:
+            paged_totals(kern, q_bhnd, k_cache, block_table, cache_seqlens, appended, runtime)
+        scale = checked_scale(scale)
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     if kern.op.k_rope is not None:
         raise InputError(
@@ -541,10 +672,17 @@ def paged_attention(
             sink = kern.sink_rows(padded_rows(B, H, N, q.device), row_sizes, scale, runtime, acc_dtype(q.dtype))
             sink = sink.expand(B, H, N).contiguous()
     descale = kv_descales(k_cache, v_cache, k_descale, v_descale)
-    out, lse = torch.ops.attncc.paged_attention(
-        kern.call_key, q_bhnd, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new,
-        tensors, scalars, scale, sink, descale.get("k_descale"), descale.get("v_descale"),
-    )  # fmt: skip
+    if plain:
+        out, lse = paged_forward(
+            kern, q_bhnd, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new,
+            CallOptions(scalars, scale, 0.0, 0), tensors, sink, descale, plan,
+        )  # fmt: skip
+    else:
+        out, lse = torch.ops.attncc.paged_attention(
+            kern.call_key, q_bhnd, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new,
+            tensors, scalars, scale, sink, descale.get("k_descale"), descale.get("v_descale"),
+            "" if plan is None else plan.key,
+        )  # fmt: skip
     if layout == "bnhd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -1,0 +1,106 @@
+"""Host time per call of the GPU code path: what a decoding step's attention costs the CPU
+before any kernel runs (validation, plans, tile classes, packing the ABI), measured without a
+GPU by running an emulated sm90 kernel whose library entry points are stubbed out (they return
+at once). On a GPU the same Python runs, plus the launch itself and, for unplanned paged calls,
+the copies of block_table and cache_seqlens to the host (a synchronisation each), which this
+script cannot show.
+
+Cases (bf16, d=128): decoding on padded K/V (MHA 32 heads B=1, GQA 32/8 B=8, M=4096), and a
+paged cache (GQA 32/8, B=8, pages of 16 shuffled, M=4096: equal lengths and ragged ones, with
+one appended token), each without and with an `attncc.plan_paged` plan. Medians of
+`--repeats` timings of `--calls` calls.
+
+    python bench/bench_host.py [--json bench/results/host-<machine>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import attncc  # noqa: E402
+from attncc.runtime.emulate import EmulatedKernel  # noqa: E402
+
+
+class StubLibrary:
+    """A kernel library whose every entry point returns 0 (success) at once."""
+
+    def __getattr__(self, name: str) -> Callable[..., int]:
+        return lambda *args: 0
+
+
+class HostOnlyKernel(EmulatedKernel):
+    """The emulated sm90 kernel's host path, its library stubbed out."""
+
+    def emulated_library(self, dtype: str, head_dim: int, value_dim: int | None = None) -> StubLibrary:  # type: ignore[override]
+        return StubLibrary()
+
+
+def decode(kern: attncc.Kernel, B: int, H: int, Hkv: int, M: int) -> Callable[[], object]:
+    q = torch.randn(B, H, 1, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, M, 128, dtype=torch.bfloat16) for _ in range(2))
+    return lambda: kern(q, k, v)
+
+
+def paged(kern: attncc.Kernel, B: int, M: int, ragged: bool, planned: bool) -> Callable[[], object]:
+    H, Hkv, page = 32, 8, 16
+    pages = B * M // page
+    k_cache, v_cache = (torch.randn(pages, page, Hkv, 128, dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(pages).view(B, M // page).int()
+    lengths = torch.full((B,), M - 1, dtype=torch.int32)
+    if ragged:
+        lengths -= torch.arange(B, dtype=torch.int32) * 37
+    q = torch.randn(B, 1, H, 128, dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(B, 1, Hkv, 128, dtype=torch.bfloat16) for _ in range(2))
+    if planned:
+        plan = attncc.plan_paged(k_cache, table, lengths, new_tokens=1)
+        return lambda: kern.paged(q, k_cache, v_cache, plan=plan, k_new=k_new, v_new=v_new)
+    return lambda: kern.paged(q, k_cache, v_cache, table, lengths, k_new=k_new, v_new=v_new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    kern = HostOnlyKernel(attncc.lower(ROOT / "examples" / "vanilla.attn", "sm90"), "sm90")
+    cases = [
+        ("decode MHA B=1 H=32 M=4096", decode(kern, 1, 32, 32, 4096)),
+        ("decode GQA 32/8 B=8 M=4096", decode(kern, 8, 32, 8, 4096)),
+        ("paged GQA 32/8 B=8 M=4096 +1 appended", paged(kern, 8, 4096, False, False)),
+        ("  the same with a plan", paged(kern, 8, 4096, False, True)),
+        ("paged, ragged lengths", paged(kern, 8, 4096, True, False)),
+        ("  the same with a plan (ragged)", paged(kern, 8, 4096, True, True)),
+    ]
+    rows = []
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}: host us per call (median)")
+    for name, call in cases:
+        for _ in range(5):
+            call()
+        times = []
+        for _ in range(args.repeats):
+            began = time.perf_counter()
+            for _ in range(args.calls):
+                call()
+            times.append((time.perf_counter() - began) / args.calls * 1e6)
+        rows.append({"case": name.strip(), "host_us": statistics.median(times)})
+        print(f"{name:40s} {rows[-1]['host_us']:7.0f} us", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"torch": torch.__version__, "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
