@@ -8,7 +8,7 @@
 # machine: bench cases stop starting past --budget-s and keep what they measured):
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl"])        probe, prebuild, golden tests
 #   run(command="bash bench/gpu_session.sh bench 64", carry=[".whl"])     dense, causal at d=64
-#   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl"])    dense, causal at d=128, decoding, varlen
+#   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl"])    dense, causal at d=128, decoding (paged: planned too), varlen, fp8
 #   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl"])    sliding window, ALiBi, softcap
 #   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl"])     racecheck, synccheck logs
 #   run(command="bash bench/gpu_session.sh sweep", carry=[".whl"])        forward tiles, decoding splits

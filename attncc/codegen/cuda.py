@@ -54,7 +54,7 @@ def generate_cuda(
     columns in registers). The text for equal dims (a library only such calls use) reads one
     bound for both (`value_dim` in the template). A dtype naming fp8 K/V too (`split_dtype`)
     gives the forward alone, widening K and V into shared memory, or with "+mma" (sm89, sm90)
-    multiplying their bytes on the fp8 tensor cores (runtime/fp8.py `takes_fp8_products`)."""
+    multiplying their bytes on the fp8 tensor cores (runtime/fp8.py)."""
     dtype, kv_format, fp8_mma = split_dtype(dtype)
     if fp8_mma and not GPUS[arch].fp8_mma:
         raise AttnccError(f"{arch} has no fp8 tensor cores (sm89 and sm90 have)")

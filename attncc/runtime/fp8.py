@@ -14,6 +14,15 @@ padded calls, [total_k, Hkv] in packed ones, [num_pages, page_size, Hkv] for a p
 a 0-d tensor is per tensor, [B, Hkv, 1] per (sequence, head) like FlashAttention 3's
 [B, Hkv] (one more axis), and [B, Hkv, M] per (token, head). Forward only: the fp8 kernels have
 no backward (q and learnable inputs get no gradient through them: an error says so).
+
+fp8 products (CUDA sm89/sm90, opt-in: `kern.fp8_mma = True`): the fp8 tensor cores multiply
+fp8 by fp8, so the forward rounds q (each row times the power of two that brings its largest
+|q| closest to 448) and P (times 2^8) to e4m3 itself, multiplies the K and V bytes as stored,
+and applies the descale factors to the fp32 scores (q's, k's) and the output (v's): the result
+then differs from the dequantised operands' attention by about e4m3's precision (~3% rms of
+the output on random inputs, against ~0.2% widened). A call takes them where
+`EmulatedKernel.takes_fp8_products` says (v's factor one per kv head, K not rotated in the
+kernel, head dim and key tiles in steps of 32); the others widen.
 """
 
 from __future__ import annotations
