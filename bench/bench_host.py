@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
 from attncc.runtime.emulate import EmulatedKernel  # noqa: E402
+from bench.bench_cpu import cpu_meta  # noqa: E402
 
 
 class StubLibrary:
@@ -85,7 +85,8 @@ def main() -> None:
         ("  the same with a plan (ragged)", paged(kern, 8, 4096, True, True)),
     ]
     rows = []
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}: host us per call (median)")
+    meta = {**cpu_meta(), "torch": torch.__version__}
+    print(f"{meta['cpu_model']} ({meta['cpu_family_model']}), torch {torch.__version__}: host us per call (median)")
     for name, call in cases:
         for _ in range(5):
             call()
@@ -99,7 +100,7 @@ def main() -> None:
         print(f"{name:40s} {rows[-1]['host_us']:7.0f} us", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"torch": torch.__version__, "results": rows}, indent=1))
+        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
 
 
 if __name__ == "__main__":
