@@ -250,7 +250,7 @@ class EmulatedKernel(Kernel):
                 ptrs["lse_partial"] = torch.empty(plan.kv_splits, rows, device=q.device)
             strides = None
             if paged is not None:  # caches [pages, page_size, Hkv, D] read through the block table
-                ptrs.update(paged.buffers(q.device))
+                ptrs.update(paged.buffers())
                 call["page_size"] = paged.page_size
                 strides = PagedKeys.strides({"k": ks, "v": vs, **scales})
             dtype = library_dtype(storage, k.dtype)

@@ -107,18 +107,28 @@ ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits", "fp8_mma")
 @dataclass(frozen=True)
 class PagedKeys:
     """A paged call's keys, read in place (`Kernel.forward_impl`): the block table [B, pages]
-    (int64, on the kernel's device), its page size, and the keys per sequence (the call's M)."""
+    (int64, on the kernel's device), its page size, and the keys per sequence (the call's M).
+    Made by `of`."""
 
     table: torch.Tensor
     page_size: int
     keys: int
     #: int64 [B] each sequence's key count (host), where they differ: one launch for all, the
     #: call's M the longest (`keys`); None: every sequence has `keys`
-    key_counts: torch.Tensor | None = None
-    #: from a PagedPlan (runtime/ragged.py): key_counts' offsets already on the device, and the
-    #: plan's memo of prepared calls (`Kernel._prepare`), which outlive this call
-    k_starts: torch.Tensor | None = None
+    key_counts: torch.Tensor | None
+    #: their cumulative sums (int64 [B + 1], on the kernel's device; `seq_m`), or None
+    k_starts: torch.Tensor | None
+    #: a PagedPlan's memo of prepared calls (`Kernel._prepare`), which outlive the call; or None
     prepared: dict | None = None
+
+    @staticmethod
+    def of(
+        table: torch.Tensor, page_size: int, totals: Sequence[int], device: torch.device, prepared: dict | None = None
+    ) -> PagedKeys:
+        """The keys of a block table (host or device) whose sequences hold `totals` keys each."""
+        counts = None if len(set(totals)) <= 1 else torch.tensor(totals, dtype=torch.int64)
+        starts = None if counts is None else torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
+        return PagedKeys(table.to(device), page_size, max(totals, default=0), counts, starts, prepared)
 
     def lengths(self, queries: int) -> Lengths | None:
         """Each sequence's query and key counts where the key counts differ (the tile classes
@@ -127,15 +137,10 @@ class PagedKeys:
             return None
         return torch.full_like(self.key_counts, queries), self.key_counts
 
-    def buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def buffers(self) -> dict[str, torch.Tensor]:
         """The ABI pointers of the paged call: the block table, and where the key counts differ,
-        their cumulative sums as k_starts (int64 [B + 1], `seq_m`)."""
-        if self.key_counts is None:
-            return {"pages": self.table}
-        starts = self.k_starts
-        if starts is None:
-            starts = torch.cat([self.key_counts.new_zeros(1), self.key_counts.cumsum(0)]).to(device)
-        return {"pages": self.table, "k_starts": starts}
+        their cumulative sums as k_starts."""
+        return {"pages": self.table} if self.k_starts is None else {"pages": self.table, "k_starts": self.k_starts}
 
     def keys_like(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """What plans see as k: [B, Hkv, keys, D] over the cache [pages, page_size, Hkv, D]
@@ -867,7 +872,7 @@ class Kernel:
         )
         ptrs.update(rope_ptrs)
         if paged is not None:
-            ptrs.update(paged.buffers(q.device))
+            ptrs.update(paged.buffers())
         if packed is not None:
             ptrs.update(packed.buffers())
         if sink is not None:

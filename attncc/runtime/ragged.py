@@ -26,7 +26,7 @@ import itertools
 import math
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +37,7 @@ from attncc.runtime.fp8 import check_operand_dtypes, kv_descales
 from attncc.runtime.sinks import padded_rows
 
 if TYPE_CHECKING:
-    from attncc.runtime.kernel import Kernel, PackedSequences
+    from attncc.runtime.kernel import Kernel, PackedSequences, PagedKeys
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -418,12 +418,10 @@ class PagedPlan:
     lengths: torch.Tensor  # int64 [B] keys held before the append, host
     totals: tuple[int, ...]  # keys per sequence after the append
     device: torch.device  # the cache's
-    table_on_device: torch.Tensor  # int64 [B, max_pages]
+    keys: PagedKeys  # the table on the device, key counts and offsets, the kernels' prepared calls
     lengths_on_device: torch.Tensor  # int64 [B]
     append_rows: tuple[torch.Tensor, torch.Tensor] | None  # (pages, slots) [B, appended] on the device
-    k_starts: torch.Tensor | None  # int64 [B + 1] on the device where the totals differ (`PagedKeys.buffers`)
     key: str  # the op `attncc::paged_attention` finds the plan by it (`_PAGED_PLANS`)
-    prepared: dict = field(default_factory=dict)  # kernels' prepared calls (`Kernel._prepare` memo)
 
     @property
     def batch(self) -> int:
@@ -437,6 +435,8 @@ def plan_paged(
     [num_pages, page_size, Hkv, D] (its shape and device; any cache of that shape can be
     given to the calls), for calls that append `new_tokens` keys per sequence (k_new's N_new)
     or none. The checks of `Kernel.paged`, once."""
+    from attncc.runtime.kernel import PagedKeys
+
     k_cache = _tensor("k_cache", k_cache, 4, "[num_pages, page_size, Hkv, D]")
     num_pages, page_size = k_cache.shape[:2]
     if page_size == 0:
@@ -452,11 +452,10 @@ def plan_paged(
     totals = _checked_totals(table, lengths, new_tokens, num_pages, page_size)
     device = k_cache.device
     append_rows = _append_rows(table, lengths, new_tokens, page_size, device) if new_tokens else None
-    counts = torch.tensor(totals, dtype=torch.int64)
-    k_starts = None if len(set(totals)) <= 1 else torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
+    keys = PagedKeys.of(table, page_size, totals, device, prepared={})
     plan = PagedPlan(
-        num_pages, page_size, new_tokens, table, lengths, tuple(totals), device, table.to(device),
-        lengths.to(device), append_rows, k_starts, f"plan#{next(_PLAN_KEYS)}",
+        num_pages, page_size, new_tokens, table, lengths, tuple(totals), device, keys, lengths.to(device),
+        append_rows, f"plan#{next(_PLAN_KEYS)}",
     )  # fmt: skip
     _PAGED_PLANS[plan.key] = plan
     return plan
@@ -508,9 +507,8 @@ def paged_forward(
     runtime = kern.runtime_values(tensors, options.scalars)
     if plan is None:
         table, lengths, totals = paged_totals(kern, q, k_cache, block_table, cache_seqlens, appended, runtime)
-        table_on_device = table.to(q.device)
     else:
-        table, lengths, totals, table_on_device = plan.table, plan.lengths, list(plan.totals), plan.table_on_device
+        table, lengths, totals = plan.table, plan.lengths, list(plan.totals)
         _validate_runtime(kern, q, (B, H, k_cache.shape[2], N, table.shape[1] * page_size, D), runtime)
     if appended:
         pages, slots = (
@@ -525,10 +523,7 @@ def paged_forward(
     if kern.reads_pages(q, page_size, v_cache.shape[3]) and max(totals, default=0) > 0:
         # one launch reads every sequence's keys through the block table, each sequence to its
         # own key count (k_starts), the call's M the longest
-        counts = None if len(set(totals)) == 1 else torch.tensor(totals, dtype=torch.int64)
-        paged = PagedKeys(table_on_device, page_size, max(totals), counts)
-        if plan is not None:
-            paged = replace(paged, k_starts=plan.k_starts, prepared=plan.prepared)
+        paged = PagedKeys.of(table, page_size, totals, q.device) if plan is None else plan.keys
         return kern.forward_impl(
             q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink, descale=descale,
             paged=paged,
@@ -646,7 +641,7 @@ def paged_attention(
     kern.check_input_names(runtime)
     if plan is not None:
         _check_plan(plan, block_table, cache_seqlens, k_cache, B, appended)
-        block_table, cache_seqlens = plan.table_on_device, plan.lengths_on_device
+        block_table, cache_seqlens = plan.keys.table, plan.lengths_on_device
     elif block_table is None or cache_seqlens is None:
         raise InputError("block_table, cache_seqlens: give both, or a plan (attncc.plan_paged)")
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
