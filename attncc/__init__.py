@@ -41,30 +41,39 @@ def read_program(path_or_source: str | Path) -> tuple[str, str]:
     return text, "<string>"
 
 
-def lower(path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None) -> list[Stage]:
+def lower(
+    path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None, warp_rows: int = 16
+) -> list[Stage]:
     """Run the pass pipeline; returns the IR after each pass (what `attncc explain` prints)."""
     source, path = read_program(path_or_source)
-    return run_pipeline(source, path, get_target(target), tiles)
+    return run_pipeline(source, path, get_target(target), tiles, warp_rows)
 
 
 def compile(
-    path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None, emulate: bool = False
+    path_or_source: str | Path,
+    target: str = "cpu",
+    tiles: tuple[int, int] | None = None,
+    emulate: bool = False,
+    warp_rows: int = 16,
 ) -> Kernel:
     """Compile a DSL program (a .attn path or its text) into a callable kernel.
 
     target "cpu" builds C++ kernels; "cuda" builds the CUDA kernels with nvcc for the current
     GPU; a GPU target (sm75, sm80, sm86, sm89, sm90) with emulate=True runs the generated CUDA kernels on
     the host CUDA emulator (CPU tensors). The library for each
-    input dtype is generated, built and cached on first call.
+    input dtype is generated, built and cached on first call. `warp_rows` (GPU targets): query
+    rows per warp of the CUDA forward, 16 (the default) or 32 (FlashAttention-2's layout:
+    each K/V fragment read from shared memory serves two mma row blocks; more registers, which
+    ptxas spills for masked programs at d = 128; not yet measured on a GPU, `bench/sweep_tiles_cuda.py`).
     """
     if target == "cuda":
         from attncc.runtime.gpu import GpuKernel, device_target
 
         arch = device_target()
-        return GpuKernel(lower(path_or_source, arch, tiles), arch)
+        return GpuKernel(lower(path_or_source, arch, tiles, warp_rows), arch)
     kind = get_target(target).kind
     if kind == "cpu":
-        return Kernel(lower(path_or_source, target, tiles), target)
+        return Kernel(lower(path_or_source, target, tiles, warp_rows), target)
     if not emulate:
         raise AttnccError(
             f"target `{target}`: use target='cuda' to run on this machine's GPU, emulate=True to run the "
@@ -72,4 +81,4 @@ def compile(
         )
     from attncc.runtime.emulate import EmulatedKernel
 
-    return EmulatedKernel(lower(path_or_source, target, tiles), target)
+    return EmulatedKernel(lower(path_or_source, target, tiles, warp_rows), target)

@@ -1,7 +1,8 @@
 """Sweeps on a GPU for calibrating the tiling pass's choices.
 
 Forward tiles: the dense bf16 forward (B=4 H=16 N=4096) at each (Br, Bc) the `tiles=` override
-takes (Br, Bc up to 64), against the roofline's choice. Decoding (`--decode`): one query, d=128,
+takes (Br, Bc up to 64), against the roofline's choice, and the roofline's choice among warps of
+32 rows (`warp_rows=32`: two mma row blocks per warp sharing each K/V fragment, FA2's layout). Decoding (`--decode`): one query, d=128,
 MHA 32/32 and GQA 32/8 (a group's heads folded into one head's rows), B=1 and 8, M=16K and 64K,
 at split-KV counts 1..64 against `choose_kv_splits`'s.
 
@@ -36,18 +37,20 @@ def main() -> None:
         decode_splits()
         return
     program = ROOT / "examples" / "vanilla.attn"
-    variants = {(d, tiles): None for d in args.dims for tiles in [None, (64, 32), (64, 64), (32, 64)]}
-    kernels = {key: attncc.compile(program, target="cuda", tiles=key[1]) for key in variants}
+    layouts = [(None, 16), (64, 32), (64, 64), (32, 64), (None, 32)]  # (tiles override, rows per warp)
+    variants = {(d, tiles, rows): None for d in args.dims for tiles, rows in layouts}
+    kernels = {key: attncc.compile(program, target="cuda", tiles=key[1], warp_rows=key[2]) for key in variants}
     with ThreadPoolExecutor(16) as pool:  # nvcc is single-threaded: build every variant at once
         list(pool.map(lambda key: kernels[key].library_path_for("bfloat16", key[0]), kernels))
     print(f"{torch.cuda.get_device_name()}: dense bf16 forward, B=4 H=16 N=4096", flush=True)
-    for (d, tiles), kern in kernels.items():
+    for (d, tiles, _), kern in kernels.items():
         q, k, v = (torch.randn(4, 16, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         plan = kern.plan(q, k, None).tiles
         ms = median_ms(partial(kern, q, k, v), 15, 5)
         flops = 4 * 4 * 16 * 4096 * 4096 * d
         label = "roofline" if tiles is None else "override"
-        print(f"d={d:3d} {label:8s} Br={plan.block_rows:3d} Bc={plan.block_cols:3d} warps={plan.warps}: "
+        print(f"d={d:3d} {label:8s} Br={plan.block_rows:3d} Bc={plan.block_cols:3d} warps={plan.warps} "
+              f"rows/warp={plan.warp_rows}: "
               f"{ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)  # fmt: skip
 
 

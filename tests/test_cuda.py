@@ -189,6 +189,58 @@ def test_emulated_forward_backward_match_fp64_within_eager_error(name: str) -> N
         assert result.ok, f"kv_splits={splits}: {result.describe()}"
 
 
+@pytest.mark.parametrize("name", ["vanilla", "gpt2", "gpt_oss", "alibi", "document"])
+def test_forward_warps_of_32_rows_compute_what_warps_of_16_do(name: str) -> None:
+    """`warp_rows=32` (two mma row blocks per warp, each K/V fragment feeding both): at d = 128
+    sm90 plans the same 128 x 64 tiles as with 16 rows, in 4 warps instead of 8, and each row's
+    products and softmax run in the same order, so the forward gives the same bits (dropout
+    drawn the same: gpt2), at a query tail, decoding (one row of 32 live) and GQA; at d = 64 its
+    own tiles (128 x 64) within the eager error forward and backward."""
+    wide = attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm90", emulate=True, warp_rows=32)
+    narrow = emulated(name, "sm90")
+    plan_wide, plan_narrow = (fused_node(k.graph)[1].tiling.for_head_dim(128) for k in (wide, narrow))
+    assert (plan_wide.block_rows, plan_wide.block_cols) == (plan_narrow.block_rows, plan_narrow.block_cols) == (128, 64)
+    assert (plan_wide.warps, plan_wide.warp_rows, plan_narrow.warps) == (4, 32, 8)
+    assert "constexpr int kWarpTiles = 2;" in wide.cuda_source("bfloat16", 128)
+    for shape in (Shape(1, 2, 1, 77, 130, 128), Shape(2, 4, 2, 1, 300, 128), Shape(1, 1, 1, 160, 64, 128)):
+        q, k, v, runtime = make_inputs(wide, adapt(shape, wide), torch.bfloat16, requires_grad=False)
+        torch.manual_seed(1)
+        ours = wide(q, k, v, **runtime)
+        torch.manual_seed(1)
+        assert torch.equal(ours, narrow(q, k, v, **runtime)), shape
+    result = check(wide, adapt(Shape(1, 2, 1, 77, 130, 64), wide), torch.bfloat16)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_forward_warps_of_32_rows_compile_within_their_spill_bounds() -> None:
+    """ptxas on sm90 for `warp_rows=32` (CUDA 13.0 when measured): vanilla at d = 64 (128 x 64
+    tiles, Q in registers) fits without spills, at d = 128 (state 192, Q re-read) with 8 B;
+    causal at d = 64 spills 16 B and relative_bias at d = 128, the heaviest score map, 832 B:
+    why warps of 32 rows are opt-in (not measured on a GPU yet). Bounds, so that growth shows."""
+    for name, head_dim, most in (
+        ("vanilla", 64, 0),
+        ("vanilla", 128, 16),
+        ("causal", 64, 32),
+        ("relative_bias", 128, 2048),
+    ):
+        stages = attncc.lower(ROOT / "examples" / f"{name}.attn", "sm90", warp_rows=32)
+        plan = fused_node(stages[-1].graph)[1].tiling.for_head_dim(head_dim)
+        report = compile_cuda(generate_cuda(stages[-1].graph, "bfloat16", plan, "sm90"), "sm90")
+        (forward,) = [k for k in report.kernels if k.name == "attention_forward"]
+        assert forward.spill_stores <= most, f"{name} d={head_dim}: {report.describe()}"
+    assert forward.spill_stores > 0  # relative_bias: the bound above is not vacuous
+
+
+def test_warp_rows_are_checked() -> None:
+    with pytest.raises(AttnccError, match="warp_rows: expected one of"):
+        attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm90", emulate=True, warp_rows=8)
+    with pytest.raises(AttnccError, match="GPU targets only"):
+        attncc.compile(ROOT / "examples" / "vanilla.attn", target="cpu", warp_rows=32)
+    with pytest.raises(AttnccError, match="Br must be a multiple of warp_rows=32"):
+        attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm90", emulate=True, tiles=(48, 64), warp_rows=32)
+
+
 #: Examples whose masks or layouts need long rows, with their constants shrunk in a copy so that
 #: an emulator-sized shape shows them (the example itself: the program text, the replacement),
 #: and the plain program each must differ from. (relative_bias's clamp at 128 is shown on the

@@ -16,7 +16,7 @@ import attncc
 from attncc.cli import main
 from attncc.ir.graph import fused_node
 from attncc.passes.roofline import MMA_FLOPS, Work, backward_work, blocks_per_sm, estimate, forward_work
-from attncc.passes.tiling import Q_IN_REGISTERS_MAX_HEAD_DIM
+from attncc.passes.tiling import q_in_registers
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.inputs import Shape, make_inputs
 from attncc.runtime.profile import KernelCounts, Site, forward_estimate, parse_counters, profile, scaled
@@ -271,23 +271,27 @@ def test_estimate_takes_the_largest_term() -> None:
 
 
 @pytest.mark.parametrize(
-    ("arch", "shape"),
+    ("arch", "shape", "warp_rows"),
     [
-        ("sm80", Shape(1, 2, 1, 256, 256, 64)),
-        ("sm90", Shape(2, 1, 1, 256, 192, 128)),
-        ("sm86", Shape(1, 1, 1, 128, 256, 32)),
+        ("sm80", Shape(1, 2, 1, 256, 256, 64), 16),
+        ("sm90", Shape(2, 1, 1, 256, 192, 128), 16),
+        ("sm86", Shape(1, 1, 1, 128, 256, 32), 16),
+        ("sm90", Shape(1, 1, 1, 256, 128, 128), 32),  # Q re-read per key tile
+        ("sm80", Shape(1, 2, 1, 128, 128, 64), 32),  # Q in registers
     ],
 )
-def test_the_tiling_pass_cost_model_counts_what_the_emulator_counts(arch: str, shape: Shape) -> None:
+def test_the_tiling_pass_cost_model_counts_what_the_emulator_counts(arch: str, shape: Shape, warp_rows: int) -> None:
     """passes/roofline.py `forward_work` (the tiling pass's model of the forward) against the
     emulator's counters of the generated kernel, at shapes whose N and M are multiples of the
-    plan's tiles (128 x 128, 128 x 64, 64 x 128): every modelled quantity exactly."""
-    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", arch, emulate=True)
+    plan's tiles (128 x 128, 128 x 64, 64 x 128), warps of 16 and 32 rows: every modelled
+    quantity exactly."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", arch, emulate=True, warp_rows=warp_rows)
     kern.kv_splits = 1  # the model is of the unsplit forward
     plan = fused_node(kern.graph)[1].tiling.for_head_dim(shape.D)
-    assert shape.N % plan.block_rows == 0 and shape.M % plan.block_cols == 0
+    assert shape.N % plan.block_rows == 0 and shape.M % plan.block_cols == 0 and plan.warp_rows == warp_rows
     measured = profile(kern, shape, torch.bfloat16, backward=False)["attention_forward"].work(arch)
-    model = forward_work(shape.D, plan.block_rows, plan.block_cols, shape, shape.D <= Q_IN_REGISTERS_MAX_HEAD_DIM)
+    in_registers = q_in_registers(shape.D, warp_rows)
+    model = forward_work(shape.D, plan.block_rows, plan.block_cols, shape, in_registers, warp_rows=warp_rows)
     assert measured == model
 
 

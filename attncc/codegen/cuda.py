@@ -11,7 +11,7 @@ from attncc.codegen.abi import kernel_abi
 from attncc.codegen.cpu import hook_values
 from attncc.errors import AttnccError
 from attncc.ir.graph import Graph, fused_node
-from attncc.passes.tiling import HEAD_DIM_STEP, Q_IN_REGISTERS_MAX_HEAD_DIM, TilePlan
+from attncc.passes.tiling import HEAD_DIM_STEP, TilePlan, q_in_registers
 from attncc.targets import GPUS
 
 #: torch dtype name -> the storage type in generated CUDA.
@@ -73,6 +73,7 @@ def generate_cuda(
         if head_dim > plan.head_dim or plan.block_cols % FP8_MMA_K:
             raise AttnccError(f"fp8 products need a head dim and key tiles in steps of {FP8_MMA_K}")
     backward = plan.backward if kv_format is None else None
+    row_blocks = 1 if fp8_mma else plan.warp_rows // 16  # (the fp8 products' warps take one row block)
     return render(
         "cuda/attention.cu.jinja",
         variant_name=g.graph["name"],
@@ -90,7 +91,8 @@ def generate_cuda(
         backward=backward,
         abi=kernel_abi(g, cuda=True),
         has_dropout=op.dropout > 0,
-        q_in_registers=head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
+        warp_row_blocks=row_blocks,
+        q_in_registers=q_in_registers(head_dim, 16 * row_blocks),
         kv_format=kv_format,
         fp8_mma=fp8_mma,
         rope_q=op.q_rope,

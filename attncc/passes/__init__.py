@@ -27,7 +27,9 @@ class Stage:
         return f"// after {self.name}\n{print_graph(self.graph)}"
 
 
-def run_pipeline(source: str, path: str, target: Target, tiles: tuple[int, int] | None = None) -> list[Stage]:
+def run_pipeline(
+    source: str, path: str, target: Target, tiles: tuple[int, int] | None = None, warp_rows: int = 16
+) -> list[Stage]:
     """parse -> build graph -> verify -> canonicalize -> fuse -> sparsity -> backward -> tile -> cost.
 
     Each pass is a pure function Graph -> Graph and the verifier runs after every one, so a
@@ -43,7 +45,7 @@ def run_pipeline(source: str, path: str, target: Target, tiles: tuple[int, int] 
     step("fuse_attention", fuse_attention)  # needs the canonical chain
     step("analyse_sparsity", analyse_sparsity)  # folds layouts into the mask predicate
     step("derive_backward", derive_backward)  # differentiates the final score expression
-    step("tile", lambda g: tile(g, target, tiles))  # Br, Bc per head dim from the target
+    step("tile", lambda g: tile(g, target, tiles, warp_rows))  # Br, Bc per head dim from the target
     step("cost", cost)  # IO model of the fused node and the unfused chain
     return stages
 

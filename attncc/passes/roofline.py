@@ -139,25 +139,33 @@ def gpu_dq_shared_bytes(br: int, bc: int, d: int) -> int:
 
 
 def forward_work(
-    head_dim: int, br: int, bc: int, problem: Problem, q_in_registers: bool, visible_tiles: int | None = None
+    head_dim: int,
+    br: int,
+    bc: int,
+    problem: Problem,
+    q_in_registers: bool,
+    visible_tiles: int | None = None,
+    warp_rows: int = 16,
 ) -> Work:
     """The forward kernel (templates/cuda/attention.cu.jinja `attention_forward`, unsplit) at
-    `problem` with Br x Bc tiles, 16 rows per warp, fp16/bf16 storage, from its loops:
+    `problem` with Br x Bc tiles, `warp_rows` rows (u = warp_rows / 16 row blocks) per warp,
+    fp16/bf16 storage, from its loops:
 
     per block: Q's cp.async copies (16 bytes each, `copy_wavefronts`) and, with Q in registers,
-    its D/16 ldmatrix per warp; per visible key tile and warp: (D/16)(Bc/16) ldmatrix each for K
-    and V (4 wavefronts: rows are padded to D + 8 halves) and D/16 more for Q when it is
-    reloaded, 4 (D/16)(Bc/16) mma, 2 + Bc/2 exp2 instructions, K and V's copies; per row: O
-    stored a column pair per lane (a sector per row and 8 columns), the lse. `visible_tiles` counts
-    the (b, h, query tile, key tile) pairs the sparsity analysis keeps (all by default). Exact
-    for N and M multiples of the tiles and D = head_dim; the tail tiles' zero-filled rows are
-    not modelled."""
+    its u D/16 ldmatrix per warp; per visible key tile and warp: (D/16)(Bc/16) ldmatrix each for
+    K and V (4 wavefronts: rows are padded to D + 8 halves) and u D/16 more for Q when it is
+    reloaded, 4 u (D/16)(Bc/16) mma, u (2 + Bc/2) exp2 instructions, K and V's copies; per row:
+    O stored a column pair per lane (a sector per row and 8 columns), the lse. `visible_tiles`
+    counts the (b, h, query tile, key tile) pairs the sparsity analysis keeps (all by default).
+    Exact for N and M multiples of the tiles and D = head_dim; the tail tiles' zero-filled rows
+    are not modelled."""
     d = head_dim
     query_tiles, key_tiles = -(-problem.N // br), -(-problem.M // bc)
     blocks = problem.B * problem.H * query_tiles
     visible = blocks * key_tiles if visible_tiles is None else visible_tiles
-    warps = br // 16
-    ldmatrix_per_tile = 2 * (d // 16) * (bc // 16) + (0 if q_in_registers else d // 16)
+    warps, row_blocks = br // warp_rows, warp_rows // 16
+    computing = visible * warps  # (warp, visible key tile) pairs
+    ldmatrix_per_tile = 2 * (d // 16) * (bc // 16) + (0 if q_in_registers else row_blocks * d // 16)
     chunks_per_tile = 2 * bc * d // 8  # K and V: 16-byte copies
     chunks_per_block = br * d // 8  # Q
     rows = problem.B * problem.H * problem.N
@@ -165,10 +173,10 @@ def forward_work(
         blocks=blocks,
         threads_per_block=warps * 32,
         shared_bytes=gpu_shared_bytes(br, bc, d, 2),  # two K/V stages (the template asserts it)
-        mma_flops=visible * warps * 4 * (d // 16) * (bc // 16) * MMA_FLOPS,
-        ex2=visible * warps * 32 * (2 + bc // 2),
-        shared_wavefronts=4 * visible * warps * ldmatrix_per_tile
-        + 4 * blocks * warps * (d // 16 if q_in_registers else 0)
+        mma_flops=computing * row_blocks * 4 * (d // 16) * (bc // 16) * MMA_FLOPS,
+        ex2=computing * row_blocks * 32 * (2 + bc // 2),
+        shared_wavefronts=4 * computing * ldmatrix_per_tile
+        + 4 * blocks * warps * (row_blocks * d // 16 if q_in_registers else 0)
         + 2 * visible * copy_wavefronts(bc, d)
         + blocks * copy_wavefronts(br, d),
         l2_sectors=(visible * chunks_per_tile + blocks * chunks_per_block) * 16 // SECTOR_BYTES

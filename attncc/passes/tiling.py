@@ -133,6 +133,9 @@ class TilePlan:
     bf16_block_rows: int = 0
     bf16_block_cols: int = 0
     bf16_streaming_block_rows: int = 0
+    #: GPU forward: query rows per warp, 16 (one mma row block) or 32 (two, each K and V
+    #: fragment read from shared memory feeding both: FlashAttention-2's layout).
+    warp_rows: int = 16
 
     def for_dtype(self, dtype: str) -> TilePlan:
         """The forward's tiles for inputs of `dtype` (a torch dtype name)."""
@@ -241,7 +244,10 @@ class TilingTable:
         if self.micro_kernel is not None:
             layout = f"{self.micro_kernel.describe()}, one task per (b, h, query tile)"
         else:
-            layout = f"{p.warps} warps ({p.threads} threads), {p.stages} K/V stage(s), ~{p.registers_per_thread} registers/thread"
+            layout = (
+                f"{p.warps} warps of {p.warp_rows} rows ({p.threads} threads), {p.stages} K/V stage(s), "
+                f"~{p.registers_per_thread} registers/thread"
+            )
         b = p.backward
         backward = (
             "no backward tiling fits"
@@ -264,21 +270,23 @@ def paper_blocks(onchip_elements: int, d: int) -> tuple[int, int]:
     return min(bc, d), bc
 
 
-def tile(g: Graph, target: Target, override: tuple[int, int] | None = None) -> Graph:
+def tile(g: Graph, target: Target, override: tuple[int, int] | None = None, warp_rows: int = 16) -> Graph:
     """Attach a `TilingTable` for `target` to the fused node.
 
     Guarantees: for every head dim, Br and Bc are positive multiples of the kernel's row and
     column granularity and the plan's on-chip bytes fit the target (`onchip_bytes`); on GPUs
     the register estimate is at most the per-thread limit. `override` = (Br, Bc) replaces the
-    choice (validated the same way).
+    choice (validated the same way). `warp_rows` (GPU targets): query rows per warp of the
+    forward, 16 or 32 (`TilePlan.warp_rows`), Br a multiple of it.
     """
+    if warp_rows not in GPU_WARP_ROWS or (target.kind == "cpu" and warp_rows != GPU_ROWS_PER_WARP):
+        raise AttnccError(f"warp_rows: expected one of {GPU_WARP_ROWS} (GPU targets only), got {warp_rows!r}")
     g = clone(g)
     node, op = fused_node(g)
-    planner = plan_cpu if target.kind == "cpu" else plan_gpu
 
     def plan_or_none(d: int) -> TilePlan | None:
         try:
-            return planner(target, d, override)
+            return plan_cpu(target, d, override) if target.kind == "cpu" else plan_gpu(target, d, override, warp_rows)
         except NoFit:
             return None
 
@@ -370,18 +378,29 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     return replace(plan, backward=plan)  # the CPU backward re-tiles nothing: same tasks, same tiles
 
 
-def gpu_fragment_registers(bc: int, d: int) -> int:
-    """Per-thread registers of the forward's fragments (each warp owns 16 rows whatever Br):
-    the S fragment (16 x Bc fp32 per warp), the O accumulator (16 x d fp32), the Q fragments
-    (16 x d halves)."""
-    return bc // 2 + d // 2 + d // 4
+def gpu_fragment_registers(bc: int, d: int, warp_rows: int = 16) -> int:
+    """Per-thread registers of the forward's fragments (each warp owns `warp_rows` rows whatever
+    Br): the S fragment (rows x Bc fp32 per warp), the O accumulator (rows x d fp32), the Q
+    fragments (rows x d halves) where they stay in registers (`q_in_registers`); for warps of
+    16 rows counted even where they are re-read per tile (the budget the 16-row plans and
+    GPU_MAX_FRAGMENT_REGISTERS were measured with)."""
+    blocks = warp_rows // 16
+    q_fragments = blocks * d // 4 if q_in_registers(d, warp_rows) or blocks == 1 else 0
+    return blocks * (bc // 2 + d // 2) + q_fragments
 
 
-def gpu_registers(bc: int, d: int) -> int:
+def q_in_registers(d: int, warp_rows: int = 16) -> bool:
+    """Whether the forward holds its warp's Q fragments in registers across key tiles (else
+    re-reads them from shared memory per tile): up to Q_IN_REGISTERS_MAX_HEAD_DIM columns of
+    16-row blocks (d = 64 for warps of 32 rows)."""
+    return d * (warp_rows // 16) <= Q_IN_REGISTERS_MAX_HEAD_DIM
+
+
+def gpu_registers(bc: int, d: int, warp_rows: int = 16) -> int:
     """Per-thread registers of the forward's live state: its fragments plus ~40 for addressing,
     statistics and loop state. The backward kernels' state is of the same order; ptxas's
     reports are checked by the tests."""
-    return gpu_fragment_registers(bc, d) + 40
+    return gpu_fragment_registers(bc, d, warp_rows) + 40
 
 
 GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
@@ -403,6 +422,12 @@ GPU_FORWARD_MAX_BC = 128
 # compiles at 255 registers without spills (alibi, relative_bias); above d = 128, where Q is
 # re-read per tile, d = 144, Bc = 96 spills 112 B on sm80 though its S and O state is 120.
 GPU_MAX_FRAGMENT_REGISTERS = 128
+# Warps of 32 rows (two row blocks; `warp_rows=32`, opt-in): S and O of Bc = 64, d = 128 (state
+# 192, Q re-read) is about the most ptxas fits on sm90: vanilla 255 registers, 8 B of spills,
+# masked programs 70-830 B (causal 144 B, relative_bias 832 B); at d = 64 vanilla none, causal
+# 16 B, alibi and relative_bias ~100 B.
+GPU_MAX_TWO_BLOCK_FRAGMENT_REGISTERS = 192
+GPU_WARP_ROWS = (16, 32)
 # Bc above 64 only up to d = 64: the mask and score map are unrolled over Bc / 2 scores per
 # thread, whose temporaries come on top of the state (d = 80, Bc = 128, state 124: alibi fp16
 # spills 16 B on sm80).
@@ -432,30 +457,38 @@ def cheapest(target: Target, problem: Problem, candidates: Iterable[tuple[TilePl
     return replace(plan, reason=why)
 
 
-def fastest_forward(target: Target, d: int, paper_br: int, paper_bc: int) -> TilePlan | None:
+def fastest_forward(target: Target, d: int, paper_br: int, paper_bc: int, warp_rows: int = 16) -> TilePlan | None:
     """The forward tiles with the smallest roofline estimate (passes/roofline.py `forward_work`)
-    at GPU_REFERENCE_PROBLEM among the candidates whose shared memory, register estimate and
-    fragment state fit; None if none does; None above d = 128 and for targets without rates in
-    GPU_RATES (plan_gpu's fallback)."""
+    at GPU_REFERENCE_PROBLEM among the candidates (warps of `warp_rows` rows) whose shared
+    memory, register estimate and fragment state fit; None if none does; None above d = 128
+    and for targets without rates in GPU_RATES (plan_gpu's fallback)."""
     if d > Q_IN_REGISTERS_MAX_HEAD_DIM:  # Q reloaded per tile: ptxas's needs outgrow the state (d=144, 128 x 96 spills)
         return None
     if target.name not in GPU_RATES:  # a target row without published rates: plan_gpu's fallback
         return None
     problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
     reason = f"of Br in {GPU_FORWARD_ROWS}, Bc in 16..{GPU_FORWARD_MAX_BC} fitting shared memory and registers"
+    if warp_rows != GPU_ROWS_PER_WARP:
+        reason += f", {warp_rows} rows per warp"
+    # (for two row blocks the state bound is the binding one: 192 + 40 leaves no 32 to spare)
+    max_state, margin = (
+        (GPU_MAX_FRAGMENT_REGISTERS, 32)
+        if warp_rows == GPU_ROWS_PER_WARP
+        else (GPU_MAX_TWO_BLOCK_FRAGMENT_REGISTERS, 0)
+    )
 
     def candidates() -> Iterator[tuple[TilePlan, Work]]:
         for br in GPU_FORWARD_ROWS:
             for bc in range(16, GPU_FORWARD_MAX_BC + 1, 16):
-                shared, registers = gpu_shared_bytes(br, bc, d, GPU_STAGES), gpu_registers(bc, d)
+                shared, registers = gpu_shared_bytes(br, bc, d, GPU_STAGES), gpu_registers(bc, d, warp_rows)
                 too_many = (
-                    registers > target.max_registers_per_thread - 32
-                    or gpu_fragment_registers(bc, d) > GPU_MAX_FRAGMENT_REGISTERS
+                    registers > target.max_registers_per_thread - margin
+                    or gpu_fragment_registers(bc, d, warp_rows) > max_state
                     or (bc > 64 and d > GPU_WIDE_BC_MAX_HEAD_DIM)
                 )
                 if shared > target.onchip_bytes or too_many:
                     continue
-                warps = br // GPU_ROWS_PER_WARP
+                warps = br // warp_rows
                 plan = TilePlan(
                     d,
                     br,
@@ -468,8 +501,9 @@ def fastest_forward(target: Target, d: int, paper_br: int, paper_bc: int) -> Til
                     shared,
                     registers,
                     reason,
+                    warp_rows=warp_rows,
                 )
-                yield plan, forward_work(d, br, bc, problem, d <= Q_IN_REGISTERS_MAX_HEAD_DIM)
+                yield plan, forward_work(d, br, bc, problem, q_in_registers(d, warp_rows), warp_rows=warp_rows)
 
     return cheapest(target, problem, candidates())
 
@@ -531,7 +565,7 @@ def fastest_backward(target: Target, d: int, paper_br: int, paper_bc: int) -> Ti
     return cheapest(target, problem, candidates())
 
 
-def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
+def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None, warp_rows: int = 16) -> TilePlan:
     """Forward: the candidate (Br, Bc) with the smallest roofline estimate (`fastest_forward`);
     where none fits the registers (d = 256), or with `override`, Br = 16 x 4 warps and Bc from
     the paper's formula capped so the per-thread state fits the register file without spills;
@@ -540,7 +574,8 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     from the paper capped at 64 and by registers, one Q/dO buffer, cut separately until its
     larger working set (Q, dO, K, V, dS and fp32 dK, dV) fits, so a small shared memory shrinks
     the backward's tiles without shrinking the forward's; where even 16 x 16 does not fit, the
-    fewest dV columns held in registers that make it fit."""
+    fewest dV columns held in registers that make it fit. `warp_rows`: the forward's rows per
+    warp (16 or 32; Br a multiple of it)."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
     if override is not None:
@@ -550,6 +585,8 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             raise AttnccError(
                 f"GPU tiles need Br and Bc in 16, 32, 48 or 64 (multiples of 16 up to {GPU_MAX_TILE}), got {override}"
             )
+        if br % warp_rows:
+            raise AttnccError(f"GPU tiles {override}: Br must be a multiple of warp_rows={warp_rows}")
     else:
         br = GPU_ROWS_PER_WARP * 4
         bc = max(16, min(paper_bc // 16 * 16, GPU_MAX_TILE))
@@ -581,12 +618,16 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             d, rows, cols, paper_br, paper_bc, n * target.warp_size, n, stages, shared(rows, cols), regs, why
         )
 
-    forward = fastest_forward(target, d, paper_br, paper_bc) if override is None else None
+    forward = fastest_forward(target, d, paper_br, paper_bc, warp_rows) if override is None else None
+    # (the fallback above d = 128 keeps warps of 16 rows: two row blocks' state would not fit)
+    fallback_warp_rows = warp_rows if override is not None else GPU_ROWS_PER_WARP
     forward = forward or fit(
         "forward",
         lambda rows, cols: gpu_shared_bytes(rows, cols, d, GPU_STAGES),
-        lambda rows, cols: rows // GPU_ROWS_PER_WARP,  # a warp per 16 query rows
+        lambda rows, cols: rows // fallback_warp_rows,  # a warp per warp_rows query rows
     )
+    if forward is not None and override is not None:
+        forward = replace(forward, warp_rows=warp_rows)
     if forward is None:
         raise NoFit(f"tiles {br}x{bc} at d={d} do not fit target {target.name}")
 

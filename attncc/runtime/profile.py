@@ -19,7 +19,7 @@ import torch
 
 from attncc.errors import AttnccError, BuildError
 from attncc.passes.roofline import MMA_FLOPS, SECTOR_BYTES, Estimate, Work, estimate, forward_work
-from attncc.passes.tiling import Q_IN_REGISTERS_MAX_HEAD_DIM
+from attncc.passes.tiling import q_in_registers
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import Shape, make_inputs
 from attncc.targets import GPU_RATES
@@ -206,6 +206,12 @@ def forward_estimate(
     visible = int((classes != 0).sum()) * (p.B // classes.shape[0]) * (p.H // classes.shape[1])
     tiles = plan.tiles
     work = forward_work(
-        tiles.head_dim, tiles.block_rows, tiles.block_cols, p, tiles.head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM, visible
+        tiles.head_dim,
+        tiles.block_rows,
+        tiles.block_cols,
+        p,
+        q_in_registers(tiles.head_dim, tiles.warp_rows),
+        visible,
+        tiles.warp_rows,
     )
     return estimate(work, kern.target, registers, kern.name)
