@@ -676,3 +676,56 @@ def test_vanilla_and_causal_references_differ_here() -> None:
     a = per_sequence_reference(vanilla(), *(t.detach().double() for t in (q, k, v)), {}, lens_q, lens_k)[0]
     b = per_sequence_reference(causal(), *(t.detach().double() for t in (q, k, v)), {}, lens_q, lens_k)[0]
     assert _error(a, b) > 100 * FWD_TOL
+
+
+def test_repeated_device_forwards_reuse_their_packed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding calls the same shapes once per layer: an emulated (as a GPU) forward keeps its
+    packed launch (`ForwardLaunch`), and a call repeating its sizes, strides, dtypes, scale and
+    plan only swaps the operands' addresses: padded GQA decoding (query heads folded, split-KV)
+    and a planned paged call give, for new values, the bits of a kernel that plans afresh, with
+    no plan, preparation or packing; another scale or shape is planned and packed again."""
+    from attncc.runtime.emulate import EmulatedKernel, ForwardLaunch
+
+    gen = torch.Generator().manual_seed(5)
+
+    def fresh() -> attncc.Kernel:
+        return attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
+
+    kern = fresh()
+    ours = (kern, kern.with_folded_query_heads())
+    packed: list[object] = []  # packings by `kern` (or its folded variant)
+    pack = EmulatedKernel.pack
+
+    def counting(self: EmulatedKernel, *args: object, **kwargs: object) -> tuple:
+        if any(self is k for k in ours):
+            packed.append(self)
+        return pack(self, *args, **kwargs)
+
+    monkeypatch.setattr(EmulatedKernel, "pack", counting)
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    # padded decoding, 8 query heads over 2 kv heads: folded, and split (few blocks for 108 SMs)
+    calls = [(bf16(2, 8, 1, 32), bf16(2, 2, 300, 32), bf16(2, 2, 300, 32)) for _ in range(3)]
+    kern(*calls[0])
+    launches = [launch for launch in kern._repeats.values() if isinstance(launch, ForwardLaunch)]
+    assert len(launches) == 1 and launches[0].partial_shapes is not None  # split-KV's partials
+    assert launches[0].kernel is not kern  # the folded variant's
+    first = len(packed)
+    for q, k, v in calls[1:]:
+        assert torch.equal(kern(q, k, v), fresh()(q, k, v))
+    assert len(packed) == first  # `kern` launched its first call's packing
+    kern(*calls[1], scale=0.5)
+    assert len(packed) > first  # another scale: planned and packed again
+    # a planned paged call: the plan's memo holds the launch (two layers of one decoding step)
+    B, Hkv, D, page_size, held = 2, 2, 32, 16, [40, 7]
+    table = torch.randperm(8, generator=gen).view(B, 4).int()
+    layers = [(bf16(B, 1, 8, D), bf16(8, page_size, Hkv, D), bf16(8, page_size, Hkv, D)) for _ in range(2)]
+    plan = attncc.plan_paged(layers[0][1], table, torch.tensor(held))
+    want = [fresh().paged(q, k_cache, v_cache, table, torch.tensor(held)) for q, k_cache, v_cache in layers]
+    got = [kern.paged(*layers[0], plan=plan)]
+    before = len(packed)
+    got += [kern.paged(*layers[1][:3], plan=plan)]
+    assert len(packed) == before  # the second layer launched the first's packing
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -12,7 +12,7 @@ import ctypes
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,15 @@ from attncc.passes.positions import FOLD_GROUP, FOLD_ROWS
 from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
-from attncc.runtime.kernel import CallPlan, Kernel, PackedSequences, PagedKeys, acc_dtype, delta_rows
+from attncc.runtime.kernel import (
+    PREPARED_CALLS_KEPT,
+    CallPlan,
+    Kernel,
+    PackedSequences,
+    PagedKeys,
+    acc_dtype,
+    delta_rows,
+)
 from attncc.runtime.merge import merge_states
 from attncc.targets import GPUS
 
@@ -89,6 +97,46 @@ def library_dims(head_dim: int, value_dim: int | None) -> tuple[int, int, bool]:
     they are equal (codegen/cuda.py generate_cuda); value_dim None: head_dim."""
     value_dim = head_dim if value_dim is None else value_dim
     return rounded_head_dim(head_dim), rounded_head_dim(value_dim), head_dim == value_dim
+
+
+#: The forward's operands whose addresses change from call to call (`ForwardLaunch`).
+CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial")
+
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """A forward's packed launch, kept for calls that repeat its operands' sizes, strides and
+    dtypes, its scale, scalars, split count and (paged calls) plan (`EmulatedKernel.launch_key`):
+    such a call allocates out and lse (and the splits' partials), puts their addresses and the
+    operands' into a copy of `pointers` and launches; the plan, the prepared call's lookups,
+    the checks that passed and the packing are not redone. Decoding pays the host time of
+    attention once per layer and token: see bench/bench_host.py."""
+
+    kernel: EmulatedKernel  # the kernel (or its folded variant) that launched it
+    library: ctypes.CDLL
+    entry: ctypes._CFuncPtr  # attncc_emulated_forward, or attncc_forward on a GPU
+    pointers: list[int | None]
+    operand_slots: dict[str, int]  # where each of CALL_OPERANDS the call has goes in `pointers`
+    ints: ctypes.Array
+    reals: ctypes.Array
+    out_shape: tuple[int, ...]  # out and lse as forward_impl returns them
+    lse_shape: tuple[int, ...]
+    partial_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None  # o_partial, lse_partial
+    kept: tuple  # the prepared call and paged keys whose tensors `pointers` points into
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+        if self.partial_shapes is not None:
+            operands["o_partial"] = torch.empty(self.partial_shapes[0], device=q.device)
+            operands["lse_partial"] = torch.empty(self.partial_shapes[1], device=q.device)
+        pointers = self.pointers.copy()
+        for name, operand in operands.items():
+            pointers[self.operand_slots[name]] = operand.data_ptr()
+        args = ((ctypes.c_void_p * len(pointers))(*pointers), self.ints, self.reals)
+        self.kernel._launch(self.library, self.entry, args)
+        return out, lse
 
 
 class EmulatedKernel(Kernel):
@@ -205,6 +253,11 @@ class EmulatedKernel(Kernel):
         packed: PackedSequences | None = None,
         descale: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        launch_key = self.launch_key(q, k, v, tensors, scale, dropout, paged, sink, packed, descale)
+        launches = self._repeats if paged is None else paged.prepared
+        launch = launches.get(launch_key) if launch_key is not None and launches is not None else None
+        if launch is not None:
+            return launch(q, k, v)
         storage = self.storage_dtype(q.dtype)
         qs = rows_of(q, storage, "q")
         if is_fp8(k):  # fp8 bytes as stored, widened by the kernel (runtime/fp8.py)
@@ -258,6 +311,20 @@ class EmulatedKernel(Kernel):
             if kern.takes_fp8_products(k, (descale or {}).get("v_descale"), token_dims, plan):
                 dtype += FP8_MMA_SUFFIX
             kern._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
+            if launch_key is not None and launches is not None:
+                pointers, ints, reals = kern.pack(plan, call, ptrs, dropout, seed, strides)
+                library = kern.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
+                names = kern._slot_names.pointers
+                partials = (ptrs["o_partial"].shape, ptrs["lse_partial"].shape) if plan.kv_splits > 1 else None
+                launch = ForwardLaunch(
+                    kern, library, kern._entry(library, "attncc_emulated_forward"), list(pointers),
+                    {name: names.index(name) for name in CALL_OPERANDS if name in ptrs}, ints, reals,
+                    tuple(rows_out.shape), tuple(lse.shape), partials, (call, paged),
+                )  # fmt: skip
+                with self._lock:
+                    if paged is None and len(launches) >= PREPARED_CALLS_KEPT:
+                        launches.pop(next(iter(launches)))  # the oldest key
+                    launches[launch_key] = launch
         if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
             with torch.no_grad():
                 sink_lse = sink.to(lse.dtype).expand(lse.shape)
@@ -280,6 +347,38 @@ class EmulatedKernel(Kernel):
         if rounded_head_dim(k.shape[-1]) % FP8_MMA_K:
             return False
         return all(v_descale.stride(d) == 0 or v_descale.shape[d] == 1 for d in token_dims)
+
+    def launch_key(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tensors: list[torch.Tensor],
+        scale: float | None,
+        dropout: float,
+        paged: PagedKeys | None,
+        sink: torch.Tensor | None,
+        packed: PackedSequences | None,
+        descale: Mapping[str, torch.Tensor] | None,
+    ) -> tuple | None:
+        """What decides a forward's packed launch (`ForwardLaunch`) besides the operands'
+        addresses: their sizes, strides, dtypes and device, the scale, the split count asked
+        for and, for a paged call, the plan (whose memo then holds the launch, so it lives as
+        long as the plan's table). None where a call cannot repeat one: runtime tensors (their
+        values decide tile classes, their addresses change), dropout (a seed per call), sinks,
+        rope, fp8 K/V and packed batches (buffers made per call), a paged call without a plan
+        (`attncc.plan_paged`), and operands the kernel would convert first."""
+        if tensors or dropout > 0 or sink is not None or packed is not None or descale:
+            return None
+        if self.op.q_rope is not None or self.op.k_rope is not None or (paged is not None and paged.prepared is None):
+            return None
+        storage = self.storage_dtype(q.dtype)
+        if any(t.dtype != storage or t.stride(-1) != 1 for t in (q, k, v)):
+            return None
+        return (
+            "forward", self.call_key, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+            q.device, scale, self.kv_splits,
+        )  # fmt: skip
 
     def query_head_group(
         self, q: torch.Tensor, kv_heads: int, value_dim: int, dropout: float, packed: PackedSequences | None
@@ -387,12 +486,20 @@ class EmulatedKernel(Kernel):
 
     def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra, strides=None) -> None:  # noqa: ANN001, ANN002
         lib = self.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
+        self._launch(lib, self._entry(lib, entry), (*self.pack(plan, call, ptrs, dropout, seed, strides), *extra))
+
+    def _entry(self, lib: ctypes.CDLL, entry: str) -> ctypes._CFuncPtr:
+        """The library's entry point `entry` (its emulated name) returning a status."""
         fn = getattr(lib, entry)
         fn.restype = ctypes.c_int
+        return fn
+
+    def _launch(self, lib: ctypes.CDLL, fn: ctypes._CFuncPtr, args: tuple) -> None:
+        """Runs entry point `fn` with `args` and the emulator's schedule; a clear error where it fails."""
         with _LOCK:  # the emulator's schedule is process-wide
-            status = fn(*self.pack(plan, call, ptrs, dropout, seed, strides), *extra, SCHEDULES[self.schedule])
+            status = fn(*args, SCHEDULES[self.schedule])
         if status == 3:
             lib.attncc_emulator_error.restype = ctypes.c_char_p
             raise EmulationFailure(f"{self.name} on the CUDA emulator: {lib.attncc_emulator_error().decode()}")
         if status != 0:
-            raise RuntimeError(f"emulated {entry} of {self.name} returned {status}")
+            raise RuntimeError(f"emulated {fn.__name__} of {self.name} returned {status}")

@@ -88,14 +88,14 @@ class GpuKernel(EmulatedKernel):
         call["tensors"] = {k: v.to(device) for k, v in call["tensors"].items()}
         return call
 
-    def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra, strides=None) -> None:  # noqa: ANN001, ANN002
-        lib = self.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
-        fn = getattr(lib, entry.replace("attncc_emulated_", "attncc_"))
-        fn.restype = ctypes.c_int
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        status = fn(*self.pack(plan, call, ptrs, dropout, seed, strides), *extra, stream)
+    def _entry(self, lib: ctypes.CDLL, entry: str) -> ctypes._CFuncPtr:
+        return super()._entry(lib, entry.replace("attncc_emulated_", "attncc_"))
+
+    def _launch(self, lib: ctypes.CDLL, fn: ctypes._CFuncPtr, args: tuple) -> None:
+        """Launches entry point `fn` with `args` on torch's current stream."""
+        status = fn(*args, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
         if status == LAUNCH_FAILED:
             lib.attncc_cuda_error.restype = ctypes.c_char_p
             raise RuntimeError(f"{self.name}: {lib.attncc_cuda_error().decode()}")
         if status != 0:
-            raise RuntimeError(f"{entry} of {self.name} returned {status}")
+            raise RuntimeError(f"{fn.__name__} of {self.name} returned {status}")

@@ -120,8 +120,15 @@ def _longest(name: str, given: int | None, lengths: list[int]) -> int:
     return given
 
 
+#: `Kernel.key`s of the programs `check_batch_free` passed (a property of the program: checked
+#: once, not per decoding call)
+_BATCH_FREE_PROGRAMS: set[str] = set()
+
+
 def check_batch_free(kern: Kernel) -> None:
     """Refuse programs whose result depends on b or B other than through `B` axes of inputs."""
+    if kern.key in _BATCH_FREE_PROGRAMS:
+        return
     dims = {d.name: d.dims for d in kern.inputs if d.role == "tensor"}
 
     def uses_batch(e: ex.Expr) -> bool:
@@ -142,6 +149,7 @@ def check_batch_free(kern: Kernel) -> None:
             f"{kern.name}: paged calls may run each sequence as a batch of one, and this program "
             "uses `b` other than as the index of a `B` axis (or the size `B`); index a [B]-shaped input instead"
         )
+    _BATCH_FREE_PROGRAMS.add(kern.key)
 
 
 def _check_operands(q: torch.Tensor, kv: tuple[tuple[str, torch.Tensor], ...], runtime: Mapping[str, object]) -> None:
@@ -516,10 +524,6 @@ def paged_forward(
         )
         k_cache[pages, slots] = k_new
         v_cache[pages, slots] = v_new
-    out = q.new_zeros((B, H, N, v_cache.shape[3]))
-    lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
-    if sink is not None:
-        lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
     if kern.reads_pages(q, page_size, v_cache.shape[3]) and max(totals, default=0) > 0:
         # one launch reads every sequence's keys through the block table, each sequence to its
         # own key count (k_starts), the call's M the longest
@@ -528,6 +532,10 @@ def paged_forward(
             q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink, descale=descale,
             paged=paged,
         )  # fmt: skip
+    out = q.new_zeros((B, H, N, v_cache.shape[3]))
+    lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
+    if sink is not None:
+        lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
     used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
     calls: list[tuple[Segment, list[int]]] = []
     for seg in grouped([Segment(b, N, total) for b, total in enumerate(totals)]):
