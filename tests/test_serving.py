@@ -729,3 +729,22 @@ def test_repeated_device_forwards_reuse_their_packed_launch(monkeypatch: pytest.
     got += [kern.paged(*layers[1][:3], plan=plan)]
     assert len(packed) == before  # the second layer launched the first's packing
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_kept_launch_is_not_taken_for_other_scalar_inputs() -> None:
+    """A scalar input reaches the kernel and decides tile classes: the same shapes with another
+    window are planned and packed again, each call as a fresh kernel gives it."""
+    text = (
+        "attention window\ninput window: int\ns = q @ k.T * scale\n"
+        "mask j <= i + (M - N) and j > i + (M - N) - window\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    kern = attncc.compile(text, target="sm80", emulate=True)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (
+        torch.randn(1, 2, 3, 32, generator=gen).bfloat16(),
+        *(torch.randn(1, 2, 200, 32, generator=gen).bfloat16() for _ in range(2)),
+    )
+    for window in (5, 150, 5):
+        assert torch.equal(
+            kern(q, k, v, window=window), attncc.compile(text, target="sm80", emulate=True)(q, k, v, window=window)
+        )

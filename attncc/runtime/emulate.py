@@ -253,7 +253,7 @@ class EmulatedKernel(Kernel):
         packed: PackedSequences | None = None,
         descale: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        launch_key = self.launch_key(q, k, v, tensors, scale, dropout, paged, sink, packed, descale)
+        launch_key = self.launch_key(q, k, v, tensors, scalars, scale, dropout, paged, sink, packed, descale)
         launches = self._repeats if paged is None else paged.prepared
         launch = launches.get(launch_key) if launch_key is not None and launches is not None else None
         if launch is not None:
@@ -354,6 +354,7 @@ class EmulatedKernel(Kernel):
         k: torch.Tensor,
         v: torch.Tensor,
         tensors: list[torch.Tensor],
+        scalars: list[float],
         scale: float | None,
         dropout: float,
         paged: PagedKeys | None,
@@ -362,8 +363,9 @@ class EmulatedKernel(Kernel):
         descale: Mapping[str, torch.Tensor] | None,
     ) -> tuple | None:
         """What decides a forward's packed launch (`ForwardLaunch`) besides the operands'
-        addresses: their sizes, strides, dtypes and device, the scale, the split count asked
-        for and, for a paged call, the plan (whose memo then holds the launch, so it lives as
+        addresses: their sizes, strides, dtypes and device, the scale, the scalar inputs' values
+        (they reach the kernel and may decide tile classes), the split count asked for and, for
+        a paged call, the plan (whose memo then holds the launch, so it lives as
         long as the plan's table). None where a call cannot repeat one: runtime tensors (their
         values decide tile classes, their addresses change), dropout (a seed per call), sinks,
         rope, fp8 K/V and packed batches (buffers made per call), a paged call without a plan
@@ -377,7 +379,7 @@ class EmulatedKernel(Kernel):
             return None
         return (
             "forward", self.call_key, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-            q.device, scale, self.kv_splits,
+            q.device, scale, tuple(scalars), self.kv_splits,
         )  # fmt: skip
 
     def query_head_group(
