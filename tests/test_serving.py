@@ -683,7 +683,8 @@ def test_repeated_device_forwards_reuse_their_packed_launch(monkeypatch: pytest.
     packed launch (`ForwardLaunch`), and a call repeating its sizes, strides, dtypes, scale and
     plan only swaps the operands' addresses: padded GQA decoding (query heads folded, split-KV)
     and a planned paged call give, for new values, the bits of a kernel that plans afresh, with
-    no plan, preparation or packing; another scale or shape is planned and packed again."""
+    no plan, preparation or packing (padded calls: no checks either); another scale or shape is
+    planned and packed again."""
     from attncc.runtime.emulate import EmulatedKernel, ForwardLaunch
 
     gen = torch.Generator().manual_seed(5)
@@ -709,13 +710,21 @@ def test_repeated_device_forwards_reuse_their_packed_launch(monkeypatch: pytest.
     # padded decoding, 8 query heads over 2 kv heads: folded, and split (few blocks for 108 SMs)
     calls = [(bf16(2, 8, 1, 32), bf16(2, 2, 300, 32), bf16(2, 2, 300, 32)) for _ in range(3)]
     kern(*calls[0])
-    launches = [launch for launch in kern._repeats.values() if isinstance(launch, ForwardLaunch)]
+    launches = list({id(x): x for x in kern._repeats.values() if isinstance(x, ForwardLaunch)}.values())
     assert len(launches) == 1 and launches[0].partial_shapes is not None  # split-KV's partials
     assert launches[0].kernel is not kern  # the folded variant's
     first = len(packed)
+    validated: list[object] = []
+    validate = EmulatedKernel.validate
+    monkeypatch.setattr(
+        EmulatedKernel,
+        "validate",
+        lambda self, *a, **kw: (self is kern and validated.append(self), validate(self, *a, **kw)),
+    )
     for q, k, v in calls[1:]:
         assert torch.equal(kern(q, k, v), fresh()(q, k, v))
     assert len(packed) == first  # `kern` launched its first call's packing
+    assert not validated  # ... under the call's key: the checks the first call passed are not redone
     kern(*calls[1], scale=0.5)
     assert len(packed) > first  # another scale: planned and packed again
     # a planned paged call: the plan's memo holds the launch (two layers of one decoding step)

@@ -135,7 +135,7 @@ class ForwardLaunch:
         for name, operand in operands.items():
             pointers[self.operand_slots[name]] = operand.data_ptr()
         args = ((ctypes.c_void_p * len(pointers))(*pointers), self.ints, self.reals)
-        self.kernel._launch(self.library, self.entry, args)
+        self.kernel._launch(self.library, self.entry, args, q.device)
         return out, lse
 
 
@@ -348,6 +348,30 @@ class EmulatedKernel(Kernel):
             return False
         return all(v_descale.stride(d) == 0 or v_descale.shape[d] == 1 for d in token_dims)
 
+    def _keeps_launches(self) -> bool:
+        return True  # those forward_impl keeps (`launch_key`): `_remember_repeat` finds them
+
+    def _remember_repeat(
+        self,
+        key: tuple,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        scalars: list[float],
+        scale: float | None,
+    ) -> None:
+        """The launch forward_impl kept for this checked call (if it kept one), also under the
+        call's `_repeat_key`: a call repeating it skips the checks too, not only the plan and
+        packing."""
+        launch = self._repeats.get(self.launch_key(q, k, v, [], scalars, scale, 0.0, None, None, None, None))
+        if launch is not None:
+            with self._lock:
+                if len(self._repeats) >= PREPARED_CALLS_KEPT:
+                    self._repeats.pop(next(iter(self._repeats)))  # the oldest key
+                self._repeats[key] = launch
+
     def launch_key(
         self,
         q: torch.Tensor,
@@ -496,8 +520,9 @@ class EmulatedKernel(Kernel):
         fn.restype = ctypes.c_int
         return fn
 
-    def _launch(self, lib: ctypes.CDLL, fn: ctypes._CFuncPtr, args: tuple) -> None:
-        """Runs entry point `fn` with `args` and the emulator's schedule; a clear error where it fails."""
+    def _launch(self, lib: ctypes.CDLL, fn: ctypes._CFuncPtr, args: tuple, device: torch.device | None = None) -> None:
+        """Runs entry point `fn` with `args` and the emulator's schedule (`device`: the operands',
+        which a GPU launch is made on); a clear error where it fails."""
         with _LOCK:  # the emulator's schedule is process-wide
             status = fn(*args, SCHEDULES[self.schedule])
         if status == 3:

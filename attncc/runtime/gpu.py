@@ -7,6 +7,7 @@ bench/results/cuda-h100-session19.md); elsewhere nvcc/ptxas and the emulator ver
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from pathlib import Path
 
@@ -91,9 +92,11 @@ class GpuKernel(EmulatedKernel):
     def _entry(self, lib: ctypes.CDLL, entry: str) -> ctypes._CFuncPtr:
         return super()._entry(lib, entry.replace("attncc_emulated_", "attncc_"))
 
-    def _launch(self, lib: ctypes.CDLL, fn: ctypes._CFuncPtr, args: tuple) -> None:
-        """Launches entry point `fn` with `args` on torch's current stream."""
-        status = fn(*args, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    def _launch(self, lib: ctypes.CDLL, fn: ctypes._CFuncPtr, args: tuple, device: torch.device | None = None) -> None:
+        """Launches entry point `fn` with `args` on torch's current stream of `device` (default:
+        the current device; forward_impl has made q's current)."""
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            status = fn(*args, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
         if status == LAUNCH_FAILED:
             lib.attncc_cuda_error.restype = ctypes.c_char_p
             raise RuntimeError(f"{self.name}: {lib.attncc_cuda_error().decode()}")

@@ -442,12 +442,12 @@ class Kernel:
     ) -> tuple | None:
         """What decides a plain call's packed launch and the outcome of its checks: the
         operands' sizes, strides, dtypes and devices, the scale, the scalar inputs' values and
-        torch's thread count. None where a call cannot repeat a packed launch: another forward
-        implementation (emulated, CUDA), sinks and runtime tensors (their values and addresses change),
+        torch's thread count. None where a call cannot repeat a packed launch: a forward
+        implementation that keeps none (`_keeps_launches`), sinks and runtime tensors (their values and addresses change),
         dropout (a fresh seed per call), and calls that the op must see or that are not plain
         tensors (`_plain_call`, torch.func transforms, forward-mode AD)."""
         if (
-            type(self).forward_impl is not Kernel.forward_impl
+            not self._keeps_launches()
             or self.op.sink is not None
             or self.op.q_rope is not None
             or self.op.k_rope is not None
@@ -464,6 +464,11 @@ class Kernel:
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, k.device, v.device, scale, tuple(runtime.items()), torch.get_num_threads(),
         )  # fmt: skip
+
+    def _keeps_launches(self) -> bool:
+        """Whether `_remember_repeat` can keep this kernel's forward launches: the CPU forward's
+        (a subclass replacing forward_impl keeps none unless it says so)."""
+        return type(self).forward_impl is Kernel.forward_impl
 
     def _remember_repeat(
         self,
