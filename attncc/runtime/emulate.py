@@ -25,7 +25,6 @@ from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
 from attncc.runtime.kernel import (
-    PREPARED_CALLS_KEPT,
     CallPlan,
     Kernel,
     PackedSequences,
@@ -311,7 +310,7 @@ class EmulatedKernel(Kernel):
             if kern.takes_fp8_products(k, (descale or {}).get("v_descale"), token_dims, plan):
                 dtype += FP8_MMA_SUFFIX
             kern._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
-            if launch_key is not None and launches is not None:
+            if launch_key is not None and launches is not None:  # (packed again: once per key)
                 pointers, ints, reals = kern.pack(plan, call, ptrs, dropout, seed, strides)
                 library = kern.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
                 names = kern._slot_names.pointers
@@ -321,10 +320,11 @@ class EmulatedKernel(Kernel):
                     {name: names.index(name) for name in CALL_OPERANDS if name in ptrs}, ints, reals,
                     tuple(rows_out.shape), tuple(lse.shape), partials, (call, paged),
                 )  # fmt: skip
-                with self._lock:
-                    if paged is None and len(launches) >= PREPARED_CALLS_KEPT:
-                        launches.pop(next(iter(launches)))  # the oldest key
-                    launches[launch_key] = launch
+                if paged is None:
+                    self._keep_repeat(launch_key, launch)
+                else:  # the plan's memo: as long-lived as the plan
+                    with self._lock:
+                        launches[launch_key] = launch
         if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
             with torch.no_grad():
                 sink_lse = sink.to(lse.dtype).expand(lse.shape)
@@ -367,10 +367,7 @@ class EmulatedKernel(Kernel):
         packing."""
         launch = self._repeats.get(self.launch_key(q, k, v, [], scalars, scale, 0.0, None, None, None, None))
         if launch is not None:
-            with self._lock:
-                if len(self._repeats) >= PREPARED_CALLS_KEPT:
-                    self._repeats.pop(next(iter(self._repeats)))  # the oldest key
-                self._repeats[key] = launch
+            self._keep_repeat(key, launch)
 
     def launch_key(
         self,

@@ -17,7 +17,7 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -499,10 +499,14 @@ class Kernel:
             kept=call,
             kernel=self.name,
         )
+        self._keep_repeat(key, repeat)
+
+    def _keep_repeat(self, key: tuple, launch: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """`launch` under `key` among the kept launches, the oldest dropped beyond PREPARED_CALLS_KEPT."""
         with self._lock:
             if len(self._repeats) >= PREPARED_CALLS_KEPT:
                 self._repeats.pop(next(iter(self._repeats)))  # the oldest key
-            self._repeats[key] = repeat
+            self._repeats[key] = launch
 
     def varlen(
         self,
