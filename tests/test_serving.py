@@ -223,16 +223,15 @@ def emulated(name: str) -> attncc.Kernel:
 
 
 def count_launches(monkeypatch: pytest.MonkeyPatch, kern: attncc.Kernel) -> list[str]:
-    """The entry points `kern` calls from now on (CPU `_launch`, emulated CUDA `_run`), in order."""
+    """The entry points `kern` calls from now on (`_run`), in order."""
     launches: list[str] = []
-    method = "_run" if kern.cuda_abi else "_launch"
-    launch = getattr(type(kern), method)
+    run = type(kern)._run
 
-    def counted(self: attncc.Kernel, *args: object, **kwargs: object) -> None:
-        launches.append(str(args[1] if method == "_launch" else args[0]))
-        return launch(self, *args, **kwargs)
+    def counted(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
+        launches.append(entry)
+        return run(self, entry, *args, **kwargs)
 
-    monkeypatch.setattr(type(kern), method, counted)
+    monkeypatch.setattr(type(kern), "_run", counted)
     return launches
 
 
@@ -680,12 +679,13 @@ def test_vanilla_and_causal_references_differ_here() -> None:
 
 def test_repeated_device_forwards_reuse_their_packed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decoding calls the same shapes once per layer: an emulated (as a GPU) forward keeps its
-    packed launch (`ForwardLaunch`), and a call repeating its sizes, strides, dtypes, scale and
+    packed launch (`KeptLaunch`), and a call repeating its sizes, strides, dtypes, scale and
     plan only swaps the operands' addresses: padded GQA decoding (query heads folded, split-KV)
     and a planned paged call give, for new values, the bits of a kernel that plans afresh, with
     no plan, preparation or packing (padded calls: no checks either); another scale or shape is
     planned and packed again."""
-    from attncc.runtime.emulate import EmulatedKernel, ForwardLaunch
+    from attncc.runtime.emulate import EmulatedKernel
+    from attncc.runtime.kernel import KeptLaunch
 
     gen = torch.Generator().manual_seed(5)
 
@@ -710,7 +710,7 @@ def test_repeated_device_forwards_reuse_their_packed_launch(monkeypatch: pytest.
     # padded decoding, 8 query heads over 2 kv heads: folded, and split (few blocks for 108 SMs)
     calls = [(bf16(2, 8, 1, 32), bf16(2, 2, 300, 32), bf16(2, 2, 300, 32)) for _ in range(3)]
     kern(*calls[0])
-    launches = list({id(x): x for x in kern._repeats.values() if isinstance(x, ForwardLaunch)}.values())
+    launches = list({id(x): x for x in kern._repeats.values() if isinstance(x, KeptLaunch)}.values())
     assert len(launches) == 1 and launches[0].partial_shapes is not None  # split-KV's partials
     assert launches[0].kernel is not kern  # the folded variant's
     first = len(packed)

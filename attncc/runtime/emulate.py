@@ -12,7 +12,7 @@ import ctypes
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,9 @@ from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
 from attncc.runtime.kernel import (
+    CALL_OPERANDS,
     CallPlan,
+    KeptLaunch,
     Kernel,
     PackedSequences,
     PagedKeys,
@@ -96,46 +98,6 @@ def library_dims(head_dim: int, value_dim: int | None) -> tuple[int, int, bool]:
     they are equal (codegen/cuda.py generate_cuda); value_dim None: head_dim."""
     value_dim = head_dim if value_dim is None else value_dim
     return rounded_head_dim(head_dim), rounded_head_dim(value_dim), head_dim == value_dim
-
-
-#: The forward's operands whose addresses change from call to call (`ForwardLaunch`).
-CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial")
-
-
-@dataclass(frozen=True)
-class ForwardLaunch:
-    """A forward's packed launch, kept for calls that repeat its operands' sizes, strides and
-    dtypes, its scale, scalars, split count and (paged calls) plan (`EmulatedKernel.launch_key`):
-    such a call allocates out and lse (and the splits' partials), puts their addresses and the
-    operands' into a copy of `pointers` and launches; the plan, the prepared call's lookups,
-    the checks that passed and the packing are not redone. Decoding pays the host time of
-    attention once per layer and token: see bench/bench_host.py."""
-
-    kernel: EmulatedKernel  # the kernel (or its folded variant) that launched it
-    library: ctypes.CDLL
-    entry: ctypes._CFuncPtr  # attncc_emulated_forward, or attncc_forward on a GPU
-    pointers: list[int | None]
-    operand_slots: dict[str, int]  # where each of CALL_OPERANDS the call has goes in `pointers`
-    ints: ctypes.Array
-    reals: ctypes.Array
-    out_shape: tuple[int, ...]  # out and lse as forward_impl returns them
-    lse_shape: tuple[int, ...]
-    partial_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None  # o_partial, lse_partial
-    kept: tuple  # the prepared call and paged keys whose tensors `pointers` points into
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-        if self.partial_shapes is not None:
-            operands["o_partial"] = torch.empty(self.partial_shapes[0], device=q.device)
-            operands["lse_partial"] = torch.empty(self.partial_shapes[1], device=q.device)
-        pointers = self.pointers.copy()
-        for name, operand in operands.items():
-            pointers[self.operand_slots[name]] = operand.data_ptr()
-        args = ((ctypes.c_void_p * len(pointers))(*pointers), self.ints, self.reals)
-        self.kernel._launch(self.library, self.entry, args, q.device)
-        return out, lse
 
 
 class EmulatedKernel(Kernel):
@@ -315,10 +277,10 @@ class EmulatedKernel(Kernel):
                 library = kern.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
                 names = kern._slot_names.pointers
                 partials = (ptrs["o_partial"].shape, ptrs["lse_partial"].shape) if plan.kv_splits > 1 else None
-                launch = ForwardLaunch(
+                launch = KeptLaunch(
                     kern, library, kern._entry(library, "attncc_emulated_forward"), list(pointers),
                     {name: names.index(name) for name in CALL_OPERANDS if name in ptrs}, ints, reals,
-                    tuple(rows_out.shape), tuple(lse.shape), partials, (call, paged),
+                    tuple(rows_out.shape), tuple(lse.shape), lse.dtype, partials, (call, paged),
                 )  # fmt: skip
                 if paged is None:
                     self._keep_repeat(launch_key, launch)
@@ -383,7 +345,7 @@ class EmulatedKernel(Kernel):
         packed: PackedSequences | None,
         descale: Mapping[str, torch.Tensor] | None,
     ) -> tuple | None:
-        """What decides a forward's packed launch (`ForwardLaunch`) besides the operands'
+        """What decides a forward's packed launch (`KeptLaunch`) besides the operands'
         addresses: their sizes, strides, dtypes and device, the scale, the scalar inputs' values
         (they reach the kernel and may decide tile classes), the split count asked for and, for
         a paged call, the plan (whose memo then holds the launch, so it lives as
@@ -507,15 +469,9 @@ class EmulatedKernel(Kernel):
             ptrs[f"grad_shift_{ident}"] = fixed_point_shifts(ptrs[f"grad_bound_{ident}"], ptrs[f"grad_fixed_{ident}"])
             ptrs[f"grad_fixed_{ident}"].zero_()  # from term counts to sums
 
-    def _run(self, entry: str, dtype: str, plan, call, ptrs, dropout, seed, *extra, strides=None) -> None:  # noqa: ANN001, ANN002
-        lib = self.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
-        self._launch(lib, self._entry(lib, entry), (*self.pack(plan, call, ptrs, dropout, seed, strides), *extra))
-
-    def _entry(self, lib: ctypes.CDLL, entry: str) -> ctypes._CFuncPtr:
-        """The library's entry point `entry` (its emulated name) returning a status."""
-        fn = getattr(lib, entry)
-        fn.restype = ctypes.c_int
-        return fn
+    def _library_for(self, dtype: str, plan: CallPlan) -> ctypes.CDLL:
+        """The library a call runs in: one per storage dtype and head-dim plan."""
+        return self.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
 
     def _launch(self, lib: ctypes.CDLL, fn: ctypes._CFuncPtr, args: tuple, device: torch.device | None = None) -> None:
         """Runs entry point `fn` with `args` and the emulator's schedule (`device`: the operands',

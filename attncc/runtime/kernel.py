@@ -264,7 +264,7 @@ class Kernel:
         self._lock = threading.Lock()
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
-        self._repeats: dict[tuple, RepeatLaunch] = {}  # packed launches of checked calls (see _repeat_key)
+        self._repeats: dict[tuple, KeptLaunch] = {}  # packed launches of checked calls (see _repeat_key)
         self._row_variants: dict[str, Kernel] = {}  # by rewrite: see _with_rows
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
@@ -487,18 +487,13 @@ class Kernel:
         call["offset"] = 0
         operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
         pointers, ints, reals = self.pack(plan, call, operands, 0.0, 0)
-        entry = self.library(_DTYPES[q.dtype]).attncc_forward
+        library = self.library(_DTYPES[q.dtype])
         names = self._slot_names.pointers
-        repeat = RepeatLaunch(
-            entry=entry,
-            pointers=list(pointers),
-            operand_slots=tuple(names.index(name) for name in operands),
-            ints=ints,
-            reals=reals,
-            lse_dtype=lse.dtype,
-            kept=call,
-            kernel=self.name,
-        )
+        repeat = KeptLaunch(
+            self, library, self._entry(library, "attncc_forward"), list(pointers),
+            {name: names.index(name) for name in operands}, ints, reals,
+            tuple(out.shape), tuple(lse.shape), lse.dtype, None, call,
+        )  # fmt: skip
         self._keep_repeat(key, repeat)
 
     def _keep_repeat(self, key: tuple, launch: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -886,7 +881,7 @@ class Kernel:
             ptrs.update(packed.buffers())
         if sink is not None:
             ptrs["sink"] = sink.detach().to(lse.dtype).contiguous()
-        self._launch(dtype, "attncc_forward", plan, call, ptrs, dropout, seed, strides)
+        self._run("attncc_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         return rows_out, lse
 
     def reads_pages(self, q: torch.Tensor, page_size: int, value_dim: int) -> bool:
@@ -955,7 +950,7 @@ class Kernel:
                 ptrs.update(packed.buffers())
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             for entry in self.backward_entries(plan, threads):
-                self._launch(dtype, entry, plan, call, ptrs, dropout, seed)
+                self._run(entry, dtype, plan, call, ptrs, dropout, seed)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
         grad_list = [
@@ -1162,20 +1157,39 @@ class Kernel:
             converted[slot.ident] = t.contiguous()
         return converted
 
-    def _launch(
+    def _run(
         self,
-        dtype: str,
         entry: str,
+        dtype: str,
         plan: CallPlan,
         call: dict[str, object],
         ptrs: dict[str, torch.Tensor],
         dropout: float,
         seed: int,
+        *extra: object,
         strides: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
-        fn = getattr(self.library(dtype), entry)
+        """Packs a call (`pack`; `extra`: arguments after the packed ones) and runs entry point
+        `entry` of the library for `dtype` and the plan's head dims."""
+        lib = self._library_for(dtype, plan)
+        self._launch(lib, self._entry(lib, entry), (*self.pack(plan, call, ptrs, dropout, seed, strides), *extra))
+
+    def _library_for(self, dtype: str, plan: CallPlan) -> ctypes.CDLL:
+        """The library a call runs in: the CPU's serves every head dim."""
+        del plan
+        return self.library(dtype)
+
+    def _entry(self, lib: ctypes.CDLL, entry: str) -> ctypes._CFuncPtr:
+        """The library's entry point `entry`, returning a status."""
+        fn = getattr(lib, entry)
         fn.restype = ctypes.c_int
-        _check_status(fn(*self.pack(plan, call, ptrs, dropout, seed, strides)), entry, self.name)
+        return fn
+
+    def _launch(self, lib: ctypes.CDLL, fn: ctypes._CFuncPtr, args: tuple, device: torch.device | None = None) -> None:
+        """Runs entry point `fn` of `lib` with `args` (`device`: the operands', where a GPU
+        launch is made); a clear error where it fails."""
+        del lib, device
+        _check_status(fn(*args), fn.__name__, self.name)
 
     def pack(
         self,
@@ -1239,34 +1253,46 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
         raise RuntimeError(f"attncc kernel {entry} of {kernel} failed with status {status}")
 
 
-@dataclass(frozen=True)
-class RepeatLaunch:
-    """A CPU forward's packed arguments, kept for calls that repeat a checked call's sizes,
-    strides, dtypes and scalars: such a call allocates out and lse, puts the five operand
-    addresses into a copy of `pointers` and runs the entry point. The full path costs ~100 us of
-    Python per call once the kernel has evicted the interpreter's data from cache (measured:
-    bf16 B=1 H=8 N=512 D=64, ~15% of the call)."""
+#: The forward's operands whose addresses change from call to call (`KeptLaunch`).
+CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial")
 
-    entry: ctypes._CFuncPtr  # attncc_forward of the dtype's library
-    pointers: list[int | None]  # the ABI's pointer slots (tile classes, layout grids)
-    operand_slots: tuple[int, ...]  # where q, k, v, out, lse go in `pointers`
+
+@dataclass(frozen=True)
+class KeptLaunch:
+    """A forward's packed launch, kept for calls that repeat what decided it: a checked call's
+    sizes, strides, dtypes, scalars and thread count (`Kernel._repeat_key`), and on the GPU path
+    also the split count and a paged call's plan (`EmulatedKernel.launch_key`). Such a call
+    allocates out and lse (and the splits' partials), puts their addresses and the operands'
+    into a copy of `pointers` and launches; the plan, the prepared call's lookups, the checks
+    and the packing are not redone. The full path costs ~100 us of Python per CPU call once the
+    kernel has evicted the interpreter's data from cache (bf16 B=1 H=8 N=512 D=64, ~15% of the
+    call); decoding pays it once per layer and token (bench/bench_host.py)."""
+
+    kernel: Kernel  # the kernel (or its folded variant) that launched it
+    library: ctypes.CDLL
+    entry: ctypes._CFuncPtr  # attncc_forward (attncc_emulated_forward on the emulator)
+    pointers: list[int | None]  # the ABI's pointer slots (tile classes, layout grids, ...)
+    operand_slots: dict[str, int]  # where each of CALL_OPERANDS the call has goes in `pointers`
     ints: ctypes.Array
     reals: ctypes.Array
+    out_shape: tuple[int, ...]  # out and lse as the forward returns them
+    lse_shape: tuple[int, ...]
     lse_dtype: torch.dtype
-    kept: dict  # the prepared call whose tensors `pointers` points into
-    kernel: str
+    partial_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None  # o_partial, lse_partial (split-KV)
+    kept: object  # what `pointers` points into (the prepared call, a paged plan's keys)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype)
-        lse = torch.empty(q.shape[:3], dtype=self.lse_dtype)
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=q.device)
+        operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+        if self.partial_shapes is not None:
+            operands["o_partial"] = torch.empty(self.partial_shapes[0], device=q.device)
+            operands["lse_partial"] = torch.empty(self.partial_shapes[1], device=q.device)
         pointers = self.pointers.copy()
-        for slot, operand in zip(self.operand_slots, (q, k, v, out, lse)):
-            pointers[slot] = operand.data_ptr()
-        _check_status(
-            self.entry((ctypes.c_void_p * len(pointers))(*pointers), self.ints, self.reals),
-            "attncc_forward",
-            self.kernel,
-        )
+        for name, operand in operands.items():
+            pointers[self.operand_slots[name]] = operand.data_ptr()
+        args = ((ctypes.c_void_p * len(pointers))(*pointers), self.ints, self.reals)
+        self.kernel._launch(self.library, self.entry, args, q.device)
         return out, lse
 
 
