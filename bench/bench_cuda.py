@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -101,8 +102,9 @@ def step(fn, backward: bool) -> None:
         out.backward(torch.ones_like(out))
 
 
-def decode_cases(kern: attncc.Kernel, flex, repeats: int) -> list[dict]:
-    """One query token per sequence (a KV-cache step): the query tiles alone fill few SMs."""
+def decode_cases(kern: attncc.Kernel, flex: Callable | None, repeats: int) -> list[dict]:
+    """One query token per sequence (a KV-cache step): the query tiles alone fill few SMs.
+    `flex`: compiled flex_attention, or None to leave it out."""
     rows = []
     for B in (1, 8):
         for M in (4096, 16384, 65536):
@@ -117,14 +119,16 @@ def decode_cases(kern: attncc.Kernel, flex, repeats: int) -> list[dict]:
             finally:
                 kern.kv_splits = None
             sdpa = median_ms(partial(F.scaled_dot_product_attention, q, k, v), repeats)  # torch picks the backend
-            flex_ms = median_ms(partial(flex, q, k, v), repeats)
             rows.append(
                 {"decode": True, "B": B, "H": H, "N": 1, "M": M, "D": D, "kv_splits": splits, "attncc_ms": ours,
-                 "attncc_unsplit_ms": unsplit, "sdpa_ms": sdpa, "flex_ms": flex_ms}
+                 "attncc_unsplit_ms": unsplit, "sdpa_ms": sdpa}
             )  # fmt: skip
+            if flex is not None:
+                rows[-1]["flex_ms"] = median_ms(partial(flex, q, k, v), repeats)
             print(
                 f"decode B={B} M={M:5d} d={D}: attncc {ours:7.3f} ms ({splits} splits)  unsplit {unsplit / ours:5.2f}x  "
-                f"sdpa {sdpa / ours:5.2f}x  flex {flex_ms / ours:5.2f}x",
+                f"sdpa {sdpa / ours:5.2f}x"
+                + (f"  flex {rows[-1]['flex_ms'] / ours:5.2f}x" if flex is not None else ""),
                 flush=True,
             )
             rows.append(paged_decode_case(kern, B, M, repeats))
@@ -246,20 +250,27 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="also the decoding cases (split-KV)")
     parser.add_argument("--serving", action="store_true", help="also the packed (varlen) cases")
     parser.add_argument("--fp8", action="store_true", help="also fp8 K/V: widened, fp8 products (sm89+)")
+    parser.add_argument(
+        "--warp-rows", type=int, nargs="+", default=[16], choices=[16, 32], help="query rows per warp of the forward"
+    )
+    parser.add_argument(
+        "--no-flex", action="store_true", help="leave FlexAttention out (its compiles take a short lease's minutes)"
+    )
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
-
-    from attncc.runtime.profile import forward_estimate
 
     began = time.monotonic()
     # One compiled FlexAttention per shape: past dynamo's default recompile limit (8) it would
     # fall back to eager flex_attention, which materialises the scores.
     torch._dynamo.config.cache_size_limit = 256
-    flex = torch.compile(flex_attention)
+    flex = None if args.no_flex else torch.compile(flex_attention)
     kernels = {
-        case: attncc.compile(ROOT / "examples" / f"{'vanilla' if case == 'dense' else case}.attn", target="cuda")
+        (case, rows): attncc.compile(
+            ROOT / "examples" / f"{'vanilla' if case == 'dense' else case}.attn", target="cuda", warp_rows=rows
+        )
         for case in args.cases
+        for rows in args.warp_rows
     }
     device = torch.cuda.get_device_name()
     meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "attncc": attncc.__version__}
@@ -276,7 +287,7 @@ def main() -> None:
     # first the short ones, so that the budget cuts the grid below, not these
     if args.decode:
         results += decode_cases(
-            kernels.get("dense") or attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
+            kernels.get(("dense", 16)) or attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
             flex,
             args.repeats,
         )
@@ -299,41 +310,63 @@ def main() -> None:
                 q, k, v = (
                     torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
                 )
-                kern = kernels[case]
                 runtime = {"slopes": alibi_slopes(H)} if case == "alibi" else {}
                 flex_kwargs = flex_args(case, N, H)
-                # occupancy from the plan's register estimate (ptxas's count costs nvcc time per kernel)
-                est = forward_estimate(kern, q, k, kern.plan(q, k, None).tiles.registers_per_thread, **runtime)
                 for backward in (False, True):
-                    row = {"case": case, "D": D, "N": N, "B": B, "H": H, "backward": backward}
-                    ours_fn = partial(step, partial(kern, q, k, v, **runtime), backward)
-                    row["attncc_single_ms"] = median_ms(ours_fn, args.repeats)
-                    row["attncc_ms"] = ours = median_ms(ours_fn, args.repeats, args.calls)
+                    anchors = {}
                     if case in ("dense", "causal"):
                         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                             sdpa_fn = partial(F.scaled_dot_product_attention, q, k, v, is_causal=case == "causal")
-                            row["sdpa_flash_ms"] = median_ms(partial(step, sdpa_fn, backward), args.repeats, args.calls)
-                    flex_fn = partial(step, partial(flex, q, k, v, **flex_kwargs), backward)
-                    row["flex_ms"] = median_ms(flex_fn, args.repeats, args.calls)
-                    f = 4 * B * H * N * N * D * live_fraction(case, N) * (3.5 if backward else 1.0)
-                    row["attncc_tflops"] = f / ours / 1e9
-                    if not backward:
-                        row["estimate_ms"], row["estimate_bound"] = 1e3 * est.seconds, est.bound
-                    results.append(row)
-                    save()
-                    anchors = "  ".join(
-                        f"{name} {row[key] / ours:5.2f}x"
-                        for name, key in (("sdpa-flash", "sdpa_flash_ms"), ("flex", "flex_ms"))
-                        if key in row
-                    )
-                    model = (
-                        f"  measured/estimate {ours / row['estimate_ms']:5.2f} ({est.bound})" if not backward else ""
-                    )
-                    print(
-                        f"d={D:3d} N={N:5d} {case:14s} {'fwd+bwd' if backward else 'fwd    '}: attncc {ours:7.3f} ms "
-                        f"(single call {row['attncc_single_ms']:7.3f}, {row['attncc_tflops']:6.1f} TFLOP/s)  {anchors}{model}",
-                        flush=True,
-                    )
+                            anchors["sdpa_flash_ms"] = median_ms(
+                                partial(step, sdpa_fn, backward), args.repeats, args.calls
+                            )
+                    if flex is not None:
+                        flex_fn = partial(step, partial(flex, q, k, v, **flex_kwargs), backward)
+                        anchors["flex_ms"] = median_ms(flex_fn, args.repeats, args.calls)
+                    for rows in args.warp_rows:
+                        row = {"case": case, "D": D, "N": N, "B": B, "H": H, "backward": backward, "warp_rows": rows}
+                        results.append(grid_row(row, kernels[case, rows], q, k, v, runtime, anchors, args))
+                        save()
+
+
+def grid_row(
+    row: dict,
+    kern: attncc.Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    runtime: dict,
+    anchors: dict,
+    args: argparse.Namespace,
+) -> dict:
+    """Times `kern` on q, k, v (forward, or forward and backward), beside the anchors' times."""
+    from attncc.runtime.profile import forward_estimate
+
+    backward, B, H, N, D = row["backward"], row["B"], row["H"], row["N"], row["D"]
+    ours_fn = partial(step, partial(kern, q, k, v, **runtime), backward)
+    row["attncc_single_ms"] = median_ms(ours_fn, args.repeats)
+    row["attncc_ms"] = ours = median_ms(ours_fn, args.repeats, args.calls)
+    row |= anchors
+    f = 4 * B * H * N * N * D * live_fraction(row["case"], N) * (3.5 if backward else 1.0)
+    row["attncc_tflops"] = f / ours / 1e9
+    model = ""
+    if not backward:
+        # occupancy from the plan's register estimate (ptxas's count costs nvcc time per kernel)
+        est = forward_estimate(kern, q, k, kern.plan(q, k, None).tiles.registers_per_thread, **runtime)
+        row["estimate_ms"], row["estimate_bound"] = 1e3 * est.seconds, est.bound
+        model = f"  measured/estimate {ours / row['estimate_ms']:5.2f} ({est.bound})"
+    ratios = "  ".join(
+        f"{name} {row[key] / ours:5.2f}x"
+        for name, key in (("sdpa-flash", "sdpa_flash_ms"), ("flex", "flex_ms"))
+        if key in row
+    )
+    print(
+        f"d={D:3d} N={N:5d} {row['case']:14s} {'fwd+bwd' if backward else 'fwd    '} rows/warp {row['warp_rows']}: "
+        f"attncc {ours:7.3f} ms (single call {row['attncc_single_ms']:7.3f}, {row['attncc_tflops']:6.1f} TFLOP/s)  "
+        f"{ratios}{model}",
+        flush=True,
+    )
+    return row
 
 
 if __name__ == "__main__":

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # Everything a session with a lent GPU runs, in as few device calls as possible.
 #
-# The device image has torch, jinja2, networkx, ninja, pytest and nvcc, but not lark: carry its
-# wheel (.whl/ is in .gitignore, so only `carry` takes it). Once, on the development machine:
-#   python3 -m pip download --no-deps --only-binary=:all: lark -d .whl
-# Then, with the device tool, in this order (each call under its 10-minute limit, also on a bare
-# machine: bench cases stop starting past --budget-s and keep what they measured):
-#   run(command="bash bench/gpu_session.sh check", carry=[".whl"])        probe, prebuild, golden tests
-#   run(command="bash bench/gpu_session.sh bench 64", carry=[".whl"])     dense, causal at d=64
-#   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl"])    dense, causal at d=128, decoding (paged: planned too), varlen, fp8
-#   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl"])    sliding window, ALiBi, softcap
-#   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl"])     racecheck, synccheck logs
-#   run(command="bash bench/gpu_session.sh sweep", carry=[".whl"])        forward tiles, decoding splits
-#   run(command="bash bench/gpu_session.sh ncu", carry=[".whl"])          Nsight Compute, dense d=128
+# A lease is 15 minutes of device time, the machine's start (1-2 minutes) included: one call of
+# `lease` (under 9.5 minutes) and give_back. Before it, here (nvcc runs without a GPU):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 lark -d .whl          # the device image has no lark
+#   python3 bench/gpu_prebuild.py                             # .gpu/prebuilt.tar.xz: the sm90 libraries
+# Then with the device tool:
+#   run(command="bash bench/gpu_session.sh lease", carry=[".whl", ".gpu"], timeout_s=590)
+# `lease` runs, in this order, each stage bounded so that the call returns what it measured:
+# the golden tests (tests/test_gpu.py), decoding (padded and paged, planned) against SDPA,
+# packed batches, fp8 K/V, dense and causal d=128 at warps of 16 and 32 rows against
+# SDPA-flash (no FlexAttention: its compiles cost minutes; session 19 measured it), then the
+# decoding split sweep. The other modes are for a lease with minutes left, one call each:
+#   run(command="bash bench/gpu_session.sh check", carry=[".whl", ".gpu"])        probe, prebuild, golden tests
+#   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl", ".gpu"])    dense, causal at d=128, decoding, varlen, fp8
+#   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl", ".gpu"])    sliding window, ALiBi, softcap
+#   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl", ".gpu"])     racecheck, synccheck logs
+#   run(command="bash bench/gpu_session.sh sweep", carry=[".whl", ".gpu"])        forward tiles, decoding splits
+#   run(command="bash bench/gpu_session.sh ncu", carry=[".whl", ".gpu"])          Nsight Compute, dense d=128
 # Results land in $OUT (JSON with the device name and versions; the forwards with the roofline
-# estimate beside them): commit them under bench/results/ with the device name.
+# estimate beside them; at most 8 files come back): commit them under bench/results/ with the
+# device name.
 set -uo pipefail
 OUT=${OUT:-/tmp/attncc-gpu}
 mkdir -p "$OUT"
@@ -23,9 +30,28 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 ATTNCC_CACHE_DIR=/tmp/attncc-cache
 if [ -d /usr/local/cuda/bin ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+if [ -f .gpu/prebuilt.tar.xz ]; then  # from bench/gpu_prebuild.py: found before anything is built
+  python3 -c "import tarfile; tarfile.open('.gpu/prebuilt.tar.xz').extractall('/tmp/attncc-prebuilt', filter='data')" \
+    && export ATTNCC_PREBUILT_DIR=/tmp/attncc-prebuilt
+  echo "prebuilt: $(ls /tmp/attncc-prebuilt | wc -l) libraries"
+fi
 device=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())") || exit 1
 
-case "${1:-check}" in
+case "${1:-lease}" in
+  lease)
+    deadline=${2:-540}  # seconds after the script began (bash SECONDS): the unpacking above counts
+    left() { echo $((deadline - SECONDS)); }
+    { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+      python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } 2>&1 | tee "$OUT/device.txt"
+    CUDA_LAUNCH_BLOCKING=1 timeout -k 5 210 python3 -m pytest -q -n 8 --timeout=150 -p no:cacheprovider \
+      tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" | tail -40
+    echo "tests done, $(left) s left"
+    timeout -k 5 $(( $(left) - 60 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 16384 --warp-rows 16 32 \
+      --decode --serving --fp8 --no-flex --budget-s $(( $(left) - 150 )) --repeats 15 \
+      --json "$OUT/cuda-$device-lease.json" 2>&1 | tee "$OUT/bench.log"
+    echo "bench done, $(left) s left"
+    timeout -k 5 $(( $(left) > 10 ? $(left) : 10 )) python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
+    ;;
   check)
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
     python3 -c "import torch; print(torch.__version__, torch.version.cuda)" | tee -a "$OUT/device.txt"

@@ -4,7 +4,7 @@ Forward tiles: the dense bf16 forward (B=4 H=16 N=4096) at each (Br, Bc) the `ti
 takes (Br, Bc up to 64), against the roofline's choice, and the roofline's choice among warps of
 32 rows (`warp_rows=32`: two mma row blocks per warp sharing each K/V fragment, FA2's layout). Decoding (`--decode`): one query, d=128,
 MHA 32/32 and GQA 32/8 (a group's heads folded into one head's rows), B=1 and 8, M=16K and 64K,
-at split-KV counts 1..64 against `choose_kv_splits`'s.
+at split-KV counts 1..64 against `choose_kv_splits`'s, and SDPA (torch's choice of backend).
 
     python bench/sweep_tiles_cuda.py --dims 64 128
     python bench/sweep_tiles_cuda.py --decode
@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -63,6 +64,8 @@ def decode_splits() -> None:
     for (H, Hkv), B, M in itertools.product(((32, 32), (32, 8)), (1, 8), (16384, 65536)):
         q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, Hkv, M, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        sdpa = median_ms(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=Hkv < H), 15, 5)
+        print(f"H={H} Hkv={Hkv} B={B} M={M:5d}: sdpa {sdpa:.3f}", flush=True)
         for kern in kernels.values():
             rows = q.view(B, Hkv, H // Hkv, 128)  # as the forward runs it (a group's heads as rows)
             chosen = kern.plan(rows, k, None)

@@ -17,7 +17,9 @@ import torch
 import attncc
 from attncc.cli import main as cli_main
 from attncc.errors import AttnccError
+from attncc.runtime import build
 from attncc.runtime.build import PREBUILT_ENV
+from attncc.runtime.gpu import GpuKernel
 from attncc.runtime.nvcc import find_nvcc
 from tests.conftest import ROOT
 
@@ -124,6 +126,36 @@ def test_gpu_targets_prebuild_per_storage_dtype_and_head_dim_plan(tmp_path, caps
     assert "causal.attn: sm80, 1 library (head dims 64,60)" in capsys.readouterr().out
     (build_dir,) = [p.parent for p in prebuilt.glob("*/kernel.so")]
     assert "-arch=sm_80" in (build_dir / "build.ninja").read_text() and "bfloat16-64" in build_dir.name
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_gpu_libraries_prebuilt_here_load_under_another_torch(tmp_path, monkeypatch) -> None:
+    """A GPU library holds nothing of torch's: one prebuilt on a CPU machine (bench/gpu_prebuild.py)
+    is found on a GPU machine whose torch is another build, with nothing compiled there; a host
+    library's key still changes with torch's version."""
+    prebuilt = tmp_path / "prebuilt"
+    assert (
+        cli_main(
+            ["prebuild", CAUSAL, "--targets", "sm80", "--dtypes", "bfloat16", "--head-dims", "64", "-o", str(prebuilt)]
+        )
+        == 0
+    )
+    host_key = build.portable_key("the same text")
+    monkeypatch.setattr(torch, "__version__", "9.9.0+cu130")
+    build._headers_fingerprint.cache_clear()
+    monkeypatch.setenv(PREBUILT_ENV, str(prebuilt))
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_compiler(directory: Path, name: str) -> None:
+        raise AssertionError(f"{name} was built on the GPU machine")
+
+    monkeypatch.setattr(build, "_run_ninja", no_compiler)
+    try:
+        kern = GpuKernel(attncc.lower(CAUSAL, "sm80"), "sm80")
+        assert kern.library_path_for("bfloat16", 64).parent.parent == prebuilt
+        assert build.portable_key("the same text") != host_key
+    finally:
+        build._headers_fingerprint.cache_clear()
 
 
 def test_prebuild_errors_are_one_line(tmp_path, capsys) -> None:

@@ -79,10 +79,13 @@ def compiler() -> str:
 
 
 @cache
-def _headers_fingerprint() -> str:
-    """attncc's headers, the host flags and torch's version: what every library depends on."""
+def _headers_fingerprint(with_torch: bool = True) -> str:
+    """attncc's headers, the host flags and (`with_torch`) torch's version: what every library
+    depends on. A GPU library (nvcc, the CUDA runtime linked statically, called through ctypes)
+    includes nothing of torch's, so its prebuilt key leaves torch's version out: libraries
+    prebuilt here load on a GPU machine whose torch is another (CUDA) build."""
     headers = "".join(p.read_text() for p in sorted(INCLUDE_DIR.rglob("*")) if p.suffix in (".h", ".cuh"))
-    return "\n".join([headers, " ".join(FLAGS), torch.__version__])
+    return "\n".join([headers, " ".join(FLAGS), *([torch.__version__] if with_torch else [])])
 
 
 @cache
@@ -101,12 +104,13 @@ def cache_key(key_text: str) -> str:
     return hashlib.sha256((_toolchain_fingerprint() + "\n" + key_text).encode()).hexdigest()[:20]
 
 
-def portable_key(key_text: str) -> str:
-    """A prebuilt library's key: the build's text with attncc's headers and torch's version, not
-    the compiler (the machine that loads it may have none). The source holds every machine
-    fact the kernel was generated for (ISA level, vector width, tiles from the cache sizes), so
-    another kind of machine looks for another key and builds its own."""
-    return hashlib.sha256((_headers_fingerprint() + "\n" + key_text).encode()).hexdigest()[:20]
+def portable_key(key_text: str, gpu: bool = False) -> str:
+    """A prebuilt library's key: the build's text with attncc's headers and (host libraries)
+    torch's version, not the compiler (the machine that loads it may have none). The source
+    holds every machine fact the kernel was generated for (ISA level, vector width, tiles from
+    the cache sizes, the GPU architecture), so another kind of machine looks for another key
+    and builds its own."""
+    return hashlib.sha256((_headers_fingerprint(not gpu) + "\n" + key_text).encode()).hexdigest()[:20]
 
 
 def prebuilt_dirs() -> list[Path]:
@@ -202,9 +206,9 @@ def build_library(
 
         key_text += "\n//--nvcc-flags " + " ".join(NVCC_FLAGS)
     if _PREBUILDING_INTO:
-        directory = _PREBUILDING_INTO[-1] / f"{name}-{portable_key(key_text)}"
+        directory = _PREBUILDING_INTO[-1] / f"{name}-{portable_key(key_text, gpu=bool(cuda_arch))}"
     else:
-        prebuilt = _find_prebuilt(name, portable_key(key_text))
+        prebuilt = _find_prebuilt(name, portable_key(key_text, gpu=bool(cuda_arch)))
         if prebuilt is not None:
             return prebuilt
         if cuda_arch:

@@ -1,0 +1,106 @@
+"""Builds here, where nvcc runs without a GPU, the sm90 libraries a device lease uses, and packs
+them for `carry`: a lease's 15 minutes then go to running kernels, not to nvcc.
+
+Covers `bash bench/gpu_session.sh lease`: the golden tests (tests/test_gpu.py: every example in
+fp16 and bf16 at head dims 64, 128 and 256; Dv != D, rope, fp8 K/V and fp8 products at the
+shapes the tests import), the benchmark (warps of 16 and 32 rows, fp8) and the decoding sweep.
+A library left out is built on the GPU machine as before. The keys are the ones a GPU
+machine's `attncc.compile(..., target="cuda")` looks for on an H100 or H200 (sm90), whatever
+its torch build (attncc.runtime.build.portable_key).
+
+    python bench/gpu_prebuild.py          # -> .gpu/prebuilt.tar.xz (.gpu/ is ignored by git)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import attncc  # noqa: E402
+from attncc.runtime.build import prebuilding_into  # noqa: E402
+from attncc.runtime.gpu import GpuKernel  # noqa: E402
+
+TARGET = "sm90"  # the H100 and H200 the device tool lends
+ARCHIVE = ROOT / ".gpu" / "prebuilt.tar.xz"
+
+
+def kernel(program: str | Path, tiles: tuple[int, int] | None = None, warp_rows: int = 16) -> GpuKernel:
+    """As `attncc.compile(program, target="cuda", ...)` makes it on an sm90 GPU."""
+    return GpuKernel(attncc.lower(program, TARGET, tiles, warp_rows), TARGET)
+
+
+def example(name: str) -> Path:
+    return ROOT / "examples" / f"{name}.attn"
+
+
+def lease_builds() -> list[Callable[[], object]]:
+    """One thunk per library (the same library listed twice builds once)."""
+    from tests.conftest import EXAMPLES
+    from tests.test_fp8 import EMULATED_SHAPES as FP8_SHAPES
+    from tests.test_rope import CASES as ROPE_CASES
+    from tests.test_rope import program as rope_program
+    from tests.test_value_head_dim import EMULATED_SHAPES as VALUE_DIM_SHAPES
+
+    fp16, bf16 = torch.float16, torch.bfloat16
+    fp8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+    builds: list[Callable[[], object]] = []
+
+    def prebuild(kern: GpuKernel, dtypes: list[torch.dtype], dims: list[int], kv: list[torch.dtype] = ()) -> None:
+        builds.extend(lambda d=d, t=t: kern.prebuild([t], [d], kv) for t in dtypes for d in dims)
+
+    for name in EXAMPLES:  # test_gpu_forward_backward_match_fp64
+        prebuild(kernel(example(name)), [fp16, bf16], [64, 128, 256])
+    for name in ("alibi", "gpt2", "document"):  # Dv != D
+        kern = kernel(example(name))
+        builds.extend(lambda kern=kern, s=s: kern.library_path_for("bfloat16", s.D, s.Dv) for s in VALUE_DIM_SHAPES)
+    for label, q_args, k_args, _ in ROPE_CASES:
+        prebuild(kernel(rope_program(label, q_args, k_args)), [bf16], [64, 128])
+    for name in ("alibi", "gpt_oss"):  # fp8 K/V widened
+        kern = kernel(example(name))
+        for s in FP8_SHAPES:
+            for fmt in ("float8_e4m3fn", "float8_e5m2"):
+                builds.append(lambda kern=kern, s=s, fmt=fmt: kern.library_path_for(f"bfloat16+{fmt}", s.D, s.Dv))
+    for name in ("vanilla", "causal"):  # fp8 products (tests, bench); warps of 32 rows (bench)
+        kern = kernel(example(name))
+        kern.fp8_mma = True
+        prebuild(kern, [bf16], [64, 128], fp8)
+        prebuild(kernel(example(name), warp_rows=32), [bf16], [64, 128])
+    for tiles in ((64, 32), (64, 64), (32, 64), (16, 64)):  # the sweeps' overrides
+        prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
+    return builds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once")
+    parser.add_argument("-o", "--output", type=Path, default=ARCHIVE)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "prebuilt"
+        with prebuilding_into(directory), ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(lambda build: build(), lease_builds()))
+        libraries = sorted(p.relative_to(directory) for p in directory.glob("*/kernel.so*"))
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        # only the libraries and their digests travel; xz finds the CUDA runtime each one links
+        with tarfile.open(args.output, "w:xz") as archive:
+            for library in libraries:
+                archive.add(directory / library, arcname=str(library))
+    count = sum(1 for p in libraries if p.name == "kernel.so")
+    size = args.output.stat().st_size / 2**20
+    print(f"{count} {TARGET} libraries in {time.perf_counter() - start:.0f} s -> {args.output} ({size:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
