@@ -12,7 +12,7 @@
 # the golden tests (tests/test_gpu.py), decoding (padded and paged, planned) against SDPA,
 # packed batches, fp8 K/V, dense and causal d=128 at warps of 16 and 32 rows against
 # SDPA-flash (no FlexAttention: its compiles cost minutes; session 19 measured it), then the
-# decoding split sweep. The other modes are for a lease with minutes left, one call each:
+# decoding split sweep and, with the time left, the forward tile sweep. The other modes are for a lease with minutes left, one call each:
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl", ".gpu"])        probe, prebuild, golden tests
 #   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl", ".gpu"])    dense, causal at d=128, decoding, varlen, fp8
 #   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl", ".gpu"])    sliding window, ALiBi, softcap
@@ -51,6 +51,10 @@ case "${1:-lease}" in
       --json "$OUT/cuda-$device-lease.json" 2>&1 | tee "$OUT/bench.log"
     echo "bench done, $(left) s left"
     timeout -k 5 $(( $(left) > 10 ? $(left) : 10 )) python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
+    echo "decoding sweep done, $(left) s left"
+    if [ "$(left)" -gt 30 ]; then
+      timeout -k 5 "$(left)" python3 bench/sweep_tiles_cuda.py --dims 64 128 2>&1 | tee "$OUT/sweep-tiles.log"
+    fi
     ;;
   check)
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
