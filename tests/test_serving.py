@@ -757,3 +757,25 @@ def test_a_kept_launch_is_not_taken_for_other_scalar_inputs() -> None:
         assert torch.equal(
             kern(q, k, v, window=window), attncc.compile(text, target="sm80", emulate=True)(q, k, v, window=window)
         )
+
+
+def test_a_query_the_fold_copies_keeps_no_launch() -> None:
+    """GQA folding reshapes q [B, H, N, D] to [B, Hkv, G N, D]: a transposed q ([B, N, H, D]
+    storage, N > 1) cannot be viewed so, and the kernel reads a copy. A launch kept from that
+    call would read the next call's q with the copy's strides; so none is kept, and repeated
+    calls give a fresh kernel's bits (padded, and paged with layout bnhd)."""
+    gen = torch.Generator().manual_seed(4)
+    kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
+    k, v = (torch.randn(2, 2, 40, 32, generator=gen).bfloat16() for _ in range(2))
+    for _ in range(3):
+        q = torch.randn(2, 3, 8, 32, generator=gen).bfloat16().transpose(1, 2)
+        fresh = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
+        assert torch.equal(kern(q, k, v), fresh(q, k, v))
+    k_cache, v_cache = (torch.randn(20, 16, 2, 32, generator=gen).bfloat16() for _ in range(2))
+    table = torch.randperm(20, generator=gen)[:16].view(2, 8).int()
+    lengths = torch.tensor([50, 77], dtype=torch.int32)
+    plan = attncc.plan_paged(k_cache, table, lengths)
+    for _ in range(3):
+        q = torch.randn(2, 3, 8, 32, generator=gen).bfloat16()
+        fresh = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
+        assert torch.equal(kern.paged(q, k_cache, v_cache, plan=plan), fresh.paged(q, k_cache, v_cache, table, lengths))

@@ -272,7 +272,10 @@ class EmulatedKernel(Kernel):
             if kern.takes_fp8_products(k, (descale or {}).get("v_descale"), token_dims, plan):
                 dtype += FP8_MMA_SUFFIX
             kern._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
-            if launch_key is not None and launches is not None:  # (packed again: once per key)
+            # kept only where the kernel reads the caller's q, k and v in place: a folded q that
+            # reshape had to copy (a transposed q with N > 1) would leave the copy's strides in it
+            in_place = all(ptrs[n].data_ptr() == t.data_ptr() for n, t in (("q", q), ("k", k), ("v", v)))
+            if launch_key is not None and launches is not None and in_place:  # (packed again: once per key)
                 pointers, ints, reals = kern.pack(plan, call, ptrs, dropout, seed, strides)
                 library = kern.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
                 names = kern._slot_names.pointers
