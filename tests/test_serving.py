@@ -779,3 +779,67 @@ def test_a_query_the_fold_copies_keeps_no_launch() -> None:
         q = torch.randn(2, 3, 8, 32, generator=gen).bfloat16()
         fresh = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
         assert torch.equal(kern.paged(q, k_cache, v_cache, plan=plan), fresh.paged(q, k_cache, v_cache, table, lengths))
+
+
+def test_a_repeated_planned_paged_call_skips_its_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer of a decoding step repeats the first layer's call on its own cache: after the
+    first passed every check, a call with the same plan, operand sizes, strides, dtypes,
+    devices, layout, scale and scalar inputs appends k_new/v_new and launches the kept forward
+    without the checks (`CheckedPagedCall`); outputs and the caches written equal a fresh
+    kernel's. Another layout, scale or k_new dtype, a table given beside the plan, and a CPU
+    kernel (which keeps no launch) take the full path and its errors."""
+    from attncc.runtime import ragged
+
+    gen = torch.Generator().manual_seed(8)
+    B, H, Hkv, D, page_size, held = 2, 8, 2, 32, 16, [40, 7]
+    table = torch.randperm(8, generator=gen).view(B, 4).int()
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    def layer() -> list[torch.Tensor]:  # q, k_cache, v_cache, k_new, v_new
+        return [
+            bf16(B, 1, H, D),
+            bf16(8, page_size, Hkv, D),
+            bf16(8, page_size, Hkv, D),
+            bf16(B, 1, Hkv, D),
+            bf16(B, 1, Hkv, D),
+        ]
+
+    full: list[attncc.Kernel] = []  # the kernels whose calls took the full path
+    paged_attention = ragged.paged_attention
+    monkeypatch.setattr(
+        "attncc.runtime.kernel.paged_attention", lambda *a, **kw: (full.append(a[0]), paged_attention(*a, **kw))[1]
+    )
+    for target in ("sm80", "cpu"):
+        kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target=target, emulate=target != "cpu")
+        plan = attncc.plan_paged(layer()[1], table, torch.tensor(held), new_tokens=1)
+        full.clear()
+        for _ in range(3):
+            q, k_cache, v_cache, k_new, v_new = layer()
+            caches = [k_cache.clone(), v_cache.clone()]
+            fresh = attncc.compile(BOTTOM_RIGHT_CAUSAL, target=target, emulate=target != "cpu")
+            want, want_lse = fresh.paged(
+                q, *caches, table, torch.tensor(held), k_new=k_new, v_new=v_new, return_lse=True
+            )
+            got, lse = kern.paged(q, k_cache, v_cache, plan=plan, k_new=k_new, v_new=v_new, return_lse=True)
+            assert torch.equal(got, want) and torch.equal(lse, want_lse)
+            assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+        assert full.count(kern) == (1 if target == "sm80" else 3), target  # the checks ran once (GPU path)
+        q, k_cache, v_cache, k_new, v_new = layer()
+        for call in (dict(layout="bhnd", q=q.transpose(1, 2)), dict(scale=0.5)):
+            fresh = attncc.compile(BOTTOM_RIGHT_CAUSAL, target=target, emulate=target != "cpu")
+            args = {"q": q, "k_cache": k_cache.clone(), "v_cache": v_cache.clone(), "k_new": k_new, "v_new": v_new}
+            args |= call
+            runs = full.count(kern)
+            want = fresh.paged(
+                **{**args, "k_cache": k_cache.clone(), "v_cache": v_cache.clone()},
+                block_table=table,
+                cache_seqlens=torch.tensor(held),
+            )
+            assert torch.equal(kern.paged(**args, plan=plan), want)
+            assert full.count(kern) == runs + 1  # another key: the full path
+        with pytest.raises(attncc.InputError, match=r"k_new: expected torch\.bfloat16"):
+            kern.paged(q, k_cache, v_cache, plan=plan, k_new=k_new.half(), v_new=v_new.half())
+        with pytest.raises(attncc.InputError, match="give neither"):
+            kern.paged(q, k_cache, v_cache, table, plan=plan, k_new=k_new, v_new=v_new)

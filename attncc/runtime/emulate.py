@@ -334,6 +334,14 @@ class EmulatedKernel(Kernel):
         if launch is not None:
             self._keep_repeat(key, launch)
 
+    def paged_launch(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scalars: list[float],
+        scale: float | None, paged: PagedKeys,
+    ) -> KeptLaunch | None:  # fmt: skip
+        """The launch forward_impl kept in the plan's memo for these operands, if any."""
+        key = self.launch_key(q, k_cache, v_cache, [], scalars, scale, 0.0, paged, None, None, None)
+        return None if key is None else paged.prepared.get(key)
+
     def launch_key(
         self,
         q: torch.Tensor,

@@ -53,10 +53,12 @@ from attncc.runtime.fp8 import (
 )
 from attncc.runtime.ragged import (
     CallOptions,
+    CheckedPagedCall,
     PagedPlan,
     paged_attention,
     paged_forward,
     planned,
+    planned_call_key,
     varlen_attention,
     varlen_backward,
     varlen_forward,
@@ -577,12 +579,43 @@ class Kernel:
         call that shares them (each layer of a decoding step), so the call reads nothing back
         from the device and its tile classes are prepared once per kernel and plan.
         """
+        key = planned_call_key(
+            self, plan, q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, layout, scale, runtime,
+            k_descale, v_descale,
+        )  # fmt: skip
+        memo = (
+            plan.keys.prepared
+            if key is not None and isinstance(plan, PagedPlan) and plan.keys.prepared is not None
+            else {}
+        )
+        checked = memo.get(key)
+        if checked is not None:
+            result = checked(self, plan, q, k_cache, v_cache, k_new, v_new, layout, return_lse)
+            if result is not None:
+                return result
         _reject_transforms({"q": q, "k_cache": k_cache, "v_cache": v_cache, **runtime})
-        return paged_attention(
+        result = paged_attention(
             self, q, k_cache, v_cache, block_table, cache_seqlens, k_new=k_new, v_new=v_new,
             layout=layout, return_lse=return_lse, scale=scale, runtime=runtime,
             k_descale=k_descale, v_descale=v_descale, plan=plan,
         )  # fmt: skip
+        if key is not None and isinstance(
+            plan, PagedPlan
+        ):  # every check passed: repeats skip them, where a launch was kept
+            scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+            checked = CheckedPagedCall(checked_scale(scale), scalars)
+            if checked.launch(self, plan, q, k_cache, v_cache, layout) is not None:
+                memo[key] = checked
+        return result
+
+    def paged_launch(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scalars: list[float],
+        scale: float | None, paged: PagedKeys,
+    ) -> KeptLaunch | None:  # fmt: skip
+        """The forward launch kept for a planned paged call with these operands (q [B, H, N, D]);
+        the CPU kernels keep none (a CheckedPagedCall then runs the full path)."""
+        del q, k_cache, v_cache, scalars, scale, paged
+        return None
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
         """The value of the name `scale` when a call gives none: the program's or 1/sqrt(D)."""

@@ -37,7 +37,7 @@ from attncc.runtime.fp8 import check_operand_dtypes, kv_descales
 from attncc.runtime.sinks import padded_rows
 
 if TYPE_CHECKING:
-    from attncc.runtime.kernel import Kernel, PackedSequences, PagedKeys
+    from attncc.runtime.kernel import KeptLaunch, Kernel, PackedSequences, PagedKeys
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -581,6 +581,85 @@ def _check_plan(
             "plan: made for (num_pages, page_size, batch, new_tokens, device) = "
             f"({', '.join(map(str, made_for))}), this call has ({', '.join(map(str, given))})"
         )
+
+
+def planned_call_key(
+    kern: Kernel,
+    plan: object,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    block_table: object,
+    cache_seqlens: object,
+    k_new: object,
+    v_new: object,
+    layout: str,
+    scale: object,
+    runtime: Mapping[str, object],
+    k_descale: object,
+    v_descale: object,
+) -> tuple | None:
+    """What decides the checks of a call given a plan: the kernel, the operands' sizes, strides,
+    dtypes and devices, the layout, the scale and the scalar inputs' values (the plan, whose
+    memo holds the `CheckedPagedCall`, is the rest). None where a call takes the full path: no
+    plan, a table or lengths beside it, runtime tensors, fp8 factors, anything but plain tensors
+    (autograd, tracing, modes, torch.func transforms)."""
+    from attncc.runtime.kernel import _plain_call, _transformed
+
+    if not isinstance(plan, PagedPlan) or block_table is not None or cache_seqlens is not None:
+        return None  # (what is wrong with them: the full path says)
+    if k_descale is not None or v_descale is not None or not all(type(x) in (int, float) for x in runtime.values()):
+        return None
+    operands = (q, k_cache, v_cache) if k_new is None and v_new is None else (q, k_cache, v_cache, k_new, v_new)
+    if not all(type(t) is torch.Tensor for t in operands) or not (scale is None or type(scale) in (int, float)):
+        return None
+    if not _plain_call(*operands) or _transformed(*operands):  # type: ignore[arg-type]
+        return None
+    described = tuple((t.shape, t.stride(), t.dtype, t.device) for t in operands)  # type: ignore[union-attr]
+    return ("checked paged call", kern.call_key, layout, scale, tuple(runtime.items()), described)
+
+
+@dataclass(frozen=True)
+class CheckedPagedCall:
+    """A call given a plan that passed every check, kept in the plan's memo under its
+    `planned_call_key`: a call repeating it (the next layer of a decoding step) appends k_new
+    and v_new and launches the forward the kernel kept for the plan (`Kernel.paged_launch`),
+    with no check, plan lookup or packing (bench/bench_host.py)."""
+
+    scale: float | None  # as checked
+    scalars: list[float]
+
+    def __call__(
+        self,
+        kern: Kernel,
+        plan: PagedPlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        layout: str,
+        return_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """The call's result, or None where the kernel kept no launch (the full path runs)."""
+        launch = self.launch(kern, plan, q, k_cache, v_cache, layout)
+        if launch is None:
+            return None
+        if plan.append_rows is not None:
+            pages, slots = plan.append_rows
+            k_cache[pages, slots] = k_new
+            v_cache[pages, slots] = v_new
+        out, lse = launch(q.transpose(1, 2) if layout == "bnhd" else q, k_cache, v_cache)
+        if layout == "bnhd":
+            out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+        return (out, lse) if return_lse else out
+
+    def launch(
+        self, kern: Kernel, plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str
+    ) -> KeptLaunch | None:
+        """The forward launch `kern` kept in the plan's memo for this call's operands, if any."""
+        q_bhnd = q.transpose(1, 2) if layout == "bnhd" else q
+        return kern.paged_launch(q_bhnd, k_cache, v_cache, self.scalars, self.scale, plan.keys)
 
 
 def paged_attention(
