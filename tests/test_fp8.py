@@ -202,6 +202,21 @@ def fp8_product_model(
     return acc * v_descale / (256 * row_sum)
 
 
+def model_mismatch(out: torch.Tensor, model: torch.Tensor) -> str | None:
+    """Why `out` does not follow the fp8 products' rounding model (`fp8_product_model`), or None.
+    Within bf16 rounding: rms 3e-3 and each element 1e-2 of max(1, |model|); but the kernel's
+    scores and exp (fp32, the hardware's approximate exp2 and accumulation order) can put a P
+    element on the other side of an e4m3 rounding boundary than the float64 model (measured on
+    the emulator: one row in 2x8x256 at M = 1024, e5m2, off by 0.025), which moves a row with
+    few keys by up to one e4m3 step (2^-3) of that key's weight: at most 0.1% of elements may
+    exceed 1e-2, none 2^-3."""
+    err = (out.double() - model).abs() / model.abs().clamp(min=1.0)
+    rms = rms_error(out, model)
+    if rms > 3e-3 or float((err > 1e-2).double().mean()) > 1e-3 or float(err.max()) > 2**-3:
+        return f"rms {rms:.2e}, elements beyond 1e-2: {int((err > 1e-2).sum())} of {err.numel()}, max {float(err.max()):.3f}"
+    return None
+
+
 def rms_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """|got - ref| / |ref| over all elements (root mean squares)."""
     return float((got.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
@@ -240,7 +255,7 @@ def test_fp8_products_follow_their_rounding_model(name: str, target: str, fmt: s
         plan = kern.plan(q, k8, None, value_dim=D)
         assert kern.takes_fp8_products(k8, torch.tensor(0.01).expand(B, Hkv, M, 1), (2,), plan)
         model = fp8_product_model(q, k8, v8, k_descale, 0.01, plan.tiles.block_cols, name == "causal")
-        assert rms_error(out, model) <= 3e-3 and _error(out, model) <= 1e-2, (B, N, M, D, rms_error(out, model))
+        assert model_mismatch(out, model) is None, (B, N, M, D, model_mismatch(out, model))
         widened = dequantised(k8, k_descale, torch.bfloat16), dequantised(v8, 0.01, torch.bfloat16)
         s = q.double() @ widened[0].repeat_interleave(H // Hkv, 1).transpose(-1, -2) / math.sqrt(D)
         if name == "causal":
