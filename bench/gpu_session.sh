@@ -6,6 +6,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 lark -d .whl          # the device image has no lark
 #   python3 bench/gpu_prebuild.py                             # .gpu/prebuilt.tar.xz: the sm90 libraries
+#   ATTNCC_GPU_DRY_RUN=1 python3 -m pytest -q tests/test_gpu.py  # the golden tests' own code, on the emulator
 # Then with the device tool:
 #   run(command="bash bench/gpu_session.sh lease", carry=[".whl", ".gpu"], timeout_s=590)
 # `lease` runs, in this order, each stage bounded so that the call returns what it measured:
