@@ -6,7 +6,8 @@ N from 512 to 16K, d 64 and 128, forward and forward+backward, for the cases ask
 and softcap against FlexAttention with the same block mask / score_mod); before them, with
 --decode, decoding (one query per sequence against M = 4K..64K keys, H = 32, d = 128: attncc's
 split-KV forward against itself unsplit (`kv_splits = 1`) and the anchors; GQA 32/8 from a
-paged cache against SDPA on the keys stored contiguously), with --serving, packed batches
+paged cache against SDPA on the keys stored contiguously; each also replayed from a CUDA graph,
+attncc's and SDPA's, which takes the host time out), with --serving, packed batches
 (`kern.varlen` against SDPA on the padded batch with its mask, 25% and 50% padding) and, with
 --fp8, fp8 K/V widened and on the fp8 tensor cores (`fp8_cases`).
 
@@ -58,6 +59,28 @@ def median_ms(fn, repeats: int, calls: int = 1) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(fn: Callable[[], object], repeats: int) -> float | str:
+    """Median time per replay of `fn` captured into a CUDA graph (no host work per call: how
+    serving stacks run decoding steps), after warm-up calls on a side stream as torch asks; or
+    why the capture failed."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(), fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return median_ms(graph.replay, repeats, 10)
+    except Exception as exc:  # (recorded in the results: the bench goes on)
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def ratio(anchor: float | str, ours: float | str) -> str:
+    return f"{anchor / ours:5.2f}x" if isinstance(anchor, float) and isinstance(ours, float) else "  n/a"
+
+
 #: The sliding_window and softcap examples' constants, for FlexAttention's block mask and score_mod.
 WINDOW, CAP = 256, 30.0
 
@@ -102,12 +125,18 @@ def step(fn, backward: bool) -> None:
         out.backward(torch.ones_like(out))
 
 
-def decode_cases(kern: attncc.Kernel, flex: Callable | None, repeats: int) -> list[dict]:
+def decode_cases(
+    kern: attncc.Kernel,
+    flex: Callable | None,
+    repeats: int,
+    batches: tuple[int, ...] = (1, 8),
+    lengths: tuple[int, ...] = (4096, 16384, 65536),
+) -> list[dict]:
     """One query token per sequence (a KV-cache step): the query tiles alone fill few SMs.
     `flex`: compiled flex_attention, or None to leave it out."""
     rows = []
-    for B in (1, 8):
-        for M in (4096, 16384, 65536):
+    for B in batches:
+        for M in lengths:
             H, D = 32, 128
             q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -118,17 +147,21 @@ def decode_cases(kern: attncc.Kernel, flex: Callable | None, repeats: int) -> li
                 unsplit = median_ms(partial(kern, q, k, v), repeats)
             finally:
                 kern.kv_splits = None
-            sdpa = median_ms(partial(F.scaled_dot_product_attention, q, k, v), repeats)  # torch picks the backend
+            sdpa_call = partial(F.scaled_dot_product_attention, q, k, v)  # torch picks the backend
+            sdpa = median_ms(sdpa_call, repeats)
+            graphed, sdpa_graphed = graph_ms(partial(kern, q, k, v), repeats), graph_ms(sdpa_call, repeats)
             rows.append(
                 {"decode": True, "B": B, "H": H, "N": 1, "M": M, "D": D, "kv_splits": splits, "attncc_ms": ours,
-                 "attncc_unsplit_ms": unsplit, "sdpa_ms": sdpa}
+                 "attncc_unsplit_ms": unsplit, "sdpa_ms": sdpa, "attncc_graph_ms": graphed, "sdpa_graph_ms": sdpa_graphed}
             )  # fmt: skip
             if flex is not None:
                 rows[-1]["flex_ms"] = median_ms(partial(flex, q, k, v), repeats)
             print(
                 f"decode B={B} M={M:5d} d={D}: attncc {ours:7.3f} ms ({splits} splits)  unsplit {unsplit / ours:5.2f}x  "
                 f"sdpa {sdpa / ours:5.2f}x"
-                + (f"  flex {rows[-1]['flex_ms'] / ours:5.2f}x" if flex is not None else ""),
+                + (f"  flex {rows[-1]['flex_ms'] / ours:5.2f}x" if flex is not None else "")
+                + f"  | CUDA graphs: attncc {graphed if isinstance(graphed, str) else f'{graphed:.3f} ms'}"
+                f"  sdpa {ratio(sdpa_graphed, graphed)}",
                 flush=True,
             )
             rows.append(paged_decode_case(kern, B, M, repeats))
@@ -148,17 +181,22 @@ def paged_decode_case(kern: attncc.Kernel, B: int, M: int, repeats: int) -> dict
     ours = median_ms(partial(kern.paged, q, k_cache, v_cache, table, lengths), repeats)
     plan = attncc.plan_paged(k_cache, table, lengths)  # once per step; each layer's call reads nothing back
     planned = median_ms(partial(kern.paged, q, k_cache, v_cache, plan=plan), repeats)
-    sdpa = median_ms(partial(F.scaled_dot_product_attention, q.transpose(1, 2), k, v, enable_gqa=True), repeats)
+    sdpa_call = partial(F.scaled_dot_product_attention, q.transpose(1, 2), k, v, enable_gqa=True)
+    sdpa = median_ms(sdpa_call, repeats)
+    graphed = graph_ms(partial(kern.paged, q, k_cache, v_cache, plan=plan), repeats)
+    sdpa_graphed = graph_ms(sdpa_call, repeats)
     print(
         f"paged decode GQA 32/8 B={B} M={M:5d} d={D}: attncc {ours:7.3f} ms (with a plan {planned:7.3f} ms)  "
-        f"sdpa (contiguous) {sdpa / ours:5.2f}x ({sdpa / planned:5.2f}x planned)",
+        f"sdpa (contiguous) {sdpa / ours:5.2f}x ({sdpa / planned:5.2f}x planned)  | CUDA graphs: attncc "
+        f"{graphed if isinstance(graphed, str) else f'{graphed:.3f} ms'}  sdpa {ratio(sdpa_graphed, graphed)}",
         flush=True,
     )
     return {"paged_decode": True, "B": B, "H": H, "Hkv": Hkv, "N": 1, "M": M, "D": D, "page_size": page,
-            "attncc_ms": ours, "attncc_planned_ms": planned, "sdpa_contiguous_ms": sdpa}  # fmt: skip
+            "attncc_ms": ours, "attncc_planned_ms": planned, "sdpa_contiguous_ms": sdpa,
+            "attncc_planned_graph_ms": graphed, "sdpa_contiguous_graph_ms": sdpa_graphed}  # fmt: skip
 
 
-def fp8_cases(repeats: int) -> list[dict]:
+def fp8_cases(repeats: int, sizes: tuple[int, ...] = (4096, 16384), batch: int | None = None) -> list[dict]:
     """Issue 12's fp8 K/V forward on the GPU: e4m3 K/V with a factor per token (k) and per kv head
     (v), bf16 q, dense, H=16 d=128, N = M = 4K and 16K: widened into bf16 tiles, on the fp8
     tensor cores (`fp8_mma`, sm89/sm90), the bf16 call, and SDPA-flash on bf16 K/V."""
@@ -167,8 +205,8 @@ def fp8_cases(repeats: int) -> list[dict]:
     rows = []
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda")
     H, D = 16, 128
-    for N in (4096, 16384):
-        B = max(1, 16384 // N)
+    for N in sizes:
+        B = batch or max(1, 16384 // N)
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         k_descale = k.float().abs().amax(-1) / 448
         v_descale = v.float().abs().amax((-1, -2), keepdim=True).squeeze(-1) / 448
@@ -197,14 +235,14 @@ def fp8_cases(repeats: int) -> list[dict]:
     return rows
 
 
-def serving_cases(repeats: int) -> list[dict]:
+def serving_cases(repeats: int, batch: int = 8, longest: int = 4096) -> list[dict]:
     """Issue 11's packed batches on the GPU: `kern.varlen` against SDPA on the padded batch with
     its padding mask (and against attncc's padded call), 8 sequences up to 4096 tokens at 25%
     and 50% padding, H=16 d=128 bf16, dense and causal, forward and forward+backward."""
     from bench.bench_cpu import padded_lengths
 
     rows = []
-    H, D, batch, longest = 16, 128, 8, 4096
+    H, D = 16, 128
     for program, causal in (("vanilla", False), ("causal", True)):
         kern = attncc.compile(ROOT / "examples" / f"{program}.attn", target="cuda")
         for padding in (0.25, 0.5):

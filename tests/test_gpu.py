@@ -314,6 +314,65 @@ def test_gpu_fp8_products_follow_their_rounding_model(name: str, fmt: str) -> No
         assert model_mismatch(out, model) is None, (N, M, D, model_mismatch(out, model))
 
 
+@pytest.mark.skipif(DRY_RUN, reason="CUDA graphs need a GPU")
+def test_gpu_decoding_steps_capture_into_a_cuda_graph() -> None:
+    """Serving stacks capture a decoding step into a CUDA graph to take the host time out: after
+    a warm-up call (which keeps the launch), padded GQA decoding and a planned paged call that
+    appends a token are captured, and replays with new values in the captured buffers give the
+    eager calls' outputs (the launches go to torch's current stream, the capture's)."""
+    gen = torch.Generator().manual_seed(21)
+    kern = attncc.compile(ROOT / "examples" / "causal.attn", target="cuda")
+    paged_kern = attncc.compile(
+        "attention bottom_right\ns = q @ k.T * scale\nmask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n",
+        target="cuda",
+    )
+    B, H, Hkv, D, M, page = 4, 16, 4, 128, 1000, 16
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).bfloat16().cuda()
+
+    q, k, v = bf16(B, H, 1, D), bf16(B, Hkv, M, D), bf16(B, Hkv, M, D)
+    pages = B * (M // page + 2)
+    k_cache, v_cache = bf16(pages, page, Hkv, D), bf16(pages, page, Hkv, D)
+    table = torch.randperm(pages, generator=gen).view(B, -1).int().cuda()
+    lengths = torch.tensor([M - 1 - 37 * b for b in range(B)], dtype=torch.int32).cuda()
+    plan = attncc.plan_paged(k_cache, table, lengths, new_tokens=1)
+    q_paged, k_new, v_new = bf16(B, 1, H, D), bf16(B, 1, Hkv, D), bf16(B, 1, Hkv, D)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return kern(q, k, v), paged_kern.paged(q_paged, k_cache, v_cache, plan=plan, k_new=k_new, v_new=v_new)
+
+    step()  # warm-up: plans, prepared calls and kept launches
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):
+        for t in (q, q_paged, k_new, v_new):
+            t.copy_(bf16(*t.shape))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        assert all(torch.equal(c, e) for c, e in zip(captured, eager))
+
+
+@pytest.mark.skipif(not DRY_RUN, reason="on a GPU the lease runs the benchmark itself")
+def test_gpu_benchmark_sections_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/bench_cuda.py's decoding (padded, paged, CUDA graphs), fp8 and packed-batch
+    sections at tiny sizes, their timers stubbed: a lease must not lose its minutes to a fault in
+    the benchmark's own code (each section ran first on a GPU after it was written)."""
+    import bench.bench_cuda as bench
+
+    monkeypatch.setattr(bench, "median_ms", lambda fn, repeats, calls=1: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "graph_ms", lambda fn, repeats: (fn(), 0.5)[1])
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda")
+    rows = bench.decode_cases(kern, None, 1, batches=(2,), lengths=(48,))  # (M: whole pages)
+    rows += bench.fp8_cases(1, sizes=(48,), batch=1)
+    rows += bench.serving_cases(1, batch=2, longest=32)
+    assert len(rows) == 2 + 1 + 8 and all(row.get("attncc_ms", 1.0) == 1.0 for row in rows)
+    assert rows[0]["attncc_graph_ms"] == 0.5 and rows[1]["attncc_planned_graph_ms"] == 0.5
+
+
 #: Context-parallel jobs on the GPU kernels (fp32 inputs in bf16 tiles: each pair's output is
 #: rounded to bf16 before the merge, hence the bf16 tolerance).
 GPU_CONTEXT_PARALLEL_JOBS = [
