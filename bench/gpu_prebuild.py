@@ -3,7 +3,7 @@ them for `carry`: a lease's 15 minutes then go to running kernels, not to nvcc.
 
 Covers `bash bench/gpu_session.sh lease`: the golden tests (tests/test_gpu.py: every example in
 fp16 and bf16 at head dims 64, 128 and 256; Dv != D, rope, fp8 K/V and fp8 products at the
-shapes the tests import), the benchmark (warps of 16 and 32 rows, fp8) and the decoding sweep.
+shapes the tests import; paged calls, CUDA graphs, the context-parallel ring), the benchmark (warps of 16 and 32 rows, fp8) and the decoding sweep.
 A library left out is built on the GPU machine as before. The keys are the ones a GPU
 machine's `attncc.compile(..., target="cuda")` looks for on an H100 or H200 (sm90), whatever
 its torch build (attncc.runtime.build.portable_key).
@@ -47,9 +47,12 @@ def example(name: str) -> Path:
 def lease_builds() -> list[Callable[[], object]]:
     """One thunk per library (the same library listed twice builds once)."""
     from tests.conftest import EXAMPLES
+    from tests.test_context_parallel import program as context_parallel_program
     from tests.test_fp8 import EMULATED_SHAPES as FP8_SHAPES
+    from tests.test_gpu import GPU_CONTEXT_PARALLEL_JOBS
     from tests.test_rope import CASES as ROPE_CASES
     from tests.test_rope import program as rope_program
+    from tests.test_serving import BOTTOM_RIGHT_CAUSAL
     from tests.test_value_head_dim import EMULATED_SHAPES as VALUE_DIM_SHAPES
 
     fp16, bf16 = torch.float16, torch.bfloat16
@@ -78,6 +81,11 @@ def lease_builds() -> list[Callable[[], object]]:
         prebuild(kernel(example(name), warp_rows=32), [bf16], [64, 128])
     for tiles in ((64, 32), (64, 64), (32, 64), (16, 64)):  # the sweeps' overrides
         prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
+    prebuild(kernel(BOTTOM_RIGHT_CAUSAL), [bf16], [128])  # paged decoding and prefill, CUDA graphs
+    for job in GPU_CONTEXT_PARALLEL_JOBS:  # the ring on one GPU: each chunk pair's kernel, and the whole call's
+        whole = kernel(context_parallel_program(job["name"]))
+        for kern in (whole, whole.at_global_positions()):
+            builds.append(lambda kern=kern, job=job: kern.library_path_for("bfloat16", job["D"], job["Dv"]))
     return builds
 
 

@@ -29,6 +29,7 @@ from tests.test_independent_references import CASES, assert_within, draw, learna
 from tests.test_rope import CASES as ROPE_CASES
 from tests.test_rope import program
 from tests.test_serving import (
+    BOTTOM_RIGHT_CAUSAL,
     four_sequences,
     grads_of,
     leaf64,
@@ -181,7 +182,7 @@ def test_gpu_paged_decode_and_prefill_with_appended_keys(page_size: int, queries
     k_new, v_new = (torch.randn(B, queries, Hkv, D, generator=gen).bfloat16() for _ in range(2))
     before = k_cache.clone(), v_cache.clone()
     kern = attncc.compile(
-        "attention bottom_right\ns = q @ k.T * scale\nmask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n",
+        BOTTOM_RIGHT_CAUSAL,
         target="cuda",
     )
     caches = [c.cuda() for c in (k_cache, v_cache)]
@@ -323,7 +324,7 @@ def test_gpu_decoding_steps_capture_into_a_cuda_graph() -> None:
     gen = torch.Generator().manual_seed(21)
     kern = attncc.compile(ROOT / "examples" / "causal.attn", target="cuda")
     paged_kern = attncc.compile(
-        "attention bottom_right\ns = q @ k.T * scale\nmask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n",
+        BOTTOM_RIGHT_CAUSAL,
         target="cuda",
     )
     B, H, Hkv, D, M, page = 4, 16, 4, 128, 1000, 16
