@@ -843,3 +843,26 @@ def test_a_repeated_planned_paged_call_skips_its_checks(monkeypatch: pytest.Monk
             kern.paged(q, k_cache, v_cache, plan=plan, k_new=k_new.half(), v_new=v_new.half())
         with pytest.raises(attncc.InputError, match="give neither"):
             kern.paged(q, k_cache, v_cache, table, plan=plan, k_new=k_new, v_new=v_new)
+
+
+def test_a_kept_launch_follows_the_kernels_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kern.kv_splits = 1` after a split decoding launch was kept (how bench_cuda.py times the
+    unsplit forward and sweep_tiles_cuda.py each split count) launches unsplit; back to None,
+    the kept split launch again. Outputs as a fresh kernel's with the same setting."""
+    from attncc.runtime.kernel import KeptLaunch
+
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm80", emulate=True)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 8, n, 32, generator=gen).bfloat16() for n in (1, 3000, 3000))
+    assert kern.plan(q, k, None).kv_splits > 1
+    used: list[bool] = []  # whether each kept launch taken was a split one
+    call = KeptLaunch.__call__
+    monkeypatch.setattr(
+        KeptLaunch, "__call__", lambda self, *a: (used.append(self.partial_shapes is not None), call(self, *a))[1]
+    )
+    for splits in (None, None, 1, 1, None):
+        kern.kv_splits = splits
+        fresh = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm80", emulate=True)
+        fresh.kv_splits = splits
+        assert torch.equal(kern(q, k, v), fresh(q, k, v)), splits
+    assert used == [True, False, True]  # second of each run of equal settings: kept (split, unsplit, split)

@@ -443,8 +443,9 @@ class Kernel:
         seed: int | None,
     ) -> tuple | None:
         """What decides a plain call's packed launch and the outcome of its checks: the
-        operands' sizes, strides, dtypes and devices, the scale, the scalar inputs' values and
-        torch's thread count. None where a call cannot repeat a packed launch: a forward
+        operands' sizes, strides, dtypes and devices, the scale, the scalar inputs' values,
+        torch's thread count and the kernel's settings (`kern.kv_splits = 1` after a split
+        launch was kept must launch unsplit). None where a call cannot repeat a packed launch: a forward
         implementation that keeps none (`_keeps_launches`), sinks and runtime tensors (their values and addresses change),
         dropout (a fresh seed per call), and calls that the op must see or that are not plain
         tensors (`_plain_call`, torch.func transforms, forward-mode AD)."""
@@ -465,6 +466,7 @@ class Kernel:
         return (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, k.device, v.device, scale, tuple(runtime.items()), torch.get_num_threads(),
+            tuple(getattr(self, name, None) for name in ROW_VARIANT_SETTINGS),
         )  # fmt: skip
 
     def _keeps_launches(self) -> bool:
