@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -36,32 +37,47 @@ def main() -> None:
     args = parser.parse_args()
     if args.decode:
         decode_splits()
-        return
+    else:
+        forward_tiles(args.dims)
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (tests/test_gpu.py's dry run)"
+
+
+def forward_tiles(dims: list[int], B: int = 4, H: int = 16, N: int = 4096) -> None:
+    """The dense bf16 forward at each layout: the roofline's tiles and the overrides, warps of
+    16 and 32 rows."""
     program = ROOT / "examples" / "vanilla.attn"
-    layouts = [(None, 16), (64, 32), (64, 64), (32, 64), (None, 32)]  # (tiles override, rows per warp)
-    variants = {(d, tiles, rows): None for d in args.dims for tiles, rows in layouts}
+    layouts = [(None, 16), ((64, 32), 16), ((64, 64), 16), ((32, 64), 16), (None, 32)]  # (tiles override, rows per warp)
+    variants = {(d, tiles, rows): None for d in dims for tiles, rows in layouts}
     kernels = {key: attncc.compile(program, target="cuda", tiles=key[1], warp_rows=key[2]) for key in variants}
     with ThreadPoolExecutor(16) as pool:  # nvcc is single-threaded: build every variant at once
         list(pool.map(lambda key: kernels[key].library_path_for("bfloat16", key[0]), kernels))
-    print(f"{torch.cuda.get_device_name()}: dense bf16 forward, B=4 H=16 N=4096", flush=True)
+    print(f"{device_name()}: dense bf16 forward, B={B} H={H} N={N}", flush=True)
     for (d, tiles, _), kern in kernels.items():
-        q, k, v = (torch.randn(4, 16, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         plan = kern.plan(q, k, None).tiles
         ms = median_ms(partial(kern, q, k, v), 15, 5)
-        flops = 4 * 4 * 16 * 4096 * 4096 * d
+        flops = 4 * B * H * N * N * d
         label = "roofline" if tiles is None else "override"
         print(f"d={d:3d} {label:8s} Br={plan.block_rows:3d} Bc={plan.block_cols:3d} warps={plan.warps} "
               f"rows/warp={plan.warp_rows}: "
               f"{ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)  # fmt: skip
 
 
-def decode_splits() -> None:
+def decode_splits(
+    shapes: Iterable[tuple[tuple[int, int], int, int]] = itertools.product(((32, 32), (32, 8)), (1, 8), (16384, 65536)),
+    splits_tried: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+) -> None:
+    """Decoding, one query, d=128 at each ((H, Hkv), B, M) of `shapes`: SDPA, then each tile
+    plan at every split count and at its chosen one."""
     program = ROOT / "examples" / "vanilla.attn"
     kernels = {tiles: attncc.compile(program, target="cuda", tiles=tiles) for tiles in (None, (64, 64), (16, 64))}
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda kern: kern.library_path_for("bfloat16", 128), kernels.values()))
-    print(f"{torch.cuda.get_device_name()}: bf16 decoding, one query, d=128; ms per call (splits)", flush=True)
-    for (H, Hkv), B, M in itertools.product(((32, 32), (32, 8)), (1, 8), (16384, 65536)):
+    print(f"{device_name()}: bf16 decoding, one query, d=128; ms per call (splits)", flush=True)
+    for (H, Hkv), B, M in shapes:
         q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, Hkv, M, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         sdpa = median_ms(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=Hkv < H), 15, 5)
@@ -70,7 +86,7 @@ def decode_splits() -> None:
             rows = q.view(B, Hkv, H // Hkv, 128)  # as the forward runs it (a group's heads as rows)
             chosen = kern.plan(rows, k, None)
             times = []
-            for splits in (1, 2, 4, 8, 16, 32, 64):
+            for splits in splits_tried:
                 kern.kv_splits = splits
                 times.append(f"{median_ms(partial(kern, q, k, v), 15, 5):.3f} ({splits})")
             kern.kv_splits = None

@@ -360,7 +360,7 @@ def test_gpu_decoding_steps_capture_into_a_cuda_graph() -> None:
 @pytest.mark.skipif(not DRY_RUN, reason="on a GPU the lease runs the benchmark itself")
 def test_gpu_benchmark_sections_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/bench_cuda.py's decoding (padded, paged, CUDA graphs), fp8 and packed-batch
-    sections at tiny sizes, their timers stubbed: a lease must not lose its minutes to a fault in
+    sections and bench/sweep_tiles_cuda.py's sweeps at tiny sizes, their timers stubbed: a lease must not lose its minutes to a fault in
     the benchmark's own code (each section ran first on a GPU after it was written)."""
     import bench.bench_cuda as bench
 
@@ -372,6 +372,11 @@ def test_gpu_benchmark_sections_run(monkeypatch: pytest.MonkeyPatch) -> None:
     rows += bench.serving_cases(1, batch=2, longest=32)
     assert len(rows) == 2 + 1 + 8 and all(row.get("attncc_ms", 1.0) == 1.0 for row in rows)
     assert rows[0]["attncc_graph_ms"] == 0.5 and rows[1]["attncc_planned_graph_ms"] == 0.5
+    import bench.sweep_tiles_cuda as sweep
+
+    monkeypatch.setattr(sweep, "median_ms", lambda fn, repeats, calls=1: (fn(), 1.0)[1])
+    sweep.decode_splits([((8, 2), 1, 48)], splits_tried=(1, 2))
+    sweep.forward_tiles([64], B=1, H=1, N=64)
 
 
 #: Context-parallel jobs on the GPU kernels (fp32 inputs in bf16 tiles: each pair's output is
