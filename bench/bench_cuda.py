@@ -294,6 +294,8 @@ def main() -> None:
     parser.add_argument(
         "--no-flex", action="store_true", help="leave FlexAttention out (its compiles take a short lease's minutes)"
     )
+    parser.add_argument("--tokens", type=int, default=16384, help="B x N of each grid case")
+    parser.add_argument("--width", type=int, default=2048, help="H x D of each grid case")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
@@ -339,7 +341,7 @@ def main() -> None:
 
     for D in args.dims:
         for N in args.sizes:
-            B, H = max(1, 16384 // N), 2048 // D
+            B, H = max(1, args.tokens // N), args.width // D
             for case in args.cases:
                 if time.monotonic() - began > args.budget_s:
                     print(f"budget of {args.budget_s:.0f} s reached: the remaining cases were not run", flush=True)

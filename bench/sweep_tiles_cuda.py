@@ -49,7 +49,13 @@ def forward_tiles(dims: list[int], B: int = 4, H: int = 16, N: int = 4096) -> No
     """The dense bf16 forward at each layout: the roofline's tiles and the overrides, warps of
     16 and 32 rows."""
     program = ROOT / "examples" / "vanilla.attn"
-    layouts = [(None, 16), ((64, 32), 16), ((64, 64), 16), ((32, 64), 16), (None, 32)]  # (tiles override, rows per warp)
+    layouts = [
+        (None, 16),
+        ((64, 32), 16),
+        ((64, 64), 16),
+        ((32, 64), 16),
+        (None, 32),
+    ]  # (tiles override, rows per warp)
     variants = {(d, tiles, rows): None for d in dims for tiles, rows in layouts}
     kernels = {key: attncc.compile(program, target="cuda", tiles=key[1], warp_rows=key[2]) for key in variants}
     with ThreadPoolExecutor(16) as pool:  # nvcc is single-threaded: build every variant at once

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -377,6 +378,12 @@ def test_gpu_benchmark_sections_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sweep, "median_ms", lambda fn, repeats, calls=1: (fn(), 1.0)[1])
     sweep.decode_splits([((8, 2), 1, 48)], splits_tried=(1, 2))
     sweep.forward_tiles([64], B=1, H=1, N=64)
+    # the grid of bench_cuda.main as the lease runs it (dense and causal, warps of 16 and 32 rows)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "no GPU (dry run)")
+    argv = ["bench_cuda.py", "--dims", "64", "--sizes", "64", "--tokens", "64", "--width", "128", "--no-flex"]
+    argv += ["--warp-rows", "16", "32", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
 
 
 #: Context-parallel jobs on the GPU kernels (fp32 inputs in bf16 tiles: each pair's output is
