@@ -601,9 +601,8 @@ class Kernel:
             layout=layout, return_lse=return_lse, scale=scale, runtime=runtime,
             k_descale=k_descale, v_descale=v_descale, plan=plan,
         )  # fmt: skip
-        if key is not None and isinstance(
-            plan, PagedPlan
-        ):  # every check passed: repeats skip them, where a launch was kept
+        # every check passed: calls repeating this one skip them, where the kernel kept a launch
+        if key is not None and isinstance(plan, PagedPlan):
             scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
             checked = CheckedPagedCall(checked_scale(scale), scalars)
             if checked.launch(self, plan, q, k_cache, v_cache, layout) is not None:
