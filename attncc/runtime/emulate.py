@@ -330,17 +330,19 @@ class EmulatedKernel(Kernel):
         """The launch forward_impl kept for this checked call (if it kept one), also under the
         call's `_repeat_key`: a call repeating it skips the checks too, not only the plan and
         packing."""
-        launch = self._repeats.get(self.launch_key(q, k, v, [], scalars, scale, 0.0, None, None, None, None))
+        launch = self.kept_launch(q, k, v, scalars, scale)
         if launch is not None:
             self._keep_repeat(key, launch)
 
-    def paged_launch(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scalars: list[float],
-        scale: float | None, paged: PagedKeys,
+    def kept_launch(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: list[float], scale: float | None,
+        paged: PagedKeys | None = None,
     ) -> KeptLaunch | None:  # fmt: skip
-        """The launch forward_impl kept in the plan's memo for these operands, if any."""
-        key = self.launch_key(q, k_cache, v_cache, [], scalars, scale, 0.0, paged, None, None, None)
-        return None if key is None else paged.prepared.get(key)
+        """The launch forward_impl kept for these operands (a plain call's, or in the plan's
+        memo a planned paged call's), if any."""
+        key = self.launch_key(q, k, v, [], scalars, scale, 0.0, paged, None, None, None)
+        launches = self._repeats if paged is None else paged.prepared
+        return None if key is None or launches is None else launches.get(key)
 
     def launch_key(
         self,

@@ -609,13 +609,14 @@ class Kernel:
                 memo[key] = checked
         return result
 
-    def paged_launch(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scalars: list[float],
-        scale: float | None, paged: PagedKeys,
+    def kept_launch(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: list[float], scale: float | None,
+        paged: PagedKeys | None = None,
     ) -> KeptLaunch | None:  # fmt: skip
-        """The forward launch kept for a planned paged call with these operands (q [B, H, N, D]);
-        the CPU kernels keep none (a CheckedPagedCall then runs the full path)."""
-        del q, k_cache, v_cache, scalars, scale, paged
+        """The forward launch the forward kept for these operands (q [B, H, N, D]; with `paged`,
+        k and v the caches of a planned call), if any: the CPU forward keeps launches by call
+        (`_remember_repeat`), none by operands, so a CheckedPagedCall runs the full path."""
+        del q, k, v, scalars, scale, paged
         return None
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:

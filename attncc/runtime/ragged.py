@@ -623,7 +623,7 @@ def planned_call_key(
 class CheckedPagedCall:
     """A call given a plan that passed every check, kept in the plan's memo under its
     `planned_call_key`: a call repeating it (the next layer of a decoding step) appends k_new
-    and v_new and launches the forward the kernel kept for the plan (`Kernel.paged_launch`),
+    and v_new and launches the forward the kernel kept for the plan (`Kernel.kept_launch`),
     with no check, plan lookup or packing (bench/bench_host.py)."""
 
     scale: float | None  # as checked
@@ -650,16 +650,14 @@ class CheckedPagedCall:
             k_cache[pages, slots] = k_new
             v_cache[pages, slots] = v_new
         out, lse = launch(q.transpose(1, 2) if layout == "bnhd" else q, k_cache, v_cache)
-        if layout == "bnhd":
-            out, lse = out.transpose(1, 2), lse.transpose(1, 2)
-        return (out, lse) if return_lse else out
+        return _in_layout(out, lse, layout, return_lse)
 
     def launch(
         self, kern: Kernel, plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str
     ) -> KeptLaunch | None:
         """The forward launch `kern` kept in the plan's memo for this call's operands, if any."""
         q_bhnd = q.transpose(1, 2) if layout == "bnhd" else q
-        return kern.paged_launch(q_bhnd, k_cache, v_cache, self.scalars, self.scale, plan.keys)
+        return kern.kept_launch(q_bhnd, k_cache, v_cache, self.scalars, self.scale, plan.keys)
 
 
 def paged_attention(
@@ -765,6 +763,13 @@ def paged_attention(
             tensors, scalars, scale, sink, descale.get("k_descale"), descale.get("v_descale"),
             "" if plan is None else plan.key,
         )  # fmt: skip
+    return _in_layout(out, lse, layout, return_lse)
+
+
+def _in_layout(
+    out: torch.Tensor, lse: torch.Tensor, layout: str, return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A paged call's result: out and lse [B, H, N, ...] in the call's layout, lse if asked."""
     if layout == "bnhd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if return_lse else out
