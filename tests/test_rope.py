@@ -270,6 +270,19 @@ def test_paged_decoding_rotates_the_queries_at_their_positions(backend: str) -> 
         )
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_kernels_tables_live_on_the_operands_device(case: int) -> None:
+    """The tables are kernel operands: on an H200 (session 23) they were built on the CPU, so a
+    position reading start[b] on the GPU stopped, and one reading none would have handed a GPU
+    kernel host pointers. The meta device stands in for a GPU here."""
+    label, q_args, k_args, _ = CASES[case]
+    kern = attncc.compile(program(label, q_args, k_args))
+    q, k = torch.empty(2, 4, 5, 40, device="meta"), torch.empty(2, 2, 9, 40, device="meta")
+    tables, _ = kern.rope_buffers(q, k, [torch.zeros(2, dtype=torch.int64, device="meta")], [])
+    assert sorted(tables) == ["k_cos", "k_sin", "q_cos", "q_sin"]
+    assert all(table.device == q.device for table in tables.values())
+
+
 def test_rotated_dims_beyond_the_head_dim_are_named() -> None:
     kern = attncc.compile(program("wide", "dims=48", "dims=48"))
     q, k, v, _ = leaves()

@@ -399,7 +399,12 @@ class Kernel:
             if spec is None:
                 continue
             rows = x.shape[2]
-            index = {"b": torch.arange(B).view(-1, 1), "i" if name == "q" else "j": torch.arange(rows).view(1, -1)}
+            # on x's device: the tables are the kernel's operands (a CPU table for a GPU kernel
+            # is a host pointer), and a position may read an input there (start[b])
+            index = {
+                "b": torch.arange(B, device=x.device).view(-1, 1),
+                "i" if name == "q" else "j": torch.arange(rows, device=x.device).view(1, -1),
+            }
             cos, sin = rope_tables(spec, index, sizes, scalar_map, tensor_map, x.shape[3], acc_dtype(q.dtype))
             shape = (*torch.broadcast_shapes(cos.shape[:-1], (1, rows)), cos.shape[-1])
             cos, sin = cos.expand(shape).contiguous(), sin.expand(shape).contiguous()
