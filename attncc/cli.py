@@ -21,7 +21,7 @@ from attncc.ir.graph import fused_node
 from attncc.ir.ops import FusedAttention
 from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
-from attncc.passes.tiling import TilePlan, choose_kv_splits, split_kv_blocks
+from attncc.passes.tiling import GPU_SHORT_QUERY_ROWS, TilePlan, choose_kv_splits, resident_blocks, split_kv_blocks
 from attncc.runtime.check import check
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
@@ -169,12 +169,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 f"// GQA decoding on {args.target}: each group's {group} query heads run as the rows of one head "
                 f"(fold_query_heads: q as [B, Hkv, {group} N, D]), so each K/V tile is read once per group"
             )
-        query_blocks, key_tiles = split_kv_blocks(shape.B, heads, rows, shape.M, op.tiling.for_head_dim(shape.D))
-        sms = GPUS[args.target].multiprocessors
-        splits = choose_kv_splits(query_blocks, key_tiles, sms)
+        tiling = op.tiling.for_short_queries() if rows <= GPU_SHORT_QUERY_ROWS else op.tiling
+        forward = tiling.for_head_dim(shape.D)
+        query_blocks, key_tiles = split_kv_blocks(shape.B, heads, rows, shape.M, forward)
+        sms, resident = GPUS[args.target].multiprocessors, resident_blocks(forward, GPUS[args.target])
+        splits = choose_kv_splits(query_blocks, key_tiles, sms * resident)
         print(
-            f"// split-KV on {args.target} ({sms} SMs): {query_blocks} query blocks, {key_tiles} key tiles: "
-            f"{splits} block(s) per query tile"
+            f"// split-KV on {args.target} ({sms} SMs x {resident} resident blocks of {forward.block_rows} x "
+            f"{forward.block_cols}): {query_blocks} query blocks, {key_tiles} key tiles: {splits} block(s) per query tile"
         )
     if args.context_parallel:
         explain_context_parallel(kern, shape, args.context_parallel, runtime)

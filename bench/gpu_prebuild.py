@@ -62,29 +62,36 @@ def lease_builds() -> list[Callable[[], object]]:
     def prebuild(kern: GpuKernel, dtypes: list[torch.dtype], dims: list[int], kv: list[torch.dtype] = ()) -> None:
         builds.extend(lambda d=d, t=t: kern.prebuild([t], [d], kv) for t in dtypes for d in dims)
 
+    def with_short_queries(kern: GpuKernel) -> list[GpuKernel]:
+        """`kern` and the forward its calls of few query rows run (GpuKernel.for_rows)."""
+        return [kern, kern.for_short_queries()]
+
     for name in EXAMPLES:  # test_gpu_forward_backward_match_fp64
         prebuild(kernel(example(name)), [fp16, bf16], [64, 128, 256])
     for name in ("alibi", "gpt2", "document"):  # Dv != D
-        kern = kernel(example(name))
-        builds.extend(lambda kern=kern, s=s: kern.library_path_for("bfloat16", s.D, s.Dv) for s in VALUE_DIM_SHAPES)
+        for kern in with_short_queries(kernel(example(name))):
+            builds.extend(lambda kern=kern, s=s: kern.library_path_for("bfloat16", s.D, s.Dv) for s in VALUE_DIM_SHAPES)
     for label, q_args, k_args, _ in ROPE_CASES:
-        prebuild(kernel(rope_program(label, q_args, k_args)), [bf16], [64, 128])
+        for kern in with_short_queries(kernel(rope_program(label, q_args, k_args))):
+            prebuild(kern, [bf16], [64, 128])
     for name in ("alibi", "gpt_oss"):  # fp8 K/V widened
-        kern = kernel(example(name))
-        for s in FP8_SHAPES:
-            for fmt in ("float8_e4m3fn", "float8_e5m2"):
-                builds.append(lambda kern=kern, s=s, fmt=fmt: kern.library_path_for(f"bfloat16+{fmt}", s.D, s.Dv))
+        for kern in with_short_queries(kernel(example(name))):
+            for s in FP8_SHAPES:
+                for fmt in ("float8_e4m3fn", "float8_e5m2"):
+                    builds.append(lambda kern=kern, s=s, fmt=fmt: kern.library_path_for(f"bfloat16+{fmt}", s.D, s.Dv))
     for name in ("vanilla", "causal"):  # fp8 products (tests, bench); warps of 32 rows (bench)
         kern = kernel(example(name))
         kern.fp8_mma = True
-        prebuild(kern, [bf16], [64, 128], fp8)
+        for each in with_short_queries(kern):
+            prebuild(each, [bf16], [64, 128], fp8)
         prebuild(kernel(example(name), warp_rows=32), [bf16], [64, 128])
     for tiles in ((64, 32), (64, 64), (32, 64), (16, 64)):  # the sweeps' overrides
         prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
-    prebuild(kernel(BOTTOM_RIGHT_CAUSAL), [bf16], [128])  # paged decoding and prefill, CUDA graphs
+    for kern in with_short_queries(kernel(BOTTOM_RIGHT_CAUSAL)):  # paged decoding and prefill, CUDA graphs
+        prebuild(kern, [bf16], [128])
     for job in GPU_CONTEXT_PARALLEL_JOBS:  # the ring on one GPU: each chunk pair's kernel, and the whole call's
         whole = kernel(context_parallel_program(job["name"]))
-        for kern in (whole, whole.at_global_positions()):
+        for kern in (*with_short_queries(whole), *with_short_queries(whole.at_global_positions())):
             builds.append(lambda kern=kern, job=job: kern.library_path_for("bfloat16", job["D"], job["Dv"]))
     return builds
 

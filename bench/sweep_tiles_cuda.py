@@ -79,9 +79,15 @@ def decode_splits(
     """Decoding, one query, d=128 at each ((H, Hkv), B, M) of `shapes`: SDPA, then each tile
     plan at every split count and at its chosen one."""
     program = ROOT / "examples" / "vanilla.attn"
-    kernels = {tiles: attncc.compile(program, target="cuda", tiles=tiles) for tiles in (None, (64, 64), (16, 64))}
+    # the plan's forward (128 rows) as it ran before short-query tiles, the default (64 rows
+    # for calls of at most 64: Kernel.for_short_queries) and 16 rows
+    kernels = {
+        tiles: attncc.compile(program, target="cuda", tiles=None if tiles == "plan" else tiles)
+        for tiles in ("plan", None, (16, 64))
+    }
+    kernels["plan"].short_query_tiles = False
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda kern: kern.library_path_for("bfloat16", 128), kernels.values()))
+        list(pool.map(lambda kern: kern.for_rows(1, 128).library_path_for("bfloat16", 128), kernels.values()))
     print(f"{device_name()}: bf16 decoding, one query, d=128; ms per call (splits)", flush=True)
     for (H, Hkv), B, M in shapes:
         q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
@@ -90,7 +96,7 @@ def decode_splits(
         print(f"H={H} Hkv={Hkv} B={B} M={M:5d}: sdpa {sdpa:.3f}", flush=True)
         for kern in kernels.values():
             rows = q.view(B, Hkv, H // Hkv, 128)  # as the forward runs it (a group's heads as rows)
-            chosen = kern.plan(rows, k, None)
+            chosen = kern.for_rows(H // Hkv, 128).plan(rows, k, None)
             times = []
             for splits in splits_tried:
                 kern.kv_splits = splits

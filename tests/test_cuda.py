@@ -862,3 +862,65 @@ def test_gqa_decoding_runs_a_groups_query_heads_as_one_heads_rows(
         want_out, want_lse = kern.reference(q.double(), k.double(), v.double(), train=False, **exact)
         torch.testing.assert_close(folded[0].double(), want_out, atol=3e-2, rtol=0)
         torch.testing.assert_close(folded[1].double(), want_lse, atol=1e-2, rtol=0)  # rope: bf16 rotated rows
+
+
+#: H200 decoding sweep (session 23, bench/results/cuda-h200-session23/sweep-decode.log), bf16
+#: d=128, one query: ((H, Hkv), B, M) -> the fastest (Br, splits) the sweep timed and its ms.
+#: The sweep timed Br = 128 (the plan's), 64 and 16 at 1..64 splits.
+H200_FASTEST_DECODING = {
+    ((32, 32), 1, 16384): ((64, 8), 0.139),
+    ((32, 32), 1, 65536): ((64, 8), 0.446),
+    ((32, 32), 8, 16384): ((64, 1), 0.855),
+    ((32, 32), 8, 65536): ((64, 1), 3.360),
+    ((32, 8), 1, 16384): ((64, 32), 0.075),  # 16 splits: 0.074
+    ((32, 8), 1, 65536): ((64, 32), 0.159),
+    ((32, 8), 8, 16384): ((64, 4), 0.259),
+    ((32, 8), 8, 65536): ((64, 4), 0.895),
+}
+
+
+@pytest.mark.parametrize(("heads", "B", "M"), list(H200_FASTEST_DECODING))
+def test_gpu_decoding_takes_the_tiles_and_splits_the_h200_ran_fastest(heads: tuple[int, int], B: int, M: int) -> None:
+    """What a GPU forward (GpuKernel: short_query_tiles on) plans for a decoding step on sm90
+    (132 SMs, as the H200): the 64-row forward and the split count that fills its 2 resident
+    blocks per SM, the configuration the sweep timed fastest. Planted faults this catches:
+    splits for one block per SM (4 where 8 ran fastest), Br = 128 kept for one-query calls."""
+    H, Hkv = heads
+    kern = emulated("vanilla", "sm90")
+    q = torch.empty(B, H, 1, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(B, Hkv, M, 128, device="meta", dtype=torch.bfloat16)
+    group = kern.query_head_group(q, Hkv, 128, 0.0, None)
+    folded = kern.with_folded_query_heads() if group > 1 else kern
+    rows = q.view(B, Hkv, group, 128) if group > 1 else q
+    plan = folded.for_short_queries().plan(rows, k, None)
+    (expected_rows, expected_splits), _ = H200_FASTEST_DECODING[(heads, B, M)]
+    assert (plan.tiles.block_rows, plan.kv_splits) == (expected_rows, expected_splits)
+
+
+@pytest.mark.parametrize("name", ["alibi", "gpt_oss"])
+def test_short_query_calls_run_the_64_row_forward(name: str) -> None:
+    """With short_query_tiles (a GPU's default), calls of at most 64 query rows per (batch,
+    head), GQA groups folded, run `for_short_queries` (64 rows, forward only), longer ones the
+    plan's 128; both against float64, forward and backward (the backward keeps the plan's)."""
+    kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm90", emulate=True)
+    kern.short_query_tiles = True
+    assert kern.op.tiling.for_head_dim(128).block_rows == 128
+    short = kern.for_short_queries()
+    assert short.op.tiling.for_head_dim(128).block_rows == 64
+    assert short.op.tiling.for_head_dim(128).backward is None  # its libraries hold the forward alone
+    for shape, runs_short in (
+        (Shape(2, 8, 2, 1, 300, 128), True),  # decoding, a GQA group of 4 folded: 4 rows
+        (Shape(1, 4, 2, 33, 130, 64), False),  # a group of 2 folded: 66 rows
+        (Shape(1, 2, 2, 64, 100, 64), True),
+    ):
+        result = check(kern, adapt(shape, kern), torch.bfloat16)
+        assert result.ok, f"{shape}: {result.describe()}"
+        group = shape.H // shape.Hkv
+        ran = kern.with_folded_query_heads() if group > 1 and kern.query_head_group(
+            torch.empty(shape.B, shape.H, shape.N, shape.D, device="meta"), shape.Hkv, shape.D, 0.0, None
+        ) > 1 else kern  # fmt: skip
+        variant = ran._row_variants.get("short_queries")
+        used = variant is not None and any(d == "bfloat16" for d, *_ in variant._libraries)
+        assert used == runs_short, f"{shape}: short-query forward used: {used}"
+        if variant is not None:
+            variant._libraries.clear()  # (so that the next shape's use is its own)

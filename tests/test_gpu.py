@@ -77,8 +77,10 @@ def _dry_run(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     compile_ = attncc.compile
 
     def emulated(source: object, target: str = "cpu", *args: object, **kwargs: object) -> attncc.Kernel:
-        if target == "cuda":
-            return compile_(source, "sm90", *args, emulate=True, **kwargs)  # type: ignore[arg-type]
+        if target == "cuda":  # as a GpuKernel: short query calls run the 64-row forward
+            kern = compile_(source, "sm90", *args, emulate=True, **kwargs)  # type: ignore[arg-type]
+            kern.short_query_tiles = True
+            return kern
         return compile_(source, target, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attncc, "compile", emulated)

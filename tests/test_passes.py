@@ -238,17 +238,18 @@ def test_pipeline_runs_the_verifier_after_each_pass() -> None:
     ("blocks", "tiles", "sms"), [(8, 64, 132), (1, 2, 108), (3, 1000, 40), (16, 3, 108), (50, 7, 84)]
 )
 def test_split_kv_fills_the_gpu_with_non_empty_splits(blocks: int, tiles: int, sms: int) -> None:
-    """Decoding-sized calls split the keys; every split gets tiles; its last wave is nearly as
-    full as the best count's."""
+    """Decoding-sized calls split the keys in a power of two; every split gets tiles; its last
+    wave is nearly as full as the best power of two's."""
     splits = choose_kv_splits(blocks, tiles, sms)
-    assert 1 < splits <= tiles
+    assert 1 < splits <= tiles and splits & (splits - 1) == 0
     per = math.ceil(tiles / splits)
     assert math.ceil(tiles / per) == splits  # no empty split
 
     def fill(s: int) -> float:
         return blocks * s / sms / math.ceil(blocks * s / sms)
 
-    assert fill(splits) >= SPLIT_EFFICIENCY * max(fill(s) for s in range(1, min(tiles, sms, 128) + 1))
+    powers = [2**p for p in range(min(tiles, sms, 128).bit_length())]
+    assert fill(splits) >= SPLIT_EFFICIENCY * max(fill(s) for s in powers)
 
 
 def test_split_kv_only_where_the_query_tiles_leave_the_gpu_idle() -> None:

@@ -197,15 +197,22 @@ def test_cli_explain_shows_passes_tiles_and_io() -> None:
 
 def test_cli_explain_shows_the_split_kv_decision_for_gpu_targets() -> None:
     """Decoding with GQA 8/2: the group's 4 query heads as one head's rows, so 2 query blocks
-    (not 8), each split 64 ways; with dropout (gpt2 in training) no fold: 8 blocks, 16 splits."""
+    (not 8) of the 64-row forward (2 resident per SM), each split 64 ways; with dropout (gpt2 in
+    training) no fold: 8 blocks, 32 splits."""
     proc = cli("explain", "examples/gqa.attn", "--target", "sm90", "--shape", "1,8,2,1,4096,128")  # decoding
     assert proc.returncode == 0, proc.stderr
     assert "// GQA decoding on sm90: each group's 4 query heads run as the rows of one head" in proc.stdout
-    assert "// split-KV on sm90 (132 SMs): 2 query blocks, 64 key tiles: 64 block(s) per query tile" in proc.stdout
+    assert (
+        "// split-KV on sm90 (132 SMs x 2 resident blocks of 64 x 64): 2 query blocks, 64 key tiles: "
+        "64 block(s) per query tile"
+    ) in proc.stdout
     proc = cli("explain", "examples/gpt2.attn", "--target", "sm90", "--shape", "1,8,2,1,4096,128")
     assert proc.returncode == 0, proc.stderr
     assert "GQA decoding" not in proc.stdout
-    assert "// split-KV on sm90 (132 SMs): 8 query blocks, 64 key tiles: 16 block(s) per query tile" in proc.stdout
+    assert (
+        "// split-KV on sm90 (132 SMs x 2 resident blocks of 64 x 64): 8 query blocks, 64 key tiles: "
+        "32 block(s) per query tile"
+    ) in proc.stdout
 
 
 def test_cli_check_passes_and_fails(monkeypatch, capsys) -> None:

@@ -65,17 +65,31 @@ def with_rows(stages: list[Stage], rewrite: str) -> list[Stage]:
     kept = stages[: max(i for i, name in enumerate(names) if name == "analyse_sparsity" or name in ROW_REWRITES) + 1]
     tiling = fused_node(stages[names.index("tile")].graph)[1].tiling
 
-    def with_tiling(g: Graph) -> Graph:
-        g = clone(g)
-        node, op = fused_node(g)
-        g.nodes[node]["op"] = replace(op, tiling=tiling)
-        return g
-
     for name, fn in (
         (rewrite, ROW_REWRITES[rewrite]),
         ("derive_backward", derive_backward),
-        ("tile", with_tiling),
+        ("tile", lambda g: _with_tiling(g, tiling)),
         ("cost", cost),
     ):
         kept.append(Stage(name, verify(fn(kept[-1].graph), name)))
     return kept
+
+
+def with_short_query_tiles(stages: list[Stage]) -> list[Stage]:
+    """`stages` with the GPU forward tiles of calls of few query rows (decoding):
+    `TilingTable.for_short_queries` in place of the tile pass's table, forward only."""
+    names = [stage.name for stage in stages]
+    at = names.index("tile")
+    tiling = fused_node(stages[at].graph)[1].tiling
+    assert tiling is not None
+    kept = stages[:at]
+    for name, fn in (("tile", lambda g: _with_tiling(g, tiling.for_short_queries())), ("cost", cost)):
+        kept.append(Stage(name, verify(fn(kept[-1].graph), name)))
+    return kept
+
+
+def _with_tiling(g: Graph, tiling: object) -> Graph:
+    g = clone(g)
+    node, op = fused_node(g)
+    g.nodes[node]["op"] = replace(op, tiling=tiling)
+    return g

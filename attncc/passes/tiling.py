@@ -179,6 +179,21 @@ class TilePlan:
         fitted = max(key_step, -(-m // key_step) * key_step)
         return self if fitted >= self.block_cols else replace(self, block_cols=fitted, backward=self.backward or self)
 
+    def for_short_queries(self) -> TilePlan:
+        """A GPU forward plan narrowed to GPU_SHORT_QUERY_ROWS query rows (its warps with it,
+        Bc kept) and without a backward: the forward of calls that have no more rows than that
+        per (batch, head), a GQA group's query heads folded in (decoding). Where the plan has
+        no more rows, itself without its backward."""
+        rows = min(self.block_rows, GPU_SHORT_QUERY_ROWS)
+        if rows == self.block_rows:
+            return replace(self, backward=None)
+        warps = rows // self.warp_rows
+        return replace(
+            self, block_rows=rows, warps=warps, threads=warps * 32, backward=None,
+            onchip_bytes=gpu_shared_bytes(rows, self.block_cols, self.head_dim, self.stages),
+            reason=f"{self.reason}; {rows} rows for calls of at most {rows} query rows (decoding)",
+        )  # fmt: skip
+
     def for_keys(self, m: int) -> TilePlan:
         """The forward's tiles for a call with `m` keys."""
         if self.streaming_block_rows and m >= self.streaming_keys:
@@ -238,6 +253,12 @@ class TilingTable:
                 "of shared memory); run the backward on a target with more shared memory"
             )
         return plan.backward
+
+    def for_short_queries(self) -> TilingTable:
+        """GPU tables: every plan `TilePlan.for_short_queries` (forward only); CPU tables as they are."""
+        if self.micro_kernel is not None:
+            return self
+        return replace(self, plans=tuple(p and p.for_short_queries() for p in self.plans))
 
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
@@ -404,6 +425,12 @@ def gpu_registers(bc: int, d: int, warp_rows: int = 16) -> int:
 
 
 GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
+# Calls of at most this many query rows per (batch, head) run a forward of this many rows where
+# the plan's has more. H200, bf16 decoding at d=128, M=16K..64K (session 23, sweep-decode.log):
+# Br=64 took 0.855 / 3.36 ms where Br=128 took 1.33 / 5.24 (B=8, H=32), 0.139 against 0.195
+# (B=1, best splits of each): all of Br=128's 8 warps but one compute on padding rows, and half
+# as many blocks fit an SM (resident_blocks).
+GPU_SHORT_QUERY_ROWS = 64
 # `tiles=` overrides apply to the forward and the backward alike: the backward keeps one 32-bit
 # word of dropout keep bits per lane for 4 x Br / 8 (or, in the dQ kernel, Bc / 8) scores, so
 # they go up to 64 (the roofline's backward plans reach Bc = 128 by splitting the dQ kernel's
@@ -661,10 +688,13 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None, wa
 
 #: At most this many blocks share one query tile's keys (FlashAttention-2's cap as well).
 MAX_KV_SPLITS = 128
-#: Query blocks that fill this much of one wave of the GPU need no split.
+#: Query blocks that fill this much of the GPU's resident blocks need no split.
 FULL_WAVE = 0.8
-#: Among split counts, the fewest whose last wave is at least this fraction as full as the best's.
-SPLIT_EFFICIENCY = 0.85
+#: Among split counts (powers of two), the fewest whose last wave is at least this fraction as
+#: full as the best's.
+SPLIT_EFFICIENCY = 0.9
+#: A block's shared memory the CUDA runtime reserves besides the kernel's (1 KiB from sm_80 on).
+GPU_RESERVED_SHARED_BYTES = 1024
 
 
 def split_kv_blocks(B: int, H: int, N: int, M: int, tiles: TilePlan) -> tuple[int, int]:
@@ -672,26 +702,45 @@ def split_kv_blocks(B: int, H: int, N: int, M: int, tiles: TilePlan) -> tuple[in
     return B * H * math.ceil(N / tiles.block_rows), math.ceil(M / tiles.block_cols)
 
 
+def resident_blocks(tiles: TilePlan, target: Target) -> int:
+    """Forward blocks of `tiles` one SM runs at once, as its shared memory (the tiles and the
+    runtime's reserve per block) and registers (the plan's estimate per thread) allow; at least 1.
+    On the H200 the decoding sweep's fastest split counts filled these slots: Br=128 (256
+    threads of ~168+ registers: 1 per SM) best at ~132 blocks, Br=64 (87 KiB, 128 threads: 2)
+    at ~264 (session 23)."""
+    by_shared = target.shared_bytes_per_sm // (tiles.onchip_bytes + GPU_RESERVED_SHARED_BYTES)
+    by_registers = target.registers_per_sm // max(1, tiles.threads * tiles.registers_per_thread)
+    return max(1, min(by_shared, by_registers))
+
+
 @cache  # (ints in, an int out: called per GPU forward)
-def choose_kv_splits(query_blocks: int, key_tiles: int, multiprocessors: int) -> int:
+def choose_kv_splits(query_blocks: int, key_tiles: int, slots: int) -> int:
     """Split-KV for the GPU forward: how many blocks share the key tiles of one query tile.
 
-    A call whose B x H x query tiles blocks fill most of a wave (decoding one token, small
-    batches do not) runs unsplit: a split adds a merge kernel and fp32 partials. Otherwise
-    each count s gives waves w = blocks * s / SMs and an efficiency w / ceil(w) (how full the
-    last wave is); the answer is the fewest splits within SPLIT_EFFICIENCY of the best, among
-    counts where every split gets tiles (s is the smallest count with its ceil(tiles / s)).
+    `slots`: the blocks the GPU runs at once (SMs x `resident_blocks`). A call whose B x H x
+    query tiles blocks fill most of them (decoding one token, small batches do not) runs
+    unsplit: a split adds a merge kernel and fp32 partials. Otherwise each count s gives waves
+    w = blocks * s / slots and an efficiency w / ceil(w) (how full the last wave is); the
+    answer is the fewest splits within SPLIT_EFFICIENCY of the best, among powers of two where
+    every split gets tiles (s is the smallest count with its ceil(tiles / s)).
+
+    Powers of two: they divide power-of-two key counts evenly, and they are what the H200
+    decoding sweep timed (session 23, bench/results/cuda-h200-session23/sweep-decode.log), where
+    this rule picks the fastest count of each shape and tile plan; counting all s (and one
+    block per SM), it took 14 splits for 8 query blocks (0.081 ms at M=16K; 16: 0.077) and 4
+    for 32 with 64-row tiles (0.195 ms; 8: 0.139).
     """
-    if multiprocessors <= 0 or key_tiles < 2 or query_blocks <= 0 or query_blocks >= FULL_WAVE * multiprocessors:
+    if slots <= 0 or key_tiles < 2 or query_blocks <= 0 or query_blocks >= FULL_WAVE * slots:
         return 1
 
     def every_split_has_tiles(s: int) -> bool:
         return s == 1 or math.ceil(key_tiles / s) != math.ceil(key_tiles / (s - 1))
 
     def efficiency(s: int) -> float:
-        waves = query_blocks * s / multiprocessors
+        waves = query_blocks * s / slots
         return waves / math.ceil(waves)
 
-    candidates = [s for s in range(1, min(MAX_KV_SPLITS, multiprocessors, key_tiles) + 1) if every_split_has_tiles(s)]
+    most = min(MAX_KV_SPLITS, slots, key_tiles)
+    candidates = [2**p for p in range(most.bit_length()) if every_split_has_tiles(2**p)]
     best = max(efficiency(s) for s in candidates)
     return next(s for s in candidates if efficiency(s) >= SPLIT_EFFICIENCY * best)

@@ -21,7 +21,7 @@ from attncc.codegen import FP8_MMA_SUFFIX
 from attncc.codegen.cuda import EMULATION_WRAPPER, FP8_MMA_K, generate_cuda, rounded_head_dim, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.positions import FOLD_GROUP, FOLD_ROWS
-from attncc.passes.tiling import choose_kv_splits, split_kv_blocks
+from attncc.passes.tiling import GPU_SHORT_QUERY_ROWS, choose_kv_splits, resident_blocks, split_kv_blocks
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
 from attncc.runtime.kernel import (
@@ -115,6 +115,12 @@ class EmulatedKernel(Kernel):
     #: tiles leave most of the GPU idle, as when decoding); an int forces that many splits.
     kv_splits: int | None = None
 
+    #: Calls of at most GPU_SHORT_QUERY_ROWS query rows per (batch, head), a GQA group's heads
+    #: folded in (decoding), run the forward of that many rows (`Kernel.for_short_queries`): on
+    #: by default on a GPU (GpuKernel); off on the emulator, where it would build a second
+    #: library for every short test call (the tests that cover it turn it on).
+    short_query_tiles = False
+
     #: fp8 K/V calls multiply on the fp8 tensor cores where the target has them (sm89, sm90; see
     #: `takes_fp8_products`): q and P are rounded to e4m3 in the kernel, which moves the result
     #: by about e4m3's precision (runtime/fp8.py). False: K and V are widened to q's dtype, and
@@ -133,12 +139,24 @@ class EmulatedKernel(Kernel):
         p = plan.problem
         query_blocks, key_tiles = split_kv_blocks(p.B, p.H, p.N, p.M, plan.tiles)
         if self.kv_splits is None:
-            splits = choose_kv_splits(query_blocks, key_tiles, self.multiprocessors())
+            slots = self.multiprocessors() * resident_blocks(plan.tiles, GPUS[self.target])
+            splits = choose_kv_splits(query_blocks, key_tiles, slots)
         elif isinstance(self.kv_splits, int) and not isinstance(self.kv_splits, bool) and self.kv_splits >= 1:
             splits = self.kv_splits
         else:
             raise AttnccError(f"kv_splits: expected None or an int >= 1, got {self.kv_splits!r}")
         return replace(plan, kv_splits=max(1, min(splits, key_tiles)))
+
+    def for_rows(self, rows: int, head_dim: int) -> EmulatedKernel:
+        """The kernel whose forward runs a call of `rows` query rows per (batch, head) at this
+        (plan) head dim: `for_short_queries` where `short_query_tiles` is on, the rows are at
+        most GPU_SHORT_QUERY_ROWS and the plan's forward has more; else this one."""
+        assert self.op.tiling is not None
+        if not self.short_query_tiles or rows > GPU_SHORT_QUERY_ROWS:
+            return self
+        if self.op.tiling.for_head_dim(head_dim).block_rows <= GPU_SHORT_QUERY_ROWS:
+            return self
+        return self.for_short_queries()  # type: ignore[return-value]
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The tensor-core dtype q, k, v of `dtype` run in: fp16/bf16 as given, fp32/fp64 converted
@@ -245,6 +263,7 @@ class EmulatedKernel(Kernel):
             values = {**self.runtime_values(tensors, scalars), FOLD_ROWS: N, FOLD_GROUP: group}
             tensors = [values[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
             scalars = [float(values[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+        kern = kern.for_rows(qs.shape[2], max(qs.shape[-1], value_dim))
         if paged is not None:
             lengths = paged.lengths(qs.shape[2])
         plan = kern.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale, value_dim=value_dim)

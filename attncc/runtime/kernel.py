@@ -29,7 +29,7 @@ from attncc.codegen.cpu import generate_cpu
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
-from attncc.passes import Stage, with_rows
+from attncc.passes import Stage, with_rows, with_short_query_tiles
 from attncc.passes.positions import GLOBAL_SIZES
 from attncc.passes.sparsity import (
     Problem,
@@ -103,7 +103,7 @@ class CallPlan:
 
 
 #: Per-object settings that a kernel's row variants (`Kernel._with_rows`) follow.
-ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits", "fp8_mma")
+ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits", "fp8_mma", "short_query_tiles")
 
 
 @dataclass(frozen=True)
@@ -248,12 +248,22 @@ class Kernel:
         besides the program's inputs. Made once per kernel."""
         return self._with_rows("fold_query_heads")
 
+    def for_short_queries(self) -> Kernel:
+        """This variant with the GPU forward tiles of calls of at most GPU_SHORT_QUERY_ROWS query
+        rows per (batch, head) (passes.with_short_query_tiles; forward only). Made once per kernel."""
+        return self._with_rows("short_queries")
+
     def _with_rows(self, rewrite: str) -> Kernel:
         with self._lock:
             variant = self._row_variants.get(rewrite)
             if variant is None:
                 variant = copy.copy(self)  # (a fresh registration: __setstate__)
-                variant._take_stages(with_rows(self.stages, rewrite))
+                stages = (
+                    with_short_query_tiles(self.stages)
+                    if rewrite == "short_queries"
+                    else with_rows(self.stages, rewrite)
+                )
+                variant._take_stages(stages)
                 variant._register()
                 self._row_variants[rewrite] = variant
         for name in ROW_VARIANT_SETTINGS:  # as this kernel's now (kern.kv_splits = 1 set after the variant was made)
