@@ -292,7 +292,13 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
                 stages = attncc.lower(program, target)
                 kern = attncc.Kernel(stages, target) if target == "cpu" else GpuKernel(stages, target)
                 start = time.perf_counter()
-                paths = kern.prebuild(dtypes, args.head_dims, kv_dtypes)
+                if target == "cpu":
+                    paths = kern.prebuild(dtypes, args.head_dims, kv_dtypes)
+                else:  # and the forward that calls of few query rows run (decoding: GpuKernel.for_rows)
+                    paths = kern.prebuild(dtypes, args.head_dims, kv_dtypes, paged=args.paged)
+                    short = [d for d in args.head_dims if kern.for_rows(1, d) is not kern]
+                    if short:
+                        paths += kern.for_short_queries().prebuild(dtypes, short, kv_dtypes, paged=args.paged)
                 total += len(paths)
                 what = "head dims " + ",".join(map(str, args.head_dims)) if target != "cpu" else "any head dim"
                 print(
@@ -369,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--kv-dtypes", nargs="+", default=[], choices=list(KV_FORMATS), help="fp8 K/V: their forwards too")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="head dims for GPU targets")
+    p.add_argument("--paged", action="store_true", help="GPU targets: the forwards of paged calls (Kernel.paged) too")
     p.add_argument("-o", "--output", required=True, help="the directory to fill")
     p.set_defaults(fn=cmd_prebuild)
 

@@ -59,8 +59,10 @@ def lease_builds() -> list[Callable[[], object]]:
     fp8 = [torch.float8_e4m3fn, torch.float8_e5m2]
     builds: list[Callable[[], object]] = []
 
-    def prebuild(kern: GpuKernel, dtypes: list[torch.dtype], dims: list[int], kv: list[torch.dtype] = ()) -> None:
-        builds.extend(lambda d=d, t=t: kern.prebuild([t], [d], kv) for t in dtypes for d in dims)
+    def prebuild(
+        kern: GpuKernel, dtypes: list[torch.dtype], dims: list[int], kv: list[torch.dtype] = (), paged: bool = False
+    ) -> None:
+        builds.extend(lambda d=d, t=t: kern.prebuild([t], [d], kv, paged) for t in dtypes for d in dims)
 
     def with_short_queries(kern: GpuKernel) -> list[GpuKernel]:
         """`kern` and the forward its calls of few query rows run (GpuKernel.for_rows)."""
@@ -82,13 +84,13 @@ def lease_builds() -> list[Callable[[], object]]:
     for name in ("vanilla", "causal"):  # fp8 products (tests, bench); warps of 32 rows (bench)
         kern = kernel(example(name))
         kern.fp8_mma = True
-        for each in with_short_queries(kern):
-            prebuild(each, [bf16], [64, 128], fp8)
+        for each in with_short_queries(kern):  # (and vanilla's paged decoding: bench)
+            prebuild(each, [bf16], [64, 128], fp8, paged=name == "vanilla")
         prebuild(kernel(example(name), warp_rows=32), [bf16], [64, 128])
     for tiles in ((64, 32), (64, 64), (32, 64), (16, 64)):  # the sweeps' overrides
         prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
     for kern in with_short_queries(kernel(BOTTOM_RIGHT_CAUSAL)):  # paged decoding and prefill, CUDA graphs
-        prebuild(kern, [bf16], [128])
+        prebuild(kern, [bf16], [128], paged=True)
     for job in GPU_CONTEXT_PARALLEL_JOBS:  # the ring on one GPU: each chunk pair's kernel, and the whole call's
         whole = kernel(context_parallel_program(job["name"]))
         for kern in (*with_short_queries(whole), *with_short_queries(whole.at_global_positions())):

@@ -232,6 +232,31 @@ def test_forward_warps_of_32_rows_compile_within_their_spill_bounds() -> None:
     assert forward.spill_stores > 0  # relative_bias: the bound above is not vacuous
 
 
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_paged_forwards_compile_forward_only_within_their_spill_bounds() -> None:
+    """A paged call's library ("+paged", Kernel.paged) on sm90, bf16: the forward alone (and the
+    split merge), its block-table lookups staged per tile. ptxas (CUDA 13.0 when measured): none
+    spill at d = 128, the plan's and the short-query tiles alike; at d = 64 (128 x 128 tiles) alibi
+    spills 16 B and relative_bias 28 B, where the in-place libraries spill none. Bounds, so
+    that growth shows."""
+    jobs = [(name, 128, 0) for name in ("vanilla", "causal", *REGISTER_HEAVY)]
+    jobs += [(name, 64, 32) for name in ("alibi", "relative_bias")]
+
+    def ptxas(job: tuple[str, int, int]) -> tuple[tuple[str, int, int], list]:
+        name, head_dim, _ = job
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm90", emulate=True)
+        tiles = (kern, kern.for_short_queries()) if head_dim == 128 else (kern,)
+        return job, [compile_cuda(k.cuda_source("bfloat16+paged", head_dim), "sm90") for k in tiles]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(ptxas, jobs))
+    for (name, head_dim, most), reports in results:
+        for report in reports:
+            where = f"{name} d={head_dim}: {report.describe()}"
+            assert [k.name for k in report.kernels] == ["combine_splits", "attention_forward"], where
+            assert report.spill_stores <= most and report.spill_loads <= 2 * most, where
+
+
 def test_warp_rows_are_checked() -> None:
     with pytest.raises(AttnccError, match="warp_rows: expected one of"):
         attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm90", emulate=True, warp_rows=8)

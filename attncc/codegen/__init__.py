@@ -16,28 +16,34 @@ KV_FORMATS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 class LibraryDtype(NamedTuple):
     """What a library's dtype name says: q's dtype (the storage of the products), the fp8 K/V
-    format if any, and whether the products run on fp8 tensor cores (CUDA sm_89+)."""
+    format if any, whether the products run on fp8 tensor cores (CUDA sm_89+), and whether its
+    forward reads K/V through a page table (CUDA: a paged call's own forward-only library)."""
 
     storage: str
     kv_format: str | None = None
     fp8_mma: bool = False
+    paged: bool = False
 
 
 #: The suffix of a library dtype whose fp8 K/V products run on fp8 tensor cores.
 FP8_MMA_SUFFIX = "+mma"
+#: The suffix (last) of a CUDA library dtype whose forward reads K/V through a page table.
+PAGED_SUFFIX = "+paged"
 
 
 def split_dtype(dtype: str) -> LibraryDtype:
-    """A library's dtype name -> its parts: "bfloat16" -> ("bfloat16", None, False);
-    "bfloat16+float8_e4m3fn" (k and v fp8) -> ("bfloat16", "e4m3", False); with "+mma" the
-    products on fp8 tensor cores."""
+    """A library's dtype name -> its parts: "bfloat16" -> ("bfloat16", None, False, False);
+    "bfloat16+float8_e4m3fn" (k and v fp8) -> ("bfloat16", "e4m3", False, False); with "+mma"
+    the products on fp8 tensor cores; with "+paged" (after it) K/V read through a page table."""
+    paged = dtype.endswith(PAGED_SUFFIX)
+    dtype = dtype.removesuffix(PAGED_SUFFIX)
     fp8_mma = dtype.endswith(FP8_MMA_SUFFIX)
     storage, _, kv = dtype.removesuffix(FP8_MMA_SUFFIX).partition("+")
     if kv and kv not in KV_FORMATS:
         raise AttnccError(f"fp8 K/V take {' or '.join(KV_FORMATS)}, not {kv}")
     if fp8_mma and not kv:
         raise AttnccError(f"`{dtype}`: fp8 products need fp8 K/V")
-    return LibraryDtype(storage, KV_FORMATS[kv] if kv else None, fp8_mma)
+    return LibraryDtype(storage, KV_FORMATS[kv] if kv else None, fp8_mma, paged)
 
 
 def _template_dir() -> Path:

@@ -74,9 +74,11 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
     K and V as it loads them."""
     _, op = fused_node(g)
     assert op.tiling is not None and op.tiling.micro_kernel is not None, "tile must run for a CPU target first"
-    dtype, kv_format, fp8_mma = split_dtype(dtype)
+    dtype, kv_format, fp8_mma, paged = split_dtype(dtype)
     if fp8_mma:
         raise AttnccError("CPU kernels widen fp8 K/V: fp8 products are a CUDA sm_89+ choice")
+    if paged:
+        raise AttnccError("CPU kernels read pages in every library: a paged library is a CUDA one")
     storage, acc = STORAGE_TYPES[dtype]
     hooks = hook_values(g)
     return render(

@@ -54,8 +54,10 @@ def generate_cuda(
     columns in registers). The text for equal dims (a library only such calls use) reads one
     bound for both (`value_dim` in the template). A dtype naming fp8 K/V too (`split_dtype`)
     gives the forward alone, widening K and V into shared memory, or with "+mma" (sm89, sm90)
-    multiplying their bytes on the fp8 tensor cores (runtime/fp8.py)."""
-    dtype, kv_format, fp8_mma = split_dtype(dtype)
+    multiplying their bytes on the fp8 tensor cores (runtime/fp8.py). With "+paged" (last) the
+    forward alone, reading K/V through a page table (Kernel.paged); the other libraries' kernels
+    take K/V in place only, so the page lookups cost them no registers."""
+    dtype, kv_format, fp8_mma, paged = split_dtype(dtype)
     if fp8_mma and not GPUS[arch].fp8_mma:
         raise AttnccError(f"{arch} has no fp8 tensor cores (sm89 and sm90 have)")
     if dtype not in CUDA_STORAGE_TYPES:
@@ -72,7 +74,7 @@ def generate_cuda(
         head_dim = -(-head_dim // FP8_MMA_K) * FP8_MMA_K
         if head_dim > plan.head_dim or plan.block_cols % FP8_MMA_K:
             raise AttnccError(f"fp8 products need a head dim and key tiles in steps of {FP8_MMA_K}")
-    backward = plan.backward if kv_format is None else None
+    backward = plan.backward if kv_format is None and not paged else None
     row_blocks = 1 if fp8_mma else plan.warp_rows // 16  # (the fp8 products' warps take one row block)
     return render(
         "cuda/attention.cu.jinja",
@@ -95,6 +97,7 @@ def generate_cuda(
         q_in_registers=q_in_registers(head_dim, 16 * row_blocks),
         kv_format=kv_format,
         fp8_mma=fp8_mma,
+        paged=paged,
         rope_q=op.q_rope,
         rope_k=op.k_rope,
         **hook_values(g),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from attncc.codegen import FP8_MMA_SUFFIX
+from attncc.codegen import FP8_MMA_SUFFIX, PAGED_SUFFIX
 from attncc.codegen.cuda import EMULATION_WRAPPER, FP8_MMA_K, generate_cuda, rounded_head_dim, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.positions import FOLD_GROUP, FOLD_ROWS
@@ -202,17 +202,23 @@ class EmulatedKernel(Kernel):
             return self._libraries[key]
 
     def prebuild(
-        self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int], kv_dtypes: Sequence[torch.dtype] = ()
+        self,
+        dtypes: Sequence[torch.dtype],
+        head_dims: Sequence[int],
+        kv_dtypes: Sequence[torch.dtype] = (),
+        paged: bool = False,
     ) -> list[Path]:
         """Build, without loading, the libraries for q/k/v of `dtypes` (their tensor-core storage
         dtypes) at the plans of `head_dims`, and the fp8 forwards of those storages with
-        `kv_dtypes`."""
+        `kv_dtypes`; with `paged`, each one's paged forward too (Kernel.paged)."""
         assert self.op.tiling is not None
         storages = dict.fromkeys(self.storage_dtype(d) for d in dtypes)
         names = [library_dtype(s, s) for s in storages]
         names += [library_dtype(s, kv) for kv in dict.fromkeys(kv_dtypes) for s in storages]
         if self.fp8_mma and GPUS[self.target].fp8_mma:  # and the same on fp8 tensor cores
             names += [library_dtype(s, kv) + FP8_MMA_SUFFIX for kv in dict.fromkeys(kv_dtypes) for s in storages]
+        if paged:
+            names += [name + PAGED_SUFFIX for name in names]
         plans = dict.fromkeys(rounded_head_dim(d) for d in head_dims)
         return [self.library_path_for(name, d) for name in names for d in plans]
 
@@ -290,6 +296,8 @@ class EmulatedKernel(Kernel):
             token_dims = (0,) if packed is not None else (0, 1) if paged is not None else (2,)
             if kern.takes_fp8_products(k, (descale or {}).get("v_descale"), token_dims, plan):
                 dtype += FP8_MMA_SUFFIX
+            if paged is not None:  # its own forward, which reads K/V through the block table
+                dtype += PAGED_SUFFIX
             kern._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
             # kept only where the kernel reads the caller's q, k and v in place: a folded q that
             # reshape had to copy (a transposed q with N > 1) would leave the copy's strides in it
