@@ -64,36 +64,38 @@ def lease_builds() -> list[Callable[[], object]]:
     ) -> None:
         builds.extend(lambda d=d, t=t: kern.prebuild([t], [d], kv, paged) for t in dtypes for d in dims)
 
-    def with_short_queries(kern: GpuKernel) -> list[GpuKernel]:
-        """`kern` and the forward its calls of few query rows run (GpuKernel.for_rows)."""
-        return [kern, kern.for_short_queries()]
+    def decoding_variants(kern: GpuKernel) -> list[GpuKernel]:
+        """`kern` and its variants that decoding calls run: the forward of few query rows
+        (GpuKernel.for_rows), and both again with a GQA group's query heads folded into rows."""
+        folded = kern.with_folded_query_heads()
+        return [kern, kern.for_short_queries(), folded, folded.for_short_queries()]
 
     for name in EXAMPLES:  # test_gpu_forward_backward_match_fp64
         prebuild(kernel(example(name)), [fp16, bf16], [64, 128, 256])
     for name in ("alibi", "gpt2", "document"):  # Dv != D
-        for kern in with_short_queries(kernel(example(name))):
+        for kern in decoding_variants(kernel(example(name))):
             builds.extend(lambda kern=kern, s=s: kern.library_path_for("bfloat16", s.D, s.Dv) for s in VALUE_DIM_SHAPES)
     for label, q_args, k_args, _ in ROPE_CASES:
-        for kern in with_short_queries(kernel(rope_program(label, q_args, k_args))):
+        for kern in decoding_variants(kernel(rope_program(label, q_args, k_args))):
             prebuild(kern, [bf16], [64, 128])
     for name in ("alibi", "gpt_oss"):  # fp8 K/V widened
-        for kern in with_short_queries(kernel(example(name))):
+        for kern in decoding_variants(kernel(example(name))):
             for s in FP8_SHAPES:
                 for fmt in ("float8_e4m3fn", "float8_e5m2"):
                     builds.append(lambda kern=kern, s=s, fmt=fmt: kern.library_path_for(f"bfloat16+{fmt}", s.D, s.Dv))
     for name in ("vanilla", "causal"):  # fp8 products (tests, bench); warps of 32 rows (bench)
         kern = kernel(example(name))
         kern.fp8_mma = True
-        for each in with_short_queries(kern):  # (and vanilla's paged decoding: bench)
+        for each in decoding_variants(kern):  # (and vanilla's paged decoding: bench)
             prebuild(each, [bf16], [64, 128], fp8, paged=name == "vanilla")
         prebuild(kernel(example(name), warp_rows=32), [bf16], [64, 128])
     for tiles in ((64, 32), (64, 64), (32, 64), (16, 64)):  # the sweeps' overrides
         prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
-    for kern in with_short_queries(kernel(BOTTOM_RIGHT_CAUSAL)):  # paged decoding and prefill, CUDA graphs
+    for kern in decoding_variants(kernel(BOTTOM_RIGHT_CAUSAL)):  # paged decoding and prefill, CUDA graphs
         prebuild(kern, [bf16], [128], paged=True)
     for job in GPU_CONTEXT_PARALLEL_JOBS:  # the ring on one GPU: each chunk pair's kernel, and the whole call's
         whole = kernel(context_parallel_program(job["name"]))
-        for kern in (*with_short_queries(whole), *with_short_queries(whole.at_global_positions())):
+        for kern in (*decoding_variants(whole), *decoding_variants(whole.at_global_positions())):
             builds.append(lambda kern=kern, job=job: kern.library_path_for("bfloat16", job["D"], job["Dv"]))
     return builds
 
