@@ -21,7 +21,7 @@ from attncc.ir.graph import fused_node
 from attncc.ir.ops import FusedAttention
 from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
-from attncc.passes.tiling import GPU_SHORT_QUERY_ROWS, TilePlan, choose_kv_splits, resident_blocks, split_kv_blocks
+from attncc.passes.tiling import TilePlan, resident_blocks, split_kv_blocks
 from attncc.runtime.check import check
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
@@ -169,11 +169,17 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 f"// GQA decoding on {args.target}: each group's {group} query heads run as the rows of one head "
                 f"(fold_query_heads: q as [B, Hkv, {group} N, D]), so each K/V tile is read once per group"
             )
-        tiling = op.tiling.for_short_queries() if rows <= GPU_SHORT_QUERY_ROWS else op.tiling
-        forward = tiling.for_head_dim(shape.D)
+        gpu_kernel.short_query_tiles = True  # as a GPU runs it (GpuKernel)
+        runs = gpu_kernel.for_rows(rows, max(shape.D, shape.Dv))
+        plan = runs.plan(
+            torch.empty(shape.B, heads, rows, shape.D, device="meta"),
+            torch.empty(shape.B, shape.Hkv, shape.M, shape.D, device="meta"),
+            None,
+            value_dim=shape.Dv,
+        )
+        forward, splits = plan.tiles, plan.kv_splits
         query_blocks, key_tiles = split_kv_blocks(shape.B, heads, rows, shape.M, forward)
-        sms, resident = GPUS[args.target].multiprocessors, resident_blocks(forward, GPUS[args.target])
-        splits = choose_kv_splits(query_blocks, key_tiles, sms * resident)
+        sms, resident = runs.multiprocessors(), resident_blocks(forward, GPUS[args.target])
         print(
             f"// split-KV on {args.target} ({sms} SMs x {resident} resident blocks of {forward.block_rows} x "
             f"{forward.block_cols}): {query_blocks} query blocks, {key_tiles} key tiles: {splits} block(s) per query tile"

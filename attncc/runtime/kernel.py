@@ -102,7 +102,7 @@ class CallPlan:
     kv_splits: int = 1  # blocks sharing one query tile's keys (the CUDA forward's split-KV)
 
 
-#: Per-object settings that a kernel's row variants (`Kernel._with_rows`) follow.
+#: Per-object settings that a kernel's variants (`Kernel._variant`) follow.
 ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits", "fp8_mma", "short_query_tiles")
 
 
@@ -251,21 +251,20 @@ class Kernel:
     def for_short_queries(self) -> Kernel:
         """This variant with the GPU forward tiles of calls of at most GPU_SHORT_QUERY_ROWS query
         rows per (batch, head) (passes.with_short_query_tiles; forward only). Made once per kernel."""
-        return self._with_rows("short_queries")
+        return self._variant("short_queries", with_short_query_tiles)
 
     def _with_rows(self, rewrite: str) -> Kernel:
+        return self._variant(rewrite, lambda stages: with_rows(stages, rewrite))
+
+    def _variant(self, name: str, make_stages: Callable[[list[Stage]], list[Stage]]) -> Kernel:
+        """This kernel with its stages through `make_stages`, made once per `name`."""
         with self._lock:
-            variant = self._row_variants.get(rewrite)
+            variant = self._row_variants.get(name)
             if variant is None:
                 variant = copy.copy(self)  # (a fresh registration: __setstate__)
-                stages = (
-                    with_short_query_tiles(self.stages)
-                    if rewrite == "short_queries"
-                    else with_rows(self.stages, rewrite)
-                )
-                variant._take_stages(stages)
+                variant._take_stages(make_stages(self.stages))
                 variant._register()
-                self._row_variants[rewrite] = variant
+                self._row_variants[name] = variant
         for name in ROW_VARIANT_SETTINGS:  # as this kernel's now (kern.kv_splits = 1 set after the variant was made)
             if hasattr(self, name):
                 setattr(variant, name, getattr(self, name))
@@ -277,7 +276,7 @@ class Kernel:
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
         self._repeats: dict[tuple, KeptLaunch] = {}  # packed launches of checked calls (see _repeat_key)
-        self._row_variants: dict[str, Kernel] = {}  # by rewrite: see _with_rows
+        self._row_variants: dict[str, Kernel] = {}  # by name: see _variant
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
         self.call_key = f"{self.key}#{next(_KEYS)}"
