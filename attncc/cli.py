@@ -170,6 +170,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 f"(fold_query_heads: q as [B, Hkv, {group} N, D]), so each K/V tile is read once per group"
             )
         gpu_kernel.short_query_tiles = True  # as a GPU runs it (GpuKernel)
+        gpu_kernel.key_split_warps = args.key_split_warps
         runs = gpu_kernel.for_rows(rows, max(shape.D, shape.Dv))
         plan = runs.plan(
             torch.empty(shape.B, heads, rows, shape.D, device="meta"),
@@ -180,9 +181,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
         forward, splits = plan.tiles, plan.kv_splits
         query_blocks, key_tiles = split_kv_blocks(shape.B, heads, rows, shape.M, forward)
         sms, resident = runs.multiprocessors(), resident_blocks(forward, GPUS[args.target])
+        warps = (
+            f", {forward.key_warps} warps of {forward.block_cols // forward.key_warps} keys"
+            if forward.key_warps > 1
+            else ""
+        )
         print(
             f"// split-KV on {args.target} ({sms} SMs x {resident} resident blocks of {forward.block_rows} x "
-            f"{forward.block_cols}): {query_blocks} query blocks, {key_tiles} key tiles: {splits} block(s) per query tile"
+            f"{forward.block_cols}{warps}): {query_blocks} query blocks, {key_tiles} key tiles: {splits} block(s) per "
+            "query tile"
         )
     if args.context_parallel:
         explain_context_parallel(kern, shape, args.context_parallel, runtime)
@@ -364,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="cpu")
     p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64))
     p.add_argument("--context-parallel", type=int, metavar="P", help="chunk pairs and ring traffic over P ranks")
+    p.add_argument(
+        "--key-split-warps", action="store_true", help="GPU targets: calls of <= 16 query rows as kern.key_split_warps"
+    )
     p.set_defaults(fn=cmd_explain)
 
     p = sub.add_parser("check", help="compare forward and backward against eager float64")

@@ -168,16 +168,28 @@ def decode_cases(
     return rows
 
 
-def paged_decode_case(kern: attncc.Kernel, B: int, M: int, repeats: int) -> dict:
-    """GQA 32/8 decoding from a paged cache (pages of 16 rows in shuffled order) against SDPA on
-    the same keys stored contiguously: what paging costs."""
-    H, Hkv, D, page = 32, 8, 128, 16
+PAGED_DECODE_HEADS = (32, 8)  # (H, Hkv): GQA 32/8
+
+
+def paged_decode_operands(B: int, M: int, D: int = 128, page: int = 16) -> tuple[torch.Tensor, ...]:
+    """bf16 decoding operands for GQA PAGED_DECODE_HEADS from a paged cache: q [B, 1, H, D],
+    k_cache, v_cache [pages, page, Hkv, D] with block_table in shuffled page order and cache
+    lengths M, and the same keys and values stored contiguously ([B, Hkv, M, D], for SDPA)."""
+    H, Hkv = PAGED_DECODE_HEADS
     pages = B * M // page
     k_cache, v_cache = (torch.randn(pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     table = torch.randperm(pages, device="cuda").view(B, M // page).int()
     lengths = torch.full((B,), M, device="cuda", dtype=torch.int32)
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     k, v = (c[table.long()].flatten(1, 2).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+    return q, k_cache, v_cache, table, lengths, k, v
+
+
+def paged_decode_case(kern: attncc.Kernel, B: int, M: int, repeats: int) -> dict:
+    """GQA 32/8 decoding from a paged cache (pages of 16 rows in shuffled order) against SDPA on
+    the same keys stored contiguously: what paging costs."""
+    (H, Hkv), D, page = PAGED_DECODE_HEADS, 128, 16
+    q, k_cache, v_cache, table, lengths, k, v = paged_decode_operands(B, M, D, page)
     ours = median_ms(partial(kern.paged, q, k_cache, v_cache, table, lengths), repeats)
     plan = attncc.plan_paged(k_cache, table, lengths)  # once per step; each layer's call reads nothing back
     planned = median_ms(partial(kern.paged, q, k_cache, v_cache, plan=plan), repeats)

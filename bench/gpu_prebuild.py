@@ -48,6 +48,7 @@ def lease_builds() -> list[Callable[[], object]]:
     """One thunk per library (the same library listed twice builds once)."""
     from tests.conftest import EXAMPLES
     from tests.test_context_parallel import program as context_parallel_program
+    from tests.test_cuda import DECODING_PROGRAMS, KEY_SPLIT_SHAPES
     from tests.test_fp8 import EMULATED_SHAPES as FP8_SHAPES
     from tests.test_gpu import GPU_CONTEXT_PARALLEL_JOBS
     from tests.test_rope import CASES as ROPE_CASES
@@ -89,8 +90,16 @@ def lease_builds() -> list[Callable[[], object]]:
         for each in decoding_variants(kern):  # (and vanilla's paged decoding: bench)
             prebuild(each, [bf16], [64, 128], fp8, paged=name == "vanilla")
         prebuild(kernel(example(name), warp_rows=32), [bf16], [64, 128])
-    for tiles in ((64, 32), (64, 64), (32, 64), (16, 64)):  # the sweeps' overrides
+    for tiles in ((64, 32), (64, 64), (32, 64)):  # the forward sweep's overrides
         prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
+    vanilla = kernel(example("vanilla"))  # the decoding sweep's key-split forwards, in place and paged
+    for kern in (vanilla.for_key_split_warps(), vanilla.with_folded_query_heads().for_key_split_warps()):
+        prebuild(kern, [bf16], [128], paged=True)
+    for name in ("alibi", "dropout", "gpt_oss", "padding"):  # key-split decoding (test_gpu_key_split_decoding...)
+        base = kernel(DECODING_PROGRAMS.get(name) or example(name))
+        folded = base.with_folded_query_heads()
+        for kern in (base, folded, base.for_key_split_warps(), folded.for_key_split_warps()):
+            prebuild(kern, [bf16], sorted({shape.D for shape, _ in KEY_SPLIT_SHAPES}))
     for kern in decoding_variants(kernel(BOTTOM_RIGHT_CAUSAL)):  # paged decoding and prefill, CUDA graphs
         prebuild(kern, [bf16], [128], paged=True)
     for job in GPU_CONTEXT_PARALLEL_JOBS:  # the ring on one GPU: each chunk pair's kernel, and the whole call's

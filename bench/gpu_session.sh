@@ -10,10 +10,11 @@
 # Then with the device tool:
 #   run(command="bash bench/gpu_session.sh lease", carry=[".whl", ".gpu"], timeout_s=590)
 # `lease` runs, in this order, each stage bounded so that the call returns what it measured:
-# the golden tests (tests/test_gpu.py), decoding (padded and paged, planned) against SDPA,
+# the golden tests (tests/test_gpu.py), the decoding sweep (split counts; the 64-row and the
+# key-split forwards, padded and paged), decoding (padded and paged, planned) against SDPA,
 # packed batches, fp8 K/V, dense and causal d=128 at warps of 16 and 32 rows against
-# SDPA-flash (no FlexAttention: its compiles cost minutes; session 19 measured it), then the
-# decoding split sweep and, with the time left, the forward tile sweep. The other modes are for a lease with minutes left, one call each:
+# SDPA-flash (no FlexAttention: its compiles cost minutes; session 19 measured it), and, with
+# the time left, the forward tile sweep. The other modes are for a lease with minutes left, one call each:
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl", ".gpu"])        probe, prebuild, golden tests
 #   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl", ".gpu"])    dense, causal at d=128, decoding, varlen, fp8
 #   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl", ".gpu"])    sliding window, ALiBi, softcap
@@ -57,12 +58,14 @@ case "${1:-lease}" in
       | tee -a "$OUT/test_gpu.log" | tail -25
     unset OMP_NUM_THREADS
     echo "tests done, $(left) s left"
-    timeout -k 5 $(( $(left) - 60 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 16384 --warp-rows 16 32 \
-      --decode --serving --fp8 --no-flex --budget-s $(( $(left) - 150 )) --repeats 15 \
+    # the decoding sweep first (the key-split forward against the 64-row one, padded and paged:
+    # not yet timed anywhere), then the benchmark the earlier leases ran
+    timeout -k 5 150 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
+    echo "decoding sweep done, $(left) s left"
+    timeout -k 5 $(( $(left) - 30 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 16384 --warp-rows 16 32 \
+      --decode --serving --fp8 --no-flex --budget-s $(( $(left) - 90 )) --repeats 15 \
       --json "$OUT/cuda-$device-lease.json" 2>&1 | tee "$OUT/bench.log"
     echo "bench done, $(left) s left"
-    timeout -k 5 $(( $(left) > 10 ? $(left) : 10 )) python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
-    echo "decoding sweep done, $(left) s left"
     if [ "$(left)" -gt 30 ]; then
       timeout -k 5 "$(left)" python3 bench/sweep_tiles_cuda.py --dims 64 128 2>&1 | tee "$OUT/sweep-tiles.log"
     fi

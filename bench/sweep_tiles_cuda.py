@@ -4,7 +4,9 @@ Forward tiles: the dense bf16 forward (B=4 H=16 N=4096) at each (Br, Bc) the `ti
 takes (Br, Bc up to 64), against the roofline's choice, and the roofline's choice among warps of
 32 rows (`warp_rows=32`: two mma row blocks per warp sharing each K/V fragment, FA2's layout). Decoding (`--decode`): one query, d=128,
 MHA 32/32 and GQA 32/8 (a group's heads folded into one head's rows), B=1 and 8, M=16K and 64K,
-at split-KV counts 1..64 against `choose_kv_splits`'s, and SDPA (torch's choice of backend).
+the default forward and the one whose warps split each key tile (`key_split_warps`), at
+split-KV counts 1..64 against `choose_kv_splits`'s, and SDPA (torch's choice of backend); then
+paged GQA decoding with both against SDPA on contiguous K/V.
 
     python bench/sweep_tiles_cuda.py --dims 64 128
     python bench/sweep_tiles_cuda.py --decode
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
-from bench.bench_cuda import median_ms  # noqa: E402
+from bench.bench_cuda import PAGED_DECODE_HEADS, median_ms, paged_decode_operands  # noqa: E402
 
 
 def main() -> None:
@@ -76,38 +78,54 @@ def decode_splits(
     shapes: Iterable[tuple[tuple[int, int], int, int]] = itertools.product(((32, 32), (32, 8)), (1, 8), (16384, 65536)),
     splits_tried: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
 ) -> None:
-    """Decoding, one query, d=128 at each ((H, Hkv), B, M) of `shapes`: SDPA, then each tile
-    plan at every split count and at its chosen one."""
+    """Decoding, one query, d=128 at each ((H, Hkv), B, M) of `shapes`: SDPA, then each forward
+    at its chosen split count and at every count of `splits_tried`; then GQA 32/8 from a paged
+    cache (planned, pages of 16 shuffled) against SDPA on the same keys stored contiguously.
+    The forwards: the default (64 rows for calls of at most 64: Kernel.for_short_queries; the
+    session-23 sweep timed it fastest against the plan's 128 rows and 16-row blocks of one
+    warp) and 16 rows whose 4 warps split each key tile (`key_split_warps`)."""
     program = ROOT / "examples" / "vanilla.attn"
-    # the plan's forward (128 rows) as it ran before short-query tiles, the default (64 rows
-    # for calls of at most 64: Kernel.for_short_queries) and 16 rows
-    kernels = {
-        tiles: attncc.compile(program, target="cuda", tiles=None if tiles == "plan" else tiles)
-        for tiles in ("plan", None, (16, 64))
-    }
-    kernels["plan"].short_query_tiles = False
+    kernels = {label: attncc.compile(program, target="cuda") for label in ("64 rows", "key-split")}
+    kernels["key-split"].key_split_warps = True
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda kern: kern.for_rows(1, 128).library_path_for("bfloat16", 128), kernels.values()))
     print(f"{device_name()}: bf16 decoding, one query, d=128; ms per call (splits)", flush=True)
+    shapes = list(shapes)
     for (H, Hkv), B, M in shapes:
         q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, Hkv, M, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         sdpa = median_ms(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=Hkv < H), 15, 5)
         print(f"H={H} Hkv={Hkv} B={B} M={M:5d}: sdpa {sdpa:.3f}", flush=True)
-        for kern in kernels.values():
+        for label, kern in kernels.items():
             rows = q.view(B, Hkv, H // Hkv, 128)  # as the forward runs it (a group's heads as rows)
             chosen = kern.for_rows(H // Hkv, 128).plan(rows, k, None)
+            best = median_ms(partial(kern, q, k, v), 15, 5)
             times = []
             for splits in splits_tried:
                 kern.kv_splits = splits
                 times.append(f"{median_ms(partial(kern, q, k, v), 15, 5):.3f} ({splits})")
             kern.kv_splits = None
-            best = median_ms(partial(kern, q, k, v), 15, 5)
             print(
-                f"H={H} Hkv={Hkv} B={B} M={M:5d} Br={chosen.tiles.block_rows:3d}: chosen {best:.3f} "
-                f"({chosen.kv_splits})  " + "  ".join(times),
+                f"H={H} Hkv={Hkv} B={B} M={M:5d} {label:9s} Br={chosen.tiles.block_rows:3d}: chosen {best:.3f} "
+                f"({chosen.kv_splits}) = {sdpa / best:.2f}x sdpa  " + "  ".join(times),
                 flush=True,
             )
+    for B, M in sorted({(B, M) for _, B, M in shapes}):
+        paged_decoding(kernels, B, M)
+
+
+def paged_decoding(kernels: dict[str, attncc.Kernel], B: int, M: int) -> None:
+    """GQA 32/8 decoding, one query, d=128, from a paged cache (pages of 16 in shuffled order, a
+    plan per step) with each forward at its chosen splits, against SDPA on contiguous K/V."""
+    H, Hkv = PAGED_DECODE_HEADS
+    q, k_cache, v_cache, table, lengths, k, v = paged_decode_operands(B, M)
+    sdpa = median_ms(partial(F.scaled_dot_product_attention, q.transpose(1, 2), k, v, enable_gqa=True), 15, 5)
+    plan = attncc.plan_paged(k_cache, table, lengths)
+    line = f"paged H={H} Hkv={Hkv} B={B} M={M:5d}: sdpa (contiguous) {sdpa:.3f}"
+    for label, kern in kernels.items():
+        ms = median_ms(partial(kern.paged, q, k_cache, v_cache, plan=plan), 15, 5)
+        line += f"  {label} {ms:.3f} = {sdpa / ms:.2f}x sdpa"
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

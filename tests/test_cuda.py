@@ -29,6 +29,7 @@ from attncc.runtime.inputs import Shape, adapt, make_inputs
 from attncc.runtime.nvcc import compile_cuda, find_nvcc, nvcc_install_hint
 from attncc.targets import GPUS
 from tests.conftest import EXAMPLES, ROOT
+from tests.test_serving import BOTTOM_RIGHT
 
 try:
     find_nvcc()
@@ -255,6 +256,38 @@ def test_paged_forwards_compile_forward_only_within_their_spill_bounds() -> None
             where = f"{name} d={head_dim}: {report.describe()}"
             assert [k.name for k in report.kernels] == ["combine_splits", "attention_forward"], where
             assert report.spill_stores <= most and report.spill_loads <= 2 * most, where
+
+
+@pytest.mark.parametrize(("key_tile", "warps"), [(16, 1), (32, 2), (48, 3), (64, 4)])
+def test_key_split_warps_take_whole_16_key_steps(key_tile: int, warps: int) -> None:
+    """Up to 4 warps split a key tile, each taking a whole number of 16-key mma steps: a tile
+    of 48 keys goes to 3 warps, one of 16 to a single warp (a 16-row forward)."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm90", emulate=True, tiles=(64, key_tile))
+    plan = kern.for_key_split_warps().op.tiling.for_head_dim(64)
+    assert (plan.block_rows, plan.key_warps, plan.warps, plan.threads) == (16, warps, warps, 32 * warps)
+    layout = f"{warps} warps of 16 rows, {key_tile // warps} keys" if warps > 1 else "1 warps of 16 rows (32 threads)"
+    assert layout in kern.for_key_split_warps().op.tiling.describe(64)
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_key_split_forwards_compile_forward_only_without_spills() -> None:
+    """The forward of warps splitting each key tile (`for_key_split_warps`, 16 rows) on sm90,
+    bf16: the forward alone (and the split merge), in place and paged, no spills at d = 64, 128
+    and 256 (ptxas, CUDA 13.0: 147-212 registers)."""
+    jobs = [(name, 128, dtype) for name in ("vanilla", *REGISTER_HEAVY) for dtype in ("bfloat16", "bfloat16+paged")]
+    jobs += [(name, d, "bfloat16") for name in ("alibi", "relative_bias") for d in (64, 256)]
+
+    def ptxas(job: tuple[str, int, str]) -> tuple[tuple[str, int, str], object]:
+        name, head_dim, dtype = job
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm90", emulate=True).for_key_split_warps()
+        return job, compile_cuda(kern.cuda_source(dtype, head_dim), "sm90")
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(ptxas, jobs))
+    for job, report in results:
+        where = f"{job}: {report.describe()}"
+        assert [k.name for k in report.kernels] == ["combine_splits", "attention_forward"], where
+        assert report.spill_stores == 0 and report.spill_loads == 0 and report.stack_bytes == 0, where
 
 
 def test_warp_rows_are_checked() -> None:
@@ -920,6 +953,68 @@ def test_gpu_decoding_takes_the_tiles_and_splits_the_h200_ran_fastest(heads: tup
     plan = folded.for_short_queries().plan(rows, k, None)
     (expected_rows, expected_splits), _ = H200_FASTEST_DECODING[(heads, B, M)]
     assert (plan.tiles.block_rows, plan.kv_splits) == (expected_rows, expected_splits)
+
+
+KEY_SPLIT_SHAPES = (
+    (Shape(2, 8, 2, 1, 300, 128), None),  # decoding, a GQA group of 4 folded: 4 rows; M a tail of 64
+    (Shape(1, 4, 4, 1, 77, 128), None),  # one row per head
+    (Shape(1, 4, 1, 4, 130, 128), 3),  # a group of 4 x 4 queries: 16 rows; forced split-KV
+    (Shape(2, 2, 2, 13, 1, 128), None),  # one key: three of the four warps see none
+    (Shape(1, 2, 1, 3, 333, 64), None),  # d = 64: 128-key tiles, 32 keys per warp
+)
+
+
+#: Programs for decoding rows: bottom-right causal (queries are the last N positions), so that
+#: every warp's keys are visible (top-left `j <= i` leaves one-query calls a single key).
+DECODING_PROGRAMS = {
+    "alibi": BOTTOM_RIGHT,  # (tests/test_serving.py: ALiBi from the query's position)
+    "dropout": """attention decoding_dropout
+s = q @ k.T * scale
+mask j <= i + (M - N)
+p = softmax(s)
+p = dropout(p, 0.1)
+o = p @ v
+output o
+""",
+}
+
+
+@pytest.mark.parametrize("name", ["alibi", "dropout", "gpt_oss", "padding", "softcap"])
+def test_key_split_warps_run_calls_of_16_rows_and_match_float64(name: str) -> None:
+    """With key_split_warps, calls of at most 16 query rows per (batch, head), GQA groups
+    folded, run `for_key_split_warps` (16 rows, 4 warps each taking 16 keys of every 64-key
+    tile at d = 128, 32 of 128 at d = 64, merged at the end), forward and lse against float64 (the backward keeps the plan's):
+    score maps (alibi, softcap), sinks and a window (gpt_oss), dropout bits by key (each warp
+    draws for its own keys), runtime lengths (padding), fully masked rows (one key), split-KV,
+    tails; alibi also with warps run ahead to their barriers. Planted faults this catches: a
+    warp's keys not offset in the mask, in V or in the dropout draws, the merge's weights
+    swapped, no barrier before the merge overwrites the K/V tiles (warp-greedy)."""
+    program = DECODING_PROGRAMS.get(name) or ROOT / "examples" / f"{name}.attn"
+    for schedule in ("lockstep", "warp-greedy")[: 2 if name == "alibi" else 1]:
+        check_key_split_warps(attncc.compile(program, target="sm90", emulate=True), schedule)
+
+
+def check_key_split_warps(kern: attncc.Kernel, schedule: str) -> None:
+    """KEY_SPLIT_SHAPES through `kern` with key_split_warps on, under the emulator's `schedule`
+    (warp-greedy runs each warp ahead to its next barrier: a merge that does not wait for every
+    warp to leave the K/V tiles reads them overwritten)."""
+    kern.schedule = schedule
+    kern.key_split_warps = True
+    split = kern.for_key_split_warps()
+    for head_dim, key_tile in ((128, 64), (64, 128)):
+        plan = split.op.tiling.for_head_dim(head_dim)
+        assert (plan.block_rows, plan.block_cols, plan.key_warps, plan.threads) == (16, key_tile, 4, 128)
+        assert plan.backward is None  # its libraries hold the forward alone
+    for shape, splits in KEY_SPLIT_SHAPES:
+        kern.kv_splits = splits
+        result = check(kern, adapt(shape, kern), torch.bfloat16)
+        assert result.ok, f"{shape}: {result.describe()}"
+        q = torch.empty(shape.B, shape.H, shape.N, shape.D, device="meta")
+        folds = kern.query_head_group(q, shape.Hkv, shape.D, kern.op.dropout, None) > 1  # (not with dropout)
+        ran = kern.with_folded_query_heads() if folds else kern
+        variant = ran._row_variants.get("key_split_warps")
+        assert variant is not None and any(d == "bfloat16" for d, *_ in variant._libraries), f"{shape}: not key-split"
+        variant._libraries.clear()  # (so that the next shape's use is its own)
 
 
 @pytest.mark.parametrize("name", ["alibi", "gpt_oss"])

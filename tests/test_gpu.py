@@ -99,6 +99,22 @@ def test_gpu_forward_backward_match_fp64(name: str, dtype: torch.dtype) -> None:
         assert result.ok, result.describe()
 
 
+@pytest.mark.parametrize("name", ["alibi", "dropout", "gpt_oss", "padding"])
+def test_gpu_key_split_decoding_matches_fp64(name: str) -> None:
+    """The forward whose warps split each key tile (`kern.key_split_warps`, opt-in until a GPU
+    times it) on the GPU: tests/test_cuda.py's programs and shapes (one query, GQA folded,
+    16 rows, forced splits, fully masked rows, d = 64 and 128), forward and lse against float64
+    (and the plan's backward)."""
+    from tests.test_cuda import DECODING_PROGRAMS, KEY_SPLIT_SHAPES
+
+    kern = attncc.compile(DECODING_PROGRAMS.get(name) or ROOT / "examples" / f"{name}.attn", target="cuda")
+    kern.key_split_warps = True
+    for shape, splits in KEY_SPLIT_SHAPES:
+        kern.kv_splits = splits
+        result = check(kern, adapt(shape, kern), torch.bfloat16, device="cuda")
+        assert result.ok, result.describe()
+
+
 def test_gpu_dropout_bits_equal_the_cpu_mask() -> None:
     kern = attncc.compile(ROOT / "examples" / "gpt2.attn", target="cuda")
     N = 64

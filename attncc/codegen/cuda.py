@@ -75,7 +75,8 @@ def generate_cuda(
         if head_dim > plan.head_dim or plan.block_cols % FP8_MMA_K:
             raise AttnccError(f"fp8 products need a head dim and key tiles in steps of {FP8_MMA_K}")
     backward = plan.backward if kv_format is None and not paged else None
-    row_blocks = 1 if fp8_mma else plan.warp_rows // 16  # (the fp8 products' warps take one row block)
+    # (the fp8 products' warps take one row block and whole key tiles)
+    row_blocks, key_warps = (1, 1) if fp8_mma else (plan.warp_rows // 16, plan.key_warps)
     return render(
         "cuda/attention.cu.jinja",
         variant_name=g.graph["name"],
@@ -94,6 +95,7 @@ def generate_cuda(
         abi=kernel_abi(g, cuda=True),
         has_dropout=op.dropout > 0,
         warp_row_blocks=row_blocks,
+        key_warps=key_warps,
         q_in_registers=q_in_registers(head_dim, 16 * row_blocks),
         kv_format=kv_format,
         fp8_mma=fp8_mma,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from attncc.frontend.lower import parse_program
@@ -12,7 +13,7 @@ from attncc.passes.cost import cost
 from attncc.passes.fuse import fuse_attention
 from attncc.passes.positions import fold_query_heads, globalize_positions
 from attncc.passes.sparsity import analyse_sparsity
-from attncc.passes.tiling import tile
+from attncc.passes.tiling import TilingTable, tile
 from attncc.targets import Target
 
 
@@ -75,15 +76,15 @@ def with_rows(stages: list[Stage], rewrite: str) -> list[Stage]:
     return kept
 
 
-def with_short_query_tiles(stages: list[Stage]) -> list[Stage]:
-    """`stages` with the GPU forward tiles of calls of few query rows (decoding):
-    `TilingTable.for_short_queries` in place of the tile pass's table, forward only."""
+def with_tiles(stages: list[Stage], retile: Callable[[TilingTable], TilingTable]) -> list[Stage]:
+    """`stages` with the tile pass's table through `retile` (the GPU forward tiles of calls of
+    few query rows: `TilingTable.for_short_queries`, `for_key_split_warps`) and costed again."""
     names = [stage.name for stage in stages]
     at = names.index("tile")
     tiling = fused_node(stages[at].graph)[1].tiling
     assert tiling is not None
     kept = stages[:at]
-    for name, fn in (("tile", lambda g: _with_tiling(g, tiling.for_short_queries())), ("cost", cost)):
+    for name, fn in (("tile", lambda g: _with_tiling(g, retile(tiling))), ("cost", cost)):
         kept.append(Stage(name, verify(fn(kept[-1].graph), name)))
     return kept
 

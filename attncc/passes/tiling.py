@@ -136,6 +136,9 @@ class TilePlan:
     #: GPU forward: query rows per warp, 16 (one mma row block) or 32 (two, each K and V
     #: fragment read from shared memory feeding both: FlashAttention-2's layout).
     warp_rows: int = 16
+    #: GPU forward: warps sharing each row block, each taking Bc / key_warps consecutive keys of
+    #: every K/V tile with its own softmax state, merged at the end (`for_key_split_warps`).
+    key_warps: int = 1
 
     def for_dtype(self, dtype: str) -> TilePlan:
         """The forward's tiles for inputs of `dtype` (a torch dtype name)."""
@@ -192,6 +195,22 @@ class TilePlan:
             self, block_rows=rows, warps=warps, threads=warps * 32, backward=None,
             onchip_bytes=gpu_shared_bytes(rows, self.block_cols, self.head_dim, self.stages),
             reason=f"{self.reason}; {rows} rows for calls of at most {rows} query rows (decoding)",
+        )  # fmt: skip
+
+    def for_key_split_warps(self) -> TilePlan:
+        """A GPU forward plan for calls of at most GPU_ROWS_PER_WARP query rows per (batch,
+        head), a GQA group's query heads folded in (decoding): one row block of 16 rows whose
+        key tiles (Bc kept) up to GPU_KEY_WARPS warps share, each taking Bc / key_warps
+        consecutive keys with its own running max, sum and O, merged through shared memory at
+        the end (flash-decoding inside the block: FlashInfer's decode kernels split keys over
+        warps the same way). Forward only."""
+        key_warps = max(w for w in range(1, GPU_KEY_WARPS + 1) if self.block_cols % (16 * w) == 0)
+        rows = GPU_ROWS_PER_WARP
+        return replace(
+            self, block_rows=rows, warp_rows=rows, key_warps=key_warps, warps=key_warps, threads=key_warps * 32,
+            backward=None, onchip_bytes=gpu_shared_bytes(rows, self.block_cols, self.head_dim, self.stages),
+            registers_per_thread=gpu_registers(self.block_cols // key_warps, self.head_dim),
+            reason=f"{self.reason}; {rows} rows, {key_warps} warp(s) sharing each key tile (decoding)",
         )  # fmt: skip
 
     def for_keys(self, m: int) -> TilePlan:
@@ -260,13 +279,22 @@ class TilingTable:
             return self
         return replace(self, plans=tuple(p and p.for_short_queries() for p in self.plans))
 
+    def for_key_split_warps(self) -> TilingTable:
+        """GPU tables: every plan `TilePlan.for_key_split_warps` (forward only); CPU tables as they are."""
+        if self.micro_kernel is not None:
+            return self
+        return replace(self, plans=tuple(p and p.for_key_split_warps() for p in self.plans))
+
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
         if self.micro_kernel is not None:
             layout = f"{self.micro_kernel.describe()}, one task per (b, h, query tile)"
         else:
+            rows = (
+                f"{p.warp_rows} rows" if p.key_warps == 1 else f"{p.warp_rows} rows, {p.block_cols // p.key_warps} keys"
+            )
             layout = (
-                f"{p.warps} warps of {p.warp_rows} rows ({p.threads} threads), {p.stages} K/V stage(s), "
+                f"{p.warps} warps of {rows} ({p.threads} threads), {p.stages} K/V stage(s), "
                 f"~{p.registers_per_thread} registers/thread"
             )
         b = p.backward
@@ -431,6 +459,10 @@ GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
 # (B=1, best splits of each): all of Br=128's 8 warps but one compute on padding rows, and half
 # as many blocks fit an SM (resident_blocks).
 GPU_SHORT_QUERY_ROWS = 64
+# Calls of at most GPU_ROWS_PER_WARP rows may instead run one row block shared by this many
+# warps, each taking a quarter of every key tile (`TilePlan.for_key_split_warps`; opt-in,
+# `kern.key_split_warps`: not yet timed on a GPU).
+GPU_KEY_WARPS = 4
 # `tiles=` overrides apply to the forward and the backward alike: the backward keeps one 32-bit
 # word of dropout keep bits per lane for 4 x Br / 8 (or, in the dQ kernel, Bc / 8) scores, so
 # they go up to 64 (the roofline's backward plans reach Bc = 128 by splitting the dQ kernel's

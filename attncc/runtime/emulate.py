@@ -21,7 +21,13 @@ from attncc.codegen import FP8_MMA_SUFFIX, PAGED_SUFFIX
 from attncc.codegen.cuda import EMULATION_WRAPPER, FP8_MMA_K, generate_cuda, rounded_head_dim, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.positions import FOLD_GROUP, FOLD_ROWS
-from attncc.passes.tiling import GPU_SHORT_QUERY_ROWS, choose_kv_splits, resident_blocks, split_kv_blocks
+from attncc.passes.tiling import (
+    GPU_ROWS_PER_WARP,
+    GPU_SHORT_QUERY_ROWS,
+    choose_kv_splits,
+    resident_blocks,
+    split_kv_blocks,
+)
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
 from attncc.runtime.kernel import (
@@ -121,6 +127,11 @@ class EmulatedKernel(Kernel):
     #: library for every short test call (the tests that cover it turn it on).
     short_query_tiles = False
 
+    #: Calls of at most GPU_ROWS_PER_WARP query rows per (batch, head), GQA folded in, run one
+    #: row block whose warps split each key tile (`Kernel.for_key_split_warps`) instead, unless
+    #: they multiply on the fp8 tensor cores. Opt-in everywhere until a GPU has timed it.
+    key_split_warps = False
+
     #: fp8 K/V calls multiply on the fp8 tensor cores where the target has them (sm89, sm90; see
     #: `takes_fp8_products`): q and P are rounded to e4m3 in the kernel, which moves the result
     #: by about e4m3's precision (runtime/fp8.py). False: K and V are widened to q's dtype, and
@@ -149,9 +160,13 @@ class EmulatedKernel(Kernel):
 
     def for_rows(self, rows: int, head_dim: int) -> EmulatedKernel:
         """The kernel whose forward runs a call of `rows` query rows per (batch, head) at this
-        (plan) head dim: `for_short_queries` where `short_query_tiles` is on, the rows are at
-        most GPU_SHORT_QUERY_ROWS and the plan's forward has more; else this one."""
+        (plan) head dim: `for_key_split_warps` where `key_split_warps` is on (and not
+        `fp8_mma`) and the rows are at most GPU_ROWS_PER_WARP; else `for_short_queries` where
+        `short_query_tiles` is on, the rows are at most GPU_SHORT_QUERY_ROWS and the plan's
+        forward has more; else this one."""
         assert self.op.tiling is not None
+        if self.key_split_warps and not self.fp8_mma and rows <= GPU_ROWS_PER_WARP:
+            return self.for_key_split_warps()  # type: ignore[return-value]
         if not self.short_query_tiles or rows > GPU_SHORT_QUERY_ROWS:
             return self
         if self.op.tiling.for_head_dim(head_dim).block_rows <= GPU_SHORT_QUERY_ROWS:

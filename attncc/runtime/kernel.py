@@ -29,7 +29,7 @@ from attncc.codegen.cpu import generate_cpu
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
-from attncc.passes import Stage, with_rows, with_short_query_tiles
+from attncc.passes import Stage, with_rows, with_tiles
 from attncc.passes.positions import GLOBAL_SIZES
 from attncc.passes.sparsity import (
     Problem,
@@ -40,7 +40,7 @@ from attncc.passes.sparsity import (
     runtime_tensors,
     visible_keys,
 )
-from attncc.passes.tiling import CPU_AMX_KEY_STEP, CPU_FEW_KEYS_STEP, TilePlan
+from attncc.passes.tiling import CPU_AMX_KEY_STEP, CPU_FEW_KEYS_STEP, TilePlan, TilingTable
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.fp8 import (
     FP8_DTYPES,
@@ -103,7 +103,7 @@ class CallPlan:
 
 
 #: Per-object settings that a kernel's variants (`Kernel._variant`) follow.
-ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits", "fp8_mma", "short_query_tiles")
+ROW_VARIANT_SETTINGS = ("backward", "deterministic", "kv_splits", "fp8_mma", "short_query_tiles", "key_split_warps")
 
 
 @dataclass(frozen=True)
@@ -250,8 +250,14 @@ class Kernel:
 
     def for_short_queries(self) -> Kernel:
         """This variant with the GPU forward tiles of calls of at most GPU_SHORT_QUERY_ROWS query
-        rows per (batch, head) (passes.with_short_query_tiles; forward only). Made once per kernel."""
-        return self._variant("short_queries", with_short_query_tiles)
+        rows per (batch, head) (`TilingTable.for_short_queries`; forward only). Made once per kernel."""
+        return self._variant("short_queries", lambda stages: with_tiles(stages, TilingTable.for_short_queries))
+
+    def for_key_split_warps(self) -> Kernel:
+        """This variant with the GPU forward of calls of at most 16 query rows per (batch, head)
+        whose warps split each key tile (`TilingTable.for_key_split_warps`; forward only). Made
+        once per kernel."""
+        return self._variant("key_split_warps", lambda stages: with_tiles(stages, TilingTable.for_key_split_warps))
 
     def _with_rows(self, rewrite: str) -> Kernel:
         return self._variant(rewrite, lambda stages: with_rows(stages, rewrite))
