@@ -182,7 +182,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         query_blocks, key_tiles = split_kv_blocks(shape.B, heads, rows, shape.M, forward)
         sms, resident = runs.multiprocessors(), resident_blocks(forward, GPUS[args.target])
         warps = (
-            f", {forward.key_warps} warps of {forward.block_cols // forward.key_warps} keys"
+            f", {forward.key_warps} warps of {forward.block_cols // forward.key_warps} keys per 16 rows"
             if forward.key_warps > 1
             else ""
         )
@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64))
     p.add_argument("--context-parallel", type=int, metavar="P", help="chunk pairs and ring traffic over P ranks")
     p.add_argument(
-        "--key-split-warps", action="store_true", help="GPU targets: calls of <= 16 query rows as kern.key_split_warps"
+        "--key-split-warps", action="store_true", help="GPU targets: calls of <= 32 query rows as kern.key_split_warps"
     )
     p.set_defaults(fn=cmd_explain)
 

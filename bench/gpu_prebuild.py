@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
+from attncc.passes.tiling import GPU_KEY_SPLIT_ROWS  # noqa: E402
 from attncc.runtime.build import prebuilding_into  # noqa: E402
 from attncc.runtime.gpu import GpuKernel  # noqa: E402
 
@@ -98,7 +99,8 @@ def lease_builds() -> list[Callable[[], object]]:
     for name in ("alibi", "dropout", "gpt_oss", "padding"):  # key-split decoding (test_gpu_key_split_decoding...)
         base = kernel(DECODING_PROGRAMS.get(name) or example(name))
         folded = base.with_folded_query_heads()
-        for kern in (base, folded, base.for_key_split_warps(), folded.for_key_split_warps()):
+        split = [k.for_key_split_warps(rows) for k in (base, folded) for rows in GPU_KEY_SPLIT_ROWS]
+        for kern in (base, folded, *split):
             prebuild(kern, [bf16], sorted({shape.D for shape, _ in KEY_SPLIT_SHAPES}))
     for kern in decoding_variants(kernel(BOTTOM_RIGHT_CAUSAL)):  # paged decoding and prefill, CUDA graphs
         prebuild(kern, [bf16], [128], paged=True)

@@ -261,26 +261,33 @@ def test_paged_forwards_compile_forward_only_within_their_spill_bounds() -> None
 @pytest.mark.parametrize(("key_tile", "warps"), [(16, 1), (32, 2), (48, 3), (64, 4)])
 def test_key_split_warps_take_whole_16_key_steps(key_tile: int, warps: int) -> None:
     """Up to 4 warps split a key tile, each taking a whole number of 16-key mma steps: a tile
-    of 48 keys goes to 3 warps, one of 16 to a single warp (a 16-row forward)."""
+    of 48 keys goes to 3 warps, one of 16 to a single warp (a 16-row forward); with 32 rows,
+    up to 2 warps per 16 rows."""
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm90", emulate=True, tiles=(64, key_tile))
     plan = kern.for_key_split_warps().op.tiling.for_head_dim(64)
     assert (plan.block_rows, plan.key_warps, plan.warps, plan.threads) == (16, warps, warps, 32 * warps)
-    layout = f"{warps} warps of 16 rows, {key_tile // warps} keys" if warps > 1 else "1 warps of 16 rows (32 threads)"
+    keys = key_tile // warps
+    layout = f"{warps} warps of 16 rows, {keys} keys" if warps > 1 else "1 warps of 16 rows (32 threads)"
     assert layout in kern.for_key_split_warps().op.tiling.describe(64)
+    pair = kern.for_key_split_warps(32).op.tiling.for_head_dim(64)
+    assert (pair.block_rows, pair.key_warps) == (32, min(warps, 2) if key_tile != 48 else 1)
+    with pytest.raises(AttnccError, match="key-split forwards take"):
+        kern.for_key_split_warps(48)
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
 def test_key_split_forwards_compile_forward_only_without_spills() -> None:
-    """The forward of warps splitting each key tile (`for_key_split_warps`, 16 rows) on sm90,
-    bf16: the forward alone (and the split merge), in place and paged, no spills at d = 64, 128
-    and 256 (ptxas, CUDA 13.0: 147-212 registers)."""
-    jobs = [(name, 128, dtype) for name in ("vanilla", *REGISTER_HEAVY) for dtype in ("bfloat16", "bfloat16+paged")]
-    jobs += [(name, d, "bfloat16") for name in ("alibi", "relative_bias") for d in (64, 256)]
+    """The forwards of warps splitting each key tile (`for_key_split_warps`, 16 and 32 rows) on
+    sm90, bf16: the forward alone (and the split merge), in place and paged, no spills at
+    d = 64, 128 and 256 (ptxas, CUDA 13.0: 147-212 registers)."""
+    jobs = [(name, 128, dtype, 16) for name in ("vanilla", *REGISTER_HEAVY) for dtype in ("bfloat16", "bfloat16+paged")]
+    jobs += [(name, d, "bfloat16", 16) for name in ("alibi", "relative_bias") for d in (64, 256)]
+    jobs += [(name, 128, "bfloat16", 32) for name in ("vanilla", "alibi", "document", "relative_bias")]
 
-    def ptxas(job: tuple[str, int, str]) -> tuple[tuple[str, int, str], object]:
-        name, head_dim, dtype = job
-        kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm90", emulate=True).for_key_split_warps()
-        return job, compile_cuda(kern.cuda_source(dtype, head_dim), "sm90")
+    def ptxas(job: tuple[str, int, str, int]) -> tuple[tuple[str, int, str, int], object]:
+        name, head_dim, dtype, rows = job
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm90", emulate=True)
+        return job, compile_cuda(kern.for_key_split_warps(rows).cuda_source(dtype, head_dim), "sm90")
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(ptxas, jobs))
@@ -961,6 +968,8 @@ KEY_SPLIT_SHAPES = (
     (Shape(1, 4, 1, 4, 130, 128), 3),  # a group of 4 x 4 queries: 16 rows; forced split-KV
     (Shape(2, 2, 2, 13, 1, 128), None),  # one key: three of the four warps see none
     (Shape(1, 2, 1, 3, 333, 64), None),  # d = 64: 128-key tiles, 32 keys per warp
+    (Shape(1, 8, 1, 4, 200, 128), None),  # a group of 8 x 4 queries (speculative decoding): 32 rows, 2 x 2 warps
+    (Shape(2, 2, 2, 20, 90, 64), 2),  # 20 rows of one head: 32-row blocks, 2 warps of 64 keys per 16 rows
 )
 
 
@@ -983,7 +992,8 @@ output o
 def test_key_split_warps_run_calls_of_16_rows_and_match_float64(name: str) -> None:
     """With key_split_warps, calls of at most 16 query rows per (batch, head), GQA groups
     folded, run `for_key_split_warps` (16 rows, 4 warps each taking 16 keys of every 64-key
-    tile at d = 128, 32 of 128 at d = 64, merged at the end), forward and lse against float64 (the backward keeps the plan's):
+    tile at d = 128, 32 of 128 at d = 64, merged at the end), calls of 17-32 rows its 32-row
+    forward (2 warps per 16 rows), forward and lse against float64 (the backward keeps the plan's):
     score maps (alibi, softcap), sinks and a window (gpt_oss), dropout bits by key (each warp
     draws for its own keys), runtime lengths (padding), fully masked rows (one key), split-KV,
     tails; alibi also with warps run ahead to their barriers. Planted faults this catches: a
@@ -1000,11 +1010,11 @@ def check_key_split_warps(kern: attncc.Kernel, schedule: str) -> None:
     warp to leave the K/V tiles reads them overwritten)."""
     kern.schedule = schedule
     kern.key_split_warps = True
-    split = kern.for_key_split_warps()
-    for head_dim, key_tile in ((128, 64), (64, 128)):
-        plan = split.op.tiling.for_head_dim(head_dim)
-        assert (plan.block_rows, plan.block_cols, plan.key_warps, plan.threads) == (16, key_tile, 4, 128)
-        assert plan.backward is None  # its libraries hold the forward alone
+    for rows, key_warps in ((16, 4), (32, 2)):
+        for head_dim, key_tile in ((128, 64), (64, 128)):
+            plan = kern.for_key_split_warps(rows).op.tiling.for_head_dim(head_dim)
+            assert (plan.block_rows, plan.block_cols, plan.key_warps, plan.threads) == (rows, key_tile, key_warps, 128)
+            assert plan.backward is None  # its libraries hold the forward alone
     for shape, splits in KEY_SPLIT_SHAPES:
         kern.kv_splits = splits
         result = check(kern, adapt(shape, kern), torch.bfloat16)
@@ -1012,7 +1022,8 @@ def check_key_split_warps(kern: attncc.Kernel, schedule: str) -> None:
         q = torch.empty(shape.B, shape.H, shape.N, shape.D, device="meta")
         folds = kern.query_head_group(q, shape.Hkv, shape.D, kern.op.dropout, None) > 1  # (not with dropout)
         ran = kern.with_folded_query_heads() if folds else kern
-        variant = ran._row_variants.get("key_split_warps")
+        rows = shape.N * (shape.H // shape.Hkv if folds else 1)
+        variant = ran._row_variants.get(f"key_split_warps_{16 if rows <= 16 else 32}")
         assert variant is not None and any(d == "bfloat16" for d, *_ in variant._libraries), f"{shape}: not key-split"
         variant._libraries.clear()  # (so that the next shape's use is its own)
 

@@ -217,7 +217,7 @@ def test_cli_explain_shows_the_split_kv_decision_for_gpu_targets() -> None:
     proc = cli("explain", "examples/gqa.attn", "--target", "sm90", "--shape", "1,8,2,1,4096,128", "--key-split-warps")
     assert proc.returncode == 0, proc.stderr
     assert (
-        "// split-KV on sm90 (132 SMs x 3 resident blocks of 16 x 64, 4 warps of 16 keys): 2 query blocks, "
+        "// split-KV on sm90 (132 SMs x 3 resident blocks of 16 x 64, 4 warps of 16 keys per 16 rows): 2 query blocks, "
         "64 key tiles: 64 block(s) per query tile"
     ) in proc.stdout
 

@@ -197,20 +197,25 @@ class TilePlan:
             reason=f"{self.reason}; {rows} rows for calls of at most {rows} query rows (decoding)",
         )  # fmt: skip
 
-    def for_key_split_warps(self) -> TilePlan:
-        """A GPU forward plan for calls of at most GPU_ROWS_PER_WARP query rows per (batch,
-        head), a GQA group's query heads folded in (decoding): one row block of 16 rows whose
-        key tiles (Bc kept) up to GPU_KEY_WARPS warps share, each taking Bc / key_warps
-        consecutive keys with its own running max, sum and O, merged through shared memory at
-        the end (flash-decoding inside the block: FlashInfer's decode kernels split keys over
-        warps the same way). Forward only."""
-        key_warps = max(w for w in range(1, GPU_KEY_WARPS + 1) if self.block_cols % (16 * w) == 0)
-        rows = GPU_ROWS_PER_WARP
+    def for_key_split_warps(self, rows: int = 16) -> TilePlan:
+        """A GPU forward plan for calls of at most `rows` (16 or 32) query rows per (batch,
+        head), a GQA group's query heads folded in (decoding, speculative decoding): `rows` / 16
+        row blocks of 16 rows, each shared by up to GPU_KEY_WARPS / (rows / 16) warps that take
+        Bc / key_warps consecutive keys of every K/V tile (Bc kept) with their own running max,
+        sum and O, merged through shared memory at the end (flash-decoding inside the block:
+        FlashInfer's decode kernels split keys over warps the same way). Forward only."""
+        row_blocks = rows // GPU_ROWS_PER_WARP
+        if rows not in GPU_KEY_SPLIT_ROWS:
+            raise AttnccError(f"key-split forwards take {GPU_KEY_SPLIT_ROWS} rows, not {rows}")
+        most = GPU_KEY_WARPS // row_blocks
+        key_warps = max(w for w in range(1, most + 1) if self.block_cols % (16 * w) == 0)
+        warps = row_blocks * key_warps
         return replace(
-            self, block_rows=rows, warp_rows=rows, key_warps=key_warps, warps=key_warps, threads=key_warps * 32,
-            backward=None, onchip_bytes=gpu_shared_bytes(rows, self.block_cols, self.head_dim, self.stages),
+            self, block_rows=rows, warp_rows=GPU_ROWS_PER_WARP, key_warps=key_warps, warps=warps,
+            threads=warps * 32, backward=None,
+            onchip_bytes=gpu_shared_bytes(rows, self.block_cols, self.head_dim, self.stages),
             registers_per_thread=gpu_registers(self.block_cols // key_warps, self.head_dim),
-            reason=f"{self.reason}; {rows} rows, {key_warps} warp(s) sharing each key tile (decoding)",
+            reason=f"{self.reason}; {rows} rows, {key_warps} warp(s) sharing each key tile per 16 rows (decoding)",
         )  # fmt: skip
 
     def for_keys(self, m: int) -> TilePlan:
@@ -279,11 +284,11 @@ class TilingTable:
             return self
         return replace(self, plans=tuple(p and p.for_short_queries() for p in self.plans))
 
-    def for_key_split_warps(self) -> TilingTable:
-        """GPU tables: every plan `TilePlan.for_key_split_warps` (forward only); CPU tables as they are."""
+    def for_key_split_warps(self, rows: int = 16) -> TilingTable:
+        """GPU tables: every plan `TilePlan.for_key_split_warps(rows)` (forward only); CPU tables as they are."""
         if self.micro_kernel is not None:
             return self
-        return replace(self, plans=tuple(p and p.for_key_split_warps() for p in self.plans))
+        return replace(self, plans=tuple(p and p.for_key_split_warps(rows) for p in self.plans))
 
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
@@ -459,10 +464,11 @@ GPU_ROWS_PER_WARP = 16  # one mma m16n8k16 row block per warp
 # (B=1, best splits of each): all of Br=128's 8 warps but one compute on padding rows, and half
 # as many blocks fit an SM (resident_blocks).
 GPU_SHORT_QUERY_ROWS = 64
-# Calls of at most GPU_ROWS_PER_WARP rows may instead run one row block shared by this many
-# warps, each taking a quarter of every key tile (`TilePlan.for_key_split_warps`; opt-in,
-# `kern.key_split_warps`: not yet timed on a GPU).
+# Calls of at most 16 (32) rows may instead run one (two) row block(s) whose warps split every
+# key tile, 4 warps in all (`TilePlan.for_key_split_warps`; opt-in, `kern.key_split_warps`:
+# not yet timed on a GPU).
 GPU_KEY_WARPS = 4
+GPU_KEY_SPLIT_ROWS = (16, 32)
 # `tiles=` overrides apply to the forward and the backward alike: the backward keeps one 32-bit
 # word of dropout keep bits per lane for 4 x Br / 8 (or, in the dQ kernel, Bc / 8) scores, so
 # they go up to 64 (the roofline's backward plans reach Bc = 128 by splitting the dQ kernel's

@@ -22,7 +22,7 @@ from attncc.codegen.cuda import EMULATION_WRAPPER, FP8_MMA_K, generate_cuda, rou
 from attncc.errors import AttnccError, InputError
 from attncc.passes.positions import FOLD_GROUP, FOLD_ROWS
 from attncc.passes.tiling import (
-    GPU_ROWS_PER_WARP,
+    GPU_KEY_SPLIT_ROWS,
     GPU_SHORT_QUERY_ROWS,
     choose_kv_splits,
     resident_blocks,
@@ -127,8 +127,8 @@ class EmulatedKernel(Kernel):
     #: library for every short test call (the tests that cover it turn it on).
     short_query_tiles = False
 
-    #: Calls of at most GPU_ROWS_PER_WARP query rows per (batch, head), GQA folded in, run one
-    #: row block whose warps split each key tile (`Kernel.for_key_split_warps`) instead, unless
+    #: Calls of at most 16 (32) query rows per (batch, head), GQA folded in, run one (two) row
+    #: block(s) whose warps split each key tile (`Kernel.for_key_split_warps`) instead, unless
     #: they multiply on the fp8 tensor cores. Opt-in everywhere until a GPU has timed it.
     key_split_warps = False
 
@@ -160,13 +160,14 @@ class EmulatedKernel(Kernel):
 
     def for_rows(self, rows: int, head_dim: int) -> EmulatedKernel:
         """The kernel whose forward runs a call of `rows` query rows per (batch, head) at this
-        (plan) head dim: `for_key_split_warps` where `key_split_warps` is on (and not
-        `fp8_mma`) and the rows are at most GPU_ROWS_PER_WARP; else `for_short_queries` where
+        (plan) head dim: `for_key_split_warps` of 16 or 32 rows where `key_split_warps` is on
+        (and not `fp8_mma`) and the rows are at most 32; else `for_short_queries` where
         `short_query_tiles` is on, the rows are at most GPU_SHORT_QUERY_ROWS and the plan's
         forward has more; else this one."""
         assert self.op.tiling is not None
-        if self.key_split_warps and not self.fp8_mma and rows <= GPU_ROWS_PER_WARP:
-            return self.for_key_split_warps()  # type: ignore[return-value]
+        if self.key_split_warps and not self.fp8_mma and rows <= GPU_KEY_SPLIT_ROWS[-1]:
+            fitting = next(r for r in GPU_KEY_SPLIT_ROWS if rows <= r)
+            return self.for_key_split_warps(fitting)  # type: ignore[return-value]
         if not self.short_query_tiles or rows > GPU_SHORT_QUERY_ROWS:
             return self
         if self.op.tiling.for_head_dim(head_dim).block_rows <= GPU_SHORT_QUERY_ROWS:

@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -253,11 +253,12 @@ class Kernel:
         rows per (batch, head) (`TilingTable.for_short_queries`; forward only). Made once per kernel."""
         return self._variant("short_queries", lambda stages: with_tiles(stages, TilingTable.for_short_queries))
 
-    def for_key_split_warps(self) -> Kernel:
-        """This variant with the GPU forward of calls of at most 16 query rows per (batch, head)
-        whose warps split each key tile (`TilingTable.for_key_split_warps`; forward only). Made
-        once per kernel."""
-        return self._variant("key_split_warps", lambda stages: with_tiles(stages, TilingTable.for_key_split_warps))
+    def for_key_split_warps(self, rows: int = 16) -> Kernel:
+        """This variant with the GPU forward of calls of at most `rows` (16 or 32) query rows
+        per (batch, head) whose warps split each key tile (`TilingTable.for_key_split_warps`;
+        forward only). Made once per kernel and `rows`."""
+        retile = partial(TilingTable.for_key_split_warps, rows=rows)
+        return self._variant(f"key_split_warps_{rows}", lambda stages: with_tiles(stages, retile))
 
     def _with_rows(self, rewrite: str) -> Kernel:
         return self._variant(rewrite, lambda stages: with_rows(stages, rewrite))
