@@ -204,9 +204,9 @@ class TilePlan:
         Bc / key_warps consecutive keys of every K/V tile (Bc kept) with their own running max,
         sum and O, merged through shared memory at the end (flash-decoding inside the block:
         FlashInfer's decode kernels split keys over warps the same way). Forward only."""
-        row_blocks = rows // GPU_ROWS_PER_WARP
         if rows not in GPU_KEY_SPLIT_ROWS:
             raise AttnccError(f"key-split forwards take {GPU_KEY_SPLIT_ROWS} rows, not {rows}")
+        row_blocks = rows // GPU_ROWS_PER_WARP
         most = GPU_KEY_WARPS // row_blocks
         key_warps = max(w for w in range(1, most + 1) if self.block_cols % (16 * w) == 0)
         warps = row_blocks * key_warps
@@ -280,15 +280,16 @@ class TilingTable:
 
     def for_short_queries(self) -> TilingTable:
         """GPU tables: every plan `TilePlan.for_short_queries` (forward only); CPU tables as they are."""
-        if self.micro_kernel is not None:
-            return self
-        return replace(self, plans=tuple(p and p.for_short_queries() for p in self.plans))
+        return self._with_gpu_plans(TilePlan.for_short_queries)
 
     def for_key_split_warps(self, rows: int = 16) -> TilingTable:
         """GPU tables: every plan `TilePlan.for_key_split_warps(rows)` (forward only); CPU tables as they are."""
-        if self.micro_kernel is not None:
+        return self._with_gpu_plans(lambda plan: plan.for_key_split_warps(rows))
+
+    def _with_gpu_plans(self, retile: Callable[[TilePlan], TilePlan]) -> TilingTable:
+        if self.micro_kernel is not None:  # (a CPU table: its plans serve every call)
             return self
-        return replace(self, plans=tuple(p and p.for_key_split_warps(rows) for p in self.plans))
+        return replace(self, plans=tuple(p and retile(p) for p in self.plans))
 
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
