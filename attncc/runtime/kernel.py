@@ -470,25 +470,33 @@ class Kernel:
         implementation that keeps none (`_keeps_launches`), sinks and runtime tensors (their values and addresses change),
         dropout (a fresh seed per call), and calls that the op must see or that are not plain
         tensors (`_plain_call`, torch.func transforms, forward-mode AD)."""
+        # (This runs right after the previous call's kernel evicted the interpreter's data from
+        # cache: every attribute chain and call here costs ~1-2 us, ~30 us in all before it was
+        # trimmed to the checks below, 10% of a bf16 call at N=512 D=64 on a Sapphire Rapids core.)
         if (
-            not self._keeps_launches()
-            or self.op.sink is not None
-            or self.op.q_rope is not None
-            or self.op.k_rope is not None
-            or seed is not None
-            or k.dtype in FP8_DTYPES  # (descale factors: values)
+            seed is not None
+            or _is_compiling()  # (first: dynamo traces no cached_property)
+            or not self._repeatable
             or (train and self.op.dropout > 0)
-            or not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
-            or not all(type(value) in (int, float) for value in runtime.values())
-            or not _plain_call(q, k, v)
-            or _transformed(q, k, v)
+            or type(q) is not torch.Tensor
+            or type(k) is not torch.Tensor
+            or type(v) is not torch.Tensor
+            or k.dtype in FP8_DTYPES  # (descale factors: values)
+            or (runtime and not all(type(value) in (int, float) for value in runtime.values()))
+            or not _plain_untransformed(q, k, v)
         ):
             return None
         return (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, scale, tuple(runtime.items()), torch.get_num_threads(),
-            tuple(getattr(self, name, None) for name in ROW_VARIANT_SETTINGS),
+            q.device, k.device, v.device, scale, tuple(runtime.items()) if runtime else (), _get_num_threads(),
+            _row_variant_settings(self),
         )  # fmt: skip
+
+    @cached_property
+    def _repeatable(self) -> bool:
+        """Whether this kernel's plain calls can repeat a kept launch at all: a forward that keeps
+        them, no sinks or rope (their tables and values are per call)."""
+        return self._keeps_launches() and self.op.sink is None and self.op.q_rope is None and self.op.k_rope is None
 
     def _keeps_launches(self) -> bool:
         """Whether `_remember_repeat` can keep this kernel's forward launches: the CPU forward's
@@ -1352,12 +1360,35 @@ class KeptLaunch:
         return out, lse
 
 
-def _transformed(*tensors: torch.Tensor) -> bool:
-    """Whether a torch.func transform wraps, or forward-mode AD tangents ride on, any tensor
-    (`_reject_transforms` names which; this is its quick test for the common case)."""
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
-        return True
-    return torch.autograd.forward_ad._current_level >= 0
+# Whether a kept launch may serve tensors of plain type: `_plain_call`'s checks but
+# torch.compile's (callers make it first, `_is_compiling`), and no torch.func transform or
+# forward-mode AD tangent (`_reject_transforms` names which); torch's checks bound once, as
+# keyword defaults: module attribute lookups miss cache after a kernel has run (~1-2 us each).
+def _plain_untransformed(
+    *tensors: torch.Tensor,
+    grad_enabled: Callable[[], bool] = torch.is_grad_enabled,
+    tracing: Callable[[], bool] = torch._C._is_tracing,
+    dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack,
+    function_modes: Callable[[], int] = torch._C._len_torch_function_stack,
+    profiling: Callable[[], bool] = torch.autograd._profiler_enabled,
+    wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor,
+    forward_ad: object = torch.autograd.forward_ad,
+) -> bool:
+    if tracing() or dispatch_modes() or function_modes() or profiling() or forward_ad._current_level >= 0:  # type: ignore[attr-defined]
+        return False
+    grad = grad_enabled()
+    for t in tensors:  # (loops: a generator is one more object to allocate)
+        if (grad and t.requires_grad) or wrapped(t):
+            return False
+    return True
+
+
+_get_num_threads, _is_compiling = torch.get_num_threads, torch.compiler.is_compiling
+
+
+def _row_variant_settings(kernel: Kernel) -> tuple:
+    """The kernel's ROW_VARIANT_SETTINGS (None where its class has no such setting)."""
+    return tuple(getattr(kernel, name, None) for name in ROW_VARIANT_SETTINGS)
 
 
 def checked_seed(seed: object) -> int:

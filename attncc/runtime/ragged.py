@@ -604,7 +604,7 @@ def planned_call_key(
     memo holds the `CheckedPagedCall`, is the rest). None where a call takes the full path: no
     plan, a table or lengths beside it, runtime tensors, fp8 factors, anything but plain tensors
     (autograd, tracing, modes, torch.func transforms)."""
-    from attncc.runtime.kernel import _plain_call, _transformed
+    from attncc.runtime.kernel import _is_compiling, _plain_untransformed
 
     if not isinstance(plan, PagedPlan) or block_table is not None or cache_seqlens is not None:
         return None  # (what is wrong with them: the full path says)
@@ -613,7 +613,7 @@ def planned_call_key(
     operands = (q, k_cache, v_cache) if k_new is None and v_new is None else (q, k_cache, v_cache, k_new, v_new)
     if not all(type(t) is torch.Tensor for t in operands) or not (scale is None or type(scale) in (int, float)):
         return None
-    if not _plain_call(*operands) or _transformed(*operands):  # type: ignore[arg-type]
+    if _is_compiling() or not _plain_untransformed(*operands):  # type: ignore[arg-type]
         return None
     described = tuple((t.shape, t.stride(), t.dtype, t.device) for t in operands)  # type: ignore[union-attr]
     return ("checked paged call", kern.call_key, layout, scale, tuple(runtime.items()), described)
