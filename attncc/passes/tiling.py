@@ -78,6 +78,13 @@ CPU_STREAMING_BR = 192
 # N=2048 18.9, 18.0 (23.2). avx512bf16 (vdpbf16ps, Zen 4) keeps 128: not measured with 256.
 CPU_BF16_BLOCK = 128
 CPU_AMX_BLOCK_COLS = 256
+# ... with half the rows per task where d >= 128 on AMX: the task's Q, S, P and O (Br x 2d + 6 Bc
+# bytes per row) halve beside the kv head's panels in L2, and twice the tasks balance better.
+# Measured on the Sapphire Rapids-class Xeon (bf16 dense fwd, alternating medians, ms, Br = 128
+# -> 64 at Bc = 256; SDPA in brackets): d=128 N=512 0.69-0.77 -> 0.66-0.71 (1.06-1.18), N=1024
+# 2.74-2.82 -> 2.58-2.64 (4.3-4.5), N=2048 9.78-9.80 -> 9.30-9.64 (16.2-16.5); d=256 N=2048
+# 16.3-16.6 -> 15.6-16.1 (24.9-25.4); at d=64 no gain (N=512 and 1024 1-2% slower, 4096 equal).
+CPU_AMX_WIDE_HEAD_ROWS = 64
 # ... except where a call's mask leaves partial tiles (the predicate evaluated per score, the
 # scale not folded into the exponent): from this fraction of its visible tiles on, the AMX
 # forward takes CPU_BF16_BLOCK keys per tile (TilePlan.for_partial_tiles). Measured on the Xeon
@@ -424,11 +431,13 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             reason=f"{reason}; Br={CPU_STREAMING_BR} in the forward where a kv head's K/V panels outgrow L2",
         )
         if target.isa in CPU_ISAS and CPU_ISAS[target.isa].bf16_products:
-            cols = CPU_AMX_BLOCK_COLS if CPU_ISAS[target.isa].bf16_products == "amx" else CPU_BF16_BLOCK
+            amx = CPU_ISAS[target.isa].bf16_products == "amx"
+            cols = CPU_AMX_BLOCK_COLS if amx else CPU_BF16_BLOCK
+            rows = CPU_AMX_WIDE_HEAD_ROWS if amx and d >= 128 else CPU_BF16_BLOCK
             plan = replace(
-                plan, bf16_block_rows=CPU_BF16_BLOCK, bf16_block_cols=cols,
+                plan, bf16_block_rows=rows, bf16_block_cols=cols,
                 bf16_streaming_block_rows=CPU_BF16_STREAMING_BR,
-                reason=f"{plan.reason}; bf16 forward {CPU_BF16_BLOCK}x{cols} (Br={CPU_BF16_STREAMING_BR} streaming)",
+                reason=f"{plan.reason}; bf16 forward {rows}x{cols} (Br={CPU_BF16_STREAMING_BR} streaming)",
             )  # fmt: skip
     return replace(plan, backward=plan)  # the CPU backward re-tiles nothing: same tasks, same tiles
 
