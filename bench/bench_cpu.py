@@ -2,7 +2,10 @@
 
 Every comparison runs in this one process on the same inputs; each time is the median of
 `--repeats` runs after a warm-up, and the table prints ratios (anchor time / attncc time, so
-> 1 means attncc is faster). Memory is the peak resident-set growth of a fresh subprocess.
+> 1 means attncc is faster). The grid's dense cases alternate attncc and its anchors within each
+repeat, in batches of calls of about 5 ms (a noisy machine's drift falls on both alike; single
+sub-millisecond calls swing by 10-20% there). Memory is the peak resident-set growth of a fresh
+subprocess.
 
     python bench/bench_cpu.py                 # everything (FlexAttention compiles for ~1 min)
     python bench/bench_cpu.py --quick --no-flex
@@ -332,6 +335,34 @@ def alternating_medians(fns: list, repeats: int) -> list[float]:
     return [sorted(kept)[len(kept) // 2] for kept in times]
 
 
+def batched(fn, seconds: float = 5e-3, most: int = 20):
+    """`fn` repeated enough times per call to take about `seconds` (at most `most`), and that
+    count: a noisy machine's timer and scheduler jitter swamp single sub-millisecond calls."""
+    fn()  # (build, warm-up)
+    start = time.perf_counter()
+    fn()
+    calls = max(1, min(most, round(seconds / max(time.perf_counter() - start, 1e-6))))
+
+    def run():
+        for _ in range(calls):
+            fn()
+
+    return run, calls
+
+
+def alternating_per_call(fns: dict, repeats: int) -> dict[str, float]:
+    """Seconds per call of each of `fns` (name -> callable), alternating batches of calls of
+    each within every repeat (alternating_medians), the median per call."""
+    runs = {name: batched(fn) for name, fn in fns.items()}
+    if max(calls for _, calls in runs.values()) == 1 and repeats > 3:  # long calls: as median_s
+        start = time.perf_counter()
+        next(iter(runs.values()))[0]()
+        if time.perf_counter() - start > 2.0:
+            repeats = 3
+    medians = alternating_medians([run for run, _ in runs.values()], repeats)
+    return {name: median / calls for (name, (_, calls)), median in zip(runs.items(), medians)}
+
+
 def short_cases(results: list, args) -> None:
     """Many short sequences (a padded batch of 1024 tokens per head, N = M = 16 .. 128, H=8
     D=64): key tiles fitted to the key count (TilePlan.for_few_keys), against SDPA; fp32 and
@@ -603,12 +634,14 @@ def grid_dense_cases(results: list, args, flex, rates: dict[str, float]) -> None
                 tag = str(dtype).removeprefix("torch.")
                 for is_causal, kern in ((False, vanilla), (True, causal)):
                     name = f"{'causal' if is_causal else 'dense'} fwd {tag} D={D} N={N}"
-                    ours = median_s(partial(kern, q, k, v), r)
-                    anchors = {
-                        "sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v, is_causal=is_causal), r)
+                    calls = {
+                        "attncc": partial(kern, q, k, v),
+                        "sdpa": partial(F.scaled_dot_product_attention, q, k, v, is_causal=is_causal),
                     }
                     if flex and dtype == torch.float32 and N <= 8192:
-                        anchors["flex"] = median_s(flex(q, k, v, (lambda b, h, i, j: j <= i) if is_causal else None), r)
+                        calls["flex"] = flex(q, k, v, (lambda b, h, i, j: j <= i) if is_causal else None)
+                    anchors = alternating_per_call(calls, r)
+                    ours = anchors.pop("attncc")
                     flops = attention_flops(1, 8, N, N, D, is_causal, False)
                     row(results, name, ours, anchors, rate_note(flops / ours, rates))
                     results[-1].update(N=N, D=D, dtype=tag, causal=is_causal, backward=False)
@@ -616,8 +649,10 @@ def grid_dense_cases(results: list, args, flex, rates: dict[str, float]) -> None
                         continue
                     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
                     sdpa = partial(F.scaled_dot_product_attention, is_causal=is_causal)
-                    anchors = {"sdpa": median_s(fwd_bwd(sdpa, qg, kg, vg), r)}
-                    ours = median_s(fwd_bwd(kern, qg, kg, vg), r)
+                    anchors = alternating_per_call(
+                        {"attncc": fwd_bwd(kern, qg, kg, vg), "sdpa": fwd_bwd(sdpa, qg, kg, vg)}, r
+                    )
+                    ours = anchors.pop("attncc")
                     flops = attention_flops(1, 8, N, N, D, is_causal, True)
                     row(results, name.replace(" fwd ", " fwd+bwd "), ours, anchors, rate_note(flops / ours, rates))
                     results[-1].update(N=N, D=D, dtype=tag, causal=is_causal, backward=True)

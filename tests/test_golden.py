@@ -394,12 +394,16 @@ def test_decoding_from_kv_heads_side_by_side(name: str) -> None:
 
 def test_partial_tiles_narrow_the_wide_bf16_key_tiles() -> None:
     """Where a tenth or more of a call's visible tiles are partial (masked edges), the AMX
-    forward's 256-key tiles narrow to CPU_BF16_BLOCK (TilePlan.for_partial_tiles); a dense
+    forward's 256-key tiles narrow to CPU_BF16_BLOCK, with at least as many rows
+    (TilePlan.for_partial_tiles); a dense
     call keeps its tiles; masked bf16 calls still agree with float64 eager at odd N."""
     planned = kernel("vanilla").op.tiling.for_head_dim(64).for_dtype("bfloat16")
     wide = replace(planned, block_cols=2 * CPU_BF16_BLOCK)
     assert wide.for_partial_tiles(0.5).block_cols == CPU_BF16_BLOCK
     assert wide.for_partial_tiles(0.05) is wide
+    # the wide heads' 64-row tiles (CPU_AMX_WIDE_HEAD_ROWS) take CPU_BF16_BLOCK rows when narrowed
+    assert replace(wide, block_rows=64).for_partial_tiles(0.5).block_rows == CPU_BF16_BLOCK
+    assert replace(wide, block_rows=256).for_partial_tiles(0.5).block_rows == 256
     narrow = replace(wide, block_cols=CPU_BF16_BLOCK)
     assert narrow.for_partial_tiles(1.0) is narrow
     q = torch.empty(1, 2, 1000, 64, dtype=torch.bfloat16)
