@@ -35,6 +35,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -335,7 +336,7 @@ def alternating_medians(fns: list, repeats: int) -> list[float]:
     return [sorted(kept)[len(kept) // 2] for kept in times]
 
 
-def batched(fn, seconds: float = 5e-3, most: int = 20):
+def batched(fn: Callable[[], object], seconds: float = 5e-3, most: int = 20) -> tuple[Callable[[], None], int]:
     """`fn` repeated enough times per call to take about `seconds` (at most `most`), and that
     count: a noisy machine's timer and scheduler jitter swamp single sub-millisecond calls."""
     fn()  # (build, warm-up)
@@ -343,14 +344,14 @@ def batched(fn, seconds: float = 5e-3, most: int = 20):
     fn()
     calls = max(1, min(most, round(seconds / max(time.perf_counter() - start, 1e-6))))
 
-    def run():
+    def run() -> None:
         for _ in range(calls):
             fn()
 
     return run, calls
 
 
-def alternating_per_call(fns: dict, repeats: int) -> dict[str, float]:
+def alternating_per_call(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Seconds per call of each of `fns` (name -> callable), alternating batches of calls of
     each within every repeat (alternating_medians), the median per call."""
     runs = {name: batched(fn) for name, fn in fns.items()}
