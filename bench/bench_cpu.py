@@ -336,32 +336,32 @@ def alternating_medians(fns: list, repeats: int) -> list[float]:
     return [sorted(kept)[len(kept) // 2] for kept in times]
 
 
-def batched(fn: Callable[[], object], seconds: float = 5e-3, most: int = 20) -> tuple[Callable[[], None], int]:
-    """`fn` repeated enough times per call to take about `seconds` (at most `most`), and that
-    count: a noisy machine's timer and scheduler jitter swamp single sub-millisecond calls."""
+def batched(fn: Callable[[], object], seconds: float = 5e-3, most: int = 20) -> tuple[Callable[[], None], int, float]:
+    """`fn` repeated enough times per call to take about `seconds` (at most `most`), that count,
+    and the seconds one call of `fn` took: a noisy machine's timer and scheduler jitter swamp
+    single sub-millisecond calls."""
     fn()  # (build, warm-up)
     start = time.perf_counter()
     fn()
-    calls = max(1, min(most, round(seconds / max(time.perf_counter() - start, 1e-6))))
+    once = time.perf_counter() - start
+    calls = max(1, min(most, round(seconds / max(once, 1e-6))))
 
     def run() -> None:
         for _ in range(calls):
             fn()
 
-    return run, calls
+    return run, calls, once
 
 
 def alternating_per_call(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Seconds per call of each of `fns` (name -> callable), alternating batches of calls of
-    each within every repeat (alternating_medians), the median per call."""
+    each within every repeat (alternating_medians), the median per call; 3 repeats where a
+    call takes over 2 s (as median_s)."""
     runs = {name: batched(fn) for name, fn in fns.items()}
-    if max(calls for _, calls in runs.values()) == 1 and repeats > 3:  # long calls: as median_s
-        start = time.perf_counter()
-        next(iter(runs.values()))[0]()
-        if time.perf_counter() - start > 2.0:
-            repeats = 3
-    medians = alternating_medians([run for run, _ in runs.values()], repeats)
-    return {name: median / calls for (name, (_, calls)), median in zip(runs.items(), medians)}
+    if max(once for _, _, once in runs.values()) > 2.0:
+        repeats = min(repeats, 3)
+    medians = alternating_medians([run for run, _, _ in runs.values()], repeats)
+    return {name: median / calls for (name, (_, calls, _)), median in zip(runs.items(), medians)}
 
 
 def short_cases(results: list, args) -> None:

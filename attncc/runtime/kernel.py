@@ -471,9 +471,9 @@ class Kernel:
         dropout (a fresh seed per call), and calls that the op must see or that are not plain
         tensors (`_plain_call`, torch.func transforms, forward-mode AD)."""
         # (This runs right after the previous call's kernel evicted the interpreter's data from
-        # cache: every attribute chain and call here costs ~1-2 us; 28 us in all before it was
-        # trimmed to the checks below, 10 us after, of a 0.5-0.8 ms bf16 call at B=1 H=8 N=512 on
-        # the 2-core Sapphire Rapids-class Xeon.)
+        # cache: every attribute chain and call here costs ~1-2 us; 28-35 us in all before it was
+        # trimmed to the checks below, 10-26 us after, of a 0.5-0.8 ms bf16 call at B=1 H=8 N=512
+        # on the 2-core Sapphire Rapids-class Xeon.)
         if (
             seed is not None
             or _is_compiling()  # (first: dynamo traces no cached_property)
@@ -489,8 +489,8 @@ class Kernel:
             return None
         return (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, scale, tuple(runtime.items()) if runtime else (), _get_num_threads(),
-            _row_variant_settings(self),
+            q.device, k.device, v.device, scale, tuple(runtime.items()) if runtime else (), torch.get_num_threads(),
+            tuple(getattr(self, name, None) for name in ROW_VARIANT_SETTINGS),
         )  # fmt: skip
 
     @cached_property
@@ -1361,37 +1361,6 @@ class KeptLaunch:
         return out, lse
 
 
-# Whether a kept launch may serve tensors of plain type: `_plain_call`'s checks except
-# torch.compile's (callers make it first, `_is_compiling`), and no torch.func transform or
-# forward-mode AD tangent (`_reject_transforms` names which); torch's checks bound once, as
-# keyword defaults: module attribute lookups miss cache after a kernel has run (~1-2 us each).
-def _plain_untransformed(
-    *tensors: torch.Tensor,
-    grad_enabled: Callable[[], bool] = torch.is_grad_enabled,
-    tracing: Callable[[], bool] = torch._C._is_tracing,
-    dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack,
-    function_modes: Callable[[], int] = torch._C._len_torch_function_stack,
-    profiling: Callable[[], bool] = torch.autograd._profiler_enabled,
-    wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor,
-    forward_ad: object = torch.autograd.forward_ad,
-) -> bool:
-    if tracing() or dispatch_modes() or function_modes() or profiling() or forward_ad._current_level >= 0:  # type: ignore[attr-defined]
-        return False
-    grad = grad_enabled()
-    for t in tensors:  # (loops: a generator is one more object to allocate)
-        if (grad and t.requires_grad) or wrapped(t):
-            return False
-    return True
-
-
-_get_num_threads, _is_compiling = torch.get_num_threads, torch.compiler.is_compiling
-
-
-def _row_variant_settings(kernel: Kernel) -> tuple:
-    """The kernel's ROW_VARIANT_SETTINGS (None where its class has no such setting)."""
-    return tuple(getattr(kernel, name, None) for name in ROW_VARIANT_SETTINGS)
-
-
 def checked_seed(seed: object) -> int:
     """A call's `seed=`, an int in [0, 2^63)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, torch.SymInt)) or not 0 <= seed < 2**63:
@@ -1787,19 +1756,52 @@ def delta_rows(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
     return delta.contiguous()
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _plain_call(*tensors: torch.Tensor) -> bool:
     """Whether a call may run the op's implementation without its dispatch (~30 us of host time
     per call): no autograd graph to record, no tracing (torch.compile, torch.jit.trace),
     profiling, mode or tensor subclass that must see the op."""
-    return (
-        not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and all(type(t) is torch.Tensor for t in tensors)
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and torch._C._len_torch_function_stack() == 0
-        and not torch.autograd._profiler_enabled()
-    )
+    return all(type(t) is torch.Tensor for t in tensors) and not _is_compiling() and _unobserved(*tensors)
+
+
+# torch's checks below are bound once, as keyword defaults: a kept launch's checks run right
+# after the previous call's kernel has evicted the interpreter's data from cache, where each
+# module attribute lookup misses (~1-2 us each).
+def _unobserved(
+    *tensors: torch.Tensor,
+    grad_enabled: Callable[[], bool] = torch.is_grad_enabled,
+    tracing: Callable[[], bool] = torch._C._is_tracing,
+    dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack,
+    function_modes: Callable[[], int] = torch._C._len_torch_function_stack,
+    profiling: Callable[[], bool] = torch.autograd._profiler_enabled,
+) -> bool:
+    """`_plain_call` but its type and torch.compile checks: no autograd graph to record, no
+    torch.jit tracing, mode or profiler that must see the op."""
+    if tracing() or dispatch_modes() or function_modes() or profiling():
+        return False
+    if grad_enabled():
+        for t in tensors:  # (loops: a generator is one more object to allocate)
+            if t.requires_grad:
+                return False
+    return True
+
+
+def _plain_untransformed(
+    *tensors: torch.Tensor,
+    wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor,
+    forward_ad: object = torch.autograd.forward_ad,
+) -> bool:
+    """Whether a kept launch may serve tensors of plain type (the caller checks types and
+    torch.compile first): `_unobserved`, and no torch.func transform or forward-mode AD tangent
+    (`_reject_transforms` names which)."""
+    if forward_ad._current_level >= 0:  # type: ignore[attr-defined]
+        return False
+    for t in tensors:
+        if wrapped(t):
+            return False
+    return _unobserved(*tensors)
 
 
 def _reject_transforms(values: Mapping[str, object]) -> None:
