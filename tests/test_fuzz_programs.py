@@ -17,7 +17,7 @@ Nothing from attncc's frontend, IR, passes or reference is used for it.
   comparisons), point by point.
 - `test_programs_match_the_reference` compares a few hundred programs with attncc's float64
   reference (`kern.reference`) and checks the kernels' tile classes against the oracle's mask.
-- `test_kernel_matches_the_oracle` builds ten of them as CPU kernels (-O3) and compares forward
+- `test_kernel_matches_the_oracle` builds ten of them as CPU kernels (-O2) and compares forward
   and backward (q, k, v and learnable inputs) at shapes whose rows cross several key tiles;
   `test_kernel_programs_reach_their_features` checks those ten are not trivial.
   `test_debug_built_kernel_matches_the_oracle` does the same for eighty more, built -O0
@@ -53,7 +53,7 @@ from attncc.runtime.build import DEBUG_BUILD_ENV
 
 BASE_SEED = int(os.environ.get("ATTNCC_FUZZ_SEED", "20250611"))
 REFERENCE_PROGRAMS = 300
-KERNEL_PROGRAMS = 10  # built -O3
+KERNEL_PROGRAMS = 10  # built optimised (-O2)
 DEBUG_KERNEL_PROGRAMS = 80  # built -O0 (ATTNCC_DEBUG_BUILD)
 EMULATOR_PROGRAMS = 20
 KERNEL_SEED_OFFSET = 1_000_000
@@ -1252,7 +1252,7 @@ def test_kernel_matches_the_oracle(n: int) -> None:
 def test_debug_built_kernel_matches_the_oracle(n: int, monkeypatch) -> None:
     """As test_kernel_matches_the_oracle, for many more programs: built unoptimised
     (ATTNCC_DEBUG_BUILD, ~5x faster to build), which changes how fast the generated code runs,
-    not what it computes (the optimised builds above and every golden test cover the -O3 code)."""
+    not what it computes (the optimised builds above and every golden test cover the optimised code)."""
     monkeypatch.setenv(DEBUG_BUILD_ENV, "1")
     check_cpu_kernel_program(n)
 

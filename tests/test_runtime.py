@@ -17,7 +17,14 @@ import torch
 import attncc
 from attncc import targets
 from attncc.errors import InputError
-from attncc.runtime.build import DEBUG_BUILD_ENV, build_library, load_library
+from attncc.runtime.build import (
+    DEBUG_BUILD_ENV,
+    OPTIMIZED_FLAGS,
+    PRECOMPILED_DIR,
+    _compiler_is_gcc,
+    build_library,
+    load_library,
+)
 from attncc.runtime.inputs import Shape, make_inputs
 from attncc.runtime.philox import philox4x32_10
 from tests.conftest import ROOT, kernel
@@ -126,7 +133,7 @@ def test_concurrent_builds_succeed_once_and_reload_from_disk(tmp_path) -> None:
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
-    (build_dir,) = list((tmp_path / "cache").iterdir())
+    (build_dir,) = [library.parent for library in (tmp_path / "cache").glob("*/kernel.so")]
     log = (build_dir / ".ninja_log").read_text().splitlines()
     assert sum("kernel.so" in line for line in log) == 1  # built exactly once
     stamp = (build_dir / "kernel.so").stat().st_mtime_ns
@@ -461,7 +468,7 @@ def test_cold_build_is_seconds(tmp_path, monkeypatch) -> None:
     start = time.perf_counter()
     library = attncc.compile(ROOT / "examples" / "document.attn").library("float32")
     assert time.perf_counter() - start < 30
-    (build_dir,) = tmp_path.iterdir()
+    (build_dir,) = [library.parent for library in tmp_path.glob("*/kernel.so")]
     assert "-DATTNCC_PART=$part -c" in (build_dir / "build.ninja").read_text()
     symbols = {}
     for part in ("part1.o", "part2.o"):
@@ -472,6 +479,50 @@ def test_cold_build_is_seconds(tmp_path, monkeypatch) -> None:
     assert all(hasattr(library, name) for name in symbols["part1.o"] | symbols["part2.o"])
     q, k, v, rt = make_inputs(kernel("document"), Shape(1, 1, 1, 8, 8, 16))
     assert kernel("document")(q, k, v, **rt).shape == q.shape
+
+
+def _text_disassembly(obj: Path) -> str:
+    listing = subprocess.run(["objdump", "-d", "--section=.text", str(obj)], capture_output=True, text=True)
+    return listing.stdout.split("\n\n", 1)[1]  # (past the line naming the file)
+
+
+@pytest.mark.skipif(not _compiler_is_gcc(), reason="precompiled preambles are given to GCC only")
+@pytest.mark.parametrize("emulated", [False, True], ids=["cpu", "emulator"])
+def test_a_shared_preamble_is_precompiled_from_its_second_kernel_on(tmp_path, monkeypatch, emulated: bool) -> None:
+    """The first kernel of a preamble (dtype and ISA, or emulated architecture) builds without a
+    precompiled header and leaves the preamble's text in the cache; the second builds the header
+    and reads it (-include, a link beside the kernel removed after the build), the third reuses
+    it; the objects are the instructions a build without it gives, and a rebuild without the
+    link (a damaged library) reads the text."""
+
+    def build(name: str, cache: Path) -> Path:
+        monkeypatch.setenv("ATTNCC_CACHE_DIR", str(cache))
+        kern = attncc.compile(
+            ROOT / "examples" / f"{name}.attn", target="sm80" if emulated else "cpu", emulate=emulated
+        )
+        library = kern.library_path_for("float16", 64) if emulated else kern.library_path("float32")
+        return library.parent
+
+    shared = tmp_path / "shared"
+    first, second, third = (build(name, shared) for name in ("vanilla", "causal", "softcap"))
+    (precompiled,) = (shared / PRECOMPILED_DIR).iterdir()
+    assert (precompiled / "preamble.h.gch").stat().st_size > 1e6
+    assert "-include preamble.h" not in (first / "build.ninja").read_text()
+    for directory in (second, third):
+        assert "-include preamble.h -DATTNCC_PART=$part" in (directory / "build.ninja").read_text()
+        assert (directory / "preamble.h").exists() and not (directory / "preamble.h.gch").exists()
+    alone = build("causal", tmp_path / "alone")  # (a cache's first kernel: no precompiled header)
+    assert "-include preamble.h" not in (alone / "build.ninja").read_text()
+    for part in ("part1.o", "part2.o"):
+        assert _text_disassembly(second / part) == _text_disassembly(alone / part)
+    library = second / "kernel.so"
+    library.write_bytes(library.read_bytes()[:1000])  # damaged, its objects gone: rebuilt from the text
+    for part in ("part1.o", "part2.o"):
+        (second / part).unlink()
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(shared))
+    with pytest.warns(UserWarning, match="rebuilding it"):
+        load_library(library)
+    assert _text_disassembly(second / "part2.o") == _text_disassembly(alone / "part2.o")
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -491,7 +542,7 @@ def test_each_kernel_object_gets_its_own_op_dispatch_key() -> None:
 
 def test_debug_builds_are_unoptimised_with_debug_info_and_cached_apart(monkeypatch) -> None:
     """ATTNCC_DEBUG_BUILD=1 builds -O0 -g (to step through generated code) into its own cache
-    entry; unset or "0" builds -O3."""
+    entry; unset or "0" builds with the optimised flags (OPTIMIZED_FLAGS: -O2)."""
     source = 'extern "C" int debug_build_probe() { return 7; }'
     paths = {}
     for value in ("", "0", "1"):
@@ -500,7 +551,8 @@ def test_debug_builds_are_unoptimised_with_debug_info_and_cached_apart(monkeypat
         command = next(
             line for line in (paths[value].parent / "build.ninja").read_text().splitlines() if "command" in line
         )
-        assert (" -O0 -g " in command) == (value == "1") and (" -O3 " in command) == (value != "1"), command
+        optimised = f" {' '.join(OPTIMIZED_FLAGS)} " in command
+        assert (" -O0 -g " in command) == (value == "1") and optimised == (value != "1"), command
         assert load_library(paths[value]).debug_build_probe() == 7
     assert paths[""] == paths["0"] != paths["1"]
 

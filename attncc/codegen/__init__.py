@@ -10,6 +10,11 @@ import jinja2
 
 from attncc.errors import AttnccError
 
+#: The line that ends a host source's preamble (macro definitions and includes only, the same
+#: for every kernel of a dtype and ISA or emulated architecture), which runtime/build.py
+#: precompiles once and shares between kernels.
+PREAMBLE_END = "// attncc: end of preamble"
+
 #: fp8 K/V element types (torch dtype name) -> the decoder include/attncc/fp8bits.h gives them.
 KV_FORMATS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
@@ -64,12 +69,14 @@ TEMPLATE_DIR: Path = _template_dir()
 
 @cache
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,  # a missing decision is an error, not empty text
         keep_trailing_newline=True,
         autoescape=False,
     )
+    env.globals["preamble_end"] = PREAMBLE_END
+    return env
 
 
 def render(template: str, **values: object) -> str:

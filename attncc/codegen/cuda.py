@@ -106,42 +106,7 @@ def generate_cuda(
     )
 
 
-EMULATION_WRAPPER = """// Runs kernel.cu, the exact generated CUDA text, on attncc's host CUDA emulator.
-#define ATTNCC_EMULATE 1
-#include <string>
-#include "kernel.cu"
-
-static std::string last_error;
-
-// An entry point under `schedule`; 3 when the emulator caught a kernel bug (the message is kept).
-template <typename Entry>
-static int emulated(int schedule, Entry entry) {
-  attncc_emu::current_schedule() = attncc_emu::Schedule(schedule);
-  try {
-    return entry();
-  } catch (const attncc_emu::EmulationError& e) {
-    last_error = e.what();
-    return 3;
-  }
-}
-
-extern "C" int attncc_emulated_forward(void* const* ptrs, const int64_t* ints, const double* reals, int schedule) {
-  return emulated(schedule, [&] { return attncc_forward(ptrs, ints, reals, nullptr); });
-}
-extern "C" int attncc_emulated_backward(void* const* ptrs, const int64_t* ints, const double* reals, float* dq_accum,
-                                        int schedule) {
-  return emulated(schedule, [&] { return attncc_backward(ptrs, ints, reals, dq_accum, nullptr); });
-}
-extern "C" int attncc_emulated_backward_grad_bounds(void* const* ptrs, const int64_t* ints, const double* reals,
-                                                    int schedule) {
-  return emulated(schedule, [&] { return attncc_backward_grad_bounds(ptrs, ints, reals, nullptr); });
-}
-extern "C" const char* attncc_emulator_error() { return last_error.c_str(); }
-// Performance counters (attncc/runtime/profile.py): on() starts counting from zero, off() stops.
-extern "C" void attncc_emulator_profile(int on) { attncc_emu::profile_on(on != 0); }
-extern "C" const char* attncc_emulator_counters() {
-  static std::string text;
-  text = attncc_emu::counters_json();
-  return text.c_str();
-}
-"""
+def emulation_wrapper(arch: str) -> str:
+    """The host source that runs kernel.cu (generated for `arch`) on the CUDA emulator; its
+    preamble is kernel.cu's (the same macros and headers), so that it is precompiled."""
+    return render("cuda/emulator.cpp.jinja", arch_number=arch_number(arch))

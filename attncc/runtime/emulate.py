@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from attncc.codegen import FP8_MMA_SUFFIX, PAGED_SUFFIX
-from attncc.codegen.cuda import EMULATION_WRAPPER, FP8_MMA_K, generate_cuda, rounded_head_dim, storage_dtypes
+from attncc.codegen.cuda import FP8_MMA_K, emulation_wrapper, generate_cuda, rounded_head_dim, storage_dtypes
 from attncc.errors import AttnccError, InputError
 from attncc.passes.positions import FOLD_GROUP, FOLD_ROWS
 from attncc.passes.tiling import (
@@ -204,10 +204,11 @@ class EmulatedKernel(Kernel):
     def library_path_for(self, dtype: str, head_dim: int, value_dim: int | None = None) -> Path:
         """The emulator's library for storage `dtype` and these head dims, built, not loaded."""
         return build_library(
-            EMULATION_WRAPPER,
+            emulation_wrapper(self.target),
             self.library_name("emu", dtype, head_dim, value_dim),
             {"kernel.cu": self.cuda_source(dtype, head_dim, value_dim)},
             optimized=EMULATOR_FLAGS,
+            parts=2,
         )
 
     def emulated_library(self, dtype: str, head_dim: int, value_dim: int | None = None) -> ctypes.CDLL:

@@ -263,12 +263,14 @@ inline std::string counters_json() {
 
 // ------------------------------------------------------------------------ context switch
 #if defined(ATTNCC_EMU_ASM_SWITCH)
+// Weak: every object that includes this header defines it (a kernel's forward and backward are
+// two objects of one library), and the linker keeps one, as for an inline function.
 extern "C" void attncc_emu_switch(void** save_sp, void* load_sp);
 asm(R"(
 .text
 .p2align 4
 .hidden attncc_emu_switch
-.globl attncc_emu_switch
+.weak attncc_emu_switch
 .type attncc_emu_switch,@function
 attncc_emu_switch:
   pushq %rbp
