@@ -17,7 +17,7 @@ Nothing from attncc's frontend, IR, passes or reference is used for it.
   comparisons), point by point.
 - `test_programs_match_the_reference` compares a few hundred programs with attncc's float64
   reference (`kern.reference`) and checks the kernels' tile classes against the oracle's mask.
-- `test_kernel_matches_the_oracle` builds ten of them as CPU kernels (-O2) and compares forward
+- `test_kernel_matches_the_oracle` builds ten of them as CPU kernels (optimised) and compares forward
   and backward (q, k, v and learnable inputs) at shapes whose rows cross several key tiles;
   `test_kernel_programs_reach_their_features` checks those ten are not trivial.
   `test_debug_built_kernel_matches_the_oracle` does the same for eighty more, built -O0
@@ -53,7 +53,7 @@ from attncc.runtime.build import DEBUG_BUILD_ENV
 
 BASE_SEED = int(os.environ.get("ATTNCC_FUZZ_SEED", "20250611"))
 REFERENCE_PROGRAMS = 300
-KERNEL_PROGRAMS = 10  # built optimised (-O2)
+KERNEL_PROGRAMS = 10  # built optimised (OPTIMIZED_FLAGS)
 DEBUG_KERNEL_PROGRAMS = 80  # built -O0 (ATTNCC_DEBUG_BUILD)
 EMULATOR_PROGRAMS = 20
 KERNEL_SEED_OFFSET = 1_000_000

@@ -542,7 +542,7 @@ def test_each_kernel_object_gets_its_own_op_dispatch_key() -> None:
 
 def test_debug_builds_are_unoptimised_with_debug_info_and_cached_apart(monkeypatch) -> None:
     """ATTNCC_DEBUG_BUILD=1 builds -O0 -g (to step through generated code) into its own cache
-    entry; unset or "0" builds with the optimised flags (OPTIMIZED_FLAGS: -O2)."""
+    entry; unset or "0" builds with the optimised flags (OPTIMIZED_FLAGS)."""
     source = 'extern "C" int debug_build_probe() { return 7; }'
     paths = {}
     for value in ("", "0", "1"):
