@@ -107,8 +107,13 @@ def _headers_fingerprint(with_torch: bool = True) -> str:
 
 
 @cache
+def _compiler_version() -> str:
+    return subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=False).stdout
+
+
+@cache
 def _toolchain_fingerprint() -> str:
-    version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=False).stdout
+    version = _compiler_version()
     try:
         cpu_flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -121,7 +126,7 @@ def _compiler_is_gcc() -> bool:
     """GCC falls back to the header's text where a precompiled header does not fit the compile
     (other flags or macros, a missing file); other compilers stop with an error, so only GCC
     is given one."""
-    version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=False).stdout
+    version = _compiler_version()
     return "Free Software Foundation" in version and "clang" not in version
 
 
@@ -165,9 +170,8 @@ def _preamble_flag(directory: Path, source: str, flags: str) -> str:
         return ""
     _write_if_changed(directory / "preamble.h", preamble)
     link = directory / "preamble.h.gch"
-    if not (link.is_symlink() and link.readlink() == precompiled):
-        link.unlink(missing_ok=True)
-        link.symlink_to(precompiled)
+    link.unlink(missing_ok=True)  # (one left by a build that was killed)
+    link.symlink_to(precompiled)
     return "-include preamble.h "
 
 
