@@ -79,7 +79,8 @@ PER_THREAD_GRAD_BUFFERS_MAX = 256 * 2**20
 #: The fused backward runs one task per (b, kv head): with fewer than this many tasks per
 #: thread, a thread with a heavier task (a longer padded sequence) leaves the others idle.
 FUSED_BACKWARD_TASKS_PER_THREAD = 2
-#: Its per-thread dQ buffer (group x N x D fp32) above which the two passes run instead.
+#: Its per-thread buffers (dQ, group x N x D fp32, and the query tiles it keeps loaded, at most
+#: as large) above which the two passes run instead.
 FUSED_BACKWARD_MAX_BUFFER = 256 * 2**20
 #: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
@@ -1048,8 +1049,11 @@ class Kernel:
         those the backward runs on (default: torch's)."""
         p, tiles = plan.problem, plan.tiles
         threads = threads or max(1, torch.get_num_threads())
-        dq_buffer = 4 * (p.H // p.Hkv) * math.ceil(p.N / tiles.block_rows) * tiles.block_rows * (-(-p.D // 16) * 16)
-        fused = p.B * p.Hkv >= FUSED_BACKWARD_TASKS_PER_THREAD * threads and dq_buffer <= FUSED_BACKWARD_MAX_BUFFER
+        rows = (p.H // p.Hkv) * math.ceil(p.N / tiles.block_rows) * tiles.block_rows
+        # fp32 dQ, and the task's query tiles (QuerySlots: fp32 Q and dO, or four bf16 forms of them)
+        padded_dims = -(-p.D // 32) * 32, -(-p.Dv // 32) * 32
+        buffers = 4 * rows * (padded_dims[0] + sum(padded_dims))
+        fused = p.B * p.Hkv >= FUSED_BACKWARD_TASKS_PER_THREAD * threads and buffers <= FUSED_BACKWARD_MAX_BUFFER
         if self.backward == "fused" or (self.backward == "auto" and fused):
             return ("attncc_backward_fused",)
         return ("attncc_backward_dkdv", "attncc_backward_dq")
