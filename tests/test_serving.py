@@ -258,7 +258,10 @@ def test_varlen_is_one_launch_with_each_sequences_own_n_and_m(monkeypatch: pytes
     assert launches == (["attncc_forward"] if cpu else ["attncc_emulated_forward"])
     got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
     backward = (
-        [["attncc_backward_fused"], ["attncc_backward_dkdv", "attncc_backward_dq"]]
+        [
+            ["attncc_backward_delta", "attncc_backward_fused"],
+            ["attncc_backward_delta", "attncc_backward_dkdv", "attncc_backward_dq"],
+        ]
         if cpu
         else [["attncc_emulated_backward"]]
     )

@@ -130,7 +130,11 @@ def test_varlen_with_its_own_value_head_dim(backend: str, name: str) -> None:
     ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
     ref = grads_of(ref_out, ref_lse, [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))], names, dout.double())
     if backend == "cpu":
-        limits = {n: tolerance(n) for n in ref}
+        # a learnable input's gradient sums every score of its heads: alibi's per-head slope
+        # gradients here are -205, 435, 1.6 and -1037, each with ~4e-4 of fp32 rounding (the
+        # summands are of the large heads' size), so the head whose sum cancels to 1.6 gets 5x
+        # the relative limit of dq, dk, dv
+        limits = {n: tolerance(n) * (5 if n in names[3:] else 1) for n in ref}
     else:  # bf16 tensor cores (P and dS rounded to bf16): within a few bf16 steps
         limits = {n: 2e-5 if n == "lse" else 3e-2 for n in ref}
     assert_within(got, ref, limits)

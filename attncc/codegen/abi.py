@@ -22,9 +22,10 @@ OPERANDS = (
     ("dk", "storage_t*"), ("dv", "storage_t*"),
     ("k_descale", "const float*"), ("v_descale", "const float*"),
 )  # fmt: skip
-#: Per-row statistics, the tile classes, and the softmax's sink logit per row ([B, H, N]; null
-#: without one: the CPU forward merges it as it writes each row, runtime/sinks.py).
-ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "const acc_t*"), ("classes", "const uint8_t*"), ("sink", "const acc_t*"))
+#: Per-row statistics (delta: written by the CPU backward's first pass, read by the GPU's), the
+#: tile classes, and the softmax's sink logit per row ([B, H, N]; null without one: the CPU
+#: forward merges it as it writes each row, runtime/sinks.py).
+ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "acc_t*"), ("classes", "const uint8_t*"), ("sink", "const acc_t*"))
 SIZES = ("B", "H", "Hkv", "N", "M", "D", "Dv")  # D: q and k head dim; Dv: v and out head dim
 CONTROL = ("Br", "Bc", "cls_sb", "cls_sh", "cls_si", "seed", "offset", "threads")
 #: scale: the multiplier of q.k (FusedAttention.scale evaluated); scale_value: the name `scale`

@@ -986,7 +986,6 @@ class Kernel:
             torch.empty(k.shape, dtype=k.dtype),
             torch.empty(v.shape, dtype=v.dtype),
         )
-        delta = delta_rows(out, dout, dlse, acc) if q.numel() and k.numel() else None
         operands = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
         if packed is not None:  # (key-side operands: those of k's shape)
             operands = {name: packed.as_batch(t, name in ("k", "v", "dk", "dv")) for name, t in operands.items()}
@@ -1006,8 +1005,10 @@ class Kernel:
             grads[decl.name] = torch.zeros((slices, *t.shape), dtype=grad_dtype)
         call["threads"] = threads
         call["grad_slices"] = {self.abi.ident_of(n): g[0].numel() if len(g) > 1 else 0 for n, g in grads.items()}
-        if delta is not None:
-            ptrs = dict(operands, lse=lse.contiguous(), delta=delta)
+        if q.numel() and k.numel():
+            lse = lse.contiguous()
+            delta = torch.empty(lse.shape, dtype=acc)  # rowsum(dO * O), the first pass's (row_stat's layout, as lse)
+            ptrs = dict(operands, lse=lse, delta=delta)
             rope_ptrs, call["rope"] = self.rope_buffers(
                 operands["q"], operands["k"], tensors, scalars, None if packed is None else packed.lengths
             )
@@ -1015,6 +1016,9 @@ class Kernel:
             if packed is not None:
                 ptrs.update(packed.buffers())
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
+            self._run("attncc_backward_delta", dtype, plan, call, ptrs, dropout, seed)
+            if dlse is not None:  # a loss on lse: D - dlse in place of D (delta_rows)
+                delta.sub_(dlse.to(acc))
             for entry in self.backward_entries(plan, threads):
                 self._run(entry, dtype, plan, call, ptrs, dropout, seed)
         else:
