@@ -85,6 +85,33 @@ def test_lse_gradient_on_the_cuda_emulator() -> None:
         assert (g.double() - rg).abs().max() < 2e-2
 
 
+def test_eager_training_calls_record_their_graph_without_the_op_and_match_it() -> None:
+    """An eager call that records a graph runs the op's forward and backward through a plain
+    autograd Function (host time: torch.library's dispatch cost ~0.1 ms a call); a profiler
+    (like torch.compile, modes and transforms) sees the op itself. Both give the same values
+    and gradients, runtime-input gradients included, against float64 torch code."""
+    kern = kernel("alibi")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 37, 24, generator=gen, requires_grad=True) for _ in range(3))
+    slopes = torch.rand(4, generator=gen).requires_grad_()
+    dout = torch.randn(2, 4, 37, 24, generator=gen)
+    eager = kern(q, k, v, slopes=slopes)
+    assert type(eager.grad_fn).__name__ == "_EagerAttentionBackward"
+    with torch.profiler.profile() as prof:
+        through_op = kern(q, k, v, slopes=slopes)
+    assert "attncc::attention" in {event.name for event in prof.events()}
+    assert type(through_op.grad_fn).__name__ != "_EagerAttentionBackward"
+    grads = [torch.autograd.grad(out, (q, k, v, slopes), dout) for out in (eager, through_op)]
+    assert torch.equal(eager, through_op)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, slopes)]
+    ref = kern.reference(*leaves[:3], slopes=leaves[3])[0]
+    expected = torch.autograd.grad(ref, leaves, dout.double())
+    for got, want in zip(grads[0], expected):
+        assert (got.double() - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
 def test_double_backward_is_a_clear_error() -> None:
     q = torch.randn(1, 1, 8, 8, dtype=torch.float64, requires_grad=True)
     (g,) = torch.autograd.grad(kernel("vanilla")(q, q, q).sum(), q, create_graph=True)

@@ -358,6 +358,8 @@ class Kernel:
             )
             if repeat_key is not None and out.numel():
                 self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
+        elif sink is None and not descale and _eager_autograd(q, k, v, *tensors):
+            out, lse = _EagerAttention.apply(self.call_key, q, k, v, scalars, scale, dropout, seed_value, *tensors)
         else:
             out, lse = torch.ops.attncc.attention(
                 self.call_key,
@@ -1548,6 +1550,47 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: AN
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The attention op with its registered autograd (`_setup_context`, `_backward`: the same
+    forward_impl, saved tensors and backward) for eager calls that record a graph
+    (`_eager_autograd`), without torch.library's dispatch of the forward: a training step's
+    forward at N = 16 took 0.27 ms of host time through the op, 0.02 ms without a graph."""
+
+    @staticmethod
+    def forward(ctx, key, q, k, v, scalars, scale, dropout, seed, *tensors: torch.Tensor):  # noqa: ANN001, ANN205 - Function
+        out, lse = _REGISTRY[key].forward_impl(q, k, v, list(tensors), scalars, scale, dropout, int(seed.item()))
+        _setup_context(ctx, (key, q, k, v, list(tensors), scalars, scale, dropout, seed, None, None, None), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+        # (through the backward op: a double backward raises its clear error)
+        _, dq, dk, dv, tensor_grads, *_ = _backward(ctx, dout, dlse)
+        return None, dq, dk, dv, None, None, None, None, *tensor_grads
+
+
+def _eager_autograd(
+    *tensors: torch.Tensor,
+    tracing: Callable[[], bool] = torch._C._is_tracing,
+    dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack,
+    function_modes: Callable[[], int] = torch._C._len_torch_function_stack,
+    profiling: Callable[[], bool] = torch.autograd._profiler_enabled,
+    wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor,
+    forward_ad: object = torch.autograd.forward_ad,
+) -> bool:
+    """Whether a call that records an autograd graph may run `_EagerAttention` rather than the
+    op: plain tensors, and no torch.compile, torch.jit tracing, mode, profiler, torch.func
+    transform or forward-mode AD tangent (those see the op)."""
+    if _is_compiling() or tracing() or dispatch_modes() or function_modes() or profiling():
+        return False
+    if forward_ad._current_level >= 0:  # type: ignore[attr-defined]
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor or wrapped(t):
+            return False
+    return True
 
 
 def _varlen_call(
