@@ -112,6 +112,38 @@ def test_eager_training_calls_record_their_graph_without_the_op_and_match_it() -
         assert (got.double() - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
 
 
+def test_training_calls_repeat_a_kept_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call recording a graph that repeats a checked call's launch runs it kept (no checks),
+    with the same values and gradients as the first call's full path, and right ones."""
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    checked: list[int] = []
+    validate = attncc.Kernel.validate
+
+    def counting_validate(self: attncc.Kernel, *args: object) -> None:
+        checked.append(1)
+        validate(self, *args)
+
+    monkeypatch.setattr(attncc.Kernel, "validate", counting_validate)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 29, 40, generator=gen, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 3, 29, 40, generator=gen)
+    calls = [kern(q, k, v, return_lse=True) for _ in range(3)]
+    assert len(checked) == 1
+    assert all(type(out.grad_fn).__name__ == "_EagerAttentionBackward" for out, _ in calls)
+    grads = [torch.autograd.grad((out, lse), (q, k, v), (dout, torch.ones_like(lse))) for out, lse in calls]
+    for (out, lse), call_grads in zip(calls[1:], grads[1:]):
+        assert torch.equal(out, calls[0][0]) and torch.equal(lse, calls[0][1])
+        assert all(torch.equal(a, b) for a, b in zip(call_grads, grads[0]))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s = leaves[0] @ leaves[1].transpose(-1, -2) / 40**0.5
+    s = s.masked_fill(torch.ones(29, 29, dtype=torch.bool).triu(1), float("-inf"))
+    ref_lse = torch.logsumexp(s, -1)
+    ref_out = torch.softmax(s, -1) @ leaves[2]
+    expected = torch.autograd.grad((ref_out, ref_lse), leaves, (dout.double(), torch.ones_like(ref_lse)))
+    for got, want in zip(grads[-1], expected):
+        assert (got.double() - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
 def test_double_backward_is_a_clear_error() -> None:
     q = torch.randn(1, 1, 8, 8, dtype=torch.float64, requires_grad=True)
     (g,) = torch.autograd.grad(kernel("vanilla")(q, q, q).sum(), q, create_graph=True)

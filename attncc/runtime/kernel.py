@@ -334,7 +334,13 @@ class Kernel:
         repeat_key = self._repeat_key(q, k, v, runtime, scale, train, seed)
         repeat = self._repeats.get(repeat_key) if repeat_key is not None else None
         if repeat is not None:
-            out, lse = repeat(q, k, v)
+            if _records_graph(q, k, v):
+                scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+                out, lse = _EagerAttention.apply(
+                    self.call_key, repeat, q, k, v, scalars, checked_scale(scale), 0.0, seed_tensor(None, 0.0)
+                )
+            else:
+                out, lse = repeat(q, k, v)
             return (out, lse) if return_lse else out
         _reject_transforms({"q": q, "k": k, "v": v, **runtime})
         self.validate(q, k, v, runtime)
@@ -359,7 +365,11 @@ class Kernel:
             if repeat_key is not None and out.numel():
                 self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         elif sink is None and not descale and _eager_autograd(q, k, v, *tensors):
-            out, lse = _EagerAttention.apply(self.call_key, q, k, v, scalars, scale, dropout, seed_value, *tensors)
+            out, lse = _EagerAttention.apply(
+                self.call_key, None, q, k, v, scalars, scale, dropout, seed_value, *tensors
+            )
+            if repeat_key is not None and out.numel():
+                self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         else:
             out, lse = torch.ops.attncc.attention(
                 self.call_key,
@@ -472,7 +482,7 @@ class Kernel:
         launch was kept must launch unsplit). None where a call cannot repeat a packed launch: a forward
         implementation that keeps none (`_keeps_launches`), sinks and runtime tensors (their values and addresses change),
         dropout (a fresh seed per call), and calls that the op must see or that are not plain
-        tensors (`_plain_call`, torch.func transforms, forward-mode AD)."""
+        tensors (`_eager_autograd`: torch.func transforms, forward-mode AD, modes, tracing)."""
         # (This runs right after the previous call's kernel evicted the interpreter's data from
         # cache: every attribute chain and call here costs ~1-2 us; 28-35 us in all before it was
         # trimmed to the checks below, 10-26 us after, of a 0.5-0.8 ms bf16 call at B=1 H=8 N=512
@@ -487,7 +497,7 @@ class Kernel:
             or type(v) is not torch.Tensor
             or k.dtype in FP8_DTYPES  # (descale factors: values)
             or (runtime and not all(type(value) in (int, float) for value in runtime.values()))
-            or not _plain_untransformed(q, k, v)
+            or not _eager_autograd(q, k, v)  # (a call recording a graph repeats it through _EagerAttention)
         ):
             return None
         return (
@@ -1555,20 +1565,39 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """The attention op with its registered autograd (`_setup_context`, `_backward`: the same
     forward_impl, saved tensors and backward) for eager calls that record a graph
-    (`_eager_autograd`), without torch.library's dispatch of the forward: a training step's
-    forward at N = 16 took 0.27 ms of host time through the op, 0.02 ms without a graph."""
+    (`_eager_autograd`), without torch.library's dispatch; the forward a kept launch where the
+    call repeats one (`launch`, `Kernel._repeat_key`). Host time of a grad-recording forward
+    at B=1 H=8 N=16 d=64 fp32: 0.27 ms through the op, 0.16 ms here by the full path."""
 
     @staticmethod
-    def forward(ctx, key, q, k, v, scalars, scale, dropout, seed, *tensors: torch.Tensor):  # noqa: ANN001, ANN205 - Function
-        out, lse = _REGISTRY[key].forward_impl(q, k, v, list(tensors), scalars, scale, dropout, int(seed.item()))
+    def forward(ctx, key, launch, q, k, v, scalars, scale, dropout, seed, *tensors: torch.Tensor):  # noqa: ANN001, ANN205 - Function
+        if launch is not None:
+            out, lse = launch(q, k, v)
+        else:
+            out, lse = _REGISTRY[key].forward_impl(q, k, v, list(tensors), scalars, scale, dropout, int(seed.item()))
         _setup_context(ctx, (key, q, k, v, list(tensors), scalars, scale, dropout, seed, None, None, None), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
-        # (through the backward op: a double backward raises its clear error)
-        _, dq, dk, dv, tensor_grads, *_ = _backward(ctx, dout, dlse)
-        return None, dq, dk, dv, None, None, None, None, *tensor_grads
+        if torch.is_grad_enabled():  # create_graph: through the backward op, whose derivative raises the clear error
+            _, dq, dk, dv, tensor_grads, *_ = _backward(ctx, dout, dlse)
+        else:
+            q, k, v, out, lse, seed, _, *tensors = ctx.saved_tensors
+            dq, dk, dv, grads = ctx.kernel.backward_impl(
+                q, k, v, out, lse, dout.contiguous(), dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout,
+                int(seed.item()), ctx.grad_inputs,
+            )  # fmt: skip
+            tensor_grads = _input_gradients(ctx, grads, None, 0, out, lse, dout, dlse)[0]
+        return None, None, dq, dk, dv, None, None, None, None, *tensor_grads
+
+
+def _records_graph(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_enabled: Callable[[], bool] = torch.is_grad_enabled
+) -> bool:
+    """Whether a call records an autograd graph (a kept launch repeats only calls without
+    runtime tensors, so q, k and v decide)."""
+    return grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _eager_autograd(
