@@ -112,10 +112,8 @@ def test_eager_training_calls_record_their_graph_without_the_op_and_match_it() -
         assert (got.double() - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
 
 
-def test_training_calls_repeat_a_kept_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A call recording a graph that repeats a checked call's launch runs it kept (no checks),
-    with the same values and gradients as the first call's full path, and right ones."""
-    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+def counted_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time a kernel call runs its checks (`Kernel.validate`)."""
     checked: list[int] = []
     validate = attncc.Kernel.validate
 
@@ -124,6 +122,14 @@ def test_training_calls_repeat_a_kept_launch(monkeypatch: pytest.MonkeyPatch) ->
         validate(self, *args)
 
     monkeypatch.setattr(attncc.Kernel, "validate", counting_validate)
+    return checked
+
+
+def test_training_calls_repeat_a_kept_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call recording a graph that repeats a checked call's launch runs it kept (no checks),
+    with the same values and gradients as the first call's full path, and right ones."""
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    checked = counted_checks(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 3, 29, 40, generator=gen, requires_grad=True) for _ in range(3))
     dout = torch.randn(2, 3, 29, 40, generator=gen)
@@ -168,14 +174,7 @@ def test_repeated_plain_calls_reuse_the_checked_launch(monkeypatch: pytest.Monke
         s = s.masked_fill(~((j <= i) & (i - j < n)), float("-inf"))
         return torch.softmax(s, -1) @ v.double()
 
-    checked: list[int] = []
-    validate = attncc.Kernel.validate
-
-    def counting_validate(self: attncc.Kernel, *args: object) -> None:
-        checked.append(1)
-        validate(self, *args)
-
-    monkeypatch.setattr(attncc.Kernel, "validate", counting_validate)
+    checked = counted_checks(monkeypatch)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 37, 24, generator=g) for _ in range(3))
 
