@@ -362,14 +362,10 @@ class Kernel:
             out, lse = self.forward_impl(
                 q, k, v, tensors, scalars, scale, dropout, int(seed_value.item()), sink=sink, descale=descale
             )
-            if repeat_key is not None and out.numel():
-                self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         elif sink is None and not descale and _eager_autograd(q, k, v, *tensors):
             out, lse = _EagerAttention.apply(
                 self.call_key, None, q, k, v, scalars, scale, dropout, seed_value, *tensors
             )
-            if repeat_key is not None and out.numel():
-                self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         else:
             out, lse = torch.ops.attncc.attention(
                 self.call_key,
@@ -385,6 +381,9 @@ class Kernel:
                 descale.get("k_descale"),
                 descale.get("v_descale"),
             )
+        # (a call with a repeat key takes one of the two branches above: the op sees none)
+        if repeat_key is not None and out.numel():
+            self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
         return (out, lse) if return_lse else out
 
     def rope_applied(
@@ -482,7 +481,7 @@ class Kernel:
         launch was kept must launch unsplit). None where a call cannot repeat a packed launch: a forward
         implementation that keeps none (`_keeps_launches`), sinks and runtime tensors (their values and addresses change),
         dropout (a fresh seed per call), and calls that the op must see or that are not plain
-        tensors (`_eager_autograd`: torch.func transforms, forward-mode AD, modes, tracing)."""
+        tensors (`_untransformed`, `_unwatched`: torch.func transforms, forward-mode AD, modes, tracing)."""
         # (This runs right after the previous call's kernel evicted the interpreter's data from
         # cache: every attribute chain and call here costs ~1-2 us; 28-35 us in all before it was
         # trimmed to the checks below, 10-26 us after, of a 0.5-0.8 ms bf16 call at B=1 H=8 N=512
@@ -497,7 +496,8 @@ class Kernel:
             or type(v) is not torch.Tensor
             or k.dtype in FP8_DTYPES  # (descale factors: values)
             or (runtime and not all(type(value) in (int, float) for value in runtime.values()))
-            or not _eager_autograd(q, k, v)  # (a call recording a graph repeats it through _EagerAttention)
+            or not _untransformed(q, k, v)
+            or not _unwatched()  # (a call recording a graph repeats through _EagerAttention)
         ):
             return None
         return (
@@ -1487,6 +1487,28 @@ def attention_backward_op(
     seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    return _attention_backward(
+        key, q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs
+    )  # fmt: skip
+
+
+def _attention_backward(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    tensors: list[torch.Tensor],
+    scalars: list[float],
+    scale: float | None,
+    dropout: float,
+    seed: torch.Tensor,
+    grad_inputs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The backward op's implementation, also called directly (`_EagerAttention`)."""
     return _REGISTRY[key].backward_impl(
         q, k, v, out, lse, dout.contiguous(), dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs
     )
@@ -1550,9 +1572,11 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 -
     ctx.kernel = _REGISTRY[key]  # alive until the backward ran
 
 
-def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor, backward: Callable[..., tuple] | None = None) -> tuple:  # noqa: ANN001 - autograd ctx
+    """The op's registered backward; `backward`: what runs the kernels (default: the backward op,
+    which torch.compile traces and whose derivative raises the double-backward error)."""
     q, k, v, out, lse, seed, sink, *tensors = ctx.saved_tensors
-    dq, dk, dv, grads = torch.ops.attncc.attention_backward(
+    dq, dk, dv, grads = (backward or torch.ops.attncc.attention_backward)(
         ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs
     )
     tensor_grads, scalar_grads, dsink = _input_gradients(ctx, grads, sink, 9, out, lse, dout, dlse)
@@ -1580,15 +1604,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
-        if torch.is_grad_enabled():  # create_graph: through the backward op, whose derivative raises the clear error
-            _, dq, dk, dv, tensor_grads, *_ = _backward(ctx, dout, dlse)
-        else:
-            q, k, v, out, lse, seed, _, *tensors = ctx.saved_tensors
-            dq, dk, dv, grads = ctx.kernel.backward_impl(
-                q, k, v, out, lse, dout.contiguous(), dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout,
-                int(seed.item()), ctx.grad_inputs,
-            )  # fmt: skip
-            tensor_grads = _input_gradients(ctx, grads, None, 0, out, lse, dout, dlse)[0]
+        # create_graph: through the backward op, whose derivative raises the clear error
+        direct = None if torch.is_grad_enabled() else _attention_backward
+        _, dq, dk, dv, tensor_grads, *_ = _backward(ctx, dout, dlse, direct)
         return None, None, dq, dk, dv, None, None, None, None, *tensor_grads
 
 
@@ -1600,26 +1618,13 @@ def _records_graph(
     return grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _eager_autograd(
-    *tensors: torch.Tensor,
-    tracing: Callable[[], bool] = torch._C._is_tracing,
-    dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack,
-    function_modes: Callable[[], int] = torch._C._len_torch_function_stack,
-    profiling: Callable[[], bool] = torch.autograd._profiler_enabled,
-    wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor,
-    forward_ad: object = torch.autograd.forward_ad,
-) -> bool:
+def _eager_autograd(*tensors: torch.Tensor) -> bool:
     """Whether a call that records an autograd graph may run `_EagerAttention` rather than the
-    op: plain tensors, and no torch.compile, torch.jit tracing, mode, profiler, torch.func
-    transform or forward-mode AD tangent (those see the op)."""
-    if _is_compiling() or tracing() or dispatch_modes() or function_modes() or profiling():
-        return False
-    if forward_ad._current_level >= 0:  # type: ignore[attr-defined]
-        return False
+    op: plain tensors, no torch.compile, and `_untransformed`, `_unwatched` (those see the op)."""
     for t in tensors:
-        if type(t) is not torch.Tensor or wrapped(t):
+        if type(t) is not torch.Tensor:
             return False
-    return True
+    return not _is_compiling() and _untransformed(*tensors) and _unwatched()
 
 
 def _varlen_call(
@@ -1849,17 +1854,20 @@ def _plain_call(*tensors: torch.Tensor) -> bool:
 # torch's checks below are bound once, as keyword defaults: a kept launch's checks run right
 # after the previous call's kernel has evicted the interpreter's data from cache, where each
 # module attribute lookup misses (~1-2 us each).
-def _unobserved(
-    *tensors: torch.Tensor,
-    grad_enabled: Callable[[], bool] = torch.is_grad_enabled,
+def _unwatched(
     tracing: Callable[[], bool] = torch._C._is_tracing,
     dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack,
     function_modes: Callable[[], int] = torch._C._len_torch_function_stack,
     profiling: Callable[[], bool] = torch.autograd._profiler_enabled,
 ) -> bool:
-    """`_plain_call` but its type and torch.compile checks: no autograd graph to record, no
-    torch.jit tracing, mode or profiler that must see the op."""
-    if tracing() or dispatch_modes() or function_modes() or profiling():
+    """No torch.jit tracing, mode or profiler that must see the op."""
+    return not (tracing() or dispatch_modes() or function_modes() or profiling())
+
+
+def _unobserved(*tensors: torch.Tensor, grad_enabled: Callable[[], bool] = torch.is_grad_enabled) -> bool:
+    """`_plain_call` but its type and torch.compile checks: `_unwatched`, and no autograd graph
+    to record."""
+    if not _unwatched():
         return False
     if grad_enabled():
         for t in tensors:  # (loops: a generator is one more object to allocate)
@@ -1868,20 +1876,24 @@ def _unobserved(
     return True
 
 
-def _plain_untransformed(
+def _untransformed(
     *tensors: torch.Tensor,
     wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor,
     forward_ad: object = torch.autograd.forward_ad,
 ) -> bool:
-    """Whether a kept launch may serve tensors of plain type (the caller checks types and
-    torch.compile first): `_unobserved`, and no torch.func transform or forward-mode AD tangent
-    (`_reject_transforms` names which)."""
+    """No torch.func transform or forward-mode AD tangent (`_reject_transforms` names which)."""
     if forward_ad._current_level >= 0:  # type: ignore[attr-defined]
         return False
     for t in tensors:
         if wrapped(t):
             return False
-    return _unobserved(*tensors)
+    return True
+
+
+def _plain_untransformed(*tensors: torch.Tensor) -> bool:
+    """Whether a kept launch may serve tensors of plain type without a graph (the caller checks
+    types and torch.compile first): `_untransformed` and `_unobserved`."""
+    return _untransformed(*tensors) and _unobserved(*tensors)
 
 
 def _reject_transforms(values: Mapping[str, object]) -> None:
