@@ -1470,28 +1470,6 @@ def _attention_fake(
     return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
-@torch.library.custom_op("attncc::attention_backward", mutates_args=())
-def attention_backward_op(
-    key: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    tensors: list[torch.Tensor],
-    scalars: list[float],
-    scale: float | None,
-    dropout: float,
-    seed: torch.Tensor,
-    grad_inputs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return _attention_backward(
-        key, q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs
-    )  # fmt: skip
-
-
 def _attention_backward(
     key: str,
     q: torch.Tensor,
@@ -1512,6 +1490,10 @@ def _attention_backward(
     return _REGISTRY[key].backward_impl(
         q, k, v, out, lse, dout.contiguous(), dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs
     )
+
+
+# (the op runs the function itself, which _EagerAttention also calls without the dispatch)
+attention_backward_op = torch.library.custom_op("attncc::attention_backward", mutates_args=())(_attention_backward)
 
 
 @attention_backward_op.register_fake
