@@ -174,6 +174,7 @@ extern "C" int matmul(float* c, const uint16_t* a, const uint16_t* b_pairs, int 
 #if ATTNCC_BF16_PRODUCTS == 1
   if (!amx_permitted()) return 1;
 #endif
+  const KernelThread kernel_thread;  // (the tile configuration)
   if (accumulate) gemm_bf16<true>(c, n, a, k, b_pairs, 2 * n, r, n, k);
   else gemm_bf16<false>(c, n, a, k, b_pairs, 2 * n, r, n, k);
   return 0;

@@ -516,42 +516,45 @@ inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, in
 
 // 2^t lane by lane for t <= 0 (softmax's exponent, in base 2: the scale and the row max are
 // multiplied by log2(e) once per row, so a score costs one FMA before the exponential).
-// AVX-512: n = round(t), 2^(t - n) by its Taylor polynomial (degree 6, relative error < 2e-7 on
-// [-1/2, 1/2]), times 2^n by one vscalefps: exactly 0 for -inf (a masked score), NaN for NaN.
+// AVX-512: f = t - floor(t) in [0, 1), 2^f by a minimax polynomial (degree 6, relative error
+// < 1e-7 in fp32 on [0, 1)), times 2^floor(t) by one vscalefps, which floors its exponent
+// operand itself (so t goes in as it is: rounding to nearest needed a subtraction for n, one
+// uop in the ten of a vector's bf16 exponential): exactly 0 for -inf (a masked score), NaN for NaN.
 // Below t = -126 the result is denormal, whose microcode assist costs ~60 ns a vector unless
-// the thread flushes denormals (FlushDenormals, which every kernel's threads hold: scores a
+// the thread flushes denormals (KernelThread, which every kernel's threads hold: scores a
 // hundred below the row's max made a bf16 forward 10x slower without it).
-// Elsewhere e^(t ln 2) by the Cody-Waite polynomial; double builds (gradcheck) call libm.
-// `ForBf16`: for the forward's P when it is rounded to bf16 (steps of 2^-8 relative), a degree-4
-// minimax polynomial (relative error < 2.7e-6 on [-1/2, 1/2], fitted by Lawson's iteration; the
-// row sum, so lse, keeps that accuracy: degree 3's 7.5e-5 put lse outside bf16 eager's error),
-// two FMAs fewer per vector.
+// Elsewhere n = round(t) and 2^(t - n) on [-1/2, 1/2] (the same accuracy), e^(t ln 2) by the
+// Cody-Waite polynomial; double builds (gradcheck) call libm.
+// `ForBf16`: for the forward's P when it is rounded to bf16 (steps of 2^-8 relative), degree 4
+// (relative error < 2.7e-6; the row sum, so lse, keeps that accuracy: degree 3's 7.5e-5 put
+// lse outside bf16 eager's error), two FMAs fewer per vector. Polynomials fitted by Lawson's
+// iteration, evaluated by Horner's rule in fp32.
 #if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
 template <bool ForBf16 = false>
 inline vfloat_t vexp2_nonpositive(vfloat_t t) {
-  // f = t - round(t) by one vreduceps (vrndscaleps is two uops), n = t - f = round(t) exactly.
-  // No clamp: vreduceps gives f = 0 for -inf and for every t below -2^23, so n = t and vscalefps
-  // returns exactly 0 for -inf (a masked score) and any t below -149; NaN stays NaN.
-  const __m512 f = _mm512_reduce_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 n = _mm512_sub_ps((__m512)t, f);
+  // f = t - floor(t) by one vreduceps (vrndscaleps is two uops). No clamp: vreduceps gives f = 0
+  // for -inf and for every t below -2^23, and vscalefps returns exactly 0 for -inf (a masked
+  // score) and any t below -149; NaN stays NaN.
+  const __m512 f = _mm512_reduce_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 p;
   if constexpr (ForBf16) {
-    p = _mm512_fmadd_ps(_mm512_set1_ps(9.5700799e-3f), f, _mm512_set1_ps(5.5917837e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024744e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312179e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999928e-1f));
+    p = _mm512_fmadd_ps(_mm512_set1_ps(1.3534137e-2f), f, _mm512_set1_ps(5.2011464e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144280e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026f));
   } else {
-    p = _mm512_fmadd_ps(_mm512_set1_ps(1.5403530393e-4f), f, _mm512_set1_ps(1.3333558146e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(_mm512_set1_ps(2.1702236e-4f), f, _mm512_set1_ps(1.2439691e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6788406e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5483341e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022983e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314700e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   }
-  return (vfloat_t)_mm512_scalef_ps(p, n);
+  return (vfloat_t)_mm512_scalef_ps(p, (__m512)t);
 }
 #else
-// The same polynomials, 2^n by adding n to the exponent bits; exactly 0 below 2^-126.
+// n = round(t), 2^(t - n) by polynomials for [-1/2, 1/2] (degree 6: the Taylor series), 2^n by
+// adding n to the exponent bits; exactly 0 below 2^-126.
 template <bool ForBf16 = false>
 inline vfloat_t vexp2_nonpositive(vfloat_t t) {
   const vint_t underflow = t < -126.0f;  // and -inf; false for NaN, which stays NaN
@@ -745,8 +748,8 @@ struct alignas(64) TileConfig {
 };
 
 // Eight 16 x 64-byte tiles: 0-3 a 2 x 2 block of C, 4-5 two A row blocks, 6-7 two B column
-// blocks. Loaded for every product, not once per thread: other code on the thread (oneDNN in
-// torch) may load its own configuration between our calls.
+// blocks. Loaded by each thread of a parallel region (KernelThread), not once per process:
+// other code on the thread (oneDNN in torch) may load its own configuration between our calls.
 inline void amx_configure() {
   TileConfig config{};
   config.palette = 1;
@@ -759,10 +762,10 @@ inline void amx_configure() {
 
 // C[R x N] (+)= A[R x K] . B[K x N] (B pair-packed, leading dimension ldb elements of bf16);
 // R, N multiples of 16, K a multiple of 32; 32 x 32 blocks of C, a 16-wide edge where needed.
+// The thread holds a KernelThread (the tile configuration).
 template <bool Accumulate>
 inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
                       int K) {
-  amx_configure();
   const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 2;
   for (int r = 0; r < R; r += 32) {
     const bool two_rows = r + 16 < R;
@@ -868,6 +871,18 @@ inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   gemm_dpbf16<Accumulate>(C, ldc, A, lda, B, ldb, R, N, K);
 }
 #endif
+
+// What every kernel thread holds for the duration of a parallel region: denormals flushed and,
+// on the amx level, the tile configuration gemm_bf16 multiplies with, released at the end.
+// (ldtilecfg costs ~60 ns and waits for the tile unit: once per product it was ~1% of a bf16
+// forward; a region's threads run nothing that could load another configuration.)
+struct KernelThread {
+  FlushDenormals flush_denormals;
+#if ATTNCC_BF16_PRODUCTS == 1
+  KernelThread() { amx_configure(); }
+  ~KernelThread() { _tile_release(); }
+#endif
+};
 
 // ---------------------------------------------------------------------------------- atomics
 template <typename T>
