@@ -1366,18 +1366,27 @@ class KeptLaunch:
     partial_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None  # o_partial, lse_partial (split-KV)
     kept: object  # what `pointers` points into (the prepared call, a paged plan's keys)
 
+    @cached_property
+    def _pointer_template(self) -> ctypes.Array:
+        """`pointers` as the ABI's array, copied for each call (0.2 us; building it from the
+        list took 2 us)."""
+        return (ctypes.c_void_p * len(self.pointers))(*self.pointers)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=q.device)
-        operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-        if self.partial_shapes is not None:
-            operands["o_partial"] = torch.empty(self.partial_shapes[0], device=q.device)
-            operands["lse_partial"] = torch.empty(self.partial_shapes[1], device=q.device)
-        pointers = self.pointers.copy()
-        for name, operand in operands.items():
-            pointers[self.operand_slots[name]] = operand.data_ptr()
-        args = ((ctypes.c_void_p * len(pointers))(*pointers), self.ints, self.reals)
-        self.kernel._launch(self.library, self.entry, args, q.device)
+        template, slots = self._pointer_template, self.operand_slots
+        pointers = type(template).from_buffer_copy(template)
+        pointers[slots["q"]] = q.data_ptr()
+        pointers[slots["k"]] = k.data_ptr()
+        pointers[slots["v"]] = v.data_ptr()
+        pointers[slots["out"]] = out.data_ptr()
+        pointers[slots["lse"]] = lse.data_ptr()
+        if self.partial_shapes is not None:  # (alive until the launch returns)
+            partials = [torch.empty(shape, device=q.device) for shape in self.partial_shapes]
+            pointers[slots["o_partial"]] = partials[0].data_ptr()
+            pointers[slots["lse_partial"]] = partials[1].data_ptr()
+        self.kernel._launch(self.library, self.entry, (pointers, self.ints, self.reals), q.device)
         return out, lse
 
 
