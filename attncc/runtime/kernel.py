@@ -1601,21 +1601,20 @@ class _EagerAttention(torch.autograd.Function):
         return None, None, dq, dk, dv, None, None, None, None, *tensor_grads
 
 
-def _records_graph(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_enabled: Callable[[], bool] = torch.is_grad_enabled
-) -> bool:
-    """Whether a call records an autograd graph (a kept launch repeats only calls without
-    runtime tensors, so q, k and v decide)."""
-    return grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def _records_graph(*tensors: torch.Tensor, grad_enabled: Callable[[], bool] = torch.is_grad_enabled) -> bool:
+    """Whether a call with these tensors records an autograd graph (a kept launch repeats only
+    calls without runtime tensors, so there q, k and v decide)."""
+    if grad_enabled():
+        for t in tensors:  # (loops: a generator is one more object to allocate)
+            if t.requires_grad:
+                return True
+    return False
 
 
 def _eager_autograd(*tensors: torch.Tensor) -> bool:
     """Whether a call that records an autograd graph may run `_EagerAttention` rather than the
-    op: plain tensors, no torch.compile, and `_untransformed`, `_unwatched` (those see the op)."""
-    for t in tensors:
-        if type(t) is not torch.Tensor:
-            return False
-    return not _is_compiling() and _untransformed(*tensors) and _unwatched()
+    op: `_plain_uncompiled`, `_untransformed` and `_unwatched` (the others see the op)."""
+    return _plain_uncompiled(*tensors) and _untransformed(*tensors) and _unwatched()
 
 
 def _varlen_call(
@@ -1839,7 +1838,15 @@ def _plain_call(*tensors: torch.Tensor) -> bool:
     """Whether a call may run the op's implementation without its dispatch (~30 us of host time
     per call): no autograd graph to record, no tracing (torch.compile, torch.jit.trace),
     profiling, mode or tensor subclass that must see the op."""
-    return all(type(t) is torch.Tensor for t in tensors) and not _is_compiling() and _unobserved(*tensors)
+    return _plain_uncompiled(*tensors) and _unobserved(*tensors)
+
+
+def _plain_uncompiled(*tensors: torch.Tensor) -> bool:
+    """Tensors of torch.Tensor's own type (no subclass), outside torch.compile's tracing."""
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return False
+    return not _is_compiling()
 
 
 # torch's checks below are bound once, as keyword defaults: a kept launch's checks run right
@@ -1855,16 +1862,10 @@ def _unwatched(
     return not (tracing() or dispatch_modes() or function_modes() or profiling())
 
 
-def _unobserved(*tensors: torch.Tensor, grad_enabled: Callable[[], bool] = torch.is_grad_enabled) -> bool:
+def _unobserved(*tensors: torch.Tensor) -> bool:
     """`_plain_call` but its type and torch.compile checks: `_unwatched`, and no autograd graph
-    to record."""
-    if not _unwatched():
-        return False
-    if grad_enabled():
-        for t in tensors:  # (loops: a generator is one more object to allocate)
-            if t.requires_grad:
-                return False
-    return True
+    to record (`_records_graph`)."""
+    return _unwatched() and not _records_graph(*tensors)
 
 
 def _untransformed(
