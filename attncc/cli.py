@@ -21,7 +21,7 @@ from attncc.ir.graph import fused_node
 from attncc.ir.ops import FusedAttention
 from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
-from attncc.passes.tiling import TilePlan, resident_blocks, split_kv_blocks
+from attncc.passes.tiling import TilePlan, resident_blocks, split_kv_blocks, split_kv_slots
 from attncc.runtime.check import check
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
@@ -170,7 +170,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 f"(fold_query_heads: q as [B, Hkv, {group} N, D]), so each K/V tile is read once per group"
             )
         gpu_kernel.short_query_tiles = True  # as a GPU runs it (GpuKernel)
-        gpu_kernel.key_split_warps = args.key_split_warps
+        gpu_kernel.key_split_warps = not args.no_key_split_warps
         runs = gpu_kernel.for_rows(rows, max(shape.D, shape.Dv))
         plan = runs.plan(
             torch.empty(shape.B, heads, rows, shape.D, device="meta"),
@@ -181,6 +181,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         forward, splits = plan.tiles, plan.kv_splits
         query_blocks, key_tiles = split_kv_blocks(shape.B, heads, rows, shape.M, forward)
         sms, resident = runs.multiprocessors(), resident_blocks(forward, GPUS[args.target])
+        counted = split_kv_slots(forward, GPUS[args.target], sms) // max(1, sms)
         warps = (
             f", {forward.key_warps} warps of {forward.block_cols // forward.key_warps} keys per 16 rows"
             if forward.key_warps > 1
@@ -188,8 +189,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         )
         print(
             f"// split-KV on {args.target} ({sms} SMs x {resident} resident blocks of {forward.block_rows} x "
-            f"{forward.block_cols}{warps}): {query_blocks} query blocks, {key_tiles} key tiles: {splits} block(s) per "
-            "query tile"
+            f"{forward.block_cols}{warps}, {counted} counted): {query_blocks} query blocks, {key_tiles} key tiles: "
+            f"{splits} block(s) per query tile"
         )
     if args.context_parallel:
         explain_context_parallel(kern, shape, args.context_parallel, runtime)
@@ -307,11 +308,12 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
                 start = time.perf_counter()
                 if target == "cpu":
                     paths = kern.prebuild(dtypes, args.head_dims, kv_dtypes)
-                else:  # and the forward that calls of few query rows run (decoding: GpuKernel.for_rows)
+                else:  # and the forwards that calls of few query rows run (decoding: GpuKernel.for_rows)
                     paths = kern.prebuild(dtypes, args.head_dims, kv_dtypes, paged=args.paged)
-                    short = [d for d in args.head_dims if kern.for_rows(1, d) is not kern]
-                    if short:
-                        paths += kern.for_short_queries().prebuild(dtypes, short, kv_dtypes, paged=args.paged)
+                    for d in args.head_dims:
+                        for forward in kern.decoding_forwards(d):
+                            paths += forward.prebuild(dtypes, [d], kv_dtypes, paged=args.paged)
+                    paths = list(dict.fromkeys(paths))  # (head dims of one plan share libraries)
                 total += len(paths)
                 what = "head dims " + ",".join(map(str, args.head_dims)) if target != "cpu" else "any head dim"
                 print(
@@ -372,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64))
     p.add_argument("--context-parallel", type=int, metavar="P", help="chunk pairs and ring traffic over P ranks")
     p.add_argument(
-        "--key-split-warps", action="store_true", help="GPU targets: calls of <= 32 query rows as kern.key_split_warps"
+        "--no-key-split-warps",
+        action="store_true",
+        help="GPU targets: calls of <= 32 query rows on the 64-row forward (kern.key_split_warps = False)",
     )
     p.set_defaults(fn=cmd_explain)
 

@@ -66,11 +66,12 @@ def lease_builds() -> list[Callable[[], object]]:
     ) -> None:
         builds.extend(lambda d=d, t=t: kern.prebuild([t], [d], kv, paged) for t in dtypes for d in dims)
 
-    def decoding_variants(kern: GpuKernel) -> list[GpuKernel]:
-        """`kern` and its variants that decoding calls run: the forward of few query rows
-        (GpuKernel.for_rows), and both again with a GQA group's query heads folded into rows."""
+    def decoding_variants(kern: GpuKernel, head_dim: int = 128) -> list[GpuKernel]:
+        """`kern` and the forwards that calls of few query rows run (GpuKernel.for_rows: warps
+        splitting each key tile, the 64-row forward), and all again with a GQA group's query
+        heads folded into rows."""
         folded = kern.with_folded_query_heads()
-        return [kern, kern.for_short_queries(), folded, folded.for_short_queries()]
+        return [each for k in (kern, folded) for each in (k, *k.decoding_forwards(head_dim))]
 
     for name in EXAMPLES:  # test_gpu_forward_backward_match_fp64
         prebuild(kernel(example(name)), [fp16, bf16], [64, 128, 256])
@@ -115,13 +116,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once")
     parser.add_argument("-o", "--output", type=Path, default=ARCHIVE)
+    parser.add_argument(
+        "--update", action="store_true", help="start from the archive's libraries: build only the ones it lacks"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "prebuilt"
+        if args.update and args.output.exists():  # (a library whose digest is there is not built again)
+            with tarfile.open(args.output) as archive:
+                archive.extractall(directory, filter="data")
         with prebuilding_into(directory), ThreadPoolExecutor(args.jobs) as pool:
-            list(pool.map(lambda build: build(), lease_builds()))
-        libraries = sorted(p.relative_to(directory) for p in directory.glob("*/kernel.so*"))
+            built = list(pool.map(lambda build: build(), lease_builds()))
+        # (with --update, the archive's libraries that no build asks for any more stay out)
+        wanted = {path.parent.name for result in built for path in (result if isinstance(result, list) else [result])}
+        libraries = sorted(p.relative_to(directory) for p in directory.glob("*/kernel.so*") if p.parent.name in wanted)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         # only the libraries and their digests travel; xz finds the CUDA runtime each one links
         with tarfile.open(args.output, "w:xz") as archive:

@@ -16,11 +16,13 @@
 # SDPA-flash (no FlexAttention: its compiles cost minutes; session 19 measured it), and, with
 # the time left, the forward tile sweep. The other modes are for a lease with minutes left, one call each:
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl", ".gpu"])        probe, prebuild, golden tests
+#   run(command="bash bench/gpu_session.sh decode", carry=[".whl", ".gpu"])       GPU tests, decoding sweep and bench
 #   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl", ".gpu"])    dense, causal at d=128, decoding, varlen, fp8
 #   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl", ".gpu"])    sliding window, ALiBi, softcap
-#   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl", ".gpu"])     racecheck, synccheck logs
+#   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl", ".gpu"])     racecheck, synccheck, memcheck logs
 #   run(command="bash bench/gpu_session.sh sweep", carry=[".whl", ".gpu"])        forward tiles, decoding splits
 #   run(command="bash bench/gpu_session.sh ncu", carry=[".whl", ".gpu"])          Nsight Compute, dense d=128
+#   run(command="bash bench/gpu_session.sh ncu --decode", carry=[".whl", ".gpu"]) Nsight Compute, decoding
 # Results land in $OUT (JSON with the device name and versions; the forwards with the roofline
 # estimate beside them; at most 8 files come back): commit them under bench/results/ with the
 # device name.
@@ -70,6 +72,16 @@ case "${1:-lease}" in
       timeout -k 5 "$(left)" python3 bench/sweep_tiles_cuda.py --dims 64 128 2>&1 | tee "$OUT/sweep-tiles.log"
     fi
     ;;
+  decode)
+    # the decoding forwards after a change to their choice: the GPU tests but the per-example
+    # golden tests (which decoding does not reach), the decoding sweep, decoding against SDPA
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+    OMP_NUM_THREADS=2 CUDA_LAUNCH_BLOCKING=1 timeout -k 5 150 python3 -m pytest -v -n 8 --timeout=120 -p no:cacheprovider \
+      -rfE --durations=5 -W ignore tests/test_gpu.py -k "not forward_backward_match" 2>&1 | tee "$OUT/test_gpu.log" | tail -15
+    timeout -k 5 150 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
+    timeout -k 5 150 python3 bench/bench_cuda.py --decode --cases dense --dims 128 --sizes 4096 --budget-s 0 \
+      --no-flex --repeats 15 --json "$OUT/cuda-$device-decode.json" 2>&1 | tee "$OUT/bench-decode.log"
+    ;;
   check)
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
     python3 -c "import torch; print(torch.__version__, torch.version.cuda)" | tee -a "$OUT/device.txt"
@@ -105,16 +117,18 @@ PY
     python3 bench/sweep_tiles_cuda.py --dims 64 128 2>&1 | tee "$OUT/sweep-tiles.log"
     python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
     ;;
-  ncu)
-    python3 bench/profile_cuda.py  # build outside the profiler
-    ncu --clock-control none --kernel-name regex:attention --launch-count 3 --section SpeedOfLight \
+  ncu)  # `ncu` (dense d=128 forward and backward) or `ncu --decode` (bench/profile_cuda.py)
+    python3 bench/profile_cuda.py ${2:-}  # build outside the profiler
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \
       --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-      --section ComputeWorkloadAnalysis python3 bench/profile_cuda.py > "$OUT/ncu.txt" 2>&1
-    grep -E "attention_|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued" "$OUT/ncu.txt"
+      --section ComputeWorkloadAnalysis python3 bench/profile_cuda.py ${2:-} > "$OUT/ncu${2:+-decode}.txt" 2>&1
+    grep -E "profiled|attention_|combine_splits|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued" \
+      "$OUT/ncu${2:+-decode}.txt"
     ;;
   sanitize)
-    # A causal backward (N=64 queries, M=1024 keys: key blocks no query sees) and a sliding-window
-    # forward under racecheck (shared-memory hazards) and synccheck (barrier misuse).
+    # A causal backward (N=64 queries, M=1024 keys: key blocks no query sees), a sliding-window
+    # forward and key-split decoding (in place and paged) under racecheck (shared-memory
+    # hazards), synccheck (barrier misuse) and memcheck (out-of-bounds accesses).
     cat > /tmp/sanitize_case.py <<'PY'
 import torch
 import attncc
@@ -128,9 +142,21 @@ for name, n, m, backward in (("causal", 64, 1024, True), ("sliding_window", 1024
         out.float().sum().backward()
     torch.cuda.synchronize()
     print(name, "ran")
+# decoding on the key-split forwards (a GPU's default for <= 32 rows): GQA 8/2 folded, one query
+# (16-row blocks, split-KV and its merge) and 8 (32-row blocks), and a paged cache
+from bench.bench_cuda import paged_decode_operands
+kern = attncc.compile("examples/vanilla.attn", target="cuda")
+for n in (1, 8):
+    q = torch.randn(2, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kern(q, k, v)
+q, k_cache, v_cache, table, lengths, _, _ = paged_decode_operands(2, 1024)
+kern.paged(q, k_cache, v_cache, table, lengths)
+torch.cuda.synchronize()
+print("key-split decoding ran")
 PY
     python3 /tmp/sanitize_case.py  # build outside the sanitizer
-    for tool in racecheck synccheck; do
+    for tool in racecheck synccheck memcheck; do
       compute-sanitizer --tool "$tool" python3 /tmp/sanitize_case.py 2>&1 | tee "$OUT/sanitize-$tool.log" | tail -5
     done
     ;;

@@ -4,7 +4,8 @@ Forward tiles: the dense bf16 forward (B=4 H=16 N=4096) at each (Br, Bc) the `ti
 takes (Br, Bc up to 64), against the roofline's choice, and the roofline's choice among warps of
 32 rows (`warp_rows=32`: two mma row blocks per warp sharing each K/V fragment, FA2's layout). Decoding (`--decode`): one query, d=128,
 MHA 32/32 and GQA 32/8 (a group's heads folded into one head's rows), B=1 and 8, M=16K and 64K,
-the default forward and the one whose warps split each key tile (`key_split_warps`), at
+and 8 queries of GQA 32/8 (speculative decoding), the default forward (whose warps split each
+key tile, `key_split_warps`) and the 64-row one, at
 split-KV counts 1..64 against `choose_kv_splits`'s, and SDPA (torch's choice of backend); then
 paged GQA decoding with both against SDPA on contiguous K/V.
 
@@ -74,31 +75,40 @@ def forward_tiles(dims: list[int], B: int = 4, H: int = 16, N: int = 4096) -> No
               f"{ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)  # fmt: skip
 
 
+#: ((H, Hkv), B, M, N): one query at 16K and 64K keys, MHA and GQA 32/8 (4 rows a group);
+#: then 8 queries of GQA 32/8 (speculative decoding: 32 rows a group, the 32-row key-split forward).
+DECODING_SHAPES = (
+    *((heads, B, M, 1) for heads, B, M in itertools.product(((32, 32), (32, 8)), (1, 8), (16384, 65536))),
+    ((32, 8), 1, 16384, 8),
+    ((32, 8), 8, 16384, 8),
+)
+
+
 def decode_splits(
-    shapes: Iterable[tuple[tuple[int, int], int, int]] = itertools.product(((32, 32), (32, 8)), (1, 8), (16384, 65536)),
+    shapes: Iterable[tuple[tuple[int, int], int, int, int]] = DECODING_SHAPES,
     splits_tried: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
 ) -> None:
-    """Decoding, one query, d=128 at each ((H, Hkv), B, M) of `shapes`: SDPA, then each forward
-    at its chosen split count and at every count of `splits_tried`; then GQA 32/8 from a paged
-    cache (planned, pages of 16 shuffled) against SDPA on the same keys stored contiguously.
-    The forwards: the default (64 rows for calls of at most 64: Kernel.for_short_queries; the
-    session-23 sweep timed it fastest against the plan's 128 rows and 16-row blocks of one
-    warp) and 16 rows whose 4 warps split each key tile (`key_split_warps`)."""
+    """Decoding, d=128 at each ((H, Hkv), B, M, N) of `shapes`: SDPA, then each forward at its
+    chosen split count and at every count of `splits_tried`; then GQA 32/8 from a paged cache
+    (planned, pages of 16 shuffled) against SDPA on the same keys stored contiguously. The
+    forwards: the default (warps splitting each key tile for calls of at most 32 rows,
+    `key_split_warps`) and the 64-row forward (Kernel.for_short_queries; the session-23 sweep
+    timed it fastest against the plan's 128 rows)."""
     program = ROOT / "examples" / "vanilla.attn"
-    kernels = {label: attncc.compile(program, target="cuda") for label in ("64 rows", "key-split")}
-    kernels["key-split"].key_split_warps = True
+    kernels = {label: attncc.compile(program, target="cuda") for label in ("key-split", "64 rows")}
+    kernels["key-split"].key_split_warps, kernels["64 rows"].key_split_warps = True, False
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda kern: kern.for_rows(1, 128).library_path_for("bfloat16", 128), kernels.values()))
-    print(f"{device_name()}: bf16 decoding, one query, d=128; ms per call (splits)", flush=True)
+    print(f"{device_name()}: bf16 decoding, d=128; ms per call (splits)", flush=True)
     shapes = list(shapes)
-    for (H, Hkv), B, M in shapes:
-        q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
+    for (H, Hkv), B, M, N in shapes:
+        q = torch.randn(B, H, N, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, Hkv, M, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         sdpa = median_ms(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=Hkv < H), 15, 5)
-        print(f"H={H} Hkv={Hkv} B={B} M={M:5d}: sdpa {sdpa:.3f}", flush=True)
+        print(f"H={H} Hkv={Hkv} B={B} M={M:5d} N={N}: sdpa {sdpa:.3f}", flush=True)
         for label, kern in kernels.items():
-            rows = q.view(B, Hkv, H // Hkv, 128)  # as the forward runs it (a group's heads as rows)
-            chosen = kern.for_rows(H // Hkv, 128).plan(rows, k, None)
+            rows = q.reshape(B, Hkv, H // Hkv * N, 128)  # as the forward runs it (a group's heads as rows)
+            chosen = kern.for_rows(H // Hkv * N, 128).plan(rows, k, None)
             best = median_ms(partial(kern, q, k, v), 15, 5)
             times = []
             for splits in splits_tried:
@@ -106,11 +116,11 @@ def decode_splits(
                 times.append(f"{median_ms(partial(kern, q, k, v), 15, 5):.3f} ({splits})")
             kern.kv_splits = None
             print(
-                f"H={H} Hkv={Hkv} B={B} M={M:5d} {label:9s} Br={chosen.tiles.block_rows:3d}: chosen {best:.3f} "
+                f"H={H} Hkv={Hkv} B={B} M={M:5d} N={N} {label:9s} Br={chosen.tiles.block_rows:3d}: chosen {best:.3f} "
                 f"({chosen.kv_splits}) = {sdpa / best:.2f}x sdpa  " + "  ".join(times),
                 flush=True,
             )
-    for B, M in sorted({(B, M) for _, B, M in shapes}):
+    for B, M in sorted({(B, M) for _, B, M, N in shapes if N == 1}):
         paged_decoding(kernels, B, M)
 
 

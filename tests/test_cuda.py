@@ -962,6 +962,43 @@ def test_gpu_decoding_takes_the_tiles_and_splits_the_h200_ran_fastest(heads: tup
     assert (plan.tiles.block_rows, plan.kv_splits) == (expected_rows, expected_splits)
 
 
+#: H100 decoding sweep (session 29, bench/results/cuda-h100-session29/sweep-decode.log), bf16
+#: d=128, one query, the key-split forward (16 rows, 4 warps): ((H, Hkv), B, M) -> ms per call
+#: at 1, 2, 4, ..., 64 splits.
+H100_KEY_SPLIT_DECODING = {
+    ((32, 32), 1, 16384): (0.565, 0.298, 0.161, 0.124, 0.164, 0.173, 0.234),
+    ((32, 32), 1, 65536): (2.268, 1.093, 0.558, 0.415, 0.528, 0.482, 0.519),
+    ((32, 32), 8, 16384): (0.778, 1.008, 0.837, 0.797, 0.800, 0.827, 0.890),
+    ((32, 32), 8, 65536): (2.985, 3.885, 3.172, 2.980, 2.982, 2.995, 3.039),
+    ((32, 8), 1, 16384): (0.556, 0.297, 0.162, 0.097, 0.071, 0.076, 0.110),
+    ((32, 8), 1, 65536): (2.193, 1.076, 0.552, 0.290, 0.166, 0.148, 0.236),
+    ((32, 8), 8, 16384): (0.567, 0.299, 0.224, 0.270, 0.248, 0.269, 0.330),
+    ((32, 8), 8, 65536): (2.242, 1.100, 0.780, 1.005, 0.841, 0.824, 0.877),
+}
+
+
+@pytest.mark.parametrize(("heads", "B", "M"), list(H100_KEY_SPLIT_DECODING))
+def test_gpu_decoding_runs_key_split_warps_at_a_split_count_the_h100_timed_near_its_best(
+    heads: tuple[int, int], B: int, M: int
+) -> None:
+    """What a GPU forward (GpuKernel: short_query_tiles and key_split_warps on) plans for one
+    query on sm90 (132 SMs): the key-split forward (16 rows) at a split count the H100 timed
+    within 10% of the fastest. Planted fault this catches: slots for all 3 resident blocks per
+    SM (32 splits at H=32 B=1: 0.173 ms where 8 took 0.124; 128 for GQA 32/8 B=1)."""
+    H, Hkv = heads
+    kern = emulated("vanilla", "sm90")
+    kern.short_query_tiles = kern.key_split_warps = True
+    q = torch.empty(B, H, 1, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(B, Hkv, M, 128, device="meta", dtype=torch.bfloat16)
+    group = kern.query_head_group(q, Hkv, 128, 0.0, None)
+    folded = kern.with_folded_query_heads() if group > 1 else kern
+    plan = folded.for_rows(group, 128).plan(q.view(B, Hkv, group, 128) if group > 1 else q, k, None)
+    times = H100_KEY_SPLIT_DECODING[(heads, B, M)]
+    assert (plan.tiles.block_rows, plan.tiles.key_warps) == (16, 4)
+    assert plan.kv_splits in (1, 2, 4, 8, 16, 32, 64), plan.kv_splits
+    assert times[plan.kv_splits.bit_length() - 1] <= 1.1 * min(times), (plan.kv_splits, times)
+
+
 KEY_SPLIT_SHAPES = (
     (Shape(2, 8, 2, 1, 300, 128), None),  # decoding, a GQA group of 4 folded: 4 rows; M a tail of 64
     (Shape(1, 4, 4, 1, 77, 128), None),  # one row per head

@@ -77,9 +77,9 @@ def _dry_run(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     compile_ = attncc.compile
 
     def emulated(source: object, target: str = "cpu", *args: object, **kwargs: object) -> attncc.Kernel:
-        if target == "cuda":  # as a GpuKernel: short query calls run the 64-row forward
+        if target == "cuda":  # as a GpuKernel: short query calls run the key-split or 64-row forward
             kern = compile_(source, "sm90", *args, emulate=True, **kwargs)  # type: ignore[arg-type]
-            kern.short_query_tiles = True
+            kern.short_query_tiles = kern.key_split_warps = True
             return kern
         return compile_(source, target, *args, **kwargs)  # type: ignore[arg-type]
 
@@ -101,8 +101,8 @@ def test_gpu_forward_backward_match_fp64(name: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("name", ["alibi", "dropout", "gpt_oss", "padding"])
 def test_gpu_key_split_decoding_matches_fp64(name: str) -> None:
-    """The forward whose warps split each key tile (`kern.key_split_warps`, opt-in until a GPU
-    times it) on the GPU: tests/test_cuda.py's programs and shapes (one query, GQA folded,
+    """The forward whose warps split each key tile (`kern.key_split_warps`, a GPU's default for
+    calls of at most 32 rows) on the GPU: tests/test_cuda.py's programs and shapes (one query, GQA folded,
     16 rows, forced splits, fully masked rows, d = 64 and 128), forward and lse against float64
     (and the plan's backward)."""
     from tests.test_cuda import DECODING_PROGRAMS, KEY_SPLIT_SHAPES
@@ -394,7 +394,7 @@ def test_gpu_benchmark_sections_run(monkeypatch: pytest.MonkeyPatch) -> None:
     import bench.sweep_tiles_cuda as sweep
 
     monkeypatch.setattr(sweep, "median_ms", lambda fn, repeats, calls=1: (fn(), 1.0)[1])
-    sweep.decode_splits([((8, 2), 1, 48)], splits_tried=(1, 2))
+    sweep.decode_splits([((8, 2), 1, 48, 1), ((8, 2), 1, 48, 8)], splits_tried=(1, 2))
     sweep.forward_tiles([64], B=1, H=1, N=64)
     # the grid of bench_cuda.main as the lease runs it (dense and causal, warps of 16 and 32 rows)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "no GPU (dry run)")

@@ -119,21 +119,21 @@ def test_a_damaged_prebuilt_library_is_skipped_with_a_warning(tmp_path, monkeypa
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
 def test_gpu_targets_prebuild_per_storage_dtype_and_head_dim_plan(tmp_path, capsys) -> None:
     """fp32 and bf16 inputs share the bf16 library on sm80; head dims 64 and 60 share the d=64
-    plan: one nvcc library per (storage dtype, plan), and one for the forward that decoding calls
-    run (the 64-row short-query tiles), named by the same keys a GPU machine's
+    plan: one nvcc library per (storage dtype, plan), and one for each forward that decoding calls
+    run (key-split warps for 16 and 32 rows, the 64-row short-query tiles), named by the same keys a GPU machine's
     `attncc.compile(..., target="cuda")` looks for; with --paged each one's paged forward too."""
     prebuilt = tmp_path / "prebuilt"
     args = ["prebuild", CAUSAL, "--targets", "sm80", "--dtypes", "float32", "bfloat16", "--head-dims", "64", "60"]
     assert cli_main([*args, "-o", str(prebuilt)]) == 0
-    assert "causal.attn: sm80, 2 libraries (head dims 64,60)" in capsys.readouterr().out
+    assert "causal.attn: sm80, 4 libraries (head dims 64,60)" in capsys.readouterr().out
     build_dirs = [p.parent for p in prebuilt.glob("*/kernel.so")]
     assert all("-arch=sm_80" in (d / "build.ninja").read_text() for d in build_dirs)
-    assert sorted(d.name.rsplit("-", 1)[0] for d in build_dirs) == ["causal-sm80-gpu-bfloat16-64"] * 2
-    tiles = sorted(re.findall(r"constexpr int kBr = (\d+);", (d / "kernel.cu").read_text())[0] for d in build_dirs)
-    assert tiles == ["128", "64"]  # the plan's rows and the short-query forward's
+    assert sorted(d.name.rsplit("-", 1)[0] for d in build_dirs) == ["causal-sm80-gpu-bfloat16-64"] * 4
+    tiles = sorted(int(re.findall(r"constexpr int kBr = (\d+);", (d / "kernel.cu").read_text())[0]) for d in build_dirs)
+    assert tiles == [16, 32, 64, 128]  # the plan's rows, the key-split forwards' and the short-query forward's
     assert cli_main([*args, "--paged", "-o", str(tmp_path / "paged")]) == 0
-    assert "causal.attn: sm80, 4 libraries (head dims 64,60)" in capsys.readouterr().out
-    assert len(list((tmp_path / "paged").glob("*bfloat16+paged-64*/kernel.so"))) == 2
+    assert "causal.attn: sm80, 8 libraries (head dims 64,60)" in capsys.readouterr().out
+    assert len(list((tmp_path / "paged").glob("*bfloat16+paged-64*/kernel.so"))) == 4
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")

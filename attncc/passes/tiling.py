@@ -744,6 +744,13 @@ FULL_WAVE = 0.8
 #: Among split counts (powers of two), the fewest whose last wave is at least this fraction as
 #: full as the best's.
 SPLIT_EFFICIENCY = 0.9
+#: Split-KV counts at most this many of an SM's resident blocks: a decoding forward streams
+#: K/V, and past two blocks per SM (each double-buffering its tiles) more splits add fp32
+#: partials and merge work, not bytes in flight. H100 decoding sweep (session 29,
+#: bench/results/cuda-h100-session29/sweep-decode.log): the key-split forward, 3 resident at
+#: d=128, ran B=1 H=32 M=16K in 0.124 ms at 8 splits and 0.173 at the 32 that 3 slots per SM
+#: chose; GQA 32/8 B=1 in 0.071 at 16 and 0.244 at 128. FlashAttention-2 counts 2 per SM too.
+GPU_SPLIT_BLOCKS_PER_SM = 2
 #: A block's shared memory the CUDA runtime reserves besides the kernel's (1 KiB from sm_80 on).
 GPU_RESERVED_SHARED_BYTES = 1024
 
@@ -764,11 +771,17 @@ def resident_blocks(tiles: TilePlan, target: Target) -> int:
     return max(1, min(by_shared, by_registers))
 
 
+def split_kv_slots(tiles: TilePlan, target: Target, multiprocessors: int) -> int:
+    """The blocks `choose_kv_splits` fills: `multiprocessors` x the blocks of `tiles` one SM
+    holds (`resident_blocks`), at most GPU_SPLIT_BLOCKS_PER_SM."""
+    return multiprocessors * min(resident_blocks(tiles, target), GPU_SPLIT_BLOCKS_PER_SM)
+
+
 @cache  # (ints in, an int out: called per GPU forward)
 def choose_kv_splits(query_blocks: int, key_tiles: int, slots: int) -> int:
     """Split-KV for the GPU forward: how many blocks share the key tiles of one query tile.
 
-    `slots`: the blocks the GPU runs at once (SMs x `resident_blocks`). A call whose B x H x
+    `slots`: the blocks the GPU runs at once (`split_kv_slots`). A call whose B x H x
     query tiles blocks fill most of them (decoding one token, small batches do not) runs
     unsplit: a split adds a merge kernel and fp32 partials. Otherwise each count s gives waves
     w = blocks * s / slots and an efficiency w / ceil(w) (how full the last wave is); the

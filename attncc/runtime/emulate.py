@@ -25,8 +25,8 @@ from attncc.passes.tiling import (
     GPU_KEY_SPLIT_ROWS,
     GPU_SHORT_QUERY_ROWS,
     choose_kv_splits,
-    resident_blocks,
     split_kv_blocks,
+    split_kv_slots,
 )
 from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
@@ -129,7 +129,9 @@ class EmulatedKernel(Kernel):
 
     #: Calls of at most 16 (32) query rows per (batch, head), GQA folded in, run one (two) row
     #: block(s) whose warps split each key tile (`Kernel.for_key_split_warps`) instead, unless
-    #: they multiply on the fp8 tensor cores. Opt-in everywhere until a GPU has timed it.
+    #: they multiply on the fp8 tensor cores: on by default on a GPU (GpuKernel; the H100 sweep
+    #: of session 29 timed it at or ahead of the 64-row forward at every decoding shape, at the
+    #: split counts `split_kv_slots` now gives), off on the emulator (as short_query_tiles).
     key_split_warps = False
 
     #: fp8 K/V calls multiply on the fp8 tensor cores where the target has them (sm89, sm90; see
@@ -150,7 +152,7 @@ class EmulatedKernel(Kernel):
         p = plan.problem
         query_blocks, key_tiles = split_kv_blocks(p.B, p.H, p.N, p.M, plan.tiles)
         if self.kv_splits is None:
-            slots = self.multiprocessors() * resident_blocks(plan.tiles, GPUS[self.target])
+            slots = split_kv_slots(plan.tiles, GPUS[self.target], self.multiprocessors())
             splits = choose_kv_splits(query_blocks, key_tiles, slots)
         elif isinstance(self.kv_splits, int) and not isinstance(self.kv_splits, bool) and self.kv_splits >= 1:
             splits = self.kv_splits
@@ -173,6 +175,14 @@ class EmulatedKernel(Kernel):
         if self.op.tiling.for_head_dim(head_dim).block_rows <= GPU_SHORT_QUERY_ROWS:
             return self
         return self.for_short_queries()  # type: ignore[return-value]
+
+    def decoding_forwards(self, head_dim: int) -> list[EmulatedKernel]:
+        """The forwards other than this one that `for_rows` gives calls of 1 to
+        GPU_SHORT_QUERY_ROWS query rows per (batch, head) at `head_dim`: what a deployment
+        prebuilds beside each kernel (`attncc prebuild`)."""
+        row_counts = (*GPU_KEY_SPLIT_ROWS, GPU_SHORT_QUERY_ROWS)
+        forwards = {id(kern): kern for kern in (self.for_rows(rows, head_dim) for rows in row_counts)}
+        return [kern for kern in forwards.values() if kern is not self]
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The tensor-core dtype q, k, v of `dtype` run in: fp16/bf16 as given, fp32/fp64 converted

@@ -57,7 +57,7 @@ class GpuKernel(EmulatedKernel):
     """The generated CUDA kernels compiled by nvcc and launched on torch's current stream."""
 
     device_type = "cuda"
-    short_query_tiles = True  # (EmulatedKernel's note)
+    short_query_tiles = key_split_warps = True  # (EmulatedKernel's notes)
 
     def library_path_for(self, dtype: str, head_dim: int, value_dim: int | None = None) -> Path:  # built by nvcc
         return build_library(
