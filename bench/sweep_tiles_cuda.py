@@ -7,7 +7,7 @@ MHA 32/32 and GQA 32/8 (a group's heads folded into one head's rows), B=1 and 8,
 and 8 queries of GQA 32/8 (speculative decoding), the default forward (whose warps split each
 key tile, `key_split_warps`) and the 64-row one, at
 split-KV counts 1..64 against `choose_kv_splits`'s, and SDPA (torch's choice of backend); then
-paged GQA decoding with both against SDPA on contiguous K/V.
+paged GQA decoding with both (pages of 16, 64 and 256 rows) against SDPA on contiguous K/V.
 
     python bench/sweep_tiles_cuda.py --dims 64 128
     python bench/sweep_tiles_cuda.py --decode
@@ -87,10 +87,11 @@ DECODING_SHAPES = (
 def decode_splits(
     shapes: Iterable[tuple[tuple[int, int], int, int, int]] = DECODING_SHAPES,
     splits_tried: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    pages: tuple[int, ...] = (16, 64, 256),
 ) -> None:
     """Decoding, d=128 at each ((H, Hkv), B, M, N) of `shapes`: SDPA, then each forward at its
     chosen split count and at every count of `splits_tried`; then GQA 32/8 from a paged cache
-    (planned, pages of 16 shuffled) against SDPA on the same keys stored contiguously. The
+    (planned, pages of 16, 64 and 256 shuffled) against SDPA on the same keys stored contiguously. The
     forwards: the default (warps splitting each key tile for calls of at most 32 rows,
     `key_split_warps`) and the 64-row forward (Kernel.for_short_queries; the session-23 sweep
     timed it fastest against the plan's 128 rows)."""
@@ -121,21 +122,24 @@ def decode_splits(
                 flush=True,
             )
     for B, M in sorted({(B, M) for _, B, M, N in shapes if N == 1}):
-        paged_decoding(kernels, B, M)
+        paged_decoding(kernels, B, M, pages)
 
 
-def paged_decoding(kernels: dict[str, attncc.Kernel], B: int, M: int) -> None:
-    """GQA 32/8 decoding, one query, d=128, from a paged cache (pages of 16 in shuffled order, a
-    plan per step) with each forward at its chosen splits, against SDPA on contiguous K/V."""
+def paged_decoding(kernels: dict[str, attncc.Kernel], B: int, M: int, pages: tuple[int, ...] = (16, 64, 256)) -> None:
+    """GQA 32/8 decoding, one query, d=128, from a paged cache (pages of each size in `pages`,
+    shuffled, a plan per step) with each forward at its chosen splits, against SDPA on
+    contiguous K/V: whether paging's cost (1.6x the padded call at pages of 16, session 29)
+    shrinks with longer runs of rows per page."""
     H, Hkv = PAGED_DECODE_HEADS
-    q, k_cache, v_cache, table, lengths, k, v = paged_decode_operands(B, M)
-    sdpa = median_ms(partial(F.scaled_dot_product_attention, q.transpose(1, 2), k, v, enable_gqa=True), 15, 5)
-    plan = attncc.plan_paged(k_cache, table, lengths)
-    line = f"paged H={H} Hkv={Hkv} B={B} M={M:5d}: sdpa (contiguous) {sdpa:.3f}"
-    for label, kern in kernels.items():
-        ms = median_ms(partial(kern.paged, q, k_cache, v_cache, plan=plan), 15, 5)
-        line += f"  {label} {ms:.3f} = {sdpa / ms:.2f}x sdpa"
-    print(line, flush=True)
+    for page in pages:
+        q, k_cache, v_cache, table, lengths, k, v = paged_decode_operands(B, M, page=page)
+        sdpa = median_ms(partial(F.scaled_dot_product_attention, q.transpose(1, 2), k, v, enable_gqa=True), 15, 5)
+        plan = attncc.plan_paged(k_cache, table, lengths)
+        line = f"paged H={H} Hkv={Hkv} B={B} M={M:5d} page {page:3d}: sdpa (contiguous) {sdpa:.3f}"
+        for label, kern in kernels.items():
+            ms = median_ms(partial(kern.paged, q, k_cache, v_cache, plan=plan), 15, 5)
+            line += f"  {label} {ms:.3f} = {sdpa / ms:.2f}x sdpa"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
