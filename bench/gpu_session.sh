@@ -17,6 +17,7 @@
 # the time left, the forward tile sweep. The other modes are for a lease with minutes left, one call each:
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl", ".gpu"])        probe, prebuild, golden tests
 #   run(command="bash bench/gpu_session.sh decode", carry=[".whl", ".gpu"])       GPU tests, decoding sweep and bench
+#   run(command="bash bench/gpu_session.sh host", carry=[".whl", ".gpu"])         host us per decoding call, profiled
 #   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl", ".gpu"])    dense, causal at d=128, decoding, varlen, fp8
 #   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl", ".gpu"])    sliding window, ALiBi, softcap
 #   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl", ".gpu"])     racecheck, synccheck, memcheck logs
@@ -81,6 +82,9 @@ case "${1:-lease}" in
     timeout -k 5 150 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
     timeout -k 5 150 python3 bench/bench_cuda.py --decode --cases dense --dims 128 --sizes 4096 --budget-s 0 \
       --no-flex --repeats 15 --json "$OUT/cuda-$device-decode.json" 2>&1 | tee "$OUT/bench-decode.log"
+    ;;
+  host)  # host time per decoding call on the real kernels (launches included), cProfile's top functions
+    python3 bench/bench_host.py --cuda --profile --json "$OUT/host-$device.json" 2>&1 | tee "$OUT/host.log"
     ;;
   check)
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
