@@ -11,7 +11,7 @@
 #   run(command="bash bench/gpu_session.sh lease", carry=[".whl", ".gpu"], timeout_s=590)
 # `lease` runs, in this order, each stage bounded so that the call returns what it measured:
 # the golden tests (tests/test_gpu.py), the decoding sweep (split counts; the 64-row and the
-# key-split forwards, padded and paged), decoding (padded and paged, planned) against SDPA,
+# key-split forwards, padded and paged at pages of 16, 64, 256), host time per decoding call, decoding (padded and paged, planned) against SDPA,
 # packed batches, fp8 K/V, dense and causal d=128 at warps of 16 and 32 rows against
 # SDPA-flash (no FlexAttention: its compiles cost minutes; session 19 measured it), and, with
 # the time left, the forward tile sweep. The other modes are for a lease with minutes left, one call each:
@@ -65,6 +65,7 @@ case "${1:-lease}" in
     # not yet timed anywhere), then the benchmark the earlier leases ran
     timeout -k 5 150 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
     echo "decoding sweep done, $(left) s left"
+    timeout -k 5 60 python3 bench/bench_host.py --cuda --profile --json "$OUT/host-$device.json" 2>&1 | tee "$OUT/host.log"
     timeout -k 5 $(( $(left) - 30 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 16384 --warp-rows 16 32 \
       --decode --serving --fp8 --no-flex --budget-s $(( $(left) - 90 )) --repeats 15 \
       --json "$OUT/cuda-$device-lease.json" 2>&1 | tee "$OUT/bench.log"
