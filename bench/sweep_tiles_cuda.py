@@ -82,12 +82,14 @@ DECODING_SHAPES = (
     ((32, 8), 1, 16384, 8),
     ((32, 8), 8, 16384, 8),
 )
+#: Rows per page of the paged decoding cases.
+PAGE_SIZES = (16, 64, 256)
 
 
 def decode_splits(
     shapes: Iterable[tuple[tuple[int, int], int, int, int]] = DECODING_SHAPES,
     splits_tried: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-    pages: tuple[int, ...] = (16, 64, 256),
+    pages: tuple[int, ...] = PAGE_SIZES,
 ) -> None:
     """Decoding, d=128 at each ((H, Hkv), B, M, N) of `shapes`: SDPA, then each forward at its
     chosen split count and at every count of `splits_tried`; then GQA 32/8 from a paged cache
@@ -125,7 +127,7 @@ def decode_splits(
         paged_decoding(kernels, B, M, pages)
 
 
-def paged_decoding(kernels: dict[str, attncc.Kernel], B: int, M: int, pages: tuple[int, ...] = (16, 64, 256)) -> None:
+def paged_decoding(kernels: dict[str, attncc.Kernel], B: int, M: int, pages: tuple[int, ...] = PAGE_SIZES) -> None:
     """GQA 32/8 decoding, one query, d=128, from a paged cache (pages of each size in `pages`,
     shuffled, a plan per step) with each forward at its chosen splits, against SDPA on
     contiguous K/V: whether paging's cost (1.6x the padded call at pages of 16, session 29)

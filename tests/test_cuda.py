@@ -26,6 +26,7 @@ from attncc.passes.tiling import (
 from attncc.runtime.check import check
 from attncc.runtime.emulate import NAN, NEG_INF, POS_INF, fixed_point_shifts, from_fixed_point
 from attncc.runtime.inputs import Shape, adapt, make_inputs
+from attncc.runtime.kernel import CallPlan
 from attncc.runtime.nvcc import compile_cuda, find_nvcc, nvcc_install_hint
 from attncc.targets import GPUS
 from tests.conftest import EXAMPLES, ROOT
@@ -929,6 +930,20 @@ def test_gqa_decoding_runs_a_groups_query_heads_as_one_heads_rows(
         torch.testing.assert_close(folded[1].double(), want_lse, atol=1e-2, rtol=0)  # rope: bf16 rotated rows
 
 
+def one_query_plan(heads: tuple[int, int], B: int, M: int, key_split_warps: bool) -> CallPlan:
+    """What a GPU forward (GpuKernel's short_query_tiles on, key_split_warps as given) plans on
+    sm90 for one bf16 query of d=128 per (batch, head) against M keys, a GQA group's query
+    heads folded into rows as the forward runs them."""
+    H, Hkv = heads
+    kern = emulated("vanilla", "sm90")
+    kern.short_query_tiles, kern.key_split_warps = True, key_split_warps
+    q = torch.empty(B, H, 1, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(B, Hkv, M, 128, device="meta", dtype=torch.bfloat16)
+    group = kern.query_head_group(q, Hkv, 128, 0.0, None)
+    folded = kern.with_folded_query_heads() if group > 1 else kern
+    return folded.for_rows(group, 128).plan(q.view(B, Hkv, group, 128) if group > 1 else q, k, None)
+
+
 #: H200 decoding sweep (session 23, bench/results/cuda-h200-session23/sweep-decode.log), bf16
 #: d=128, one query: ((H, Hkv), B, M) -> the fastest (Br, splits) the sweep timed and its ms.
 #: The sweep timed Br = 128 (the plan's), 64 and 16 at 1..64 splits.
@@ -950,14 +965,7 @@ def test_gpu_decoding_takes_the_tiles_and_splits_the_h200_ran_fastest(heads: tup
     (132 SMs, as the H200): the 64-row forward and the split count that fills its 2 resident
     blocks per SM, the configuration the sweep timed fastest. Planted faults this catches:
     splits for one block per SM (4 where 8 ran fastest), Br = 128 kept for one-query calls."""
-    H, Hkv = heads
-    kern = emulated("vanilla", "sm90")
-    q = torch.empty(B, H, 1, 128, device="meta", dtype=torch.bfloat16)
-    k = torch.empty(B, Hkv, M, 128, device="meta", dtype=torch.bfloat16)
-    group = kern.query_head_group(q, Hkv, 128, 0.0, None)
-    folded = kern.with_folded_query_heads() if group > 1 else kern
-    rows = q.view(B, Hkv, group, 128) if group > 1 else q
-    plan = folded.for_short_queries().plan(rows, k, None)
+    plan = one_query_plan(heads, B, M, key_split_warps=False)
     (expected_rows, expected_splits), _ = H200_FASTEST_DECODING[(heads, B, M)]
     assert (plan.tiles.block_rows, plan.kv_splits) == (expected_rows, expected_splits)
 
@@ -985,14 +993,7 @@ def test_gpu_decoding_runs_key_split_warps_at_a_split_count_the_h100_timed_near_
     query on sm90 (132 SMs): the key-split forward (16 rows) at a split count the H100 timed
     within 10% of the fastest. Planted fault this catches: slots for all 3 resident blocks per
     SM (32 splits at H=32 B=1: 0.173 ms where 8 took 0.124; 128 for GQA 32/8 B=1)."""
-    H, Hkv = heads
-    kern = emulated("vanilla", "sm90")
-    kern.short_query_tiles = kern.key_split_warps = True
-    q = torch.empty(B, H, 1, 128, device="meta", dtype=torch.bfloat16)
-    k = torch.empty(B, Hkv, M, 128, device="meta", dtype=torch.bfloat16)
-    group = kern.query_head_group(q, Hkv, 128, 0.0, None)
-    folded = kern.with_folded_query_heads() if group > 1 else kern
-    plan = folded.for_rows(group, 128).plan(q.view(B, Hkv, group, 128) if group > 1 else q, k, None)
+    plan = one_query_plan(heads, B, M, key_split_warps=True)
     times = H100_KEY_SPLIT_DECODING[(heads, B, M)]
     assert (plan.tiles.block_rows, plan.tiles.key_warps) == (16, 4)
     assert plan.kv_splits in (1, 2, 4, 8, 16, 32, 64), plan.kv_splits
