@@ -5,9 +5,10 @@ at once). On a GPU the same Python runs, plus the launch itself and, for unplann
 the copies of block_table and cache_seqlens to the host (a synchronisation each), which this
 script cannot show.
 
-Cases (bf16, d=128): decoding on padded K/V (MHA 32 heads B=1, GQA 32/8 B=8, M=4096), and a
+Cases (bf16, d=128): decoding on padded K/V (MHA 32 heads B=1, GQA 32/8 B=8, M=4096), a
 paged cache (GQA 32/8, B=8, pages of 16 shuffled, M=4096: equal lengths and ragged ones, with
-one appended token), each without and with an `attncc.plan_paged` plan. Medians of
+one appended token), each without and with an `attncc.plan_paged` plan, and a packed batch's
+forward (`varlen`: the same batch each call, then a new one each call). Medians of
 `--repeats` timings of `--calls` calls.
 
 With `--cuda` (on a GPU machine) the same cases run the real kernels: each timing enqueues
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import pstats
 import statistics
@@ -83,6 +85,30 @@ def paged(
     return lambda: kern.paged(q, k_cache, v_cache, table, lengths, k_new=k_new, v_new=v_new)
 
 
+def varlen(kern: attncc.Kernel, fresh_lengths: bool, device: str = "cpu") -> Callable[[], object]:
+    """A packed batch's forward as bench_cuda's serving cases run it (8 sequences up to 4096 at
+    50% padding, H=16, d=128); `fresh_lengths`: each call's lengths differ from the last
+    PREPARED_CALLS_KEPT calls' (a training loop's new batch each step: the tile classes are
+    classified per call), else every call repeats one batch (every layer of a model on it)."""
+    from attncc.runtime.kernel import PREPARED_CALLS_KEPT
+    from bench.bench_cpu import padded_lengths
+
+    lengths = padded_lengths(8, 4096, 0.5)
+    batches = []
+    for shift in range(PREPARED_CALLS_KEPT + 1 if fresh_lengths else 1):  # one token moved between two sequences
+        lens = [*lengths]
+        lens[0], lens[-1] = lens[0] + shift, lens[-1] - shift
+        batches.append(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device))
+    q, k, v = (torch.randn(sum(lengths), 16, 128, dtype=torch.bfloat16, device=device) for _ in range(3))
+    calls = itertools.count()
+
+    def call() -> object:
+        offsets = batches[next(calls) % len(batches)]
+        return kern.varlen(q, k, v, offsets, offsets)
+
+    return call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
@@ -103,6 +129,8 @@ def main() -> None:
         ("  the same with a plan", paged(kern, 8, 4096, False, True, device)),
         ("paged, ragged lengths", paged(kern, 8, 4096, True, False, device)),
         ("  the same with a plan (ragged)", paged(kern, 8, 4096, True, True, device)),
+        ("varlen fwd 8 seqs <= 4096 H=16, one batch", varlen(kern, False, device)),
+        ("  a new batch each call", varlen(kern, True, device)),
     ]
     rows = []
     meta = {**cpu_meta(), "torch": torch.__version__, "device": torch.cuda.get_device_name() if args.cuda else "none"}

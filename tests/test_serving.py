@@ -274,6 +274,42 @@ def test_varlen_is_one_launch_with_each_sequences_own_n_and_m(monkeypatch: pytes
     assert_within(got, ref, {n: tolerances[0] if n in ("out", "lse") else tolerances[1] for n in ref})
 
 
+@pytest.mark.parametrize("backend", ["cpu", "sm80-emulated"])
+def test_a_packed_batch_reads_its_offsets_once_and_reuses_its_tile_classes(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """An eager packed call reads its offsets on the host once for its forward and backward (on
+    a GPU each read waits for the device), and a batch of the same lengths again is not
+    classified again; a batch of other lengths with the same sizes (B, total and longest
+    lengths) is, and matches its own reference (tile classes kept without the lengths in their
+    key would give it the first batch's)."""
+    import attncc.runtime.kernel as kernel_module
+    import attncc.runtime.ragged as ragged
+
+    reads, classified = [], []
+    host_ints, classify = ragged._host_ints, kernel_module.classify_tiles
+    monkeypatch.setattr(ragged, "_host_ints", lambda *args: reads.append(args[0]) or host_ints(*args))
+    monkeypatch.setattr(kernel_module, "classify_tiles", lambda *a, **kw: classified.append(1) or classify(*a, **kw))
+    cpu = backend == "cpu"
+    kern = kernel("causal") if cpu else emulated("causal")
+    shape = Shape(2, 2, 2, 200, 200, 32)
+    for step, (lens, fresh) in enumerate([([200, 40], True), ([200, 40], False), ([40, 200], True)]):
+        q, k, v, dout = packed_leaves(shape, lens, lens, seed=step)
+        if not cpu:
+            q, k, v = (t.detach().bfloat16().float().requires_grad_() for t in (q, k, v))
+        reads.clear()
+        classified.clear()
+        out, lse = kern.varlen(q, k, v, offsets(lens), offsets(lens), return_lse=True)
+        got = grads_of(out, lse, [q, k, v], ["dq", "dk", "dv"], dout)
+        assert reads == ["cu_seqlens_q", "cu_seqlens_k"]
+        assert bool(classified) == fresh
+        q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+        ref_out, ref_lse = per_sequence_reference(causal(), q64, k64, v64, {}, lens, lens)
+        ref = grads_of(ref_out, ref_lse, [q64, k64, v64], ["dq", "dk", "dv"], dout.double())
+        tolerances = (FWD_TOL, BWD_TOL) if cpu else (2e-2, 6e-2)
+        assert_within(got, ref, {n: tolerances[0] if n in ("out", "lse") else tolerances[1] for n in ref})
+
+
 @pytest.mark.parametrize("name", ["alibi", "document"])
 def test_varlen_on_the_cuda_emulator(name: str) -> None:
     """The generated CUDA kernels (bf16 tensor cores, emulated) on a packed batch: within

@@ -84,6 +84,9 @@ FUSED_BACKWARD_TASKS_PER_THREAD = 2
 FUSED_BACKWARD_MAX_BUFFER = 256 * 2**20
 #: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
+#: ... and the largest tile classes (bytes) kept of a call whose classes follow its sequences'
+#: lengths (packed and unplanned paged calls), keyed by the lengths.
+PREPARED_LENGTHS_BYTES = 2**20
 #: Entry-point status of an AMX kernel that Linux refused the tile state (templates/cpu kAmxRefused).
 AMX_REFUSED = 3
 
@@ -180,11 +183,14 @@ class PackedSequences:
 
     @staticmethod
     def of(q_starts: list[int], k_starts: list[int], device: torch.device) -> PackedSequences:
-        starts = torch.tensor([q_starts, k_starts], dtype=torch.int64)
-        n, m = starts[0].diff(), starts[1].diff()
-        on_device = starts.to(device)
-        longest = (int(n.max()), int(m.max())) if n.numel() else (0, 0)
-        return PackedSequences(on_device[0], on_device[1], (n, m), longest)
+        # (from the lists: a handful of tensor operations took ~40 us of each call)
+        n = [end - start for start, end in itertools.pairwise(q_starts)]
+        m = [end - start for start, end in itertools.pairwise(k_starts)]
+        on_device = torch.tensor([q_starts, k_starts], dtype=torch.int64).to(device)
+        lengths = torch.tensor([n, m], dtype=torch.int64)
+        return PackedSequences(
+            on_device[0], on_device[1], (lengths[0], lengths[1]), (max(n, default=0), max(m, default=0))
+        )
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The ABI pointers of the packed call (cu_seqlens: `seq_n`, `seq_m`, `first_query_row`)."""
@@ -218,7 +224,7 @@ class Kernel:
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
     _PER_PROCESS: tuple[str, ...] = (
-        "_libraries", "_lock", "call_key", "_calls", "_plans", "_repeats", "_row_variants",
+        "_libraries", "_lock", "call_key", "_calls", "_calls_by_lengths", "_plans", "_repeats", "_row_variants",
     )  # fmt: skip
 
     def __init__(self, stages: list[Stage], target: str) -> None:
@@ -282,6 +288,7 @@ class Kernel:
         self._libraries: dict[str | tuple[str, int], ctypes.CDLL] = {}  # CPU: dtype; CUDA: (dtype, head dim)
         self._lock = threading.Lock()
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
+        self._calls_by_lengths: dict[tuple, dict] = {}  # ... and by sequence lengths (packed calls)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
         self._repeats: dict[tuple, KeptLaunch] = {}  # packed launches of checked calls (see _repeat_key)
         self._row_variants: dict[str, Kernel] = {}  # by name: see _variant
@@ -1140,18 +1147,22 @@ class Kernel:
         shapes: they are classified (and copied to a GPU) once per such key, which takes ~0.5 ms
         of host work off every call, and the runtime tensors (ALiBi slopes, bias tables) are
         converted per call where they live. Classes that follow each sequence's `lengths` are
-        prepared per call, or once per `memo` (a PagedPlan's, whose lengths are fixed), which
-        then holds them under this kernel's key too."""
+        prepared once per `memo` (a PagedPlan's, whose lengths are fixed), which then holds them
+        under this kernel's key too, or else once per key and lengths, kept where they are at
+        most PREPARED_LENGTHS_BYTES (a packed batch's forward and backward, and every layer of
+        a model on it, share one classification: ~0.15-0.3 ms of host work each)."""
         names = [d.name for d in self.inputs if d.role == "tensor"]
-        if self._host_reads & set(names) or (lengths is not None and memo is None):
+        if self._host_reads & set(names):
             on_host = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
             return self._to_device(self._prepare_call(plan, dtype, on_host, scalars, lengths))
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
         shapes = tuple(tuple(t.shape) for t in tensors)
-        key = (plan.problem, tiles, dtype, plan.scale_value, tuple(scalars), shapes, self._device_index())
+        key: tuple = (plan.problem, tiles, dtype, plan.scale_value, tuple(scalars), shapes, self._device_index())
         calls = self._calls
         if lengths is not None and memo is not None:
             calls, key = memo, (self.call_key, *key)
+        elif lengths is not None:
+            calls, key = self._calls_by_lengths, (*key, tuple(lengths[0].tolist()), tuple(lengths[1].tolist()))
         with self._lock:
             call = calls.get(key)
         if call is None:
@@ -1160,10 +1171,12 @@ class Kernel:
             call["tensors"] = {
                 ident: t for ident, t in call["tensors"].items() if ident not in per_call
             }  # layout grids
-            with self._lock:
-                if len(calls) >= PREPARED_CALLS_KEPT:
-                    calls.pop(next(iter(calls)))  # the oldest key
-                calls[key] = call
+            classes: torch.Tensor = call["classes"]  # type: ignore[assignment]
+            if lengths is None or memo is not None or classes.numel() <= PREPARED_LENGTHS_BYTES:
+                with self._lock:
+                    if len(calls) >= PREPARED_CALLS_KEPT:
+                        calls.pop(next(iter(calls)))  # the oldest key
+                    calls[key] = call
         fresh = self._kernel_tensors(dict(zip(names, tensors)), acc_dtype(dtype))
         return dict(call, tensors={**call["tensors"], **fresh})
 
@@ -1759,6 +1772,55 @@ def _varlen_backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # n
 
 
 varlen_op.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """The varlen op with its registered autograd (`_setup_varlen_context`; the same forward,
+    saved tensors and backward) for eager calls that record a graph (`_eager_autograd`), without
+    torch.library's dispatch and with the sequences `varlen_attention` checked: the offsets are
+    read on the host once per call and step, not again inside the op and its backward op (on a
+    GPU each read waits for the device)."""
+
+    @staticmethod
+    def forward(
+        ctx, key, packed, q, k, v, cu_q, cu_k, max_q, max_k, scalars, scale, dropout, seed, *tensors: torch.Tensor
+    ):  # noqa: ANN001, ANN205 - Function
+        options = CallOptions(scalars, scale, dropout, int(seed.item()))
+        out, lse = varlen_forward(_REGISTRY[key], packed, options, q, k, v, None, list(tensors))
+        inputs = (
+            key,
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            list(tensors),
+            scalars,
+            scale,
+            dropout,
+            seed,
+            None,
+            None,
+            None,
+        )
+        _setup_varlen_context(ctx, inputs, (out, lse))
+        ctx.packed, ctx.options = packed, options
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+        if torch.is_grad_enabled():  # create_graph: through the backward op, whose derivative raises the clear error
+            _, dq, dk, dv, _, _, _, _, tensor_grads, *_ = _varlen_backward(ctx, dout, dlse)
+        else:
+            q, k, v, out, lse, *_ = ctx.saved_tensors
+            tensors = ctx.saved_tensors[9:]
+            dq, dk, dv, grads = varlen_backward(
+                ctx.kernel, ctx.packed, ctx.options, (q, k, v, out, lse), dout, dlse, list(tensors), ctx.grad_inputs
+            )
+            tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
+        return None, None, dq, dk, dv, *(None,) * 8, *tensor_grads
 
 
 # The paged call as one op (forward only), for the same reason; it writes k_new and v_new into

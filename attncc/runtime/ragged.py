@@ -111,8 +111,7 @@ def _cumulative(name: str, cu: torch.Tensor, total: int, rows: str) -> list[int]
     return values
 
 
-def _longest(name: str, given: int | None, lengths: list[int]) -> int:
-    longest = max(lengths, default=0)
+def _longest(name: str, given: int | None, longest: int) -> int:
     if given is None:
         return longest
     if isinstance(given, bool) or not isinstance(given, int) or given < longest:
@@ -212,8 +211,8 @@ def varlen_sequences(
     starts_q = _cumulative("cu_seqlens_q", cq, q.shape[0], "q's")
     starts_k = _cumulative("cu_seqlens_k", ck, k.shape[0], "k's")
     packed = PackedSequences.of(starts_q, starts_k, q.device)
-    n_max = _longest("max_seqlen_q", max_seqlen_q, packed.lengths[0].tolist())
-    m_max = _longest("max_seqlen_k", max_seqlen_k, packed.lengths[1].tolist())
+    n_max = _longest("max_seqlen_q", max_seqlen_q, packed.longest[0])
+    m_max = _longest("max_seqlen_k", max_seqlen_k, packed.longest[1])
     _validate_runtime(kern, q, (len(starts_q) - 1, q.shape[1], k.shape[1], n_max, m_max, q.shape[2]), runtime)
     return packed
 
@@ -313,7 +312,7 @@ def varlen_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`Kernel.varlen`: attention of a packed batch, forward and backward, through the op
     `attncc::varlen_attention` (so torch.compile(fullgraph=True) takes it whole)."""
-    from attncc.runtime.kernel import checked_scale, seed_tensor
+    from attncc.runtime.kernel import _eager_autograd, _EagerVarlen, _plain_call, checked_scale, seed_tensor
 
     q = _tensor("q", q, 3, "[total_q, H, D]")
     k = _tensor("k", k, 3, "[total_k, Hkv, D]")
@@ -324,20 +323,33 @@ def varlen_attention(
         )
     _check_operands(q, (("k", k), ("v", v)), runtime)
     kern.check_input_names(runtime)
+    packed = None
     if not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
-        varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+        packed = varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
         scale = checked_scale(scale)
     dropout = kern.op.dropout if train else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     descale = kv_descales(k, v, k_descale, v_descale)
+    seed_value = seed_tensor(seed, dropout)
     sink = None
     if kern.op.sink is not None:
         sink = varlen_sink_rows(kern, q, k, cu_seqlens_q, cu_seqlens_k, scale, runtime)
-    out, lse = torch.ops.attncc.varlen_attention(
-        kern.call_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        tensors, scalars, scale, dropout, seed_tensor(seed, dropout), sink, descale.get("k_descale"), descale.get("v_descale"),
-    )  # fmt: skip
+    # eager calls skip torch.library's dispatch and the op's second read of the offsets, as
+    # padded calls do (`Kernel.__call__`); traced, transformed or watched calls see the op
+    if packed is not None and _plain_call(q, k, v, *tensors, *([sink] if sink is not None else [])):
+        options = CallOptions(scalars, scale, dropout, int(seed_value.item()))
+        out, lse = varlen_forward(kern, packed, options, q, k, v, sink, tensors, descale)
+    elif packed is not None and sink is None and not descale and _eager_autograd(q, k, v, *tensors):
+        out, lse = _EagerVarlen.apply(
+            kern.call_key, packed, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            scalars, scale, dropout, seed_value, *tensors,
+        )  # fmt: skip
+    else:
+        out, lse = torch.ops.attncc.varlen_attention(
+            kern.call_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            tensors, scalars, scale, dropout, seed_value, sink, descale.get("k_descale"), descale.get("v_descale"),
+        )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
