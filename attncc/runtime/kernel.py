@@ -1782,9 +1782,23 @@ class _EagerVarlen(torch.autograd.Function):
     GPU each read waits for the device)."""
 
     @staticmethod
-    def forward(
-        ctx, key, packed, q, k, v, cu_q, cu_k, max_q, max_k, scalars, scale, dropout, seed, *tensors: torch.Tensor
-    ):  # noqa: ANN001, ANN205 - Function
+    def forward(  # noqa: ANN205 - Function
+        ctx,  # noqa: ANN001 - autograd ctx
+        key: str,
+        packed: PackedSequences,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int | None,
+        max_k: int | None,
+        scalars: list[float],
+        scale: float | None,
+        dropout: float,
+        seed: torch.Tensor,
+        *tensors: torch.Tensor,
+    ):
         options = CallOptions(scalars, scale, dropout, int(seed.item()))
         out, lse = varlen_forward(_REGISTRY[key], packed, options, q, k, v, None, list(tensors))
         inputs = (
