@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -247,16 +247,20 @@ def fp8_cases(repeats: int, sizes: tuple[int, ...] = (4096, 16384), batch: int |
     return rows
 
 
-def serving_cases(repeats: int, batch: int = 8, longest: int = 4096) -> list[dict]:
-    """Issue 11's packed batches on the GPU: `kern.varlen` against SDPA on the padded batch with
-    its padding mask (and against attncc's padded call), 8 sequences up to 4096 tokens at 25%
-    and 50% padding, H=16 d=128 bf16, dense and causal, forward and forward+backward."""
+def serving_cases(repeats: int, batch: int = 8, longest: int = 4096, warp_rows: Sequence[int] = (16,)) -> list[dict]:
+    """Issue 11's packed batches on the GPU: `kern.varlen` (its forward with warps of each of
+    `warp_rows` query rows) against SDPA on the padded batch with its padding mask, 8 sequences
+    up to 4096 tokens at 25% and 50% padding, H=16 d=128 bf16, dense and causal, forward and
+    forward+backward."""
     from bench.bench_cpu import padded_lengths
 
     rows = []
     H, D = 16, 128
     for program, causal in (("vanilla", False), ("causal", True)):
-        kern = attncc.compile(ROOT / "examples" / f"{program}.attn", target="cuda")
+        kernels = {
+            each: attncc.compile(ROOT / "examples" / f"{program}.attn", target="cuda", warp_rows=each)
+            for each in warp_rows
+        }
         for padding in (0.25, 0.5):
             lens = padded_lengths(batch, longest, padding)
             cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -272,18 +276,19 @@ def serving_cases(repeats: int, batch: int = 8, longest: int = 4096) -> list[dic
             for backward in (False, True):
                 leaves = [t.clone().requires_grad_(backward) for t in packed]
                 boxes = [t.clone().requires_grad_(backward) for t in padded]
-                ours = median_ms(partial(step, partial(kern.varlen, *leaves, cu, cu), backward), repeats)
                 sdpa_call = partial(F.scaled_dot_product_attention, *boxes, attn_mask=mask)
                 sdpa = median_ms(partial(step, sdpa_call, backward), repeats)
-                rows.append(
-                    {"varlen": program, "padding": padding, "lengths": lens, "H": H, "D": D, "backward": backward,
-                     "attncc_ms": ours, "sdpa_padded_ms": sdpa}
-                )  # fmt: skip
-                print(
-                    f"varlen {program:7s} pad {padding:.0%} {'fwd+bwd' if backward else 'fwd    '}: attncc {ours:7.3f} ms"
-                    f"  sdpa (padded, mask) {sdpa / ours:5.2f}x",
-                    flush=True,
-                )
+                for each, kern in kernels.items():
+                    ours = median_ms(partial(step, partial(kern.varlen, *leaves, cu, cu), backward), repeats)
+                    rows.append(
+                        {"varlen": program, "padding": padding, "lengths": lens, "H": H, "D": D, "backward": backward,
+                         "warp_rows": each, "attncc_ms": ours, "sdpa_padded_ms": sdpa}
+                    )  # fmt: skip
+                    print(
+                        f"varlen {program:7s} pad {padding:.0%} {'fwd+bwd' if backward else 'fwd    '} rows/warp {each}: "
+                        f"attncc {ours:7.3f} ms  sdpa (padded, mask) {sdpa / ours:5.2f}x",
+                        flush=True,
+                    )
     return rows
 
 
@@ -345,7 +350,7 @@ def main() -> None:
         )
         save()
     if args.serving:
-        results += serving_cases(args.repeats)
+        results += serving_cases(args.repeats, warp_rows=args.warp_rows)
         save()
     if args.fp8:
         results += fp8_cases(args.repeats)

@@ -399,8 +399,8 @@ def test_gpu_benchmark_sections_run(monkeypatch: pytest.MonkeyPatch) -> None:
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda")
     rows = bench.decode_cases(kern, None, 1, batches=(2,), lengths=(48,))  # (M: whole pages)
     rows += bench.fp8_cases(1, sizes=(48,), batch=1)
-    rows += bench.serving_cases(1, batch=2, longest=32)
-    assert len(rows) == 2 + 1 + 8 and all(row.get("attncc_ms", 1.0) == 1.0 for row in rows)
+    rows += bench.serving_cases(1, batch=2, longest=32, warp_rows=(16, 32))
+    assert len(rows) == 2 + 1 + 16 and all(row.get("attncc_ms", 1.0) == 1.0 for row in rows)
     assert rows[0]["attncc_graph_ms"] == 0.5 and rows[1]["attncc_planned_graph_ms"] == 0.5
     import bench.sweep_tiles_cuda as sweep
 
