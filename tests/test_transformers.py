@@ -130,6 +130,44 @@ def test_training_gradients(family: str) -> None:
         assert (got.grad - expected.grad).abs().max() / scale < 1e-3, name
 
 
+PACKED_LENGTHS = (8, 5, 9)
+
+
+def packed_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three sequences packed into one row of 22 tokens (padding-free training): the ids, the
+    position ids (restarting at each sequence) and the offsets, cu_seq_lens."""
+    ids = torch.randint(0, VOCAB, (1, sum(PACKED_LENGTHS)), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS]).view(1, -1)
+    offsets = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, positions, offsets
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_packed_sequences_attend_each_within_itself(family: str) -> None:
+    """Sequences packed into a row, told apart by their position ids (sdpa's and eager's
+    packed-sequence masks; FlashAttention's path reads them the same way) or by the
+    cu_seq_lens FlashAttention kwargs: logits and training gradients as the reference's, which
+    are each sequence's alone (attention across the packed sequences changes them)."""
+    reference, ours = (m.eval() for m in models(family))
+    ids, positions, offsets = packed_row()
+    flash_kwargs = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=9, max_length_k=9)
+    with torch.no_grad():
+        expected = reference(ids, position_ids=positions, use_cache=False).logits
+        alone = torch.cat([reference(part).logits for part in ids.split(PACKED_LENGTHS, 1)], 1)
+        across = reference(ids, use_cache=False).logits[:, PACKED_LENGTHS[0] :]  # (no restart: one sequence)
+        by_positions = ours(ids, position_ids=positions, use_cache=False).logits
+        by_offsets = ours(ids, position_ids=positions, use_cache=False, **flash_kwargs).logits
+    assert (expected - alone).abs().max() < 2e-4
+    assert (across - expected[:, PACKED_LENGTHS[0] :]).abs().max() > 0.1
+    assert (by_positions - expected).abs().max() < 2e-4
+    assert (by_offsets - expected).abs().max() < 2e-4
+    for model in (reference.train(), ours.train()):
+        model(ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
+    for (name, want), got in zip(reference.named_parameters(), ours.parameters()):
+        scale = want.grad.abs().max().clamp_min(1e-6)
+        assert (got.grad - want.grad).abs().max() / scale < 1e-3, name
+
+
 def test_programs_made_per_layer_say_bottom_right_causal() -> None:
     needs = integration.LayerNeeds(causal=True, window=True, softcap=True, padding=True, dropout=0.0)
     text = integration.model_program(needs)
@@ -170,9 +208,19 @@ def test_what_cannot_be_mapped_is_a_clear_error() -> None:
     k = torch.randn(1, 2, 3, 16)
     with pytest.raises(AttnccError, match=r"Module: `s_aux` \(learned attention sinks"):
         integration.ModelAttention()(module, q, k, k, None, s_aux=torch.zeros(4))
+    with pytest.raises(AttnccError, match="cu_seq_lens_q and cu_seq_lens_k go together"):
+        integration.ModelAttention()(module, q, k, k, None, cu_seq_lens_q=torch.tensor([0, 3]))
     module.is_causal = False
     with pytest.raises(AttnccError, match="bidirectional sliding window"):
         integration.ModelAttention()(module, q, k, k, None, sliding_window=4)
+
+
+def test_packed_offsets_follow_the_position_ids_row_after_row() -> None:
+    """A sequence starts at each row's start and wherever a position does not follow its
+    predecessor; rows of one sequence each are no packing."""
+    positions = torch.tensor([[0, 1, 2, 0, 1], [4, 5, 6, 7, 8]])
+    assert integration.packed_offsets(positions, 2, 5).tolist() == [0, 3, 5, 10]
+    assert integration.packed_offsets(torch.arange(5).view(1, 5), 3, 5) is None  # (broadcast over the batch)
 
 
 def test_padding_with_holes_is_a_clear_error() -> None:

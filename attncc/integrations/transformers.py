@@ -13,6 +13,13 @@ registered beside it is transformers' FlashAttention one, which hands over the 2
 keys are a contiguous range [kv_start, kv_end) of it (left or right padding), passed to the
 kernel as two int[B] tensors, so padding costs no N x M mask and its tiles are skipped.
 
+Sequences packed into rows (padding-free training, no padding mask) attend each within itself,
+as transformers' FlashAttention path has them: the layer's `cu_seq_lens_q` / `cu_seq_lens_k`
+(and `max_length_q` / `_k`) when the model is given them (DataCollatorWithFlattening), else
+offsets read from the position ids wherever a position does not follow its predecessor (sdpa's
+packed-sequence mask does the same), once per forward; the layer then runs as one
+`kern.varlen` call over the flattened tokens.
+
 Queries are the last N of the M key columns (a KV cache holds the M - N before them; padding
 is columns masked out, not positions removed), so causal is bottom-right: query i sits at key
 column i + M - N. The programs made here say so; a program given to `register` must too (its
@@ -42,8 +49,7 @@ UNMAPPED_KWARGS = {
     "position_bias": "an additive position bias (T5-style)",
     "s_aux": "learned attention sinks (gpt-oss style; the DSL has no sink construct yet)",
     "sinks": "learned attention sinks (the DSL has no sink construct yet)",
-    "cu_seq_lens_q": "packed sequences (call the kernel's .varlen with cu_seqlens instead)",
-    "cu_seq_lens_k": "packed sequences (call the kernel's .varlen with cu_seqlens instead)",
+    "block_table": "a paged cache of transformers' continuous batching (call the kernel's .paged instead)",
 }
 #: Runtime inputs of a program that this integration fills (name -> what it holds).
 FILLED_INPUTS = {
@@ -117,6 +123,21 @@ def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch
     return start.to(torch.int64).cpu(), end.to(torch.int64).cpu()
 
 
+def packed_offsets(position_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+    """cu_seqlens (int64 [S + 1], on the host) of the sequences packed into the rows of a
+    batch's `length` tokens, flattened row after row, from their position ids [B or 1, length]
+    (transformers' rule, `find_packed_sequence_indices`: a sequence starts wherever a position is
+    not its predecessor's plus one, and at every row's start); None where every row holds one
+    sequence."""
+    positions = position_ids.reshape(-1, position_ids.shape[-1]).expand(batch, length)
+    starts = torch.ones(batch, length, dtype=torch.bool, device=positions.device)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    flat = starts.reshape(-1).cpu()
+    if int(flat.sum()) == batch:
+        return None
+    return torch.cat([flat.nonzero().flatten(), torch.tensor([batch * length])])
+
+
 class ModelAttention:
     """The function registered with transformers' AttentionInterface: one call per layer."""
 
@@ -127,6 +148,8 @@ class ModelAttention:
         self._given: dict[str, Kernel] = {}
         # the last padding mask's key ranges: (the mask, weakly; its version; batch, keys; ranges)
         self._last_ranges: tuple[weakref.ref, int, tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # the last position ids' packed sequences, the same way (`packed_offsets`)
+        self._last_offsets: tuple[weakref.ref, int, tuple[int, int], torch.Tensor | None] | None = None
 
     def ranges(self, padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`key_ranges`, once per model forward rather than per layer: every layer gets the same
@@ -142,6 +165,20 @@ class ModelAttention:
         result = key_ranges(padding_mask, batch, keys)
         with self._lock:
             self._last_ranges = (weakref.ref(padding_mask), padding_mask._version, (batch, keys), result)
+        return result
+
+    def offsets(self, position_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+        """`packed_offsets`, once per model forward (every layer gets the same position ids; as
+        `ranges`)."""
+        with self._lock:
+            last = self._last_offsets
+        if last is not None:
+            ids_ref, version, sizes, result = last
+            if ids_ref() is position_ids and position_ids._version == version and sizes == (batch, length):
+                return result
+        result = packed_offsets(position_ids, batch, length)
+        with self._lock:
+            self._last_offsets = (weakref.ref(position_ids), position_ids._version, (batch, length), result)
         return result
 
     def kernel(self, needs: LayerNeeds, device: torch.device) -> Kernel:
@@ -176,6 +213,16 @@ class ModelAttention:
         if sliding_window is not None and not causal:
             raise AttnccError(f"{type(module).__name__}: a bidirectional sliding window has no attncc mapping")
         batch, keys = query.shape[0], key.shape[2]
+        if attention_mask is None:  # sequences packed into rows (padding-free training): each its own
+            cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+            position_ids = kwargs.get("position_ids")
+            if (cu_q is None) != (cu_k is None):
+                raise AttnccError(f"{type(module).__name__}: cu_seq_lens_q and cu_seq_lens_k go together, got one")
+            if cu_q is None and isinstance(position_ids, torch.Tensor) and query.shape[2] == keys > 1:
+                cu_q = cu_k = self.offsets(position_ids, batch, keys)
+            if cu_q is not None:
+                packed = (cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"))
+                return self.packed(module, query, key, value, packed, dropout, scaling, sliding_window, softcap, causal)
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
             keys = attention_mask.shape[1]  # a static cache: the slots past the mask hold no token yet
             key, value = key[:, :, :keys], value[:, :, :keys]
@@ -196,6 +243,45 @@ class ModelAttention:
             check_given_program(kern, declared, runtime, needs, type(module).__name__)
         out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
         return out.transpose(1, 2).contiguous(), None
+
+    def packed(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        offsets: tuple[torch.Tensor, torch.Tensor, int | None, int | None],
+        dropout: float,
+        scaling: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        causal: bool,
+    ) -> tuple[torch.Tensor, None]:
+        """The layer over sequences packed into its rows, as FlashAttention's varlen call takes
+        them (transformers' `cu_seq_lens_q`/`_k` over the flattened tokens, or offsets read from
+        the position ids): one `kern.varlen` call, each sequence attending within itself (its N
+        and M its own, so the made programs' bottom-right causal mask is each sequence's)."""
+        cu_q, cu_k, max_q, max_k = offsets
+        batch, heads, length, _ = query.shape
+        needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, False, float(dropout))
+        kern = self.kernel(needs, query.device)
+        declared = {d.name for d in kern.inputs}
+        runtime: dict[str, object] = {}
+        if {"kv_start", "kv_end"} & declared:  # a given program's padding inputs: each sequence's keys all valid
+            lengths = (cu_k[1:] - cu_k[:-1]).to("cpu", torch.int64)
+            runtime.update(kv_start=torch.zeros_like(lengths), kv_end=lengths)
+        if sliding_window is not None:
+            runtime["window"] = int(sliding_window)
+        if softcap is not None:
+            runtime["cap"] = float(softcap)
+        if self.program is not None:
+            check_given_program(kern, declared, runtime, needs, type(module).__name__)
+        # [B, H, N, D] -> the tokens row after row, [B N, H, D] (a view of the layer's projections)
+        q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
+        cu_q, cu_k = (c.to(device=query.device) for c in (cu_q, cu_k))
+        max_q, max_k = (int(m) if m is not None else None for m in (max_q, max_k))
+        out = kern.varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, train=dropout > 0, **runtime)
+        return out.view(batch, length, heads, out.shape[-1]), None
 
 
 def check_given_program(
