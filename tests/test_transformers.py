@@ -221,6 +221,8 @@ def test_packed_offsets_follow_the_position_ids_row_after_row() -> None:
     positions = torch.tensor([[0, 1, 2, 0, 1], [4, 5, 6, 7, 8]])
     assert integration.packed_offsets(positions, 2, 5).tolist() == [0, 3, 5, 10]
     assert integration.packed_offsets(torch.arange(5).view(1, 5), 3, 5) is None  # (broadcast over the batch)
+    assert integration.plain_positions(positions, 2, 5) and integration.plain_positions(positions[0], 2, 5)
+    assert not integration.plain_positions(positions.expand(3, 2, 5), 2, 5)  # multimodal rotary sections
 
 
 def test_padding_with_holes_is_a_clear_error() -> None:

@@ -123,6 +123,14 @@ def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch
     return start.to(torch.int64).cpu(), end.to(torch.int64).cpu()
 
 
+def plain_positions(position_ids: object, batch: int, length: int) -> bool:
+    """Whether `position_ids` are one position per token, [B or 1, length] or [length] (not,
+    say, multimodal rotary sections [3, B, length], which say nothing about packing here)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() > 2 or position_ids.shape[-1] != length:
+        return False
+    return position_ids.dim() == 1 or position_ids.shape[0] in (1, batch)
+
+
 def packed_offsets(position_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
     """cu_seqlens (int64 [S + 1], on the host) of the sequences packed into the rows of a
     batch's `length` tokens, flattened row after row, from their position ids [B or 1, length]
@@ -218,7 +226,7 @@ class ModelAttention:
             position_ids = kwargs.get("position_ids")
             if (cu_q is None) != (cu_k is None):
                 raise AttnccError(f"{type(module).__name__}: cu_seq_lens_q and cu_seq_lens_k go together, got one")
-            if cu_q is None and isinstance(position_ids, torch.Tensor) and query.shape[2] == keys > 1:
+            if cu_q is None and plain_positions(position_ids, batch, keys) and query.shape[2] == keys > 1:
                 cu_q = cu_k = self.offsets(position_ids, batch, keys)
             if cu_q is not None:
                 packed = (cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"))
