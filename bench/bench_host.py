@@ -8,7 +8,8 @@ script cannot show.
 Cases (bf16, d=128): decoding on padded K/V (MHA 32 heads B=1, GQA 32/8 B=8, M=4096), a
 paged cache (GQA 32/8, B=8, pages of 16 shuffled, M=4096: equal lengths and ragged ones, with
 one appended token), each without and with an `attncc.plan_paged` plan, and a packed batch's
-forward (`varlen`: the same batch each call, then a new one each call). Medians of
+forward (`varlen`: the same batch each call, then a new one each call), and a padded causal
+prefill with key ranges (the transformers integration's padding, B=8, N=2048). Medians of
 `--repeats` timings of `--calls` calls.
 
 With `--cuda` (on a GPU machine) the same cases run the real kernels: each timing enqueues
@@ -109,6 +110,25 @@ def varlen(kern: attncc.Kernel, fresh_lengths: bool, device: str = "cpu") -> Cal
     return call
 
 
+def padded_prefill(device: str = "cpu") -> Callable[[], object]:
+    """The transformers integration's padded prefill: causal with each sequence's key range
+    (`kv_start`, `kv_end` int[B], on the host as the integration makes them), B=8, GQA 32/8,
+    N=M=2048 (every layer of a model calls it with the same ranges)."""
+    from attncc.integrations.transformers import LayerNeeds, model_program
+
+    program = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=0.0))
+    if device == "cuda":
+        kern = attncc.compile(program, target="cuda")
+    else:
+        kern = HostOnlyKernel(attncc.lower(program, "sm90"), "sm90")
+    B, N = 8, 2048
+    q = torch.randn(B, 32, N, 128, dtype=torch.bfloat16, device=device)
+    k, v = (torch.randn(B, 8, N, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
+    start, end = torch.zeros(B, dtype=torch.int64), torch.full((B,), N, dtype=torch.int64)
+    start[1], end[0] = 300, 1700  # one left-padded sequence, one right-padded
+    return lambda: kern(q, k, v, kv_start=start, kv_end=end)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
@@ -131,6 +151,7 @@ def main() -> None:
         ("  the same with a plan (ragged)", paged(kern, 8, 4096, True, True, device)),
         ("varlen fwd 8 seqs <= 4096 H=16, one batch", varlen(kern, False, device)),
         ("  a new batch each call", varlen(kern, True, device)),
+        ("padded prefill with key ranges B=8 N=2048", padded_prefill(device)),
     ]
     rows = []
     meta = {**cpu_meta(), "torch": torch.__version__, "device": torch.cuda.get_device_name() if args.cuda else "none"}

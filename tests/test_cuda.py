@@ -477,9 +477,11 @@ def test_strided_inputs_on_the_emulator() -> None:
 
 
 def test_tile_classes_are_prepared_once_per_shape(monkeypatch) -> None:
-    """Unless a runtime tensor's values decide them, the classes depend on sizes, scalars and
-    shapes only: a repeated call reuses them (on a GPU: no host classification, no copy, no
-    synchronisation) and takes the call's own tensors; a mask over runtime tensors is re-read."""
+    """The classes depend on sizes, scalars and shapes, and on the values of the runtime tensors
+    a mask reads: a repeated call reuses them (on a GPU: no host classification, no copy, no
+    synchronisation) and takes the call's own tensors; a mask over runtime tensors is classified
+    again for other values (and the call is a fresh kernel's), not for the same ones (every
+    layer of a model on one batch's padding)."""
     import attncc.runtime.kernel as kernel_module
 
     counted = []
@@ -492,9 +494,14 @@ def test_tile_classes_are_prepared_once_per_shape(monkeypatch) -> None:
     causal(q[:, :, :10], q, q)  # another shape: classified again
     assert len(counted) == 2
     padding = emulated("padding")
-    padding(q, q, q, lengths=torch.tensor([5]))
-    padding(q, q, q, lengths=torch.tensor([5]))
+    padding(q, q, q, lengths=torch.tensor([0]))  # no key: every tile empty
+    padding(q, q, q, lengths=torch.tensor([0]))
+    assert len(counted) == 3
+    other = padding(q, q, q, lengths=torch.tensor([17]))  # (with the empty tiles kept: all zeros)
     assert len(counted) == 4
+    fresh_padding = attncc.compile(ROOT / "examples" / "padding.attn", target="sm80", emulate=True)
+    assert torch.equal(other, fresh_padding(q, q, q, lengths=torch.tensor([17]))) and len(counted) == 5
+    assert other.abs().sum() > 0
     alibi = attncc.compile(ROOT / "examples" / "alibi.attn", target="sm80", emulate=True)
     outs = []
     for slopes in (torch.tensor([0.5]), torch.tensor([2.0])):  # the slopes only shift scores
@@ -502,7 +509,7 @@ def test_tile_classes_are_prepared_once_per_shape(monkeypatch) -> None:
         outs.append(alibi(q, q, q, slopes=slopes))
         assert torch.equal(outs[-1], fresh(q, q, q, slopes=slopes))  # the call's own slopes
     assert not torch.equal(outs[0], outs[1])
-    assert len(counted) == 4 + 1 + 2  # alibi classified once, each fresh kernel once
+    assert len(counted) == 5 + 1 + 2  # alibi classified once, each fresh kernel once
 
 
 def test_backward_blocks_whose_keys_no_query_sees_wait_for_their_copies() -> None:

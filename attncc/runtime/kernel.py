@@ -85,8 +85,10 @@ FUSED_BACKWARD_MAX_BUFFER = 256 * 2**20
 #: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
 #: ... and the largest tile classes (bytes) kept of a call whose classes follow its sequences'
-#: lengths (packed and unplanned paged calls), keyed by the lengths.
+#: lengths (packed and unplanned paged calls) or runtime tensors' values, keyed by them, and the
+#: most elements of host-read runtime tensors whose values key a prepared call.
 PREPARED_LENGTHS_BYTES = 2**20
+PREPARED_VALUES_MAX = 4096
 #: Entry-point status of an AMX kernel that Linux refused the tile state (templates/cpu kAmxRefused).
 AMX_REFUSED = 3
 
@@ -224,7 +226,7 @@ class Kernel:
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
     _PER_PROCESS: tuple[str, ...] = (
-        "_libraries", "_lock", "call_key", "_calls", "_calls_by_lengths", "_plans", "_repeats", "_row_variants",
+        "_libraries", "_lock", "call_key", "_calls", "_calls_by_values", "_plans", "_repeats", "_row_variants",
     )  # fmt: skip
 
     def __init__(self, stages: list[Stage], target: str) -> None:
@@ -288,7 +290,7 @@ class Kernel:
         self._libraries: dict[str | tuple[str, int], ctypes.CDLL] = {}  # CPU: dtype; CUDA: (dtype, head dim)
         self._lock = threading.Lock()
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
-        self._calls_by_lengths: dict[tuple, dict] = {}  # ... and by sequence lengths (packed calls)
+        self._calls_by_values: dict[tuple, dict] = {}  # ... and by host-read values, lengths (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
         self._repeats: dict[tuple, KeptLaunch] = {}  # packed launches of checked calls (see _repeat_key)
         self._row_variants: dict[str, Kernel] = {}  # by name: see _variant
@@ -1141,28 +1143,36 @@ class Kernel:
         lengths: Lengths | None = None,
         memo: dict | None = None,
     ) -> dict[str, object]:
-        """`_prepare_call`'s result, placed on the kernel's device. Unless some runtime tensor's
-        values decide the tile classes or the read checks (`host_read_tensors`: a padding or
-        document mask, an index read), the classes depend only on the sizes, scalars and tensor
-        shapes: they are classified (and copied to a GPU) once per such key, which takes ~0.5 ms
-        of host work off every call, and the runtime tensors (ALiBi slopes, bias tables) are
-        converted per call where they live. Classes that follow each sequence's `lengths` are
-        prepared once per `memo` (a PagedPlan's, whose lengths are fixed), which then holds them
-        under this kernel's key too, or else once per key and lengths, kept where they are at
-        most PREPARED_LENGTHS_BYTES (a packed batch's forward and backward, and every layer of
-        a model on it, share one classification: ~0.15-0.3 ms of host work each)."""
+        """`_prepare_call`'s result, placed on the kernel's device. The tile classes and read
+        checks depend only on the sizes, scalars and tensor shapes, and on the values of the
+        runtime tensors the host reads (`host_read_tensors`: a padding or document mask's, an
+        index read's) and on each sequence's `lengths` where there are any: they are classified
+        (and copied to a GPU) once per such key, which takes ~0.5 ms of host work off every call,
+        and the runtime tensors (ALiBi slopes, bias tables) are converted per call where they
+        live. Keyed by values: the host-read tensors' where they hold at most
+        PREPARED_VALUES_MAX elements (else classified per call), and the lengths, the classes
+        kept where they are at most PREPARED_LENGTHS_BYTES (every layer of a model on one
+        padded batch's key ranges, or on one packed batch, forward and backward, classifies
+        once: 0.15-1 ms of host work each); a `memo` (a PagedPlan's, whose lengths are fixed)
+        holds a paged call's under this kernel's key instead."""
         names = [d.name for d in self.inputs if d.role == "tensor"]
+        given, values = tensors, ()
         if self._host_reads & set(names):
-            on_host = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
-            return self._to_device(self._prepare_call(plan, dtype, on_host, scalars, lengths))
+            tensors = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
+            read = [t for n, t in zip(names, tensors) if n in self._host_reads]
+            if sum(t.numel() for t in read) > PREPARED_VALUES_MAX:
+                return self._to_device(self._prepare_call(plan, dtype, tensors, scalars, lengths))
+            values = tuple((t.dtype, tuple(t.reshape(-1).tolist())) for t in read)
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
         shapes = tuple(tuple(t.shape) for t in tensors)
         key: tuple = (plan.problem, tiles, dtype, plan.scale_value, tuple(scalars), shapes, self._device_index())
         calls = self._calls
-        if lengths is not None and memo is not None:
+        if lengths is not None and memo is not None and not values:
             calls, key = memo, (self.call_key, *key)
-        elif lengths is not None:
-            calls, key = self._calls_by_lengths, (*key, tuple(lengths[0].tolist()), tuple(lengths[1].tolist()))
+        elif lengths is not None or values:
+            calls, key = self._calls_by_values, (*key, values)
+            if lengths is not None:
+                key = (*key, tuple(lengths[0].tolist()), tuple(lengths[1].tolist()))
         with self._lock:
             call = calls.get(key)
         if call is None:
@@ -1172,12 +1182,12 @@ class Kernel:
                 ident: t for ident, t in call["tensors"].items() if ident not in per_call
             }  # layout grids
             classes: torch.Tensor = call["classes"]  # type: ignore[assignment]
-            if lengths is None or memo is not None or classes.numel() <= PREPARED_LENGTHS_BYTES:
+            if calls is not self._calls_by_values or classes.numel() <= PREPARED_LENGTHS_BYTES:
                 with self._lock:
                     if len(calls) >= PREPARED_CALLS_KEPT:
                         calls.pop(next(iter(calls)))  # the oldest key
                     calls[key] = call
-        fresh = self._kernel_tensors(dict(zip(names, tensors)), acc_dtype(dtype))
+        fresh = self._kernel_tensors(dict(zip(names, given)), acc_dtype(dtype))
         return dict(call, tensors={**call["tensors"], **fresh})
 
     @cached_property
