@@ -1812,24 +1812,9 @@ class _EagerVarlen(torch.autograd.Function):
         options = CallOptions(scalars, scale, dropout, int(seed.item()))
         out, lse = varlen_forward(_REGISTRY[key], packed, options, q, k, v, None, list(tensors))
         inputs = (
-            key,
-            q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            list(tensors),
-            scalars,
-            scale,
-            dropout,
-            seed,
-            None,
-            None,
-            None,
-        )
-        _setup_varlen_context(ctx, inputs, (out, lse))
+            key, q, k, v, cu_q, cu_k, max_q, max_k, list(tensors), scalars, scale, dropout, seed, None, None, None,
+        )  # fmt: skip
+        _setup_varlen_context(ctx, inputs, (out, lse))  # (the op's inputs: no sink, no fp8 factors)
         ctx.packed, ctx.options = packed, options
         return out, lse
 
@@ -1838,10 +1823,9 @@ class _EagerVarlen(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: through the backward op, whose derivative raises the clear error
             _, dq, dk, dv, _, _, _, _, tensor_grads, *_ = _varlen_backward(ctx, dout, dlse)
         else:
-            q, k, v, out, lse, *_ = ctx.saved_tensors
-            tensors = ctx.saved_tensors[9:]
+            q, k, v, out, lse, _, _, _, _, *tensors = ctx.saved_tensors  # (offsets, seed, sink: as checked)
             dq, dk, dv, grads = varlen_backward(
-                ctx.kernel, ctx.packed, ctx.options, (q, k, v, out, lse), dout, dlse, list(tensors), ctx.grad_inputs
+                ctx.kernel, ctx.packed, ctx.options, (q, k, v, out, lse), dout, dlse, tensors, ctx.grad_inputs
             )
             tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
         return None, None, dq, dk, dv, *(None,) * 8, *tensor_grads
