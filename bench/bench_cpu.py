@@ -324,15 +324,18 @@ def padded_lengths(batch: int, longest: int, padding: float) -> list[int]:
 
 def alternating_medians(fns: list, repeats: int) -> list[float]:
     """Median seconds of each of `fns`, timed in turn within every repeat (a noisy machine's
-    drift falls on all of them alike)."""
+    drift falls on all of them alike), the order rotated each repeat: on the Sapphire
+    Rapids-class Xeon whichever kernel ran right after SDPA was ~4% slower (session 30: two
+    attncc tilings traded places when their order was swapped), so none always follows the same."""
     for fn in fns:
         fn()  # warm-up (and build)
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, kept in zip(fns, times):
+    for repeat in range(repeats):
+        for index in range(len(fns)):
+            turn = (index + repeat) % len(fns)
             start = time.perf_counter()
-            fn()
-            kept.append(time.perf_counter() - start)
+            fns[turn]()
+            times[turn].append(time.perf_counter() - start)
     return [sorted(kept)[len(kept) // 2] for kept in times]
 
 
