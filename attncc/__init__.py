@@ -15,12 +15,12 @@ from attncc.passes import Stage, run_pipeline
 from attncc.runtime.kernel import Kernel
 from attncc.runtime.merge import merge_states
 from attncc.runtime.philox import dropout_mask
-from attncc.runtime.ragged import PagedPlan, plan_paged
+from attncc.runtime.ragged import PagedPlan, VarlenPlan, plan_paged, plan_varlen
 from attncc.targets import get_target
 
 __all__ = [
-    "AttnccError", "BuildError", "DslError", "InputError", "Kernel", "PagedPlan", "compile", "dropout_mask",
-    "include_dir", "lower", "merge_states", "plan_paged",
+    "AttnccError", "BuildError", "DslError", "InputError", "Kernel", "PagedPlan", "VarlenPlan", "compile",
+    "dropout_mask", "include_dir", "lower", "merge_states", "plan_paged", "plan_varlen",
 ]  # fmt: skip
 __version__ = "0.1.0"
 

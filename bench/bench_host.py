@@ -8,7 +8,8 @@ script cannot show.
 Cases (bf16, d=128): decoding on padded K/V (MHA 32 heads B=1, GQA 32/8 B=8, M=4096), a
 paged cache (GQA 32/8, B=8, pages of 16 shuffled, M=4096: equal lengths and ragged ones, with
 one appended token), each without and with an `attncc.plan_paged` plan, and a packed batch's
-forward (`varlen`: the same batch each call, then a new one each call), and a padded causal
+forward (`varlen`: the same batch each call, a new one each call, one batch through a
+`plan_varlen` plan), and a padded causal
 prefill with key ranges (the transformers integration's padding, B=8, N=2048). Medians of
 `--repeats` timings of `--calls` calls.
 
@@ -86,11 +87,14 @@ def paged(
     return lambda: kern.paged(q, k_cache, v_cache, table, lengths, k_new=k_new, v_new=v_new)
 
 
-def varlen(kern: attncc.Kernel, fresh_lengths: bool, device: str = "cpu") -> Callable[[], object]:
+def varlen(
+    kern: attncc.Kernel, fresh_lengths: bool, device: str = "cpu", planned: bool = False
+) -> Callable[[], object]:
     """A packed batch's forward as bench_cuda's serving cases run it (8 sequences up to 4096 at
     50% padding, H=16, d=128); `fresh_lengths`: each call's lengths differ from the last
     PREPARED_CALLS_KEPT calls' (a training loop's new batch each step: the tile classes are
-    classified per call), else every call repeats one batch (every layer of a model on it)."""
+    classified per call), else every call repeats one batch (every layer of a model on it);
+    `planned`: through an `attncc.plan_varlen` plan of that batch (no offsets read per call)."""
     from attncc.runtime.kernel import PREPARED_CALLS_KEPT
     from bench.bench_cpu import padded_lengths
 
@@ -102,6 +106,9 @@ def varlen(kern: attncc.Kernel, fresh_lengths: bool, device: str = "cpu") -> Cal
         batches.append(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device))
     q, k, v = (torch.randn(sum(lengths), 16, 128, dtype=torch.bfloat16, device=device) for _ in range(3))
     calls = itertools.count()
+    if planned:
+        plan = attncc.plan_varlen(batches[0], batches[0])
+        return lambda: kern.varlen(q, k, v, plan=plan)
 
     def call() -> object:
         offsets = batches[next(calls) % len(batches)]
@@ -151,6 +158,7 @@ def main() -> None:
         ("  the same with a plan (ragged)", paged(kern, 8, 4096, True, True, device)),
         ("varlen fwd 8 seqs <= 4096 H=16, one batch", varlen(kern, False, device)),
         ("  a new batch each call", varlen(kern, True, device)),
+        ("  one batch, planned (plan_varlen)", varlen(kern, False, device, planned=True)),
         ("padded prefill with key ranges B=8 N=2048", padded_prefill(device)),
     ]
     rows = []

@@ -310,6 +310,59 @@ def test_a_packed_batch_reads_its_offsets_once_and_reuses_its_tile_classes(
         assert_within(got, ref, {n: tolerances[0] if n in ("out", "lse") else tolerances[1] for n in ref})
 
 
+@pytest.mark.parametrize("backend", ["cpu", "sm80-emulated"])
+def test_a_varlen_plan_serves_every_layer_without_reading_back(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """`attncc.plan_varlen` reads and checks the offsets once; three layers' calls on the batch,
+    forward and backward, then read none (on a GPU: no synchronisation per layer) and classify
+    no tile, and give the unplanned call's outputs and gradients, bit for bit."""
+    import attncc.runtime.kernel as kernel_module
+    import attncc.runtime.ragged as ragged
+
+    cpu = backend == "cpu"
+    kern = kernel("alibi") if cpu else emulated("alibi")
+    shape, lens_q, lens_k = Shape(3, 2, 1, 150, 150, 32), [150, 1, 70], [150, 3, 90]
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    reads, classified = [], []
+    host_ints, classify = ragged._host_ints, kernel_module.classify_tiles
+    monkeypatch.setattr(ragged, "_host_ints", lambda *args: reads.append(args[0]) or host_ints(*args))
+    monkeypatch.setattr(kernel_module, "classify_tiles", lambda *a, **kw: classified.append(1) or classify(*a, **kw))
+    plan = attncc.plan_varlen(offsets(lens_q), offsets(lens_k))
+    assert reads == ["cu_seqlens_q", "cu_seqlens_k"] and not classified
+    expected = None
+    for layer in range(3):
+        q, k, v, dout = packed_leaves(shape, lens_q, lens_k, seed=layer)
+        if not cpu:
+            q, k, v = (t.detach().bfloat16().float().requires_grad_() for t in (q, k, v))
+        leaves = [q, k, v, slopes]
+        reads.clear()
+        got = grads_of(
+            *kern.varlen(q, k, v, plan=plan, return_lse=True, slopes=slopes),
+            leaves,
+            ["dq", "dk", "dv", "dslopes"],
+            dout,
+        )
+        assert not reads and (layer == 0 or not classified)
+        classified.clear()
+        expected = grads_of(
+            *kern.varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True, slopes=slopes),
+            leaves, ["dq", "dk", "dv", "dslopes"], dout,
+        )  # fmt: skip
+        assert all(torch.equal(got[n], expected[n]) for n in expected)
+    q, k, v, _ = packed_leaves(shape, lens_q, lens_k)
+    with pytest.raises(attncc.InputError, match="q: the plan's offsets cover 221 rows, got 220"):
+        kern.varlen(q[:-1], k, v, plan=plan, slopes=slopes)
+    with pytest.raises(attncc.InputError, match="k: the plan's offsets cover 243 rows, got 242"):
+        kern.varlen(q, k[:-1], v[:-1], plan=plan, slopes=slopes)
+    with pytest.raises(attncc.InputError, match="give the offsets either as plan= or as cu_seqlens_q"):
+        kern.varlen(q, k, v, offsets(lens_q), offsets(lens_k), plan=plan, slopes=slopes)
+    with pytest.raises(attncc.InputError, match="a packed call needs both offsets"):
+        kern.varlen(q, k, v, slopes=slopes)
+    with pytest.raises(attncc.InputError, match=r"plan: expected an attncc\.VarlenPlan"):
+        kern.varlen(q, k, v, plan=object(), slopes=slopes)
+    with pytest.raises(attncc.InputError, match="cu_seqlens_q: expected non-decreasing offsets"):
+        attncc.plan_varlen(torch.tensor([0, 5, 3]), torch.tensor([0, 5, 6]))
+
+
 @pytest.mark.parametrize("name", ["alibi", "document"])
 def test_varlen_on_the_cuda_emulator(name: str) -> None:
     """The generated CUDA kernels (bf16 tensor cores, emulated) on a packed batch: within

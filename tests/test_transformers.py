@@ -143,11 +143,12 @@ def packed_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
-def test_packed_sequences_attend_each_within_itself(family: str) -> None:
+def test_packed_sequences_attend_each_within_itself(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sequences packed into a row, told apart by their position ids (sdpa's and eager's
     packed-sequence masks; FlashAttention's path reads them the same way) or by the
     cu_seq_lens FlashAttention kwargs: logits and training gradients as the reference's, which
-    are each sequence's alone (attention across the packed sequences changes them)."""
+    are each sequence's alone (attention across the packed sequences changes them); the
+    offsets are planned once per forward, not per layer."""
     reference, ours = (m.eval() for m in models(family))
     ids, positions, offsets = packed_row()
     flash_kwargs = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=9, max_length_k=9)
@@ -161,8 +162,12 @@ def test_packed_sequences_attend_each_within_itself(family: str) -> None:
     assert (across - expected[:, PACKED_LENGTHS[0] :]).abs().max() > 0.1
     assert (by_positions - expected).abs().max() < 2e-4
     assert (by_offsets - expected).abs().max() < 2e-4
+    planned = []
+    plan_varlen = integration.attncc.plan_varlen
+    monkeypatch.setattr(integration.attncc, "plan_varlen", lambda *args: planned.append(1) or plan_varlen(*args))
     for model in (reference.train(), ours.train()):
         model(ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
+    assert len(planned) == 1 and ours.config.num_hidden_layers > 1  # once per forward, not per layer
     for (name, want), got in zip(reference.named_parameters(), ours.parameters()):
         scale = want.grad.abs().max().clamp_min(1e-6)
         assert (got.grad - want.grad).abs().max() / scale < 1e-3, name

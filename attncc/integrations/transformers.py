@@ -34,14 +34,19 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 import attncc
 from attncc.errors import AttnccError
 from attncc.runtime.kernel import Kernel
+from attncc.runtime.ragged import VarlenPlan
+
+T = TypeVar("T")
 
 #: Keyword arguments of transformers' attention call that change its result and that no attncc
 #: program receives here: a clear error instead of a silently different attention.
@@ -154,40 +159,63 @@ class ModelAttention:
         self._lock = threading.Lock()
         self._kernels: dict[tuple[LayerNeeds, str], Kernel] = {}
         self._given: dict[str, Kernel] = {}
-        # the last padding mask's key ranges: (the mask, weakly; its version; batch, keys; ranges)
-        self._last_ranges: tuple[weakref.ref, int, tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
-        # the last position ids' packed sequences, the same way (`packed_offsets`)
-        self._last_offsets: tuple[weakref.ref, int, tuple[int, int], torch.Tensor | None] | None = None
+        # per kind ("ranges", "plan"): the last result, with the tensors it was made from (weakly:
+        # a new tensor at the same address is another object), their versions and the sizes
+        self._last: dict[str, tuple[tuple[weakref.ref, ...], tuple[int, ...], tuple, object]] = {}
+
+    def once_per_forward(self, kind: str, sources: tuple[torch.Tensor, ...], sizes: tuple, make: Callable[[], T]) -> T:
+        """make(), once per model forward rather than per layer: every layer gets the same mask,
+        position ids or offsets, so the last result of `kind` is reused while it was made from
+        these very tensors, unwritten since (their version counters), at these sizes."""
+        with self._lock:
+            last = self._last.get(kind)
+        if last is not None:
+            refs, versions, made_at, result = last
+            if (
+                made_at == sizes
+                and all(ref() is t for ref, t in zip(refs, sources))
+                and versions == tuple(t._version for t in sources)
+            ):
+                return result  # type: ignore[return-value]
+        result = make()
+        with self._lock:
+            self._last[kind] = (
+                tuple(weakref.ref(t) for t in sources),
+                tuple(t._version for t in sources),
+                sizes,
+                result,
+            )
+        return result
 
     def ranges(self, padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`key_ranges`, once per model forward rather than per layer: every layer gets the same
-        mask tensor, so the last result is reused while that very object (held weakly: a new
-        mask at the same address is another object) has not been written in place (its version
-        counter) and the batch and key count are the same."""
-        with self._lock:
-            last = self._last_ranges
-        if last is not None:
-            mask_ref, version, sizes, result = last
-            if mask_ref() is padding_mask and padding_mask._version == version and sizes == (batch, keys):
-                return result
-        result = key_ranges(padding_mask, batch, keys)
-        with self._lock:
-            self._last_ranges = (weakref.ref(padding_mask), padding_mask._version, (batch, keys), result)
-        return result
+        """`key_ranges`, once per model forward."""
+        return self.once_per_forward(
+            "ranges", (padding_mask,), (batch, keys), lambda: key_ranges(padding_mask, batch, keys)
+        )
 
-    def offsets(self, position_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
-        """`packed_offsets`, once per model forward (every layer gets the same position ids; as
-        `ranges`)."""
-        with self._lock:
-            last = self._last_offsets
-        if last is not None:
-            ids_ref, version, sizes, result = last
-            if ids_ref() is position_ids and position_ids._version == version and sizes == (batch, length):
-                return result
-        result = packed_offsets(position_ids, batch, length)
-        with self._lock:
-            self._last_offsets = (weakref.ref(position_ids), position_ids._version, (batch, length), result)
-        return result
+    def packed_plan(self, query: torch.Tensor, keys: int, **kwargs: object) -> VarlenPlan | None:
+        """The packed sequences of a layer without a padding mask, as a `VarlenPlan` on q's
+        device (once per model forward): from `cu_seq_lens_q` / `_k` (and `max_length_*`) where
+        the model was given them, else from plain position ids (`packed_offsets`) where a row
+        holds several sequences and no cache precedes its queries; None otherwise."""
+        cu_q, cu_k, position_ids = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids")
+        if (cu_q is None) != (cu_k is None):
+            raise AttnccError("cu_seq_lens_q and cu_seq_lens_k go together, got one")
+        device, (batch, _, length, _) = query.device, query.shape
+        if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
+            longest = tuple(
+                int(m) if m is not None else None for m in (kwargs.get("max_length_q"), kwargs.get("max_length_k"))
+            )
+            make = lambda: attncc.plan_varlen(cu_q.to(device), cu_k.to(device), *longest)  # noqa: E731
+            return self.once_per_forward("plan", (cu_q, cu_k), (device, *longest), make)
+        if not (plain_positions(position_ids, batch, keys) and length == keys > 1):
+            return None
+
+        def from_positions() -> VarlenPlan | None:
+            offsets = packed_offsets(position_ids, batch, keys)  # type: ignore[arg-type]
+            return None if offsets is None else attncc.plan_varlen(*2 * [offsets.to(device)])
+
+        return self.once_per_forward("plan", (position_ids,), (device, batch, keys), from_positions)  # type: ignore[arg-type]
 
     def kernel(self, needs: LayerNeeds, device: torch.device) -> Kernel:
         target = "cuda" if device.type == "cuda" else "cpu"
@@ -222,26 +250,38 @@ class ModelAttention:
             raise AttnccError(f"{type(module).__name__}: a bidirectional sliding window has no attncc mapping")
         batch, keys = query.shape[0], key.shape[2]
         if attention_mask is None:  # sequences packed into rows (padding-free training): each its own
-            cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-            position_ids = kwargs.get("position_ids")
-            if (cu_q is None) != (cu_k is None):
-                raise AttnccError(f"{type(module).__name__}: cu_seq_lens_q and cu_seq_lens_k go together, got one")
-            if cu_q is None and plain_positions(position_ids, batch, keys) and query.shape[2] == keys > 1:
-                cu_q = cu_k = self.offsets(position_ids, batch, keys)
-            if cu_q is not None:
-                packed = (cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"))
-                return self.packed(module, query, key, value, packed, dropout, scaling, sliding_window, softcap, causal)
+            try:
+                plan = self.packed_plan(query, keys, **kwargs)
+            except AttnccError as err:
+                raise AttnccError(f"{type(module).__name__}: {err}") from None
+            if plan is not None:
+                return self.packed(module, query, key, value, plan, dropout, scaling, sliding_window, softcap, causal)
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
             keys = attention_mask.shape[1]  # a static cache: the slots past the mask hold no token yet
             key, value = key[:, :, :keys], value[:, :, :keys]
         ranges = self.ranges(attention_mask, batch, keys) if attention_mask is not None else None
         needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, ranges is not None, float(dropout))
-        kern = self.kernel(needs, query.device)
+        all_keys = torch.zeros(batch, dtype=torch.int64), torch.full((batch,), keys, dtype=torch.int64)
+        kern, runtime = self.layer_call(module, needs, query.device, ranges or all_keys, sliding_window, softcap)
+        out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
+        return out.transpose(1, 2).contiguous(), None
+
+    def layer_call(
+        self,
+        module: torch.nn.Module,
+        needs: LayerNeeds,
+        device: torch.device,
+        ranges: tuple[torch.Tensor, torch.Tensor],
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> tuple[Kernel, dict[str, object]]:
+        """The layer's kernel and runtime inputs: each sequence's key range `ranges` (kv_start,
+        kv_end int[B]) where the program reads them, the window and the cap where the layer has
+        them; a given program is checked against what the layer needs."""
+        kern = self.kernel(needs, device)
         declared = {d.name for d in kern.inputs}
-        if ranges is None and {"kv_start", "kv_end"} & declared:  # a given program's padding inputs: all keys valid
-            ranges = torch.zeros(batch, dtype=torch.int64), torch.full((batch,), keys, dtype=torch.int64)
         runtime: dict[str, object] = {}
-        if ranges is not None:
+        if needs.padding or {"kv_start", "kv_end"} & declared:  # (a given program's: all keys valid where no padding)
             runtime.update(kv_start=ranges[0], kv_end=ranges[1])
         if sliding_window is not None:
             runtime["window"] = int(sliding_window)
@@ -249,8 +289,7 @@ class ModelAttention:
             runtime["cap"] = float(softcap)
         if self.program is not None:
             check_given_program(kern, declared, runtime, needs, type(module).__name__)
-        out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
-        return out.transpose(1, 2).contiguous(), None
+        return kern, runtime
 
     def packed(
         self,
@@ -258,7 +297,7 @@ class ModelAttention:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        offsets: tuple[torch.Tensor, torch.Tensor, int | None, int | None],
+        plan: VarlenPlan,
         dropout: float,
         scaling: float | None,
         sliding_window: int | None,
@@ -267,28 +306,17 @@ class ModelAttention:
     ) -> tuple[torch.Tensor, None]:
         """The layer over sequences packed into its rows, as FlashAttention's varlen call takes
         them (transformers' `cu_seq_lens_q`/`_k` over the flattened tokens, or offsets read from
-        the position ids): one `kern.varlen` call, each sequence attending within itself (its N
-        and M its own, so the made programs' bottom-right causal mask is each sequence's)."""
-        cu_q, cu_k, max_q, max_k = offsets
+        the position ids, planned once per forward): one `kern.varlen` call, each sequence
+        attending within itself (its N and M its own, so the made programs' bottom-right causal
+        mask is each sequence's)."""
         batch, heads, length, _ = query.shape
         needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, False, float(dropout))
-        kern = self.kernel(needs, query.device)
-        declared = {d.name for d in kern.inputs}
-        runtime: dict[str, object] = {}
-        if {"kv_start", "kv_end"} & declared:  # a given program's padding inputs: each sequence's keys all valid
-            lengths = (cu_k[1:] - cu_k[:-1]).to("cpu", torch.int64)
-            runtime.update(kv_start=torch.zeros_like(lengths), kv_end=lengths)
-        if sliding_window is not None:
-            runtime["window"] = int(sliding_window)
-        if softcap is not None:
-            runtime["cap"] = float(softcap)
-        if self.program is not None:
-            check_given_program(kern, declared, runtime, needs, type(module).__name__)
+        lengths = plan.packed.lengths[1]  # (on the host) each sequence's keys, all valid
+        all_keys = torch.zeros_like(lengths), lengths
+        kern, runtime = self.layer_call(module, needs, query.device, all_keys, sliding_window, softcap)
         # [B, H, N, D] -> the tokens row after row, [B N, H, D] (a view of the layer's projections)
         q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
-        cu_q, cu_k = (c.to(device=query.device) for c in (cu_q, cu_k))
-        max_q, max_k = (int(m) if m is not None else None for m in (max_q, max_k))
-        out = kern.varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, train=dropout > 0, **runtime)
+        out = kern.varlen(q, k, v, plan=plan, scale=scaling, train=dropout > 0, **runtime)
         return out.view(batch, length, heads, out.shape[-1]), None
 
 

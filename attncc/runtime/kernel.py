@@ -55,6 +55,7 @@ from attncc.runtime.ragged import (
     CallOptions,
     CheckedPagedCall,
     PagedPlan,
+    VarlenPlan,
     paged_attention,
     paged_forward,
     planned,
@@ -182,6 +183,7 @@ class PackedSequences:
     k_starts: torch.Tensor
     lengths: Lengths
     longest: tuple[int, int]  # the longest sequence's query and key counts (the call's N and M)
+    total_rows: tuple[int, int]  # the rows of q and of k the offsets cover (their last entries)
 
     @staticmethod
     def of(q_starts: list[int], k_starts: list[int], device: torch.device) -> PackedSequences:
@@ -190,9 +192,14 @@ class PackedSequences:
         m = [end - start for start, end in itertools.pairwise(k_starts)]
         on_device = torch.tensor([q_starts, k_starts], dtype=torch.int64).to(device)
         lengths = torch.tensor([n, m], dtype=torch.int64)
-        return PackedSequences(
-            on_device[0], on_device[1], (lengths[0], lengths[1]), (max(n, default=0), max(m, default=0))
-        )
+        longest = (max(n, default=0), max(m, default=0))
+        totals = (q_starts[-1] if q_starts else 0, k_starts[-1] if k_starts else 0)
+        return PackedSequences(on_device[0], on_device[1], (lengths[0], lengths[1]), longest, totals)
+
+    @property
+    def batch(self) -> int:
+        """The number of sequences."""
+        return self.lengths[0].shape[0]
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The ABI pointers of the packed call (cu_seqlens: `seq_n`, `seq_m`, `first_query_row`)."""
@@ -564,11 +571,12 @@ class Kernel:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
         *,
+        plan: VarlenPlan | None = None,
         return_lse: bool = False,
         scale: float | None = None,
         train: bool = True,
@@ -586,13 +594,16 @@ class Kernel:
         M = max_seqlen_k (default: the longest). Returns out [total_q, H, D] (and lse
         [total_q, H] with return_lse); dropout keeps `dropout_mask(seed, b, 1, H, N_b, M_b, p)`
         for sequence b. fp8 k and v (forward only) with k_descale and v_descale broadcastable to
-        [total_k, Hkv], as in `__call__`. See attncc/runtime/ragged.py.
+        [total_k, Hkv], as in `__call__`. `plan=attncc.plan_varlen(cu_seqlens_q, cu_seqlens_k)`
+        instead of the offsets: read and checked once for every call on the batch (each layer's,
+        forward and backward), so a call reads nothing back from the device. See
+        attncc/runtime/ragged.py.
         """
         _reject_transforms({"q": q, "k": k, "v": v, **runtime})
         return varlen_attention(
             self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             return_lse=return_lse, scale=scale, train=train, seed=seed, runtime=runtime,
-            k_descale=k_descale, v_descale=v_descale,
+            k_descale=k_descale, v_descale=v_descale, plan=plan,
         )  # fmt: skip
 
     def paged(

@@ -202,19 +202,93 @@ def varlen_sequences(
     offsets' values, the longest lengths and the runtime inputs at the batch's padded sizes
     (data-dependent checks: the op's implementation runs them, and `varlen_attention` before it
     where nothing is traced)."""
+    packed, n_max, m_max = _checked_offsets(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device, (q.shape[0], k.shape[0])
+    )
+    _validate_runtime(kern, q, (packed.batch, q.shape[1], k.shape[1], n_max, m_max, q.shape[2]), runtime)
+    return packed
+
+
+def _checked_offsets(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    device: torch.device,
+    totals: tuple[int, int] | None,
+) -> tuple[PackedSequences, int, int]:
+    """The packed sequences of these offsets on `device`, read on the host and checked (their
+    last entries against `totals`, q's and k's rows, where given), and the call's N and M."""
     from attncc.runtime.kernel import PackedSequences
 
-    cq = _host_ints("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]", q.device)
-    ck = _host_ints("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]", q.device)
+    cq = _host_ints("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]", device)
+    ck = _host_ints("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]", device)
     if cq.numel() != ck.numel():
         raise InputError(f"cu_seqlens_k: expected {cq.numel()} offsets (as cu_seqlens_q: B + 1), got {ck.numel()}")
-    starts_q = _cumulative("cu_seqlens_q", cq, q.shape[0], "q's")
-    starts_k = _cumulative("cu_seqlens_k", ck, k.shape[0], "k's")
-    packed = PackedSequences.of(starts_q, starts_k, q.device)
-    n_max = _longest("max_seqlen_q", max_seqlen_q, packed.longest[0])
-    m_max = _longest("max_seqlen_k", max_seqlen_k, packed.longest[1])
-    _validate_runtime(kern, q, (len(starts_q) - 1, q.shape[1], k.shape[1], n_max, m_max, q.shape[2]), runtime)
-    return packed
+    total_q, total_k = (
+        totals if totals is not None else (int(cq[-1]) if cq.numel() else 0, int(ck[-1]) if ck.numel() else 0)
+    )
+    starts_q = _cumulative("cu_seqlens_q", cq, total_q, "q's")
+    starts_k = _cumulative("cu_seqlens_k", ck, total_k, "k's")
+    packed = PackedSequences.of(starts_q, starts_k, device)
+    return (
+        packed,
+        _longest("max_seqlen_q", max_seqlen_q, packed.longest[0]),
+        _longest("max_seqlen_k", max_seqlen_k, packed.longest[1]),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenPlan:
+    """A packed batch's offsets, read and checked on the host once for all the calls that share
+    them (FlashInfer's plan/run for ragged batches: every layer of a model on one batch, forward
+    and backward): a call given `plan=` reads no offset on the host (on a GPU: no
+    synchronisation per layer, the host runs ahead of the kernels), and each kernel prepares its
+    tile classes for the batch once. Made by `attncc.plan_varlen`; valid while the offsets it was
+    made from hold."""
+
+    cu_seqlens_q: torch.Tensor  # the caller's (what the op reads where torch.compile traces the call)
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    packed: PackedSequences  # the checked sequences, offsets on the device
+    device: torch.device
+
+
+def plan_varlen(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> VarlenPlan:
+    """The `VarlenPlan` of a packed batch's offsets (int32/int64 [B + 1] each, on the device of
+    the calls' q): the checks of `Kernel.varlen` on them, once (the calls check their q and k
+    rows against the offsets' last entries, and their runtime inputs)."""
+    cu_seqlens_q = _tensor("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]")
+    packed, n_max, m_max = _checked_offsets(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cu_seqlens_q.device, None
+    )
+    return VarlenPlan(cu_seqlens_q, cu_seqlens_k, n_max, m_max, packed, cu_seqlens_q.device)
+
+
+def _planned_sequences(
+    kern: Kernel, plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, runtime: Mapping[str, object]
+) -> PackedSequences:
+    """A planned call's sequences, the call checked against its plan (device, q's and k's rows)
+    and its runtime inputs at the batch's padded sizes."""
+    if not isinstance(plan, VarlenPlan):
+        raise InputError(f"plan: expected an attncc.VarlenPlan (attncc.plan_varlen), got {type(plan).__name__}")
+    if q.device != plan.device:
+        raise InputError(f"q: expected device {plan.device} (the plan's offsets'), got {q.device}")
+    total_q, total_k = plan.packed.total_rows
+    for name, t, total in (("q", q, total_q), ("k", k, total_k)):
+        if t.shape[0] != total:
+            raise InputError(
+                f"{name}: the plan's offsets cover {total} rows, got {t.shape[0]} (shape {tuple(t.shape)})"
+            )
+    sizes = (plan.packed.batch, q.shape[1], k.shape[1], plan.max_seqlen_q, plan.max_seqlen_k, q.shape[2])
+    _validate_runtime(kern, q, sizes, runtime)
+    return plan.packed
 
 
 def varlen_forward(
@@ -297,8 +371,8 @@ def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int | None,
     max_seqlen_k: int | None,
     *,
@@ -309,9 +383,11 @@ def varlen_attention(
     runtime: Mapping[str, object],
     k_descale: object = None,
     v_descale: object = None,
+    plan: VarlenPlan | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`Kernel.varlen`: attention of a packed batch, forward and backward, through the op
-    `attncc::varlen_attention` (so torch.compile(fullgraph=True) takes it whole)."""
+    `attncc::varlen_attention` (so torch.compile(fullgraph=True) takes it whole), or, in eager
+    calls, its implementation directly; the offsets from `plan` (checked once) or given."""
     from attncc.runtime.kernel import _eager_autograd, _EagerVarlen, _plain_call, checked_scale, seed_tensor
 
     q = _tensor("q", q, 3, "[total_q, H, D]")
@@ -324,8 +400,20 @@ def varlen_attention(
     _check_operands(q, (("k", k), ("v", v)), runtime)
     kern.check_input_names(runtime)
     packed = None
-    if not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
+    if plan is not None:
+        if cu_seqlens_q is not None or cu_seqlens_k is not None or max_seqlen_q is not None or max_seqlen_k is not None:
+            raise InputError("plan: give the offsets either as plan= or as cu_seqlens_q, cu_seqlens_k, not both")
+        if not torch.compiler.is_compiling():
+            packed = _planned_sequences(kern, plan, q, k, runtime)
+        cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
+        max_seqlen_q, max_seqlen_k = plan.max_seqlen_q, plan.max_seqlen_k
+    elif cu_seqlens_q is None or cu_seqlens_k is None:
+        raise InputError(
+            "cu_seqlens_q, cu_seqlens_k: a packed call needs both offsets (or plan=attncc.plan_varlen(...))"
+        )
+    elif not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
         packed = varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+    if not torch.compiler.is_compiling():
         scale = checked_scale(scale)
     dropout = kern.op.dropout if train else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
