@@ -266,7 +266,7 @@ class EmulatedKernel(Kernel):
         descale: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         launch_key = self.launch_key(q, k, v, tensors, scalars, scale, dropout, paged, sink, packed, descale)
-        launches = self._repeats if paged is None else paged.prepared
+        launches = paged.prepared if paged is not None else packed.prepared if packed is not None else self._repeats
         launch = launches.get(launch_key) if launch_key is not None and launches is not None else None
         if launch is not None:
             return launch(q, k, v)
@@ -339,7 +339,7 @@ class EmulatedKernel(Kernel):
                     {name: names.index(name) for name in CALL_OPERANDS if name in ptrs}, ints, reals,
                     tuple(rows_out.shape), tuple(lse.shape), lse.dtype, partials, (call, paged),
                 )  # fmt: skip
-                if paged is None:
+                if paged is None and packed is None:
                     self._keep_repeat(launch_key, launch)
                 else:  # the plan's memo: as long-lived as the plan
                     with self._lock:
@@ -415,12 +415,12 @@ class EmulatedKernel(Kernel):
         """What decides a forward's packed launch (`KeptLaunch`) besides the operands'
         addresses: their sizes, strides, dtypes and device, the scale, the scalar inputs' values
         (they reach the kernel and may decide tile classes), the split count asked for and, for
-        a paged call, the plan (whose memo then holds the launch, so it lives as
-        long as the plan's table). None where a call cannot repeat one: runtime tensors (their
-        values decide tile classes, their addresses change), dropout (a seed per call), sinks,
-        rope, fp8 K/V and packed batches (buffers made per call), a paged call without a plan
-        (`attncc.plan_paged`), and operands the kernel would convert first."""
-        if tensors or dropout > 0 or sink is not None or packed is not None or descale:
+        a paged or packed call, the plan (whose memo then holds the launch, so it lives as
+        long as the plan's table or offsets). None where a call cannot repeat one: runtime
+        tensors (their values decide tile classes, their addresses change), dropout (a seed per
+        call), sinks, rope, fp8 K/V, a paged or packed call without a plan (`attncc.plan_paged`,
+        `attncc.plan_varlen`: buffers made per call), and operands the kernel would convert first."""
+        if tensors or dropout > 0 or sink is not None or descale or (packed is not None and packed.prepared is None):
             return None
         if self.op.q_rope is not None or self.op.k_rope is not None or (paged is not None and paged.prepared is None):
             return None

@@ -18,7 +18,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
 
@@ -184,6 +184,8 @@ class PackedSequences:
     lengths: Lengths
     longest: tuple[int, int]  # the longest sequence's query and key counts (the call's N and M)
     total_rows: tuple[int, int]  # the rows of q and of k the offsets cover (their last entries)
+    #: a plan's (`attncc.plan_varlen`) memo: the GPU path's forward launches kept for its batch
+    prepared: dict | None = field(default=None, compare=False)
 
     @staticmethod
     def of(q_starts: list[int], k_starts: list[int], device: torch.device) -> PackedSequences:

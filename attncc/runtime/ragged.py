@@ -268,7 +268,7 @@ def plan_varlen(
     packed, n_max, m_max = _checked_offsets(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cu_seqlens_q.device, None
     )
-    return VarlenPlan(cu_seqlens_q, cu_seqlens_k, n_max, m_max, packed, cu_seqlens_q.device)
+    return VarlenPlan(cu_seqlens_q, cu_seqlens_k, n_max, m_max, replace(packed, prepared={}), cu_seqlens_q.device)
 
 
 def _planned_sequences(
