@@ -142,7 +142,7 @@ def packed_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, positions, offsets
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3"])
 def test_packed_sequences_attend_each_within_itself(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sequences packed into a row, told apart by their position ids (sdpa's and eager's
     packed-sequence masks; FlashAttention's path reads them the same way) or by the
