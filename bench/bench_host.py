@@ -63,6 +63,13 @@ class HostOnlyKernel(EmulatedKernel):
         return StubLibrary()
 
 
+def host_path_kernel(program: str | Path, device: str) -> attncc.Kernel:
+    """`program`'s kernel on the real GPU (device "cuda"), else on the stubbed sm90 host path."""
+    if device == "cuda":
+        return attncc.compile(program, target="cuda")
+    return HostOnlyKernel(attncc.lower(program, "sm90"), "sm90")
+
+
 def decode(kern: attncc.Kernel, B: int, H: int, Hkv: int, M: int, device: str = "cpu") -> Callable[[], object]:
     q = torch.randn(B, H, 1, 128, dtype=torch.bfloat16, device=device)
     k, v = (torch.randn(B, Hkv, M, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
@@ -124,10 +131,7 @@ def padded_prefill(device: str = "cpu") -> Callable[[], object]:
     from attncc.integrations.transformers import LayerNeeds, model_program
 
     program = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=0.0))
-    if device == "cuda":
-        kern = attncc.compile(program, target="cuda")
-    else:
-        kern = HostOnlyKernel(attncc.lower(program, "sm90"), "sm90")
+    kern = host_path_kernel(program, device)
     B, N = 8, 2048
     q = torch.randn(B, 32, N, 128, dtype=torch.bfloat16, device=device)
     k, v = (torch.randn(B, 8, N, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
@@ -145,10 +149,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile's top functions of the first case")
     args = parser.parse_args()
     program = ROOT / "examples" / "vanilla.attn"
-    if args.cuda:
-        kern, device = attncc.compile(program, target="cuda"), "cuda"
-    else:
-        kern, device = HostOnlyKernel(attncc.lower(program, "sm90"), "sm90"), "cpu"
+    device = "cuda" if args.cuda else "cpu"
+    kern = host_path_kernel(program, device)
     cases = [
         ("decode MHA B=1 H=32 M=4096", decode(kern, 1, 32, 32, 4096, device)),
         ("decode GQA 32/8 B=8 M=4096", decode(kern, 8, 32, 8, 4096, device)),

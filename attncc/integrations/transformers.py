@@ -193,14 +193,14 @@ class ModelAttention:
             "ranges", (padding_mask,), (batch, keys), lambda: key_ranges(padding_mask, batch, keys)
         )
 
-    def packed_plan(self, query: torch.Tensor, keys: int, **kwargs: object) -> VarlenPlan | None:
+    def packed_plan(self, layer: str, query: torch.Tensor, keys: int, **kwargs: object) -> VarlenPlan | None:
         """The packed sequences of a layer without a padding mask, as a `VarlenPlan` on q's
         device (once per model forward): from `cu_seq_lens_q` / `_k` (and `max_length_*`) where
         the model was given them, else from plain position ids (`packed_offsets`) where a row
         holds several sequences and no cache precedes its queries; None otherwise."""
         cu_q, cu_k, position_ids = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids")
         if (cu_q is None) != (cu_k is None):
-            raise AttnccError("cu_seq_lens_q and cu_seq_lens_k go together, got one")
+            raise AttnccError(f"{layer}: cu_seq_lens_q and cu_seq_lens_k go together, got one")
         device, (batch, _, length, _) = query.device, query.shape
         if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
             longest = tuple(
@@ -250,10 +250,7 @@ class ModelAttention:
             raise AttnccError(f"{type(module).__name__}: a bidirectional sliding window has no attncc mapping")
         batch, keys = query.shape[0], key.shape[2]
         if attention_mask is None:  # sequences packed into rows (padding-free training): each its own
-            try:
-                plan = self.packed_plan(query, keys, **kwargs)
-            except AttnccError as err:
-                raise AttnccError(f"{type(module).__name__}: {err}") from None
+            plan = self.packed_plan(type(module).__name__, query, keys, **kwargs)
             if plan is not None:
                 return self.packed(module, query, key, value, plan, dropout, scaling, sliding_window, softcap, causal)
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
@@ -261,8 +258,11 @@ class ModelAttention:
             key, value = key[:, :, :keys], value[:, :, :keys]
         ranges = self.ranges(attention_mask, batch, keys) if attention_mask is not None else None
         needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, ranges is not None, float(dropout))
-        all_keys = torch.zeros(batch, dtype=torch.int64), torch.full((batch,), keys, dtype=torch.int64)
-        kern, runtime = self.layer_call(module, needs, query.device, ranges or all_keys, sliding_window, softcap)
+
+        def key_ranges_or_all() -> tuple[torch.Tensor, torch.Tensor]:
+            return ranges or (torch.zeros(batch, dtype=torch.int64), torch.full((batch,), keys, dtype=torch.int64))
+
+        kern, runtime = self.layer_call(module, needs, query.device, key_ranges_or_all, sliding_window, softcap)
         out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
         return out.transpose(1, 2).contiguous(), None
 
@@ -271,18 +271,18 @@ class ModelAttention:
         module: torch.nn.Module,
         needs: LayerNeeds,
         device: torch.device,
-        ranges: tuple[torch.Tensor, torch.Tensor],
+        ranges: Callable[[], tuple[torch.Tensor, torch.Tensor]],
         sliding_window: int | None,
         softcap: float | None,
     ) -> tuple[Kernel, dict[str, object]]:
-        """The layer's kernel and runtime inputs: each sequence's key range `ranges` (kv_start,
-        kv_end int[B]) where the program reads them, the window and the cap where the layer has
-        them; a given program is checked against what the layer needs."""
+        """The layer's kernel and runtime inputs: each sequence's key range, ranges() (kv_start,
+        kv_end int[B], made only where the program reads them), the window and the cap where the
+        layer has them; a given program is checked against what the layer needs."""
         kern = self.kernel(needs, device)
         declared = {d.name for d in kern.inputs}
         runtime: dict[str, object] = {}
         if needs.padding or {"kv_start", "kv_end"} & declared:  # (a given program's: all keys valid where no padding)
-            runtime.update(kv_start=ranges[0], kv_end=ranges[1])
+            runtime.update(zip(("kv_start", "kv_end"), ranges()))
         if sliding_window is not None:
             runtime["window"] = int(sliding_window)
         if softcap is not None:
@@ -312,7 +312,7 @@ class ModelAttention:
         batch, heads, length, _ = query.shape
         needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, False, float(dropout))
         lengths = plan.packed.lengths[1]  # (on the host) each sequence's keys, all valid
-        all_keys = torch.zeros_like(lengths), lengths
+        all_keys = lambda: (torch.zeros_like(lengths), lengths)  # noqa: E731
         kern, runtime = self.layer_call(module, needs, query.device, all_keys, sliding_window, softcap)
         # [B, H, N, D] -> the tokens row after row, [B N, H, D] (a view of the layer's projections)
         q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))

@@ -399,11 +399,12 @@ def varlen_attention(
         )
     _check_operands(q, (("k", k), ("v", v)), runtime)
     kern.check_input_names(runtime)
+    traced = torch.compiler.is_compiling()  # the offsets' values: only the op reads them when traced
     packed = None
     if plan is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None or max_seqlen_q is not None or max_seqlen_k is not None:
             raise InputError("plan: give the offsets either as plan= or as cu_seqlens_q, cu_seqlens_k, not both")
-        if not torch.compiler.is_compiling():
+        if not traced:
             packed = _planned_sequences(kern, plan, q, k, runtime)
         cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
         max_seqlen_q, max_seqlen_k = plan.max_seqlen_q, plan.max_seqlen_k
@@ -411,9 +412,9 @@ def varlen_attention(
         raise InputError(
             "cu_seqlens_q, cu_seqlens_k: a packed call needs both offsets (or plan=attncc.plan_varlen(...))"
         )
-    elif not torch.compiler.is_compiling():  # the offsets' values: only the op reads them when traced
+    elif not traced:
         packed = varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
-    if not torch.compiler.is_compiling():
+    if not traced:
         scale = checked_scale(scale)
     dropout = kern.op.dropout if train else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
