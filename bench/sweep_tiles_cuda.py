@@ -131,17 +131,34 @@ def paged_decoding(kernels: dict[str, attncc.Kernel], B: int, M: int, pages: tup
     """GQA 32/8 decoding, one query, d=128, from a paged cache (pages of each size in `pages`,
     shuffled, a plan per step) with each forward at its chosen splits, against SDPA on
     contiguous K/V: whether paging's cost (1.6x the padded call at pages of 16, session 29)
-    shrinks with longer runs of rows per page."""
+    shrinks with longer runs of rows per page. Two rows split the cost's likely causes: the
+    same cache with its pages in order (what shuffling costs: scattered pages, address
+    translation) and the padded call on the cache's rows read in place as [B, M, Hkv, D]
+    (what the layout costs: a kv head's row is a 256-byte piece of each 2 KiB cache row)."""
     H, Hkv = PAGED_DECODE_HEADS
     for page in pages:
         q, k_cache, v_cache, table, lengths, k, v = paged_decode_operands(B, M, page=page)
         sdpa = median_ms(partial(F.scaled_dot_product_attention, q.transpose(1, 2), k, v, enable_gqa=True), 15, 5)
-        plan = attncc.plan_paged(k_cache, table, lengths)
-        line = f"paged H={H} Hkv={Hkv} B={B} M={M:5d} page {page:3d}: sdpa (contiguous) {sdpa:.3f}"
-        for label, kern in kernels.items():
-            ms = median_ms(partial(kern.paged, q, k_cache, v_cache, plan=plan), 15, 5)
-            line += f"  {label} {ms:.3f} = {sdpa / ms:.2f}x sdpa"
-        print(line, flush=True)
+        in_order = torch.arange(table.numel(), device=table.device, dtype=table.dtype).view_as(table)
+        plans = {
+            "shuffled": attncc.plan_paged(k_cache, table, lengths),
+            "in order": attncc.plan_paged(k_cache, in_order, lengths),
+        }
+        for order, plan in plans.items():
+            line = f"paged H={H} Hkv={Hkv} B={B} M={M:5d} page {page:3d} {order:8s}: sdpa (contiguous) {sdpa:.3f}"
+            for label, kern in kernels.items():
+                ms = median_ms(partial(kern.paged, q, k_cache, v_cache, plan=plan), 15, 5)
+                line += f"  {label} {ms:.3f} = {sdpa / ms:.2f}x sdpa"
+            print(line, flush=True)
+    # the last cache's rows in place, side by side (unshuffled they are one [B, M, Hkv, D] tensor)
+    rows_in_place = [c.view(B, M, Hkv, c.shape[-1]).transpose(1, 2) for c in (k_cache, v_cache)]
+    q_rows = q.transpose(1, 2)
+    line = f"padded H={H} Hkv={Hkv} B={B} M={M:5d}, K/V [B, M, Hkv, D] in place:"
+    for label, kern in kernels.items():
+        side_by_side = median_ms(partial(kern, q_rows, *rows_in_place), 15, 5)
+        contiguous = median_ms(partial(kern, q_rows, k, v), 15, 5)
+        line += f"  {label} {side_by_side:.3f} (contiguous {contiguous:.3f})"
+    print(line, flush=True)
 
 
 if __name__ == "__main__":
