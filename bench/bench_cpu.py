@@ -19,6 +19,8 @@ subprocess.
     python bench/bench_cpu.py --models --no-flex --json bench/results/cpu-<family>-models.json
                                               # issue 12's features: MLA's D=192, Dv=128; rope in the
                                               # kernel; fp8 K/V (--fp8: those alone)
+    python bench/bench_cpu.py --fp16 --no-flex --max-n 4096 --max-n-backward 2048 --json bench/results/cpu-<family>-fp16.json
+                                              # fp16 inputs: the forward on the bf16 unit as bf16 terms
 
 The JSON's meta records the CPU model, its ISA features and the kernel ISA attncc chose (set
 ATTNCC_CPU_ISA to measure a lower level).
@@ -387,6 +389,31 @@ def short_cases(results: list, args) -> None:
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 ours, anchor = alternating_medians([fwd_bwd(kern, *leaves), fwd_bwd(sdpa, *leaves)], args.repeats)
                 row(results, f"{name} fwd+bwd", ours, {"sdpa": anchor})
+
+
+def fp16_cases(results: list, args) -> None:
+    """fp16 inputs (B=1 H=8, dense and causal, D = 64 and 128, N = 512 .. --max-n) against SDPA
+    on the same fp16 tensors: the forward, whose products run on the machine's bf16 unit as two
+    bf16 terms per value (templates/cpu `kFp16Split`), and forward+backward (the backward
+    widened to fp32) up to --max-n-backward."""
+    gen = torch.Generator().manual_seed(7)
+    sizes = [n for n in (512, 1024, 2048, 4096, 8192, 16384) if args.min_n <= n <= args.max_n]
+    for program in ("vanilla", "causal"):
+        kern = attncc.compile(EX / f"{program}.attn")
+
+        def sdpa(q_, k_, v_, causal=program == "causal"):
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
+
+        for D in (64, 128):
+            for n in sizes:
+                q, k, v = (torch.randn(1, 8, n, D, generator=gen).half() for _ in range(3))
+                name = f"fp16 {program} H=8 N={n} D={D}"
+                ours, anchor = alternating_medians([partial(kern, q, k, v), partial(sdpa, q, k, v)], args.repeats)
+                row(results, f"{name} fwd", ours, {"sdpa": anchor})
+                if n <= args.max_n_backward:
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                    ours, anchor = alternating_medians([fwd_bwd(kern, *leaves), fwd_bwd(sdpa, *leaves)], args.repeats)
+                    row(results, f"{name} fwd+bwd", ours, {"sdpa": anchor})
 
 
 def serving_cases(results: list, args) -> None:
@@ -781,6 +808,9 @@ def main() -> None:
     parser.add_argument("--models", action="store_true", help="the models' head shapes (issue 12) only")
     parser.add_argument("--fp8", action="store_true", help="the fp8 K/V cases (part of --models) only")
     parser.add_argument("--short", action="store_true", help="many short sequences (N = M = 16 .. 128) only")
+    parser.add_argument(
+        "--fp16", action="store_true", help="fp16 inputs, dense and causal, N = --min-n .. --max-n, only"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep:
@@ -812,6 +842,8 @@ def main() -> None:
         serving_cases(results, args)
     elif args.short:
         short_cases(results, args)
+    elif args.fp16:
+        fp16_cases(results, args)
     elif args.models:
         model_cases(results, args)
     elif args.fp8:

@@ -66,11 +66,12 @@ def test_the_default_kernel_runs_on_the_best_level_the_machine_has(monkeypatch) 
     flags = kern.op.tiling.micro_kernel.compile_flags
     library = build_library(source, f"{kern.name}-float32", isa_flags=flags)
     assert " ".join(flags) in (library.parent / "build.ninja").read_text()
-    # bf16 kernels multiply on the machine's bf16 unit (AMX tiles, vdpbf16ps) where it has one
+    # bf16 kernels multiply on the machine's bf16 unit (AMX tiles, vdpbf16ps) where it has one,
+    # fp16 kernels on AMX tiles (as bf16 terms)
     products = {"amx": 1, "dpbf16": 2}.get(CPU_ISAS[best].bf16_products, 0)
     assert "#define ATTNCC_BF16_PRODUCTS 0\n" in source
     assert f"#define ATTNCC_BF16_PRODUCTS {products}\n" in kern.source("bfloat16")
-    assert "#define ATTNCC_BF16_PRODUCTS 0\n" in kern.source("float16")
+    assert f"#define ATTNCC_BF16_PRODUCTS {1 if best == 'amx' else 0}\n" in kern.source("float16")
     if best == "amx":
         assert "-mamx-bf16" in flags and "bf16 products on AMX tiles" in kern.op.tiling.describe(64)
 
@@ -246,6 +247,44 @@ def test_examples_with_bf16_products(isa: str, monkeypatch) -> None:
         for shape in BF16_SHAPES:
             result = check(kern, adapt(shape, kern), torch.bfloat16)
             assert result.ok, f"{isa} {name} {shape}: {result.describe()}"
+
+
+def attention_in_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), keys j <= i where causal) v in float64, kv heads repeated per group."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+        scores = scores.masked_fill(j > i, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def test_fp16_forward_on_amx_tiles_keeps_fp16_precision(monkeypatch) -> None:
+    """fp16 kernels on the amx level multiply each value as two bf16 terms (hi + lo, exact for
+    fp16), three products per tile product: the forward keeps what fp16 inputs hold. Against
+    float64 on the same fp16 inputs the error is the output's rounding to fp16; K, V or P rounded
+    to bf16 (one term, or a term left out) is 5-40x that. Shapes: a query tile's tail, few
+    keys (key tiles fitted to M), head dims that pad to the K step (80) and D = 256, GQA. (On
+    avx512bf16 fp16 stays widened: three vdpbf16ps products would be slower than fp32 FMAs.)"""
+    skip_unless_the_machine_runs("amx")
+    monkeypatch.setenv(ISA_ENV, "avx512bf16")
+    assert "#define ATTNCC_BF16_PRODUCTS 0\n" in attncc.compile(ROOT / "examples" / "causal.attn").source("float16")
+    monkeypatch.setenv(ISA_ENV, "amx")
+    torch.manual_seed(0)
+    for name in ("vanilla", "causal"):
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn")
+        assert "#define ATTNCC_BF16_PRODUCTS 1\n" in kern.source("float16")
+        for B, H, Hkv, N, M, D in ((1, 4, 2, 77, 300, 128), (2, 2, 1, 130, 70, 80), (1, 2, 2, 40, 600, 256)):
+            q = torch.randn(B, H, N, D).half()
+            k, v = (torch.randn(B, Hkv, M, D).half() for _ in range(2))
+            out = kern(q, k, v).double()
+            expected = attention_in_float64(q, k, v, causal=name == "causal")
+            rounding = expected.half().double().sub(expected).abs()  # the output's own rounding
+            excess = (out - expected).abs() - rounding
+            limit = 2.0**-12 * expected.abs() + 2.0**-16  # half an fp16 ulp, a floor for zeros
+            assert (excess <= limit).all(), f"{name} {(B, H, Hkv, N, M, D)}: excess {excess.max():.2e}"
 
 
 # (The bf16-product levels differ from avx512 only in bf16 kernels: the test above runs them.)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from attncc.codegen import render, split_dtype
 from attncc.codegen.abi import KernelAbi, kernel_abi
@@ -10,6 +11,9 @@ from attncc.codegen.cexpr import emit
 from attncc.errors import AttnccError
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, fused_node
+
+if TYPE_CHECKING:
+    from attncc.passes.tiling import CpuMicroKernel
 
 #: torch dtype name -> (storage type, accumulator type) in the generated C++.
 STORAGE_TYPES = {
@@ -21,6 +25,19 @@ STORAGE_TYPES = {
 
 #: ATTNCC_BF16_PRODUCTS (include/attncc/cpu/primitives.h) of a bf16 kernel, by the ISA level's unit.
 BF16_PRODUCTS = {"amx": 1, "dpbf16": 2}
+
+
+def bf16_products(dtype: str, micro_kernel: CpuMicroKernel) -> int:
+    """ATTNCC_BF16_PRODUCTS of a CPU forward for q/k/v of `dtype` (0: multiplied widened to
+    fp32): bf16 on the machine's bf16 unit, fp16 too on AMX as two bf16 terms per value (three
+    products for one; the template's kFp16Split). AMX multiplies bf16 at ~5x the fp32 FMAs' rate
+    (Sapphire Rapids-class Xeon: fp16 forwards 2x faster as terms); vdpbf16ps at ~2x (Zen 4: 416
+    against 186 GFLOP/s), where three products would lose to widening."""
+    unit = micro_kernel.bf16_products
+    if dtype == "bfloat16" or (dtype == "float16" and unit == "amx"):
+        return BF16_PRODUCTS.get(unit, 0)
+    return 0
+
 
 #: The forward's packed K/V panels live at once (templates/cpu/attention.cpp.jinja `Panels`):
 #: kv heads are packed and processed in batches of at most this many bytes of panels. Small enough
@@ -89,7 +106,7 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         acc_type=acc,
         abi=kernel_abi(g),
         micro_kernel=op.tiling.micro_kernel,
-        bf16_products=BF16_PRODUCTS.get(op.tiling.micro_kernel.bf16_products, 0) if dtype == "bfloat16" else 0,
+        bf16_products=bf16_products(dtype, op.tiling.micro_kernel),
         panel_budget_bytes=PANEL_BUDGET_BYTES,
         has_dropout=op.dropout > 0,
         rope_q=op.q_rope,

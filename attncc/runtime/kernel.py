@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
-from attncc.codegen.cpu import generate_cpu
+from attncc.codegen.cpu import BF16_PRODUCTS, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
@@ -761,7 +761,10 @@ class Kernel:
         TilePlan.for_keys, or follow pages: TilePlan.for_pages)."""
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(head_dim, backward)
-        return tiles if backward else tiles.for_dtype(str(dtype).removeprefix("torch."))
+        name, micro_kernel = _DTYPES[dtype], self.op.tiling.micro_kernel
+        if micro_kernel is not None and name == "float16" and bf16_products(name, micro_kernel):
+            name = "bfloat16"  # fp16 multiplied as bf16 terms: the bf16 forward's tiles
+        return tiles if backward else tiles.for_dtype(name)
 
     def source(self, dtype: str = "float32") -> str:
         return generate_cpu(self.graph, dtype, self.key)
@@ -1142,7 +1145,7 @@ class Kernel:
         micro_kernel = self.op.tiling.micro_kernel
         if micro_kernel is None:
             return plan
-        amx = dtype == torch.bfloat16 and micro_kernel.bf16_products == "amx"
+        amx = bf16_products(_DTYPES[dtype], micro_kernel) == BF16_PRODUCTS["amx"]
         return replace(
             plan, tiles=plan.tiles.for_few_keys(plan.problem.M, CPU_AMX_KEY_STEP if amx else CPU_FEW_KEYS_STEP)
         )

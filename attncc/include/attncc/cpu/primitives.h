@@ -682,6 +682,18 @@ inline void to_bf16_row(uint16_t* __restrict dst, const float* __restrict src, i
   for (int c = 0; c < n; c += 16) store_bf16(dst + c, _mm512_loadu_ps(src + c));
 }
 
+// x[c] (n a multiple of 16) as two bf16 terms, hi[c] = bf16(x[c]) and lo[c] = bf16(x[c] - hi[c]):
+// hi + lo is x exactly where x has at most 16 significant bits (fp16 values), else within 2^-16.
+inline void split_bf16(uint16_t* __restrict hi, uint16_t* __restrict lo, const float* __restrict x, int n) {
+  for (int c = 0; c < n; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    const __m512 h_value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), h);
+    store_bf16(lo + c, _mm512_sub_ps(v, h_value));
+  }
+}
+
 // dst[c] = bf16(a src[c]) for c < n, any n (the forward's output rows).
 inline void to_bf16_scaled(uint16_t* __restrict dst, const float* __restrict src, int n, float a) {
   const __m512 s = _mm512_set1_ps(a);
