@@ -594,3 +594,33 @@ def test_calls_skip_the_op_dispatch_only_where_nothing_observes_it() -> None:
         traced = torch.jit.trace(lambda q, k, v: kern(q, k, v), (q, k, v), check_trace=False)
     assert "attncc::attention" in str(traced.graph)
     assert torch.equal(traced(k, v, q), kern(k, v, q))  # new inputs: the trace calls the kernel
+
+
+def test_build_keys_follow_the_headers_their_kernels_include(monkeypatch) -> None:
+    """A library's key covers the attncc headers its text includes, through each other too, and
+    no others: an edit of the CUDA primitives rebuilds (and re-prebuilds) the emulated and GPU
+    kernels, not the CPU ones; an edit of the CPU primitives the reverse; a shared header both."""
+    from attncc.codegen.cuda import emulation_wrapper
+    from attncc.runtime import build
+
+    cpu_text = attncc.compile(ROOT / "examples" / "causal.attn").source("float32")
+    emulated = attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True)
+    cuda_text = emulation_wrapper("sm80") + emulated.cuda_source("bfloat16", 64)
+
+    def keys() -> tuple[str, str, str]:
+        return build.cache_key(cpu_text), build.cache_key(cuda_text), build.portable_key(cuda_text, gpu=True)
+
+    before, original = keys(), build._header_text
+
+    def edited(header: str) -> tuple[str, str, str]:
+        monkeypatch.setattr(
+            build, "_header_text", lambda name: original(name) + ("// edit\n" if name == header else "")
+        )
+        return keys()
+
+    cuda_edit = edited("attncc/cuda/emulator.h")  # (included by cuda/primitives.cuh)
+    assert cuda_edit[0] == before[0] and cuda_edit[1] != before[1] and cuda_edit[2] != before[2]
+    cpu_edit = edited("attncc/cpu/primitives.h")
+    assert cpu_edit[0] != before[0] and cpu_edit[1:] == before[1:]
+    shared_edit = edited("attncc/halfbits.h")
+    assert all(edit != key for edit, key in zip(shared_edit, before))
