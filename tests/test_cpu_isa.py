@@ -22,6 +22,7 @@ from attncc.runtime.check import check
 from attncc.runtime.inputs import Shape, adapt
 from attncc.targets import CPU_ISAS, ISA_ENV, best_cpu_isa, cpu, cpu_features, select_cpu_isa
 from tests.conftest import ROOT
+from tests.test_edge_programs import masked_attention
 
 ZEN3 = frozenset("fma avx f16c avx2 bmi2 sse4_2".split())
 ZEN4 = ZEN3 | frozenset("avx512f avx512bw avx512dq avx512vl avx512_bf16".split())
@@ -251,14 +252,10 @@ def test_examples_with_bf16_products(isa: str, monkeypatch) -> None:
 
 def attention_in_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(D), keys j <= i where causal) v in float64, kv heads repeated per group."""
-    q, k, v = (t.double() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if causal:
-        i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
-        scores = scores.masked_fill(j > i, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    keep = torch.arange(k.shape[2])[None, :] <= torch.arange(q.shape[2])[:, None] if causal else torch.tensor(True)
+    return masked_attention(q.double(), k, v, keep)
 
 
 def test_fp16_forward_on_amx_tiles_keeps_fp16_precision(monkeypatch) -> None:

@@ -397,7 +397,7 @@ def test_partial_tiles_narrow_the_wide_bf16_key_tiles() -> None:
     forward's 256-key tiles narrow to CPU_BF16_BLOCK, with at least as many rows
     (TilePlan.for_partial_tiles); a dense call keeps its tiles; masked bf16 calls still agree
     with float64 eager at odd N."""
-    planned = kernel("vanilla").op.tiling.for_head_dim(64).for_dtype("bfloat16")
+    planned = kernel("vanilla").op.tiling.for_head_dim(64).for_bf16_products()
     wide = replace(planned, block_cols=2 * CPU_BF16_BLOCK)
     assert wide.for_partial_tiles(0.5).block_cols == CPU_BF16_BLOCK
     assert wide.for_partial_tiles(0.05) is wide

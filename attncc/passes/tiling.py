@@ -147,9 +147,10 @@ class TilePlan:
     #: every K/V tile with its own softmax state, merged at the end (`for_key_split_warps`).
     key_warps: int = 1
 
-    def for_dtype(self, dtype: str) -> TilePlan:
-        """The forward's tiles for inputs of `dtype` (a torch dtype name)."""
-        if dtype == "bfloat16" and self.bf16_block_rows:
+    def for_bf16_products(self) -> TilePlan:
+        """The forward's tiles where its products run on the CPU's bf16 unit (codegen/cpu.py
+        `bf16_products`: bf16 inputs, and fp16 as bf16 terms on AMX)."""
+        if self.bf16_block_rows:
             return replace(
                 self, block_rows=self.bf16_block_rows, block_cols=self.bf16_block_cols,
                 streaming_block_rows=self.bf16_streaming_block_rows, backward=self.backward or self,

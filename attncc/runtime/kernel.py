@@ -761,10 +761,10 @@ class Kernel:
         TilePlan.for_keys, or follow pages: TilePlan.for_pages)."""
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(head_dim, backward)
-        name, micro_kernel = _DTYPES[dtype], self.op.tiling.micro_kernel
-        if micro_kernel is not None and name == "float16" and bf16_products(name, micro_kernel):
-            name = "bfloat16"  # fp16 multiplied as bf16 terms: the bf16 forward's tiles
-        return tiles if backward else tiles.for_dtype(name)
+        micro_kernel = self.op.tiling.micro_kernel
+        if backward or micro_kernel is None or not bf16_products(_DTYPES[dtype], micro_kernel):
+            return tiles
+        return tiles.for_bf16_products()
 
     def source(self, dtype: str = "float32") -> str:
         return generate_cpu(self.graph, dtype, self.key)
