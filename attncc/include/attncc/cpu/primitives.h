@@ -772,13 +772,23 @@ inline void amx_configure() {
   _tile_loadconfig(&config);
 }
 
-// C[R x N] (+)= A[R x K] . B[K x N] (B pair-packed, leading dimension ldb elements of bf16);
-// R, N multiples of 16, K a multiple of 32; 32 x 32 blocks of C, a 16-wide edge where needed.
-// The thread holds a KernelThread (the tile configuration).
-template <bool Accumulate>
+// C[R x N] (+)= A[R x K] . B[K x N] (B pair-packed, leading dimension ldb elements of bf16, in
+// strips of `strip` columns, each strip's K / 2 rows one after the other; 0: one strip); R, N
+// multiples of 16, K a multiple of 32; 32 x 32 blocks of C, a 16-wide edge where needed. The
+// thread holds a KernelThread (the tile configuration). After each block of C it calls
+// between(): vector work of the caller's (the forward's softmax of rows whose scores are done)
+// that the core runs while the tile unit finishes the block and stores it, instead of waiting;
+// it must not touch the block's C, nor what A and B point to.
+template <bool Accumulate, typename Between>
 inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
-                      int K) {
+                      int K, Between&& between, int strip = 0) {
+  // GCC's tile loads are asm without a memory clobber: the stores before this call (A and B
+  // written by the caller, between()'s in the call before) must not be moved past them.
+  asm volatile("" ::: "memory");
   const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 2;
+  const auto b_at = [&](int k, int n) {
+    return strip ? B + (int64_t(n / strip) * (K / 2) + k / 2) * ldb + 2 * (n % strip) : B + (k / 2) * ldb + 2 * n;
+  };
   for (int r = 0; r < R; r += 32) {
     const bool two_rows = r + 16 < R;
     for (int n = 0; n < N; n += 32) {
@@ -796,12 +806,12 @@ inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
         _tile_zero(3);
       }
       for (int k = 0; k < K; k += kBf16K) {
-        const uint16_t *a = A + r * lda + k, *b = B + (k / 2) * ldb + 2 * n;
+        const uint16_t *a = A + r * lda + k, *b = b_at(k, n);
         _tile_loadd(4, a, sa);
         _tile_loadd(6, b, sb);
         _tile_dpbf16ps(0, 4, 6);
         if (two_cols) {
-          _tile_loadd(7, b + 32, sb);
+          _tile_loadd(7, b_at(k, n + 16), sb);
           _tile_dpbf16ps(1, 4, 7);
         }
         if (two_rows) {
@@ -814,8 +824,14 @@ inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
       if (two_cols) _tile_stored(1, c + 16, sc);
       if (two_rows) _tile_stored(2, c + 16 * ldc, sc);
       if (two_rows && two_cols) _tile_stored(3, c + 16 * ldc + 16, sc);
+      between();
     }
   }
+}
+template <bool Accumulate>
+inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
+                      int K) {
+  gemm_bf16<Accumulate>(C, ldc, A, lda, B, ldb, R, N, K, [] {});
 }
 #endif
 
@@ -876,7 +892,14 @@ inline void gemm_dpbf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, c
 #endif
 
 #if ATTNCC_BF16_PRODUCTS == 2
-// The forward's products (same contract as the AMX gemm_bf16: R, N multiples of 16, K of 2).
+// The forward's products (same contract as the AMX gemm_bf16: R, N multiples of 16, K of 2;
+// B in one strip; between() runs once, after the products: the same units do both here).
+template <bool Accumulate, typename Between>
+inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
+                      int K, Between&& between, [[maybe_unused]] int strip = 0) {
+  gemm_dpbf16<Accumulate>(C, ldc, A, lda, B, ldb, R, N, K);
+  between();
+}
 template <bool Accumulate>
 inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
                       int K) {
