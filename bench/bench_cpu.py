@@ -742,7 +742,8 @@ def plot_grid(results: list, path: Path) -> None:
     memory.set(
         xscale="log", yscale="log", xlabel="N", ylabel="MiB", title="peak extra memory, causal fwd+bwd fp32 D=64"
     )
-    memory.legend(fontsize=7)
+    if memory.has_data():  # (a run without memory measurements: no legend to draw)
+        memory.legend(fontsize=7)
     for ax in axes.flat[len(panels) + 1 :]:
         ax.axis("off")
     for ax, (D, dtype, bwd) in zip(axes.flat, panels):
@@ -767,7 +768,8 @@ def plot_grid(results: list, path: Path) -> None:
         ax.set(
             xscale="log", yscale="log", xlabel="N", ylabel="ms", title=f"{'fwd+bwd' if bwd else 'fwd'} {dtype} D={D}"
         )
-        ax.legend(fontsize=7)
+        if ax.has_data():  # (fwd+bwd panels of a run without the backward: empty)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     print(f"plot: {path}")
