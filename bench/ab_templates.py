@@ -1,0 +1,82 @@
+"""A/B of CPU kernel templates in one process: the same program rendered from two or more
+template trees (say a worktree of the last commit's templates/ and the edited one), built, checked
+against the first, then timed in turn, batches of calls alternating, medians per call.
+
+Alternating in one process keeps the machine's drift (these 2-core VMs swing by 5-10% between
+processes) off the comparison. The headers (attncc/include) are the running package's for every
+tree: only template differences are compared.
+
+    git worktree add /tmp/base HEAD~1
+    python bench/ab_templates.py --n 512 --d 128 --dtype bfloat16 /tmp/base/templates templates
+    python bench/ab_templates.py --program causal --n 2048 --d 64 /tmp/base/templates templates:128,128
+
+A tree may carry `:Br,Bc` to force those tiles (Kernel tiles=).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import attncc
+import attncc.codegen as codegen
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def kernel_from(tree: str, program: Path, inputs: tuple[torch.Tensor, ...]) -> attncc.Kernel:
+    """The program compiled with the templates of `tree` (`path[:Br,Bc]`), called once on
+    `inputs`: a kernel renders its source at its first call for a dtype, from the templates the
+    process points at then."""
+    path, _, tiles = tree.partition(":")
+    codegen.TEMPLATE_DIR = Path(path).resolve()
+    codegen.environment.cache_clear()
+    options = {"tiles": tuple(int(t) for t in tiles.split(","))} if tiles else {}
+    kernel = attncc.compile(program, **options)
+    kernel(*inputs)
+    return kernel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trees", nargs="+", help="template directories (the first is the baseline)")
+    parser.add_argument("--program", default="vanilla", help="an example's name (examples/NAME.attn)")
+    parser.add_argument("--n", type=int, default=512)
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=0.05, help="per batch of calls")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    q, k, v = (torch.randn(1, args.heads, args.n, args.d, dtype=dtype) for _ in range(3))
+    kernels = [kernel_from(tree, EXAMPLES / f"{args.program}.attn", (q, k, v)) for tree in args.trees]
+    baseline = kernels[0](q, k, v).float()
+    for tree, kernel in zip(args.trees[1:], kernels[1:]):
+        difference = (kernel(q, k, v).float() - baseline).abs().max().item()
+        if difference > 2e-2:
+            raise SystemExit(f"{tree}: output differs from {args.trees[0]}'s by {difference:.3g}")
+    start = time.perf_counter()
+    kernels[0](q, k, v)
+    calls = max(3, round(args.seconds / max(time.perf_counter() - start, 1e-5)))
+    times: list[list[float]] = [[] for _ in kernels]
+    for _ in range(args.rounds):
+        for index, kernel in enumerate(kernels):
+            start = time.perf_counter()
+            for _ in range(calls):
+                kernel(q, k, v)
+            times[index].append((time.perf_counter() - start) / calls)
+    base = statistics.median(times[0])
+    print(f"{args.program} {args.dtype} B=1 H={args.heads} N={args.n} D={args.d}, {args.rounds} x {calls} calls each")
+    for tree, kept in zip(args.trees, times):
+        median = statistics.median(kept)
+        print(f"{tree:40s} {median * 1e3:8.3f} ms  baseline / this {base / median:.3f}")
+
+
+if __name__ == "__main__":
+    main()
