@@ -16,7 +16,7 @@ import torch
 import attncc
 import attncc.codegen.cpu as cpu_codegen
 from attncc.errors import AttnccError
-from attncc.passes.tiling import choose_micro_kernel
+from attncc.passes.tiling import CPU_AMX_BACKWARD_BLOCK, choose_micro_kernel
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.check import check
 from attncc.runtime.inputs import Shape, adapt
@@ -282,6 +282,26 @@ def test_fp16_forward_on_amx_tiles_keeps_fp16_precision(monkeypatch) -> None:
             excess = (out - expected).abs() - rounding
             limit = 2.0**-12 * expected.abs() + 2.0**-16  # half an fp16 ulp, a floor for zeros
             assert (excess <= limit).all(), f"{name} {(B, H, Hkv, N, M, D)}: excess {excess.max():.2e}"
+
+
+def test_bf16_backward_takes_its_own_tiles_on_amx_only(monkeypatch) -> None:
+    """On AMX a bf16 backward takes CPU_AMX_BACKWARD_BLOCK square tiles (its accumulating
+    products have Br or Bc as their K); fp32, fp16 (widened) and the vdpbf16ps level keep the
+    fp32 backward's tiles. (Its golden tests: test_golden.py test_both_backward_schedules.)"""
+    skip_unless_the_machine_runs("amx")
+    for isa in ("amx", "avx512bf16"):
+        monkeypatch.setenv(ISA_ENV, isa)
+        kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
+        for d in (64, 128):
+            q = torch.empty(1, 8, 1024, d)
+            fp32 = kern.plan(q, q, None, backward=True).tiles
+            for dtype in (torch.bfloat16, torch.float16):
+                low = q.to(dtype)
+                tiles = kern.plan(low, low, None, backward=True).tiles
+                square = isa == "amx" and dtype == torch.bfloat16
+                expected = (CPU_AMX_BACKWARD_BLOCK,) * 2 if square else (fp32.block_rows, fp32.block_cols)
+                assert (tiles.block_rows, tiles.block_cols) == expected, f"{isa} {dtype} d={d}"
+            assert (fp32.block_rows, fp32.block_cols) != (CPU_AMX_BACKWARD_BLOCK,) * 2
 
 
 # (The bf16-product levels differ from avx512 only in bf16 kernels: the test above runs them.)

@@ -116,13 +116,21 @@ def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
 @pytest.mark.parametrize("mode", ["fused", "two-pass"])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_both_backward_schedules(name: str, mode: str) -> None:
-    """The one-pass backward (dQ in a per-task buffer) and the two passes, forced either way."""
+    """The one-pass backward (dQ in a per-task buffer) and the two passes, forced either way; in
+    bf16 on a shape whose rows and keys cross 3+ backward tiles with tails (the bf16 backward's
+    own tiles on AMX: TilePlan.for_bf16_backward)."""
     kern = kernel(name)
     kern.backward = mode
+    long_shape = adapt(Shape(2, 4, 2, 300, 270, 48), kern)
+    q, k = torch.empty(2, 4, 300, 48, dtype=torch.bfloat16), torch.empty(2, 2, 270, 48, dtype=torch.bfloat16)
+    tiles = kern.plan(q, k, None, backward=True).tiles
+    assert long_shape.N > 2 * tiles.block_rows and long_shape.M > 2 * tiles.block_cols
     try:
         for shape in (Shape(2, 4, 2, 77, 130, 48), Shape(1, 3, 1, 1, 1, 16), Shape(3, 2, 2, 40, 33, 8)):
             result = check(kern, adapt(shape, kern), torch.float32)
             assert result.ok, f"{mode}: {result.describe()}"
+        result = check(kern, long_shape, torch.bfloat16)
+        assert result.ok, f"{mode}: {result.describe()}"
     finally:
         kern.backward = "auto"
 

@@ -92,6 +92,15 @@ CPU_AMX_WIDE_HEAD_ROWS = 64
 # N=512 0.98 -> 0.83, N=2048 6.92 -> 6.63, N=4096 24.8 -> 24.4 (partial fraction 0.5 .. 0.12);
 # sliding window 256 d=64 N=2048 4.15 -> 2.84, d=128 N=4096 11.2 -> 8.0.
 CPU_PARTIAL_TILES_FRACTION = 0.1
+# The backward of bf16 inputs on AMX takes Br = Bc = this (the fp32 backward's 64 x 64 at d >=
+# 128, 64 x 128 below): its accumulating products (dV^T += dO^T P, dK^T += Q^T dS over a key
+# tile's query tiles, dQ += dS K) have Br or Bc as their K, and at 64 the tile unit waits on
+# loading and storing the fp32 C tiles around 2 steps of K. Measured on the Sapphire
+# Rapids-class Xeon (bf16, backward alone, alternating medians, ms): d=64 N=2048 19.8 -> 18.9;
+# d=128 N=512 2.62 -> 2.41, N=2048 37.1 -> 30.5; d=256 N=1K 25.4 -> 17.7; causal d=128 N=2048
+# 20.4 -> 18.6. (128 x 256 was faster at d >= 128 N=2048, 28.0-28.6, but slower at N=512, 2.52,
+# and causal, 19.3; fp32 stays fastest at its own tiles: d=128 N=2048 123 ms, 128 x 128 128.)
+CPU_AMX_BACKWARD_BLOCK = 128
 CPU_BF16_STREAMING_BR = 256
 # Keys per tile when decoding from kv heads side by side in each key row (TilePlan
 # for_side_by_side_decoding): one vector of fp32 lanes, the softmax's smallest row.
@@ -140,6 +149,8 @@ class TilePlan:
     bf16_block_rows: int = 0
     bf16_block_cols: int = 0
     bf16_streaming_block_rows: int = 0
+    #: CPU backward of bf16 inputs on AMX: Br = Bc = this (0: the plan's).
+    bf16_backward_block: int = 0
     #: GPU forward: query rows per warp, 16 (one mma row block) or 32 (two, each K and V
     #: fragment read from shared memory feeding both: FlashAttention-2's layout).
     warp_rows: int = 16
@@ -155,6 +166,14 @@ class TilePlan:
                 self, block_rows=self.bf16_block_rows, block_cols=self.bf16_block_cols,
                 streaming_block_rows=self.bf16_streaming_block_rows, backward=self.backward or self,
             )  # fmt: skip
+        return self
+
+    def for_bf16_backward(self) -> TilePlan:
+        """The backward's tiles where its products run on AMX (bf16 inputs; an fp16 backward
+        widens to fp32 and keeps the plan's): CPU_AMX_BACKWARD_BLOCK square."""
+        if self.bf16_backward_block:
+            block = self.bf16_backward_block
+            return replace(self, block_rows=block, block_cols=block, backward=self.backward or self)
         return self
 
     def for_pages(self, page_size: int, queries: int) -> TilePlan | None:
@@ -438,10 +457,12 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             amx = CPU_ISAS[target.isa].bf16_products == "amx"
             cols = CPU_AMX_BLOCK_COLS if amx else CPU_BF16_BLOCK
             rows = CPU_AMX_WIDE_HEAD_ROWS if amx and d >= 128 else CPU_BF16_BLOCK
+            backward_block = CPU_AMX_BACKWARD_BLOCK if amx else 0
             plan = replace(
                 plan, bf16_block_rows=rows, bf16_block_cols=cols,
-                bf16_streaming_block_rows=CPU_BF16_STREAMING_BR,
-                reason=f"{plan.reason}; bf16 forward {rows}x{cols} (Br={CPU_BF16_STREAMING_BR} streaming)",
+                bf16_streaming_block_rows=CPU_BF16_STREAMING_BR, bf16_backward_block=backward_block,
+                reason=f"{plan.reason}; bf16 forward {rows}x{cols} (Br={CPU_BF16_STREAMING_BR} streaming)"
+                + (f", bf16 backward {backward_block}x{backward_block}" if amx else ""),
             )  # fmt: skip
     return replace(plan, backward=plan)  # the CPU backward re-tiles nothing: same tasks, same tiles
 

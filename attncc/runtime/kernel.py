@@ -762,8 +762,10 @@ class Kernel:
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(head_dim, backward)
         micro_kernel = self.op.tiling.micro_kernel
-        if backward or micro_kernel is None or not bf16_products(_DTYPES[dtype], micro_kernel):
+        if micro_kernel is None or not bf16_products(_DTYPES[dtype], micro_kernel):
             return tiles
+        if backward:  # (an fp16 backward widens to fp32: the plan's tiles)
+            return tiles.for_bf16_backward() if dtype == torch.bfloat16 else tiles
         return tiles.for_bf16_products()
 
     def source(self, dtype: str = "float32") -> str:
