@@ -30,14 +30,16 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def kernel_from(tree: str, program: Path, inputs: tuple[torch.Tensor, ...]) -> attncc.Kernel:
     """The program compiled with the templates of `tree` (`path[:Br,Bc]`), called once on
-    `inputs`: a kernel renders its source at its first call for a dtype, from the templates the
-    process points at then."""
+    `inputs` (forward and, for inputs that require grad, backward): a kernel renders its sources
+    at their first call for a dtype, from the templates the process points at then."""
     path, _, tiles = tree.partition(":")
     codegen.TEMPLATE_DIR = Path(path).resolve()
     codegen.environment.cache_clear()
     options = {"tiles": tuple(int(t) for t in tiles.split(","))} if tiles else {}
     kernel = attncc.compile(program, **options)
-    kernel(*inputs)
+    out = kernel(*inputs)
+    if out.requires_grad:
+        out.sum().backward()
     return kernel
 
 
@@ -51,28 +53,40 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seconds", type=float, default=0.05, help="per batch of calls")
+    parser.add_argument("--backward", action="store_true", help="time forward + backward (q, k, v gradients)")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    q, k, v = (torch.randn(1, args.heads, args.n, args.d, dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(1, args.heads, args.n, args.d, dtype=dtype, requires_grad=args.backward) for _ in range(3))
+    dout = torch.randn(1, args.heads, args.n, args.d, dtype=dtype)
+
+    def run(kernel: attncc.Kernel) -> torch.Tensor:
+        if not args.backward:
+            with torch.no_grad():
+                return kernel(q, k, v).float()
+        return torch.cat([g.float() for g in torch.autograd.grad(kernel(q, k, v), (q, k, v), dout)])
+
     kernels = [kernel_from(tree, EXAMPLES / f"{args.program}.attn", (q, k, v)) for tree in args.trees]
-    baseline = kernels[0](q, k, v).float()
+    baseline = run(kernels[0])
     for tree, kernel in zip(args.trees[1:], kernels[1:]):
-        difference = (kernel(q, k, v).float() - baseline).abs().max().item()
-        if difference > 2e-2:
-            raise SystemExit(f"{tree}: output differs from {args.trees[0]}'s by {difference:.3g}")
+        difference = (run(kernel) - baseline).abs().max().item()
+        if difference > 2e-2 * max(1.0, baseline.abs().max().item()):
+            raise SystemExit(f"{tree}: results differ from {args.trees[0]}'s by {difference:.3g}")
     start = time.perf_counter()
-    kernels[0](q, k, v)
+    run(kernels[0])
     calls = max(3, round(args.seconds / max(time.perf_counter() - start, 1e-5)))
     times: list[list[float]] = [[] for _ in kernels]
     for _ in range(args.rounds):
         for index, kernel in enumerate(kernels):
             start = time.perf_counter()
             for _ in range(calls):
-                kernel(q, k, v)
+                run(kernel)
             times[index].append((time.perf_counter() - start) / calls)
     base = statistics.median(times[0])
-    print(f"{args.program} {args.dtype} B=1 H={args.heads} N={args.n} D={args.d}, {args.rounds} x {calls} calls each")
+    what = "fwd+bwd" if args.backward else "fwd"
+    print(
+        f"{args.program} {what} {args.dtype} B=1 H={args.heads} N={args.n} D={args.d}, {args.rounds} x {calls} calls each"
+    )
     for tree, kept in zip(args.trees, times):
         median = statistics.median(kept)
         print(f"{tree:40s} {median * 1e3:8.3f} ms  baseline / this {base / median:.3f}")
