@@ -9,6 +9,7 @@ tree: only template differences are compared.
     git worktree add /tmp/base HEAD~1
     python bench/ab_templates.py --n 512 --d 128 --dtype bfloat16 /tmp/base/templates templates
     python bench/ab_templates.py --program causal --n 2048 --d 64 /tmp/base/templates templates:128,128
+    python bench/ab_templates.py --backward --n 2048 /tmp/base/templates templates   # forward + backward
 
 A tree may carry `:Br,Bc` to force those tiles (Kernel tiles=).
 """
