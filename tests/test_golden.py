@@ -122,7 +122,8 @@ def test_both_backward_schedules(name: str, mode: str) -> None:
     kern = kernel(name)
     kern.backward = mode
     long_shape = adapt(Shape(2, 4, 2, 300, 270, 48), kern)
-    q, k = torch.empty(2, 4, 300, 48, dtype=torch.bfloat16), torch.empty(2, 2, 270, 48, dtype=torch.bfloat16)
+    s = long_shape
+    q, k = (torch.empty(s.B, heads, n, s.D, dtype=torch.bfloat16) for heads, n in ((s.H, s.N), (s.Hkv, s.M)))
     tiles = kern.plan(q, k, None, backward=True).tiles
     assert long_shape.N > 2 * tiles.block_rows and long_shape.M > 2 * tiles.block_cols
     try:

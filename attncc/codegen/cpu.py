@@ -39,6 +39,13 @@ def bf16_products(dtype: str, micro_kernel: CpuMicroKernel) -> int:
     return 0
 
 
+def bf16_backward(dtype: str, micro_kernel: CpuMicroKernel) -> bool:
+    """Whether a CPU backward for q/k/v of `dtype` multiplies bf16 on the bf16 unit (the
+    template's kBf16Backward): bf16 inputs only; an fp16 backward widens to fp32 even where its
+    forward runs as bf16 terms."""
+    return dtype == "bfloat16" and bf16_products(dtype, micro_kernel) != 0
+
+
 #: The forward's packed K/V panels live at once (templates/cpu/attention.cpp.jinja `Panels`):
 #: kv heads are packed and processed in batches of at most this many bytes of panels. Small enough
 #: that a batch stays in the last-level cache and its buffer is reused from the heap (at 64 MiB, a

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
-from attncc.codegen.cpu import BF16_PRODUCTS, bf16_products, generate_cpu
+from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
@@ -762,11 +762,11 @@ class Kernel:
         assert self.op.tiling is not None
         tiles = self.op.tiling.for_head_dim(head_dim, backward)
         micro_kernel = self.op.tiling.micro_kernel
-        if micro_kernel is None or not bf16_products(_DTYPES[dtype], micro_kernel):
+        if micro_kernel is None:
             return tiles
-        if backward:  # (an fp16 backward widens to fp32: the plan's tiles)
-            return tiles.for_bf16_backward() if dtype == torch.bfloat16 else tiles
-        return tiles.for_bf16_products()
+        if backward:
+            return tiles.for_bf16_backward() if bf16_backward(_DTYPES[dtype], micro_kernel) else tiles
+        return tiles.for_bf16_products() if bf16_products(_DTYPES[dtype], micro_kernel) else tiles
 
     def source(self, dtype: str = "float32") -> str:
         return generate_cpu(self.graph, dtype, self.key)

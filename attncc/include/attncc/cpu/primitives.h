@@ -665,6 +665,7 @@ inline void scale_row(acc_t* x, int n, acc_t a) {
 #endif
 constexpr int kBf16K = 32;  // every K of a bf16 product is padded to this (one AMX tile row)
 constexpr int kBf16Rows = 16;  // ... and every row count (one AMX tile's rows)
+constexpr int kBf16Block = 32;  // rows and columns of the AMX gemm_bf16's blocks of C (2 x 2 tiles)
 
 #if ATTNCC_BF16_PRODUCTS == 1
 }  // namespace attncc
@@ -789,9 +790,9 @@ inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   const auto b_at = [&](int k, int n) {
     return strip ? B + (int64_t(n / strip) * (K / 2) + k / 2) * ldb + 2 * (n % strip) : B + (k / 2) * ldb + 2 * n;
   };
-  for (int r = 0; r < R; r += 32) {
+  for (int r = 0; r < R; r += kBf16Block) {
     const bool two_rows = r + 16 < R;
-    for (int n = 0; n < N; n += 32) {
+    for (int n = 0; n < N; n += kBf16Block) {
       const bool two_cols = n + 16 < N;
       float* c = C + r * ldc + n;
       if (Accumulate) {
@@ -827,11 +828,6 @@ inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
       between();
     }
   }
-}
-template <bool Accumulate>
-inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
-                      int K) {
-  gemm_bf16<Accumulate>(C, ldc, A, lda, B, ldb, R, N, K, [] {});
 }
 #endif
 
@@ -900,10 +896,13 @@ inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   gemm_dpbf16<Accumulate>(C, ldc, A, lda, B, ldb, R, N, K);
   between();
 }
+#endif
+#if ATTNCC_BF16_PRODUCTS
+// ... with nothing between the blocks of C (the backward's products).
 template <bool Accumulate>
 inline void gemm_bf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int R, int N,
                       int K) {
-  gemm_dpbf16<Accumulate>(C, ldc, A, lda, B, ldb, R, N, K);
+  gemm_bf16<Accumulate>(C, ldc, A, lda, B, ldb, R, N, K, [] {});
 }
 #endif
 
