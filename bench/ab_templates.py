@@ -10,6 +10,7 @@ tree: only template differences are compared.
     python bench/ab_templates.py --n 512 --d 128 --dtype bfloat16 /tmp/base/templates templates
     python bench/ab_templates.py --program causal --n 2048 --d 64 /tmp/base/templates templates:128,128
     python bench/ab_templates.py --backward --n 2048 /tmp/base/templates templates   # forward + backward
+    python bench/ab_templates.py --n 1 --keys 16384 --heads 32 --kv-heads 8 --batch 8 /tmp/base/templates templates
 
 A tree may carry `:Br,Bc` to force those tiles (Kernel tiles=).
 """
@@ -48,9 +49,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trees", nargs="+", help="template directories (the first is the baseline)")
     parser.add_argument("--program", default="vanilla", help="an example's name (examples/NAME.attn)")
-    parser.add_argument("--n", type=int, default=512)
+    parser.add_argument("--n", type=int, default=512, help="queries per sequence")
+    parser.add_argument("--keys", type=int, help="keys per sequence (default: --n)")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, help="K/V heads, a divisor of --heads (default: --heads)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seconds", type=float, default=0.05, help="per batch of calls")
@@ -58,14 +62,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    q, k, v = (torch.randn(1, args.heads, args.n, args.d, dtype=dtype, requires_grad=args.backward) for _ in range(3))
-    dout = torch.randn(1, args.heads, args.n, args.d, dtype=dtype)
+    keys, kv_heads = args.keys or args.n, args.kv_heads or args.heads
+    q = torch.randn(args.batch, args.heads, args.n, args.d, dtype=dtype, requires_grad=args.backward)
+    k, v = (torch.randn(args.batch, kv_heads, keys, args.d, dtype=dtype, requires_grad=args.backward) for _ in range(2))
+    dout = torch.randn(args.batch, args.heads, args.n, args.d, dtype=dtype)
 
     def run(kernel: attncc.Kernel) -> torch.Tensor:
         if not args.backward:
             with torch.no_grad():
                 return kernel(q, k, v).float()
-        return torch.cat([g.float() for g in torch.autograd.grad(kernel(q, k, v), (q, k, v), dout)])
+        return torch.cat([g.float().flatten() for g in torch.autograd.grad(kernel(q, k, v), (q, k, v), dout)])
 
     kernels = [kernel_from(tree, EXAMPLES / f"{args.program}.attn", (q, k, v)) for tree in args.trees]
     baseline = run(kernels[0])
@@ -86,7 +92,8 @@ def main() -> None:
     base = statistics.median(times[0])
     what = "fwd+bwd" if args.backward else "fwd"
     print(
-        f"{args.program} {what} {args.dtype} B=1 H={args.heads} N={args.n} D={args.d}, {args.rounds} x {calls} calls each"
+        f"{args.program} {what} {args.dtype} B={args.batch} H={args.heads} Hkv={kv_heads} N={args.n} M={keys} "
+        f"D={args.d}, {args.rounds} x {calls} calls each"
     )
     for tree, kept in zip(args.trees, times):
         median = statistics.median(kept)

@@ -29,6 +29,7 @@ ATTNCC_CPU_ISA to measure a lower level).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -458,10 +459,10 @@ def serving_cases(results: list, args) -> None:
             row(results, f"{name} fwd+bwd", median_s(fwd_bwd(ours, *leaves), args.repeats), anchors, note)
     decode = attncc.compile(EX / "vanilla.attn")  # the new query is the last position: every key visible
     B, H, Hkv, M, D = 8, 32, 8, 4096, 128
-    for page_size in (16, 256):
+    for dtype, page_size in itertools.product((torch.float32, torch.bfloat16), (16, 256)):
         pages = M // page_size
-        k_cache, v_cache = (torch.randn(B * pages, page_size, Hkv, D, generator=gen) for _ in range(2))
-        q = torch.randn(B, 1, H, D, generator=gen)
+        k_cache, v_cache = (torch.randn(B * pages, page_size, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+        q = torch.randn(B, 1, H, D, generator=gen).to(dtype)
         k, v = (c.view(B, M, Hkv, D).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
 
         def sdpa_decode(k=k, v=v, q=q):
@@ -480,7 +481,8 @@ def serving_cases(results: list, args) -> None:
             def paged(table=table, k_cache=k_cache, v_cache=v_cache, q=q, lengths=lengths):
                 return decode.paged(q, k_cache, v_cache, table, lengths)
 
-            name = f"paged decode GQA {H}/{Hkv} B={B} M={M} D={D} page {page_size}, {order}"
+            tag = "bf16" if dtype == torch.bfloat16 else "fp32"
+            name = f"paged decode GQA {H}/{Hkv} {tag} B={B} M={M} D={D} page {page_size}, {order}"
             note = "SDPA on contiguous K/V of M keys per sequence" if lengths is spread else ""
             row(results, name, median_s(paged, args.repeats), anchors, note)
 
@@ -694,12 +696,13 @@ def grid_extra_cases(results: list, args, flex) -> None:
     masked variants against FlexAttention."""
     r = args.repeats
     vanilla = attncc.compile(EX / "vanilla.attn")
-    for M in (4096, 16384, 32768):
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 32, 1, 128, generator=gen)
-        k, v = (torch.randn(1, 8, M, 128, generator=gen) for _ in range(2))
-        anchors = {"sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True), r)}
-        row(results, f"decode GQA 32/8 fp32 N=1 M={M} D=128", median_s(partial(vanilla, q, k, v), r), anchors)
+    for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for M in (4096, 16384, 32768):
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(1, 32, 1, 128, generator=gen).to(dtype)
+            k, v = (torch.randn(1, 8, M, 128, generator=gen).to(dtype) for _ in range(2))
+            anchors = {"sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True), r)}
+            row(results, f"decode GQA 32/8 {tag} N=1 M={M} D=128", median_s(partial(vanilla, q, k, v), r), anchors)
     N = min(args.max_n, 4096)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 8, N, 64, generator=gen) for _ in range(3))

@@ -36,7 +36,7 @@
 #include <memory>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #if defined(__SSE__)
@@ -434,6 +434,37 @@ inline acc_t lanes_max(vec_t v) {
 
 inline vec_t vload(const acc_t* p) { vec_t v; std::memcpy(&v, p, sizeof v); return v; }
 inline void vstore(acc_t* p, vec_t v) { std::memcpy(p, &v, sizeof v); }
+// VL values as stored, widened to acc_t in registers: decoding reads a cache's bf16/fp16 rows in
+// place (a widened copy of each tile was a store and a reload per value, and its loads did not
+// overlap the products).
+inline vec_t vload_widened(const acc_t* p) { return vload(p); }
+inline vec_t vload_widened(const bf16_t* p) {
+  if constexpr (std::is_same_v<acc_t, float>) {  // bf16 is fp32's upper half
+    typedef uint16_t halves_t __attribute__((vector_size(ATTNCC_VECTOR_BYTES / 2)));
+    typedef uint32_t words_t __attribute__((vector_size(ATTNCC_VECTOR_BYTES)));
+    halves_t h;
+    std::memcpy(&h, p, sizeof h);
+    const words_t w = __builtin_convertvector(h, words_t) << 16;
+    vec_t v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+  }
+  acc_t a[VL];
+  for (int l = 0; l < VL; ++l) a[l] = to_acc(p[l]);
+  return vload(a);
+}
+inline vec_t vload_widened(const fp16_t* p) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+#if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
+    return vec_t(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif ATTNCC_VECTOR_BYTES == 32 && defined(__F16C__)
+    return vec_t(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
+  }
+  acc_t a[VL];
+  for (int l = 0; l < VL; ++l) a[l] = to_acc(p[l]);
+  return vload(a);
+}
 // x - (+0) is x for every x (0 + x is not: -0 becomes +0), so the compiler drops it and
 // broadcasts straight from memory
 inline vec_t vbroadcast(acc_t x) { return x - vec_t{}; }
@@ -451,9 +482,9 @@ inline bool any_lane_above(vec_t v, acc_t t) {
 // backward's P^T dO and dS^T Q products read P and dS as they are, with no transposed copy.
 // The Rows x Vecs accumulators, Vecs B vectors and a broadcast must fit the vector registers
 // (the tiling pass sizes ATTNCC_GEMM_ROWS/VECS from the target's register count and FMA ports).
-template <bool Accumulate, bool TransA, int Rows, int Vecs>
+template <bool Accumulate, bool TransA, int Rows, int Vecs, typename BT>
 inline void gemm_block(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                       const acc_t* __restrict B, int64_t ldb, int K) {
+                       const BT* __restrict B, int64_t ldb, int K) {
   vec_t acc[Rows][Vecs];
 #pragma GCC unroll 16
   for (int x = 0; x < Rows; ++x)
@@ -462,7 +493,7 @@ inline void gemm_block(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict
   for (int k = 0; k < K; ++k) {
     vec_t b[Vecs];
 #pragma GCC unroll 4
-    for (int y = 0; y < Vecs; ++y) b[y] = vload(B + k * ldb + y * VL);
+    for (int y = 0; y < Vecs; ++y) b[y] = vload_widened(B + k * ldb + y * VL);
 #pragma GCC unroll 16
     for (int x = 0; x < Rows; ++x) {
       const vec_t a = vbroadcast(TransA ? A[k * lda + x] : A[x * lda + k]);
@@ -477,9 +508,9 @@ inline void gemm_block(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict
 }
 
 // Row tails (R % ATTNCC_GEMM_ROWS rows) of one column block: each count is its own register block.
-template <bool Accumulate, bool TransA, int Vecs, int Rows = ATTNCC_GEMM_ROWS - 1>
+template <bool Accumulate, bool TransA, int Vecs, int Rows = ATTNCC_GEMM_ROWS - 1, typename BT>
 inline void gemm_tail(int rows, acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                      const acc_t* __restrict B, int64_t ldb, int K) {
+                      const BT* __restrict B, int64_t ldb, int K) {
   if constexpr (Rows > 0) {
     if (rows == Rows) return gemm_block<Accumulate, TransA, Rows, Vecs>(C, ldc, A, lda, B, ldb, K);
     gemm_tail<Accumulate, TransA, Vecs, Rows - 1>(rows, C, ldc, A, lda, B, ldb, K);
@@ -488,9 +519,9 @@ inline void gemm_tail(int rows, acc_t* __restrict C, int64_t ldc, const acc_t* _
 
 // One column block (Vecs vectors wide) down all R rows: the block's B columns stay in L1 while
 // the rows of op(A) stream past them.
-template <bool Accumulate, bool TransA, int Vecs>
+template <bool Accumulate, bool TransA, int Vecs, typename BT>
 inline void gemm_columns(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                         const acc_t* __restrict B, int64_t ldb, int R, int K) {
+                         const BT* __restrict B, int64_t ldb, int R, int K) {
   constexpr int Rows = ATTNCC_GEMM_ROWS;
   const int64_t a_step = TransA ? 1 : lda;  // A offset of the next row of op(A)
   int r = 0;
@@ -499,11 +530,12 @@ inline void gemm_columns(acc_t* __restrict C, int64_t ldc, const acc_t* __restri
 }
 
 // C[R x Cn] (+)= op(A)[R x K] . B[K x Cn]; Cn a multiple of VL; row-major with leading
-// dimensions lda, ldb, ldc; op(A) = A (R x K) or, with TransA, A^T (A stored K x R).
+// dimensions lda, ldb, ldc; op(A) = A (R x K) or, with TransA, A^T (A stored K x R); B of acc_t
+// or, widened as it is loaded, of a storage type (decoding's V rows in place).
 // Register-blocked ATTNCC_GEMM_ROWS rows x ATTNCC_GEMM_VECS vectors, column blocks outermost.
-template <bool Accumulate, bool TransA = false>
+template <bool Accumulate, bool TransA = false, typename BT>
 inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                 const acc_t* __restrict B, int64_t ldb, int R, int Cn, int K) {
+                 const BT* __restrict B, int64_t ldb, int R, int Cn, int K) {
   constexpr int Vecs = ATTNCC_GEMM_VECS;
   int c = 0;
   for (; c + Vecs * VL <= Cn; c += Vecs * VL) gemm_columns<Accumulate, TransA, Vecs>(C + c, ldc, A, lda, B + c, ldb, R, K);
@@ -629,8 +661,17 @@ inline vec_t exp_shift_lanes(acc_t* x, int n, acc_t shift, acc_t scale = 1) {
   return sum;
 }
 
-// sum a[k] b[k] over n (a multiple of VL): one query row against one key row, where a tile has
-// fewer rows than gemm's register block (decoding).
+// The cache line at p, fetched into L2. An asm statement, not __builtin_prefetch: GCC deletes a
+// loop whose body is only that builtin (it has no side effects), and with it the prefetches.
+inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// sum a[k] b[k] over n (a multiple of VL).
 inline acc_t dot(const acc_t* __restrict a, const acc_t* __restrict b, int n) {
   vec_t even{}, odd{};  // two chains: the FMA latency, not the loads, would bound one
   int k = 0;
@@ -642,10 +683,43 @@ inline acc_t dot(const acc_t* __restrict a, const acc_t* __restrict b, int n) {
   return lanes_sum(even + odd);
 }
 
-// y += alpha x over n (a multiple of VL).
-inline void axpy(acc_t* __restrict y, acc_t alpha, const acc_t* __restrict x, int n) {
+// S[r * s_ld + c] = Q_r . K_c for Rows query rows (q_ld apart) and one key row k, over n (a
+// multiple of VL): each vector of K, widened once, serves every row.
+template <int Rows, typename T>
+inline void dot_block(acc_t* __restrict S, int64_t s_ld, const acc_t* __restrict Q, int64_t q_ld,
+                      const T* __restrict k, int n) {
+  vec_t acc[Rows] = {};
+  for (int d = 0; d < n; d += VL) {
+    const vec_t key = vload_widened(k + d);
+#pragma GCC unroll 4
+    for (int x = 0; x < Rows; ++x) acc[x] += vload(Q + x * q_ld + d) * key;
+  }
+#pragma GCC unroll 4
+  for (int x = 0; x < Rows; ++x) S[x * s_ld] = lanes_sum(acc[x]);
+}
+
+// S[r * s_ld + c] = Q_r . K_c for r < rows, c < cols: the query rows against key rows where they
+// are stored (k_ld apart, of acc_t or a storage type widened in registers), n a multiple of VL.
+// Decoding's scores, where a tile has fewer rows than packing K^T would pay for; four rows share
+// each key vector, and the keys' dot products are independent chains the core overlaps.
+// before_key(c) runs before key c's products (decoding prefetches the next tile's rows there).
+template <typename T, typename BeforeKey>
+inline void dot_rows(acc_t* __restrict S, int64_t s_ld, const acc_t* __restrict Q, int64_t q_ld, int rows,
+                     const T* __restrict K, int64_t k_ld, int cols, int n, BeforeKey&& before_key) {
+  for (int c = 0; c < cols; ++c) {
+    before_key(c);
+    const T* k = K + c * k_ld;
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) dot_block<4>(S + r * s_ld + c, s_ld, Q + r * q_ld, q_ld, k, n);
+    for (; r < rows; ++r) dot_block<1>(S + r * s_ld + c, s_ld, Q + r * q_ld, q_ld, k, n);
+  }
+}
+
+// y += alpha x over n (a multiple of VL); x of acc_t or widened from a storage type.
+template <typename T>
+inline void axpy(acc_t* __restrict y, acc_t alpha, const T* __restrict x, int n) {
   const vec_t a = vbroadcast(alpha);
-  for (int k = 0; k < n; k += VL) vstore(y + k, vload(y + k) + a * vload(x + k));
+  for (int k = 0; k < n; k += VL) vstore(y + k, vload(y + k) + a * vload_widened(x + k));
 }
 
 inline void scale_row(acc_t* x, int n, acc_t a) {
