@@ -20,6 +20,7 @@ from attncc.passes.tiling import CPU_AMX_BACKWARD_BLOCK, choose_micro_kernel
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.check import check
 from attncc.runtime.inputs import Shape, adapt
+from attncc.runtime.kernel import PackedSequences
 from attncc.targets import CPU_ISAS, ISA_ENV, best_cpu_isa, cpu, cpu_features, select_cpu_isa
 from tests.conftest import ROOT
 from tests.test_edge_programs import masked_attention
@@ -302,6 +303,41 @@ def test_bf16_backward_takes_its_own_tiles_on_amx_only(monkeypatch) -> None:
                 expected = (CPU_AMX_BACKWARD_BLOCK,) * 2 if square else (fp32.block_rows, fp32.block_cols)
                 assert (tiles.block_rows, tiles.block_cols) == expected, f"{isa} {dtype} d={d}"
             assert (fp32.block_rows, fp32.block_cols) != (CPU_AMX_BACKWARD_BLOCK,) * 2
+
+
+@pytest.mark.parametrize("isa", LEVELS_HERE)
+def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) -> None:
+    """The forward reads K and V by rows (TilePlan.reads_by_rows: dot products, no panels) below
+    4 queries and up to 64 query rows per kv head (N x group) where it multiplies in fp32, up to
+    8 where its tile products run on the bf16 unit; never past one query tile's rows, nor for a
+    packed batch's queries. A paged call by rows takes pages of 16 keys in place, by panels of 32."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
+    bf16_unit = bool(CPU_ISAS[isa].bf16_products)
+    cases = {  # (dtype, N, H, Hkv): by rows
+        (torch.float32, 2, 32, 1): True,
+        (torch.float32, 16, 8, 2): True,
+        (torch.float32, 64, 4, 4): True,
+        (torch.float32, 32, 8, 2): False,
+        (torch.bfloat16, 3, 32, 4): True,
+        (torch.bfloat16, 8, 4, 4): True,
+        (torch.bfloat16, 4, 8, 2): not bf16_unit,
+        (torch.bfloat16, 16, 4, 4): not bf16_unit,
+    }
+    for (dtype, N, H, Hkv), by_rows in cases.items():
+        q, k = torch.zeros(2, H, N, 64, dtype=dtype), torch.zeros(2, Hkv, 300, 64, dtype=dtype)
+        _, call = kern._forward_call(q, k, None, [], [])
+        assert call["by_rows"] == by_rows, f"{isa} {dtype} N={N} H={H} Hkv={Hkv}"
+        assert kern.reads_pages(q, 16, 64, Hkv) == by_rows
+    small = attncc.compile(ROOT / "examples" / "vanilla.attn", tiles=(4, 32))
+    for N, by_rows in ((3, True), (5, False)):  # Br = 4
+        q = torch.zeros(1, 2, N, 64)
+        assert small._forward_call(q, q, None, [], [])[1]["by_rows"] == by_rows
+    packed = PackedSequences.of([0, 2, 5], [0, 2, 5], torch.device("cpu"))  # sequences of 2 and 3 rows
+    q = packed.as_batch(torch.zeros(5, 2, 64), False)
+    assert not kern._forward_call(
+        q, packed.as_batch(torch.zeros(5, 2, 64), True), None, [], [], lengths=packed.lengths
+    )[1]["by_rows"]
 
 
 # (The bf16-product levels differ from avx512 only in bf16 kernels: the test above runs them.)

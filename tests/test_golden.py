@@ -20,10 +20,18 @@ LOW_PRECISION_SHAPES = (AWKWARD_SHAPES[1], AWKWARD_SHAPES[4])
 #: partners 4+ blocks apart, |i - j| > relative_bias's max_distance (128); every row crosses
 #: at least 3 key tiles (Bc <= 128 on the CPU). B = 2: per-batch lengths include 0.
 MASK_SPAN_SHAPE = Shape(2, 2, 1, 600, 600, 40)
-#: Decoding (N < 4): D = 40 widens K and V into tiles; D = 64 reads them where they are stored,
-#: with 2 rows per kv head (dot products one row at a time, axpys) and 8 (four rows per dot
-#: product, the gemm for P V).
-DECODING_SHAPES = (Shape(2, 4, 2, 3, 300, 40), Shape(1, 2, 1, 1, 513, 64), Shape(2, 8, 2, 2, 300, 64))
+#: Few query rows per kv head, which the CPU forward reads K and V for by rows (TilePlan
+#: reads_by_rows): decoding (N < 4); D = 40 widens K and V into tiles, D = 64 reads them where
+#: they are stored, with 2 rows per kv head (dot products one row at a time, axpys) and 8 (four
+#: rows per dot product, the gemm for P V); N = 9 with 18 rows per kv head (fp32 by rows, bf16
+#: and fp16 on AMX by panels) and N = 6 MHA (by rows at every dtype).
+DECODING_SHAPES = (
+    Shape(2, 4, 2, 3, 300, 40),
+    Shape(1, 2, 1, 1, 513, 64),
+    Shape(2, 8, 2, 2, 300, 64),
+    Shape(2, 4, 2, 9, 300, 64),
+    Shape(2, 2, 2, 6, 300, 64),
+)
 LARGE_SCORES = (30.0, 100.0)
 
 #: (shape, dtype, q scale) of every configuration the tests below run on every example
@@ -111,9 +119,9 @@ def test_running_max_follows_scores_rising_along_the_keys(dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("shape", DECODING_SHAPES, ids=str)
 def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
-    """N < 4: the forward's row-by-row path (dot products, axpys) instead of the 4-row gemm, K
-    and V read where they are stored (D = 64, widened in registers from bf16/fp16) or widened
-    into tiles (D = 40, not a whole number of vectors)."""
+    """Few query rows per kv head: the forward's row-by-row path (dot products, axpys) instead
+    of panels and tile products, K and V read where they are stored (D = 64, widened in registers
+    from bf16/fp16) or widened into tiles (D = 40, not a whole number of vectors)."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         result = check(example, adapt(shape, example), dtype)
         assert result.ok, result.describe()

@@ -49,6 +49,9 @@ EXACT_GRAD_BUFFERS = (("bound", "int32_t*"), ("flags", "int32_t*"), ("shift", "c
 #: row, and the number of splits.
 SPLIT_BUFFERS = (("o_partial", "acc_t*"), ("lse_partial", "acc_t*"))
 SPLIT_CONTROL = ("splits",)
+#: The CPU forward's schedule: 1 where it reads K and V by rows (TilePlan.reads_by_rows, the
+#: template's forward_decode), 0 where it packs panels per kv head for tile products.
+CPU_CONTROL = ("by_rows",)
 #: A paged call's block table (int64 [B, pages]; null otherwise), then its page size and the
 #: table's row stride (`Kernel.paged` reads K/V through it: templates/cpu and templates/cuda
 #: `key_row_offset`).
@@ -97,7 +100,7 @@ class KernelAbi:
     def int_slots(self) -> list[str]:
         names = list(SIZES)
         names += [f"st_{n}_{d}" for n, _ in OPERANDS for d in range(4)]
-        names += list(CONTROL) + list(SPLIT_CONTROL if self.cuda else ()) + list(PAGE_CONTROL)
+        names += list(CONTROL) + list(SPLIT_CONTROL if self.cuda else CPU_CONTROL) + list(PAGE_CONTROL)
         names += list(ROPE_CONTROL)
         names += [f"st_{t.ident}_{d}" for t in self.tensors for d in range(t.rank)]
         names += [f"grad_slice_{self.ident_of(n)}" for n in self.grads]  # per-thread buffer stride

@@ -102,6 +102,20 @@ CPU_PARTIAL_TILES_FRACTION = 0.1
 # and causal, 19.3; fp32 stays fastest at its own tiles: d=128 N=2048 123 ms, 128 x 128 128.)
 CPU_AMX_BACKWARD_BLOCK = 128
 CPU_BF16_STREAMING_BR = 256
+# CPU forwards of few query rows per kv head (N x group: decoding, speculative decoding's
+# drafts, a short chunk of a prompt against a long cache) read K and V rows where they are
+# stored, the scores by dot products (templates/cpu forward_decode, TilePlan.reads_by_rows),
+# instead of packing K^T and V panels per kv head for tile products: with so few rows the
+# packing (a copy of K and V) costs more than the products save. Measured on the Sapphire
+# Rapids-class Xeon (B=8, M=4096, D=128, alternating medians, ms, panels -> by rows): fp32 GQA
+# 32/8 N=4 46.1 -> 16.6, N=8 55.2 -> 24.1, N=16 68.8 -> 41.8, N=32 88.6 -> 95.5; MHA N=16
+# 39.2 -> 15.7, N=64 71.7 -> 39.0; D=64 MHA N=8 10.2 -> 4.5, N=32 15.1 -> 12.2. bf16 on AMX
+# (whose tile products are ~5x the FMAs'): MHA N=4 13.1 -> 6.8, N=8 13.3 -> 9.7 (D=64 4.65 ->
+# 4.78), N=16 12.9 -> 15.5; GQA 32/8 N=8 18.0 -> 28.8; fewer than CPU_DECODING_QUERIES queries
+# by rows whatever the group: GQA 32/4 N=2 11.6 -> 7.4, N=3 10.9 -> 10.7, MQA 32/1 N=1 6.5 -> 3.4.
+CPU_DOT_PRODUCT_ROWS = 64
+CPU_BF16_DOT_PRODUCT_ROWS = 8
+CPU_DECODING_QUERIES = 4
 # Keys per tile when decoding from kv heads side by side in each key row (TilePlan
 # for_side_by_side_decoding): one vector of fp32 lanes, the softmax's smallest row.
 CPU_SIDE_BY_SIDE_DECODING_BC = 16
@@ -151,6 +165,9 @@ class TilePlan:
     bf16_streaming_block_rows: int = 0
     #: CPU backward of bf16 inputs on AMX: Br = Bc = this (0: the plan's).
     bf16_backward_block: int = 0
+    #: CPU forward: calls of at most this many query rows per kv head read K and V by rows
+    #: (`reads_by_rows`; 0: a GPU plan, never).
+    dot_product_rows: int = 0
     #: GPU forward: query rows per warp, 16 (one mma row block) or 32 (two, each K and V
     #: fragment read from shared memory feeding both: FlashAttention-2's layout).
     warp_rows: int = 16
@@ -160,13 +177,25 @@ class TilePlan:
 
     def for_bf16_products(self) -> TilePlan:
         """The forward's tiles where its products run on the CPU's bf16 unit (codegen/cpu.py
-        `bf16_products`: bf16 inputs, and fp16 as bf16 terms on AMX)."""
+        `bf16_products`: bf16 inputs, and fp16 as bf16 terms on AMX), and the fewer query rows
+        it reads K and V by rows for (CPU_BF16_DOT_PRODUCT_ROWS)."""
         if self.bf16_block_rows:
             return replace(
                 self, block_rows=self.bf16_block_rows, block_cols=self.bf16_block_cols,
-                streaming_block_rows=self.bf16_streaming_block_rows, backward=self.backward or self,
+                streaming_block_rows=self.bf16_streaming_block_rows, dot_product_rows=CPU_BF16_DOT_PRODUCT_ROWS,
+                backward=self.backward or self,
             )  # fmt: skip
         return self
+
+    def reads_by_rows(self, queries: int, group: int) -> bool:
+        """CPU forward: whether a call of `queries` query rows per (b, head), `group` query heads
+        per kv head, reads K and V rows where they are stored (templates/cpu forward_decode: a
+        task per kv head's group, scores by dot products) rather than packing panels for tile
+        products: below CPU_DECODING_QUERIES queries, or at most `dot_product_rows` rows per kv
+        head, as long as the rows fit one query tile (the tile classes' rows)."""
+        if not self.dot_product_rows or queries > self.block_rows:
+            return False
+        return queries < CPU_DECODING_QUERIES or queries * group <= self.dot_product_rows
 
     def for_bf16_backward(self) -> TilePlan:
         """The backward's tiles where its products run on AMX (bf16 inputs; an fp16 backward
@@ -176,18 +205,18 @@ class TilePlan:
             return replace(self, block_rows=block, block_cols=block, backward=self.backward or self)
         return self
 
-    def for_pages(self, page_size: int, queries: int) -> TilePlan | None:
+    def for_pages(self, page_size: int, by_rows: bool) -> TilePlan | None:
         """The forward's tiles for keys read through a page table (CPU paged calls): Bc divides
         the page size, so no key tile straddles two pages, and is a whole number of vectors
         (the softmax's rows; 16 fp32 lanes), of 32 keys where query tiles pack panels for the
-        tile products (their key step). The largest such divisor up to the plan's Bc; None
-        where there is none (the caller gathers the pages instead)."""
-        step = 16 if queries < 4 else 32
+        tile products (their key step; not `by_rows`, reads_by_rows). The largest such divisor
+        up to the plan's Bc; None where there is none (the caller gathers the pages instead)."""
+        step = 16 if by_rows else 32
         fitting = [c for c in range(step, min(page_size, self.block_cols) + 1, step) if page_size % c == 0]
         return replace(self, block_cols=fitting[-1], backward=self.backward or self) if fitting else None
 
     def for_side_by_side_decoding(self) -> TilePlan:
-        """The forward's tiles for decoding (N < 4) where the kv heads lie side by side in each
+        """The forward's tiles for decoding (`reads_by_rows`) where the kv heads lie side by side in each
         key row (K as [B, M, Hkv, D]: a paged cache, a transposed view) and a task reads several
         kv heads' parts of every row (templates/cpu forward_decode): key tiles of one vector of
         keys, so the rows one tile touches, each in its own 4 KiB page, stay few while the task
@@ -445,7 +474,10 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     onchip = cpu_onchip_bytes(br, bc, d)
     if onchip > target.onchip_bytes:
         raise NoFit(f"tiles {br}x{bc} need {onchip} B, more than the target's {target.onchip_bytes} B")
-    plan = TilePlan(d, br, bc, paper_br, paper_bc, target.vector_bytes // 4, 0, 1, onchip, 0, reason)
+    plan = TilePlan(
+        d, br, bc, paper_br, paper_bc, target.vector_bytes // 4, 0, 1, onchip, 0, reason,
+        dot_product_rows=CPU_DOT_PRODUCT_ROWS,
+    )  # fmt: skip
     if override is None:
         plan = replace(
             plan,

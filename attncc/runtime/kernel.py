@@ -989,14 +989,15 @@ class Kernel:
         self._run("attncc_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         return rows_out, lse
 
-    def reads_pages(self, q: torch.Tensor, page_size: int, value_dim: int) -> bool:
+    def reads_pages(self, q: torch.Tensor, page_size: int, value_dim: int, kv_heads: int) -> bool:
         """Whether `forward_impl` can read keys of this page size in place for queries like
-        `q` [B, H, N, D] and values of head dim `value_dim` (the CPU kernels, where a Bc divides
-        the page: TilePlan.for_pages)."""
+        `q` [B, H, N, D], `kv_heads` K/V heads and values of head dim `value_dim` (the CPU
+        kernels, where a Bc divides the page: TilePlan.for_pages)."""
         if type(self).forward_impl is not Kernel.forward_impl:
             return False
         tiles = self._tiles(max(q.shape[3], value_dim), q.dtype, False)
-        return tiles.for_pages(page_size, q.shape[2]) is not None
+        by_rows = tiles.reads_by_rows(q.shape[2], q.shape[1] // max(kv_heads, 1))
+        return tiles.for_pages(page_size, by_rows) is not None
 
     def backward_impl(
         self,
@@ -1120,12 +1121,15 @@ class Kernel:
         tiles keep the L2-sized tasks at any M (taking 192 rows there cost 1.8x at N = 8192 on
         Zen 4). `value_dim`: v's head dim (default k's)."""
         plan = self.plan(q, k, scale, value_dim=value_dim)
+        problem = plan.problem
+        packed_rows = lengths is not None and page_size is None  # (a packed batch's queries: query tiles)
+        by_rows = not packed_rows and plan.tiles.reads_by_rows(problem.N, problem.H // max(problem.Hkv, 1))
         if page_size is not None:  # (reads_pages said there are such tiles)
-            plan = replace(plan, tiles=plan.tiles.for_pages(page_size, plan.problem.N))
+            plan = replace(plan, tiles=plan.tiles.for_pages(page_size, by_rows))
         else:
             plan = self._with_few_keys(plan, q.dtype)
         side_by_side = page_size is not None or k.stride(1) < k.stride(2)  # kv heads within each key row
-        if plan.problem.N < 4 and plan.problem.Hkv > 1 and side_by_side:
+        if by_rows and problem.Hkv > 1 and side_by_side:
             plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
         call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
         narrowed = plan.tiles.for_partial_tiles(partial_fraction(call["classes"]))  # type: ignore[arg-type]
@@ -1134,10 +1138,11 @@ class Kernel:
             call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
         visible = visible_keys(call["classes"], plan.tiles.block_cols, plan.problem.M)  # type: ignore[arg-type]
         streamed = plan.tiles.for_keys(visible)
-        if streamed is plan.tiles:
-            return plan, call
-        plan = replace(plan, tiles=streamed)
-        return plan, self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
+        if streamed is not plan.tiles:
+            plan = replace(plan, tiles=streamed)
+            call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
+        call["by_rows"] = int(by_rows)  # (retiling only widens Br: the rows still fit one query tile)
+        return plan, call
 
     def _with_few_keys(self, plan: CallPlan, dtype: torch.dtype) -> CallPlan:
         """`plan` with key tiles fitted to a key count below Bc (TilePlan.for_few_keys) on the
@@ -1355,6 +1360,7 @@ class Kernel:
         )
         threads = call.get("threads", max(1, torch.get_num_threads()))
         ints.update(seed=seed & (2**63 - 1), offset=call.get("offset", 0), threads=threads, splits=plan.kv_splits)
+        ints.update(by_rows=call.get("by_rows", 0))
         for ident, stride_names in names.tensor_strides:
             ints.update(zip(stride_names, tensors[ident].stride()))
         grad_slices: dict[str, int] = call.get("grad_slices", {})  # type: ignore[assignment]

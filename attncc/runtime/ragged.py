@@ -625,7 +625,7 @@ def paged_forward(
         )
         k_cache[pages, slots] = k_new
         v_cache[pages, slots] = v_new
-    if kern.reads_pages(q, page_size, v_cache.shape[3]) and max(totals, default=0) > 0:
+    if kern.reads_pages(q, page_size, v_cache.shape[3], k_cache.shape[2]) and max(totals, default=0) > 0:
         # one launch reads every sequence's keys through the block table, each sequence to its
         # own key count (k_starts), the call's M the longest
         paged = PagedKeys.of(table, page_size, totals, q.device) if plan is None else plan.keys
