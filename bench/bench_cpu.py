@@ -692,8 +692,8 @@ def grid_dense_cases(results: list, args, flex, rates: dict[str, float]) -> None
 
 
 def grid_extra_cases(results: list, args, flex) -> None:
-    """GQA decoding over a whole KV cache (no mask: the one query is the last position), and
-    masked variants against FlexAttention."""
+    """GQA decoding over a whole KV cache (no mask: the one query is the last position) and a
+    few queries against it, and masked variants against FlexAttention."""
     r = args.repeats
     vanilla = attncc.compile(EX / "vanilla.attn")
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
@@ -703,6 +703,13 @@ def grid_extra_cases(results: list, args, flex) -> None:
             k, v = (torch.randn(1, 8, M, 128, generator=gen).to(dtype) for _ in range(2))
             anchors = {"sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True), r)}
             row(results, f"decode GQA 32/8 {tag} N=1 M={M} D=128", median_s(partial(vanilla, q, k, v), r), anchors)
+        for N in (4, 16):  # speculative decoding's drafts, short chunks: by rows or grouped query tiles
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(8, 32, N, 128, generator=gen).to(dtype)
+            k, v = (torch.randn(8, 8, 4096, 128, generator=gen).to(dtype) for _ in range(2))
+            anchors = {"sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True), r)}
+            name = f"short queries GQA 32/8 {tag} B=8 N={N} M=4096 D=128"
+            row(results, name, median_s(partial(vanilla, q, k, v), r), anchors)
     N = min(args.max_n, 4096)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 8, N, 64, generator=gen) for _ in range(3))
