@@ -310,7 +310,7 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
     """The forward reads K and V by rows (TilePlan.reads_by_rows: dot products, no panels) below
     4 queries and up to 64 query rows per kv head (N x group) where it multiplies in fp32, up to
     8 where its tile products run on the bf16 unit; never past one query tile's rows, nor for a
-    packed batch's queries. A paged call by rows takes pages of 16 keys in place, by panels of 32."""
+    packed batch's queries. Pages of 16 keys are a paged call's key tiles by rows, not with panels."""
     monkeypatch.setenv(ISA_ENV, isa)
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
     bf16_unit = bool(CPU_ISAS[isa].bf16_products)
@@ -328,7 +328,8 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
         q, k = torch.zeros(2, H, N, 64, dtype=dtype), torch.zeros(2, Hkv, 300, 64, dtype=dtype)
         _, call = kern._forward_call(q, k, None, [], [])
         assert call["by_rows"] == by_rows, f"{isa} {dtype} N={N} H={H} Hkv={Hkv}"
-        assert kern.reads_pages(q, 16, 64, Hkv) == by_rows
+        tiles = kern.plan(q, k, None).tiles.for_pages(16, call["by_rows"])  # (of 32 keys with panels)
+        assert (tiles.block_cols == 16) == by_rows
     small = attncc.compile(ROOT / "examples" / "vanilla.attn", tiles=(4, 32))
     for N, by_rows in ((3, True), (5, False)):  # Br = 4
         q = torch.zeros(1, 2, N, 64)

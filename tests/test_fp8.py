@@ -418,8 +418,8 @@ def test_varlen_with_fp8_k_and_v(backend: str) -> None:
 def test_paged_fp8_cache(backend: str, page_size: int, queries: int) -> None:
     """Decoding and chunked prefill over an fp8 cache with a factor per cached token and head
     ([num_pages, page_size, Hkv], the appended rows' written before the call), pages shuffled,
-    fp8 k/v appended in place, GQA 6/2, bottom-right causal; page size 5 on the CPU takes the
-    gathered path (no key tile divides it)."""
+    fp8 k/v appended in place, GQA 6/2, bottom-right causal; pages of 5 keys on the CPU: key
+    tiles that span pages, their rows and factors copied page by page (no key tile divides it)."""
     gen = torch.Generator().manual_seed(5)
     B, H, Hkv, D, Dv, held = 3, 6, 2, 72, 40, [130, 0, 47]
     pages_per_seq = -(-(max(held) + queries) // page_size)

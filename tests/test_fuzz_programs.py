@@ -49,6 +49,7 @@ import pytest
 import torch
 
 import attncc
+from attncc.ir import expr as ex
 from attncc.runtime.build import DEBUG_BUILD_ENV
 
 BASE_SEED = int(os.environ.get("ATTNCC_FUZZ_SEED", "20250611"))
@@ -1361,21 +1362,50 @@ def test_two_reads_of_one_learnable_input() -> None:
 PACKED_PROGRAMS = 6  # of the kernel programs (CPU, debug-built) and of the emulator programs
 
 
+def uses_batch_as_value(kern: attncc.Kernel) -> bool:
+    """Whether the program's result depends on b or B other than through `B` axes of inputs."""
+    dims = {d.name: d.dims for d in kern.inputs if d.role == "tensor"}
+
+    def uses_batch(e: ex.Expr) -> bool:
+        if isinstance(e, ex.Var):
+            return e.name in ("b", "B")
+        if isinstance(e, ex.Read):
+            axes = dims.get(e.tensor, ())
+            return any(
+                not (isinstance(i, ex.Var) and i.name == "b" and axis < len(axes) and axes[axis] == "B")
+                and uses_batch(i)
+                for axis, i in enumerate(e.index)
+            )
+        return any(uses_batch(c) for c in e.children())
+
+    exprs = [kern.op.score, kern.op.mask, kern.op.scale, kern.op.default_scale]
+    return any(e is not None and uses_batch(e) for e in exprs)
+
+
+def sequence_cuts(kern: attncc.Kernel, b: int, n: int, m: int) -> list[tuple[slice, ...]]:
+    """Per runtime tensor: the index that cuts it to sequence b of n queries and m keys (axis B
+    to its element, N and M to its lengths)."""
+    cuts = {"B": slice(b, b + 1), "N": slice(0, n), "M": slice(0, m)}
+    return [
+        tuple(cuts.get(dim, slice(None)) if isinstance(dim, str) else slice(None) for dim in d.dims)
+        for d in kern.inputs
+        if d.role == "tensor"
+    ]
+
+
 def check_packed_program(kern: attncc.Kernel, prog: Program, shape: tuple, dtype: torch.dtype, limits: Limits) -> None:
     """A packed (varlen) batch of ragged sequences (lengths 1, 0 and ragged tails among them)
     against the same kernel's padded call on each sequence as a batch of one (runtime inputs
     cut to the sequence: axis B to its element, N and M to its lengths), forward and backward.
     A program that uses b or B as a value runs on sequences of equal lengths against the
     padded call of the whole batch instead (there b and B mean the same in both)."""
-    from attncc.errors import InputError
-    from attncc.runtime.ragged import Segment, check_batch_free, sequence_slices
-
     _, H, Hkv, N, M, D, _ = shape
     B = 4  # sequences: the case's full lengths, 1 query, keys without queries, a ragged one
     gen = torch.Generator().manual_seed(prog.seed + 7)
-    try:
-        check_batch_free(kern)
-        whole_batch = False
+    whole_batch = uses_batch_as_value(kern)
+    if whole_batch:
+        lens_q, lens_k = [N] * B, [M] * B
+    else:
         lens_q = [N, 1, 0, int(torch.randint(1, N + 1, (1,), generator=gen))]
         lens_k = [
             M,
@@ -1383,9 +1413,6 @@ def check_packed_program(kern: attncc.Kernel, prog: Program, shape: tuple, dtype
             3,
             int(torch.randint(1, M + 1, (1,), generator=gen)),
         ]
-    except InputError:
-        whole_batch = True
-        lens_q, lens_k = [N] * B, [M] * B
     q = torch.randn(sum(lens_q), H, D, generator=gen).to(dtype).requires_grad_()
     k, v = (torch.randn(sum(lens_k), Hkv, D, generator=gen).to(dtype).requires_grad_() for _ in range(2))
     runtime = runtime_inputs(prog, B, H, M, gen, torch.float32, requires_grad=True)
@@ -1408,7 +1435,7 @@ def check_packed_program(kern: attncc.Kernel, prog: Program, shape: tuple, dtype
             if n == 0:
                 continue
             rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-            cuts = iter(sequence_slices(kern, Segment(b, n, m)))
+            cuts = iter(sequence_cuts(kern, b, n, m))
             cut = {name: t[next(cuts)] if isinstance(t, torch.Tensor) else t for name, t in runtime.items()}
             o, s = kern(as_bhnd(q[rows], 1), as_bhnd(k[keys], 1), as_bhnd(v[keys], 1), return_lse=True, **cut)
             outs.append(o[0].transpose(0, 1))

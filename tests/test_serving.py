@@ -470,14 +470,34 @@ def test_packed_calls_see_each_sequences_index_as_b(backend: str) -> None:
     assert_within(got, ref, {n: tolerances[0] if n in ("out", "lse") else tolerances[1] for n in ref})
 
 
-def test_paged_calls_refuse_programs_reading_the_batch_index_as_a_value() -> None:
-    """Paged calls whose keys are gathered run each sequence as a batch of one: a program using
-    b as a value is refused there."""
-    kern = attncc.compile(BY_BATCH)
-    q = torch.randn(1, 1, 1, 8)
-    cache_ = torch.randn(2, 16, 1, 8)
-    with pytest.raises(attncc.InputError, match="uses `b` other than as the index of a `B` axis"):
-        kern.paged(q, cache_, cache_, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5]))
+@pytest.mark.parametrize("backend", ["cpu", "sm80-emulated"])
+def test_paged_calls_see_each_sequences_index_as_b(backend: str) -> None:
+    """A paged call is one launch over the block table, so a program may use b and B as values
+    there too: b the sequence's index, B the number of sequences (pages of 5 keys, shuffled, so
+    the CPU kernels' key tiles span pages; a sequence with no key gives 0 and lse -inf)."""
+    cpu = backend == "cpu"
+    kern = attncc.compile(BY_BATCH, target="cpu" if cpu else "sm80", emulate=not cpu)
+    gen = torch.Generator().manual_seed(5)
+    B, N, H, D, page_size, held = 3, 2, 2, 16, 5, [23, 0, 41]
+    pages_per_seq = -(-max(held) // page_size)
+    num_pages = B * pages_per_seq + 1
+    k_cache, v_cache = (torch.randn(num_pages, page_size, 1, D, generator=gen) for _ in range(2))
+    table = torch.randperm(num_pages, generator=gen)[: B * pages_per_seq].view(B, pages_per_seq).int()
+    q = torch.randn(B, N, H, D, generator=gen)
+    if not cpu:
+        q, k_cache, v_cache = (t.bfloat16().float() for t in (q, k_cache, v_cache))
+    out, lse = kern.paged(q, k_cache, v_cache, table, torch.tensor(held), return_lse=True)
+    tol = FWD_TOL if cpu else 2e-2
+    for b, m in enumerate(held):
+        if m == 0:
+            assert torch.isneginf(lse[b]).all() and (out[b] == 0).all()
+            continue
+        k, v = (c[table[b].long()].flatten(0, 1)[:m].transpose(0, 1).unsqueeze(0).double() for c in (k_cache, v_cache))
+        i, j = torch.arange(N).view(-1, 1), torch.arange(m).view(1, -1)
+        s = scores(q[b : b + 1].transpose(1, 2).double(), k) + 0.05 * (b + 1) * B * j
+        ref_out, ref_lse = attend(s, v, j <= i + b)
+        assert _error(out[b : b + 1].transpose(1, 2), ref_out) <= tol, b
+        assert _error(lse[b : b + 1].transpose(1, 2), ref_lse) <= tol, b
 
 
 # ----------------------------------------------------------------------- paged
@@ -561,14 +581,18 @@ BOTTOM_RIGHT_CAUSAL = (
 )
 
 
-@pytest.mark.parametrize(("page_size", "queries", "D"), [(16, 1, 64), (64, 1, 40), (64, 7, 64), (96, 40, 40)])
+@pytest.mark.parametrize(
+    ("page_size", "queries", "D"), [(16, 1, 64), (64, 1, 40), (64, 7, 64), (96, 40, 40), (16, 40, 64), (5, 7, 40)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_keys_are_read_in_place_through_the_block_table(
     page_size: int, queries: int, D: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """CPU kernels read shuffled pages through the block table (a key tile is one page's rows),
-    one launch per run of equal lengths and no gathered copy: decoding and chunked prefill,
-    GQA 6/2, bottom-right causal, lengths that end inside a page, against float64 code."""
+    """CPU kernels read shuffled pages through the block table, one launch per run of equal
+    lengths and no gathered copy: decoding and chunked prefill, GQA 6/2, bottom-right causal,
+    lengths that end inside a page, against float64 code. A key tile is one page's rows where a
+    tile size divides the page; else (pages of 16 under panels of 128-256 keys, pages of 5) a
+    tile's rows are copied page by page as the kernel packs or reads them."""
     check_pages_read_in_place(attncc.compile(BOTTOM_RIGHT_CAUSAL), page_size, queries, D, dtype, monkeypatch)
 
 
@@ -585,11 +609,6 @@ def test_paged_keys_are_read_in_place_by_the_cuda_kernels_on_the_emulator(
 def check_pages_read_in_place(
     kern: attncc.Kernel, page_size: int, queries: int, D: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from attncc.runtime import ragged
-
-    def no_gather(*args: object) -> None:
-        raise AssertionError("the pages were gathered")
-
     launches: list[object] = []
     kernel_class = type(kern)
     forward = kernel_class.forward_impl
@@ -598,7 +617,6 @@ def check_pages_read_in_place(
         launches.append(kwargs.get("paged"))
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(ragged, "_cached_keys", no_gather)
     monkeypatch.setattr(kernel_class, "forward_impl", counting)
     gen = torch.Generator().manual_seed(11)
     B, H, Hkv, held = 3, 6, 2, [300, 300, 77]

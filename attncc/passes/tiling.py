@@ -205,15 +205,17 @@ class TilePlan:
             return replace(self, block_rows=block, block_cols=block, backward=self.backward or self)
         return self
 
-    def for_pages(self, page_size: int, by_rows: bool) -> TilePlan | None:
+    def for_pages(self, page_size: int, by_rows: bool) -> TilePlan:
         """The forward's tiles for keys read through a page table (CPU paged calls): Bc divides
-        the page size, so no key tile straddles two pages, and is a whole number of vectors
-        (the softmax's rows; 16 fp32 lanes), of 32 keys where query tiles pack panels for the
-        tile products (their key step; not `by_rows`, reads_by_rows). The largest such divisor
-        up to the plan's Bc; None where there is none (the caller gathers the pages instead)."""
+        the page size, so no key tile straddles two pages and its rows are read where they
+        are, and is a whole number of vectors (the softmax's rows; 16 fp32 lanes), of 32 keys
+        where query tiles pack panels for the tile products (their key step; not `by_rows`,
+        reads_by_rows): the largest such divisor up to the plan's Bc. Where there is none (pages
+        of 5 keys, of 16 under panels) the plan's: a tile's rows are copied page by page
+        (templates/cpu key_source) as the kernel reads them."""
         step = 16 if by_rows else 32
         fitting = [c for c in range(step, min(page_size, self.block_cols) + 1, step) if page_size % c == 0]
-        return replace(self, block_cols=fitting[-1], backward=self.backward or self) if fitting else None
+        return replace(self, block_cols=fitting[-1], backward=self.backward or self) if fitting else self
 
     def for_side_by_side_decoding(self) -> TilePlan:
         """The forward's tiles for decoding (`reads_by_rows`) where the kv heads lie side by side in each

@@ -448,10 +448,6 @@ class EmulatedKernel(Kernel):
         group = H // kv_heads
         return group if math.ceil(group * N / rows) < group * math.ceil(N / rows) else 1
 
-    def reads_pages(self, q: torch.Tensor, page_size: int, value_dim: int, kv_heads: int) -> bool:
-        """The CUDA forward looks each key row up in the block table: any page size."""
-        return True
-
     def backward_impl(
         self,
         q: torch.Tensor,

@@ -935,9 +935,9 @@ class Kernel:
         descale: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of one padded call; `offset` is the dropout counters' fourth word
-        (0 for plain calls, the sequence's index for packed and paged calls). With `paged`
-        (`reads_pages`), k and v are caches [pages, page_size, Hkv, D] read in place through
-        its block table. `sink` [B, H, N]: the softmax's sink logit per row, merged into each
+        (0 for plain calls, the sequence's index for packed and paged calls). With `paged`, k
+        and v are caches [pages, page_size, Hkv, D] read in place through its block table
+        (any page size: TilePlan.for_pages). `sink` [B, H, N]: the softmax's sink logit per row, merged into each
         row as the kernel writes it (out and lse are those of the softmax with the sink). With
         `packed`, q, k, v are a packed batch [total, heads, D], out and lse
         [total_q, H, D] and [total_q, H] (sink too), all sequences in one launch. With fp8 k and v,
@@ -988,16 +988,6 @@ class Kernel:
             ptrs["sink"] = sink.detach().to(lse.dtype).contiguous()
         self._run("attncc_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         return rows_out, lse
-
-    def reads_pages(self, q: torch.Tensor, page_size: int, value_dim: int, kv_heads: int) -> bool:
-        """Whether `forward_impl` can read keys of this page size in place for queries like
-        `q` [B, H, N, D], `kv_heads` K/V heads and values of head dim `value_dim` (the CPU
-        kernels, where a Bc divides the page: TilePlan.for_pages)."""
-        if type(self).forward_impl is not Kernel.forward_impl:
-            return False
-        tiles = self._tiles(max(q.shape[3], value_dim), q.dtype, False)
-        by_rows = tiles.reads_by_rows(q.shape[2], q.shape[1] // max(kv_heads, 1))
-        return tiles.for_pages(page_size, by_rows) is not None
 
     def backward_impl(
         self,
@@ -1124,7 +1114,7 @@ class Kernel:
         problem = plan.problem
         packed_rows = lengths is not None and page_size is None  # (a packed batch's queries: query tiles)
         by_rows = not packed_rows and plan.tiles.reads_by_rows(problem.N, problem.H // max(problem.Hkv, 1))
-        if page_size is not None:  # (reads_pages said there are such tiles)
+        if page_size is not None:
             plan = replace(plan, tiles=plan.tiles.for_pages(page_size, by_rows))
         else:
             plan = self._with_few_keys(plan, q.dtype)

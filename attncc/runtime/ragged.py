@@ -11,10 +11,8 @@ index and the number of sequences.
 
 Runtime tensors keep their padded shapes: an axis declared `B` counts sequences, an axis declared
 `N` or `M` holds the longest sequence (varlen: max_seqlen_q, max_seqlen_k; paged: N of q and the
-block table's capacity). A paged call reads the cache in place in one launch where the kernels
-can (`Kernel.reads_pages`); else (CPU kernels, no key tile divides the page size) each run of
-sequences of one length is a padded call over gathered keys, as batch element 0 of its own call,
-so paged calls refuse a program that uses `b` other than as the index of a `B` axis, or `B`.
+block table's capacity). A paged call reads the cache in place, through the block table, in one
+launch (b is each sequence's index, B their number, as in packed calls).
 
 Dropout counters are per sequence: sequence b keeps exactly
 `attncc.dropout_mask(seed, b, 1, H, N_b, M_b, p)[0]` (the counters' fourth word is b).
@@ -32,7 +30,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from attncc.errors import InputError
-from attncc.ir import expr as ex
 from attncc.runtime.fp8 import check_operand_dtypes, kv_descales
 from attncc.runtime.sinks import padded_rows
 
@@ -40,32 +37,6 @@ if TYPE_CHECKING:
     from attncc.runtime.kernel import KeptLaunch, Kernel, PackedSequences, PagedKeys
 
 _INT_DTYPES = (torch.int32, torch.int64)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Sequences index .. index + count of a paged call, each of n queries and m keys (one
-    padded call of batch count over gathered keys)."""
-
-    index: int
-    n: int
-    m: int
-    count: int = 1
-
-
-def grouped(segments: list[Segment]) -> list[Segment]:
-    """Runs of consecutive sequences of one shape merged into one call each, leaving out those
-    with no query or no key."""
-    groups: list[Segment] = []
-    for seg in segments:
-        if seg.n == 0 or seg.m == 0:
-            continue
-        last = groups[-1] if groups else None
-        if last and (last.n, last.m, last.index + last.count) == (seg.n, seg.m, seg.index):
-            groups[-1] = replace(last, count=last.count + 1)
-        else:
-            groups.append(seg)
-    return groups
 
 
 @dataclass(frozen=True)
@@ -119,38 +90,6 @@ def _longest(name: str, given: int | None, longest: int) -> int:
     return given
 
 
-#: `Kernel.key`s of the programs `check_batch_free` passed (a property of the program: checked
-#: once, not per decoding call)
-_BATCH_FREE_PROGRAMS: set[str] = set()
-
-
-def check_batch_free(kern: Kernel) -> None:
-    """Refuse programs whose result depends on b or B other than through `B` axes of inputs."""
-    if kern.key in _BATCH_FREE_PROGRAMS:
-        return
-    dims = {d.name: d.dims for d in kern.inputs if d.role == "tensor"}
-
-    def uses_batch(e: ex.Expr) -> bool:
-        if isinstance(e, ex.Var):
-            return e.name in ("b", "B")
-        if isinstance(e, ex.Read):
-            axes = dims.get(e.tensor, ())
-            return any(
-                not (isinstance(i, ex.Var) and i.name == "b" and axis < len(axes) and axes[axis] == "B")
-                and uses_batch(i)
-                for axis, i in enumerate(e.index)
-            )
-        return any(uses_batch(c) for c in e.children())
-
-    exprs = [kern.op.score, kern.op.mask, kern.op.scale, kern.op.default_scale]
-    if any(e is not None and uses_batch(e) for e in exprs):
-        raise InputError(
-            f"{kern.name}: paged calls may run each sequence as a batch of one, and this program "
-            "uses `b` other than as the index of a `B` axis (or the size `B`); index a [B]-shaped input instead"
-        )
-    _BATCH_FREE_PROGRAMS.add(kern.key)
-
-
 def _check_operands(q: torch.Tensor, kv: tuple[tuple[str, torch.Tensor], ...], runtime: Mapping[str, object]) -> None:
     """The key-side operands (k and v, or a cache's) on q's device, of q's dtype or fp8
     (`check_operand_dtypes`)."""
@@ -171,20 +110,6 @@ def _validate_runtime(
     """The padded call's checks on the runtime inputs, at the batch's padded sizes."""
     B, H, Hkv, N, M, D = sizes
     kern.validate(_proxy(q, (B, H, N, D)), _proxy(q, (B, Hkv, M, D)), _proxy(q, (B, Hkv, M, D)), runtime)
-
-
-def sequence_slices(kern: Kernel, segment: Segment) -> list[tuple[slice, ...]]:
-    """Per runtime tensor: the index that cuts it to `segment` (axes B, and N, M to its lengths)."""
-    cuts = {
-        "B": slice(segment.index, segment.index + segment.count),
-        "N": slice(0, segment.n),
-        "M": slice(0, segment.m),
-    }
-    return [
-        tuple(cuts.get(dim, slice(None)) if isinstance(dim, str) else slice(None) for dim in d.dims)
-        for d in kern.inputs
-        if d.role == "tensor"
-    ]
 
 
 # ---------------------------------------------------------------------- packed (varlen)
@@ -443,21 +368,6 @@ def varlen_attention(
 
 
 # ---------------------------------------------------------------------- paged KV cache
-def _consecutive(pages: list[int]) -> bool:
-    return all(b == a + 1 for a, b in itertools.pairwise(pages))
-
-
-def _cached_keys(cache: torch.Tensor, pages: list[int], count: int, length: int) -> torch.Tensor:
-    """The first `length` cached rows of `count` sequences of len(pages) // count pages each, as
-    [count, Hkv, length, D]: a view of the cache where the pages are consecutive, else gathered
-    (one copy of the sequences' rows)."""
-    if _consecutive(pages):
-        rows = cache[pages[0] : pages[0] + len(pages)]
-    else:
-        rows = cache.index_select(0, torch.tensor(pages, dtype=torch.int64, device=cache.device))
-    return rows.unflatten(0, (count, -1)).flatten(1, 2)[:, :length].transpose(1, 2)
-
-
 def _checked_totals(
     table: torch.Tensor, lengths: torch.Tensor, appended: int, num_pages: int, page_size: int
 ) -> list[int]:
@@ -625,7 +535,7 @@ def paged_forward(
         )
         k_cache[pages, slots] = k_new
         v_cache[pages, slots] = v_new
-    if kern.reads_pages(q, page_size, v_cache.shape[3], k_cache.shape[2]) and max(totals, default=0) > 0:
+    if max(totals, default=0) > 0:
         # one launch reads every sequence's keys through the block table, each sequence to its
         # own key count (k_starts), the call's M the longest
         paged = PagedKeys.of(table, page_size, totals, q.device) if plan is None else plan.keys
@@ -633,36 +543,10 @@ def paged_forward(
             q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink, descale=descale,
             paged=paged,
         )  # fmt: skip
-    out = q.new_zeros((B, H, N, v_cache.shape[3]))
+    out = q.new_zeros((B, H, N, v_cache.shape[3]))  # no sequence has a key
     lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
     if sink is not None:
-        lse = torch.where(torch.isneginf(sink), lse, sink)  # sequences with no key: the sink alone
-    used = {b: table[b, : -(-total // page_size)].tolist() for b, total in enumerate(totals)}
-    calls: list[tuple[Segment, list[int]]] = []
-    for seg in grouped([Segment(b, N, total) for b, total in enumerate(totals)]):
-        # the CPU kernels where no key tile divides the page size: sequences of one length share
-        # a call, keys one view of the cache where their pages are consecutive, else gathered,
-        # one copy per sequence (a batch-sized copy, fresh memory per call: 2x slower)
-        sequences = range(seg.index, seg.index + seg.count)
-        pages = [p for b in sequences for p in used[b]]
-        calls += (
-            [(seg, pages)] if _consecutive(pages) else [(replace(seg, index=b, count=1), used[b]) for b in sequences]
-        )
-    for seg, pages in calls:
-        batch = slice(seg.index, seg.index + seg.count)
-        cut = sequence_slices(kern, seg)
-        out[batch], lse[batch] = kern.forward_impl(
-            q[batch],
-            _cached_keys(k_cache, pages, seg.count, seg.m),
-            _cached_keys(v_cache, pages, seg.count, seg.m),
-            [t[c] for t, c in zip(tensors, cut)],
-            options.scalars,
-            options.scale,
-            0.0,
-            0,
-            sink=None if sink is None else sink[batch],
-            descale={name: _cached_keys(d, pages, seg.count, seg.m) for name, d in (descale or {}).items()},
-        )
+        lse = torch.where(torch.isneginf(sink), lse, sink)  # the sink alone
     return out, lse
 
 
@@ -823,7 +707,6 @@ def paged_attention(
         appended = k_new.shape[1]
     if any(t.requires_grad for t in (q, k_cache, v_cache)) and torch.is_grad_enabled():
         raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
-    check_batch_free(kern)
     kern.check_input_names(runtime)
     if plan is not None:
         _check_plan(plan, block_table, cache_seqlens, k_cache, B, appended)
