@@ -606,6 +606,39 @@ def test_paged_keys_are_read_in_place_by_the_cuda_kernels_on_the_emulator(
     check_pages_read_in_place(kern, page_size, queries, D, torch.bfloat16, monkeypatch)
 
 
+@pytest.mark.parametrize("page_size", [16, 64, 3])
+def test_paged_gqa_decoding_on_the_cuda_kernels_runs_a_groups_heads_as_one_heads_rows(
+    page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paged call folds a GQA group's query heads into one head's rows as a padded call does
+    (each K/V tile read once per group), whatever the page size: the group comes from the
+    cache's kv heads, not its page size (the H100 of session 35 ran paged decoding unfolded
+    at pages of 32 and more, half-folded at 16: 2.3x the padded call at pages of 64). The
+    output is the padded call's on the same keys, bit for bit."""
+    kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
+    problems: list[tuple[int, int, int]] = []
+    run = type(kern)._run
+
+    def recorded(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
+        problem = args[1].problem  # type: ignore[attr-defined]
+        problems.append((problem.H, problem.Hkv, problem.N))
+        run(self, entry, *args, **kwargs)
+
+    monkeypatch.setattr(type(kern), "_run", recorded)
+    gen = torch.Generator().manual_seed(5)
+    B, H, Hkv, M, D = 2, 8, 2, 96, 64
+    pages_per_seq = -(-M // page_size)
+    k_cache, v_cache = (torch.randn(B * pages_per_seq, page_size, Hkv, D, generator=gen).bfloat16() for _ in range(2))
+    table = torch.randperm(B * pages_per_seq, generator=gen).view(B, pages_per_seq).int()
+    q = torch.randn(B, 1, H, D, generator=gen).bfloat16()
+    lengths = torch.full((B,), M, dtype=torch.int32)
+    out, lse = kern.paged(q, k_cache, v_cache, table, lengths, return_lse=True)
+    k, v = (c[table.long()].flatten(1, 2)[:, :M].transpose(1, 2) for c in (k_cache, v_cache))
+    padded_out, padded_lse = kern(q.transpose(1, 2), k, v, return_lse=True)
+    assert problems == [(Hkv, Hkv, H // Hkv)] * 2
+    assert torch.equal(out.transpose(1, 2), padded_out) and torch.equal(lse.transpose(1, 2), padded_lse)
+
+
 def check_pages_read_in_place(
     kern: attncc.Kernel, page_size: int, queries: int, D: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:

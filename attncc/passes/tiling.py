@@ -801,12 +801,14 @@ FULL_WAVE = 0.8
 #: full as the best's.
 SPLIT_EFFICIENCY = 0.9
 #: Split-KV counts at most this many of an SM's resident blocks: a decoding forward streams
-#: K/V, and past two blocks per SM (each double-buffering its tiles) more splits add fp32
-#: partials and merge work, not bytes in flight. H100 decoding sweep (session 29,
-#: bench/results/cuda-h100-session29/sweep-decode.log): the key-split forward, 3 resident at
-#: d=128, ran B=1 H=32 M=16K in 0.124 ms at 8 splits and 0.173 at the 32 that 3 slots per SM
-#: chose; GQA 32/8 B=1 in 0.071 at 16 and 0.244 at 128. FlashAttention-2 counts 2 per SM too.
-GPU_SPLIT_BLOCKS_PER_SM = 2
+#: K/V, and one block per SM (double-buffering its tiles) already keeps the memory busy; more
+#: splits add fp32 partials and merge work, not bytes in flight. H100 decoding sweep of session
+#: 35 (bench/results/cuda-h100-session35/decode/sweep-decode.log, the kernels with whole-tile
+#: direct copies): both forwards ran fastest (or within 2%) at the count that fills 1 block per
+#: SM in every shape, and 2 per SM cost up to 30%: GQA 32/8 B=1 M=16K key-split 0.058 ms at 16
+#: splits, 0.074 at 32; 8 queries 0.059 at 16, 0.077 at 32; MHA B=1 0.120 at 4, 0.126 at 8.
+#: (Session 29's kernels needed 2 per SM; session 23's H200 ones, slower per block, more.)
+GPU_SPLIT_BLOCKS_PER_SM = 1
 #: A block's shared memory the CUDA runtime reserves besides the kernel's (1 KiB from sm_80 on).
 GPU_RESERVED_SHARED_BYTES = 1024
 

@@ -286,7 +286,8 @@ class EmulatedKernel(Kernel):
             scales = {name: packed.as_batch(t, True) for name, t in scales.items()}
             out, lengths = packed.as_batch(rows_out, False), packed.lengths
         kern, kernel_lse = self, lse
-        group = self.query_head_group(qs, ks.shape[1], value_dim, dropout, packed)
+        kv_heads = ks.shape[2] if paged is not None else ks.shape[1]  # (a paged cache: [pages, page_size, Hkv, D])
+        group = self.query_head_group(qs, kv_heads, value_dim, dropout, packed)
         if group > 1:  # the group's query heads as one head's rows: K/V tiles read once per group
             kern = self.with_folded_query_heads()
             B, H, N, D = qs.shape
