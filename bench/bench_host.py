@@ -126,7 +126,7 @@ def varlen(
 
 def padded_prefill(device: str = "cpu") -> Callable[[], object]:
     """The transformers integration's padded prefill: causal with each sequence's key range
-    (`kv_start`, `kv_end` int[B], on the host as the integration makes them), B=8, GQA 32/8,
+    (`kv_start`, `kv_end` int[B], on q's device as the integration passes them), B=8, GQA 32/8,
     N=M=2048 (every layer of a model calls it with the same ranges)."""
     from attncc.integrations.transformers import LayerNeeds, model_program
 
@@ -135,7 +135,7 @@ def padded_prefill(device: str = "cpu") -> Callable[[], object]:
     B, N = 8, 2048
     q = torch.randn(B, 32, N, 128, dtype=torch.bfloat16, device=device)
     k, v = (torch.randn(B, 8, N, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
-    start, end = torch.zeros(B, dtype=torch.int64), torch.full((B,), N, dtype=torch.int64)
+    start, end = (torch.full((B,), n, dtype=torch.int64, device=device) for n in (0, N))
     start[1], end[0] = 300, 1700  # one left-padded sequence, one right-padded
     return lambda: kern(q, k, v, kv_start=start, kv_end=end)
 

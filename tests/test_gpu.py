@@ -444,3 +444,40 @@ def test_gpu_context_parallel_over_nccl(tmp_path: Path) -> None:
     world = min(torch.cuda.device_count(), 4)
     run_ranks(world, GPU_CONTEXT_PARALLEL_JOBS, tmp_path, backend="nccl")
     compare(GPU_CONTEXT_PARALLEL_JOBS, world, tmp_path)
+
+
+def test_gpu_transformers_model_with_padding_and_cache_matches_sdpa() -> None:
+    """The transformers integration on the GPU kernels (bf16): a tiny Llama (GQA 4/2, d = 128)
+    on a left- and right-padded batch, prefill logits and a decoding step through the KV cache
+    against the same weights on sdpa. The key ranges from the padding mask reach the kernels on
+    the GPU (made on the host, the kernels refused them: session 35)."""
+    transformers = pytest.importorskip("transformers")
+    from attncc.integrations import transformers as integration
+
+    name = "attncc-gpu-test"
+    integration.register(name)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=512, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=128, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    ours = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+    ours.load_state_dict(reference.state_dict())
+    reference, ours = (m.to("cuda", torch.bfloat16).eval() for m in (reference, ours))
+    ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(1)).cuda()
+    left = torch.ones_like(ids)
+    left[1, :5] = 0  # left padding, as generation pads
+    both = left.clone()
+    both[0, 17:] = 0  # and right padding
+    with torch.no_grad():
+        prefill = [m(ids, attention_mask=both).logits for m in (reference, ours)]
+        assert _error(prefill[1][both.bool()].float(), prefill[0][both.bool()].float()) < 2e-2
+        cached = [m(ids, attention_mask=left, use_cache=True) for m in (reference, ours)]
+        step = torch.randint(0, 96, (2, 1), generator=torch.Generator().manual_seed(2)).cuda()
+        step_mask = torch.cat([left, torch.ones_like(step)], 1)
+        steps = [
+            m(step, attention_mask=step_mask, past_key_values=out.past_key_values).logits
+            for m, out in zip((reference, ours), cached)
+        ]
+    assert _error(steps[1].float(), steps[0].float()) < 2e-2

@@ -125,7 +125,7 @@ def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch
             "left or right padding only, one contiguous run of keys per sequence (use the kernel's .varlen "
             "for packed sequences)"
         )
-    return start.to(torch.int64).cpu(), end.to(torch.int64).cpu()
+    return start.to(torch.int64), end.to(torch.int64)  # (on the mask's device: the kernels take them there)
 
 
 def plain_positions(position_ids: object, batch: int, length: int) -> bool:
@@ -260,7 +260,11 @@ class ModelAttention:
         needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, ranges is not None, float(dropout))
 
         def key_ranges_or_all() -> tuple[torch.Tensor, torch.Tensor]:
-            return ranges or (torch.zeros(batch, dtype=torch.int64), torch.full((batch,), keys, dtype=torch.int64))
+            device = query.device
+            return ranges or (
+                torch.zeros(batch, dtype=torch.int64, device=device),
+                torch.full((batch,), keys, dtype=torch.int64, device=device),
+            )
 
         kern, runtime = self.layer_call(module, needs, query.device, key_ranges_or_all, sliding_window, softcap)
         out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
