@@ -21,3 +21,18 @@ def kernel(name: str) -> attncc.Kernel:
 @pytest.fixture(params=EXAMPLES)
 def example(request: pytest.FixtureRequest) -> attncc.Kernel:
     return kernel(request.param)
+
+
+def recorded_problems(kern: attncc.Kernel, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(H, Hkv, N) of every launch of `kern`'s class (emulated kernels: `_run`), as the kernel
+    ran it: a GQA group folded into one head's rows shows as (Hkv, Hkv, G N)."""
+    problems: list[tuple[int, int, int]] = []
+    run = type(kern)._run
+
+    def recorded(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
+        problem = args[1].problem  # type: ignore[attr-defined]
+        problems.append((problem.H, problem.Hkv, problem.N))
+        run(self, entry, *args, **kwargs)
+
+    monkeypatch.setattr(type(kern), "_run", recorded)
+    return problems

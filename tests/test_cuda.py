@@ -29,7 +29,7 @@ from attncc.runtime.inputs import Shape, adapt, make_inputs
 from attncc.runtime.kernel import CallPlan
 from attncc.runtime.nvcc import compile_cuda, find_nvcc, nvcc_install_hint
 from attncc.targets import GPUS
-from tests.conftest import EXAMPLES, ROOT
+from tests.conftest import EXAMPLES, ROOT, recorded_problems
 from tests.test_serving import BOTTOM_RIGHT
 
 try:
@@ -913,15 +913,7 @@ def test_gqa_decoding_runs_a_groups_query_heads_as_one_heads_rows(
     kern = attncc.compile(ROPE_CAUSAL, target="sm80", emulate=True) if name == "rope_causal" else emulated(name)
     shape = Shape(2, 8, 2, queries, 150, 64)
     q, k, v, runtime = make_inputs(kern, shape, torch.bfloat16, requires_grad=False)
-    problems: list[tuple[int, ...]] = []
-    run = type(kern)._run
-
-    def recorded(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
-        plan = args[1]
-        problems.append((plan.problem.H, plan.problem.Hkv, plan.problem.N))  # type: ignore[attr-defined]
-        run(self, entry, *args, **kwargs)
-
-    monkeypatch.setattr(type(kern), "_run", recorded)
+    problems = recorded_problems(kern, monkeypatch)
     train = name == "gpt2"
     folded = kern(q, k, v, return_lse=True, train=train, seed=5, **runtime)
     monkeypatch.setattr(kern, "query_head_group", lambda *args: 1)

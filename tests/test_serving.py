@@ -19,7 +19,7 @@ import torch
 import attncc
 from attncc.runtime.check import _error
 from attncc.runtime.inputs import Shape
-from tests.conftest import EXAMPLES, ROOT, kernel
+from tests.conftest import EXAMPLES, ROOT, kernel, recorded_problems
 from tests.test_independent_references import (
     BWD_TOL,
     CASES,
@@ -616,15 +616,7 @@ def test_paged_gqa_decoding_on_the_cuda_kernels_runs_a_groups_heads_as_one_heads
     at pages of 32 and more, half-folded at 16: 2.3x the padded call at pages of 64). The
     output is the padded call's on the same keys, bit for bit."""
     kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
-    problems: list[tuple[int, int, int]] = []
-    run = type(kern)._run
-
-    def recorded(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
-        problem = args[1].problem  # type: ignore[attr-defined]
-        problems.append((problem.H, problem.Hkv, problem.N))
-        run(self, entry, *args, **kwargs)
-
-    monkeypatch.setattr(type(kern), "_run", recorded)
+    problems = recorded_problems(kern, monkeypatch)
     gen = torch.Generator().manual_seed(5)
     B, H, Hkv, M, D = 2, 8, 2, 96, 64
     pages_per_seq = -(-M // page_size)

@@ -286,8 +286,8 @@ class EmulatedKernel(Kernel):
             scales = {name: packed.as_batch(t, True) for name, t in scales.items()}
             out, lengths = packed.as_batch(rows_out, False), packed.lengths
         kern, kernel_lse = self, lse
-        kv_heads = ks.shape[2] if paged is not None else ks.shape[1]  # (a paged cache: [pages, page_size, Hkv, D])
-        group = self.query_head_group(qs, kv_heads, value_dim, dropout, packed)
+        keys = ks if paged is None else paged.keys_like(qs, ks)  # [B, Hkv, keys, D], as plans see k
+        group = self.query_head_group(qs, keys.shape[1], value_dim, dropout, packed)
         if group > 1:  # the group's query heads as one head's rows: K/V tiles read once per group
             kern = self.with_folded_query_heads()
             B, H, N, D = qs.shape
@@ -300,14 +300,12 @@ class EmulatedKernel(Kernel):
         kern = kern.for_rows(qs.shape[2], max(qs.shape[-1], value_dim))
         if paged is not None:
             lengths = paged.lengths(qs.shape[2])
-        plan = kern.plan(qs, ks if paged is None else paged.keys_like(qs, ks), scale, value_dim=value_dim)
+        plan = kern.plan(qs, keys, scale, value_dim=value_dim)
         call = kern._prepare(plan, torch.float32, tensors, scalars, lengths, None if paged is None else paged.prepared)
         call["offset"] = offset
         if rows_out.numel():
             ptrs = {"q": qs, "k": ks, "v": vs, "out": out, "lse": kernel_lse, **scales}
-            rope_ptrs, call["rope"] = kern.rope_buffers(
-                qs, ks if paged is None else paged.keys_like(qs, ks), tensors, scalars, lengths
-            )
+            rope_ptrs, call["rope"] = kern.rope_buffers(qs, keys, tensors, scalars, lengths)
             ptrs.update(rope_ptrs)
             if packed is not None:
                 ptrs.update(packed.buffers())
