@@ -42,7 +42,7 @@ def read_program(path_or_source: str | Path) -> tuple[str, str]:
 
 
 def lower(
-    path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None, warp_rows: int = 16
+    path_or_source: str | Path, target: str = "cpu", tiles: tuple[int, int] | None = None, warp_rows: int | None = None
 ) -> list[Stage]:
     """Run the pass pipeline; returns the IR after each pass (what `attncc explain` prints)."""
     source, path = read_program(path_or_source)
@@ -54,7 +54,7 @@ def compile(
     target: str = "cpu",
     tiles: tuple[int, int] | None = None,
     emulate: bool = False,
-    warp_rows: int = 16,
+    warp_rows: int | None = None,
 ) -> Kernel:
     """Compile a DSL program (a .attn path or its text) into a callable kernel.
 
@@ -62,9 +62,10 @@ def compile(
     GPU; a GPU target (sm75, sm80, sm86, sm89, sm90) with emulate=True runs the generated CUDA kernels on
     the host CUDA emulator (CPU tensors). The library for each
     input dtype is generated, built and cached on first call. `warp_rows` (GPU targets): query
-    rows per warp of the CUDA forward, 16 (the default) or 32 (FlashAttention-2's layout:
-    each K/V fragment read from shared memory serves two mma row blocks; more registers, which
-    ptxas spills for masked programs at d = 128; not yet measured on a GPU, `bench/sweep_tiles_cuda.py`).
+    rows per warp of the CUDA forward, 16 or 32 (FlashAttention-2's layout: each K/V fragment
+    read from shared memory serves two mma row blocks, at the cost of registers); None (the
+    default): 32 on sm90 unless the score map reads the positions i, j or the program has
+    dropout, else 16 (passes/tiling.py `plan_gpu`, from the H100 measurements of session 36).
     """
     if target == "cuda":
         from attncc.runtime.gpu import GpuKernel, device_target

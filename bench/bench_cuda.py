@@ -247,7 +247,9 @@ def fp8_cases(repeats: int, sizes: tuple[int, ...] = (4096, 16384), batch: int |
     return rows
 
 
-def serving_cases(repeats: int, batch: int = 8, longest: int = 4096, warp_rows: Sequence[int] = (16,)) -> list[dict]:
+def serving_cases(
+    repeats: int, batch: int = 8, longest: int = 4096, warp_rows: Sequence[int | None] = (None,)
+) -> list[dict]:
     """Issue 11's packed batches on the GPU: `kern.varlen` (its forward with warps of each of
     `warp_rows` query rows) against SDPA on the padded batch with its padding mask, 8 sequences
     up to 4096 tokens at 25% and 50% padding, H=16 d=128 bf16, dense and causal, forward and
@@ -287,7 +289,7 @@ def serving_cases(repeats: int, batch: int = 8, longest: int = 4096, warp_rows: 
                          "warp_rows": each, "attncc_ms": ours, "attncc_planned_ms": planned, "sdpa_padded_ms": sdpa}
                     )  # fmt: skip
                     print(
-                        f"varlen {program:7s} pad {padding:.0%} {'fwd+bwd' if backward else 'fwd    '} rows/warp {each}: "
+                        f"varlen {program:7s} pad {padding:.0%} {'fwd+bwd' if backward else 'fwd    '} rows/warp {each or 'default'}: "
                         f"attncc {ours:7.3f} ms (planned {planned:7.3f})  sdpa (padded, mask) {sdpa / ours:5.2f}x "
                         f"({sdpa / planned:5.2f}x planned)",
                         flush=True,
@@ -309,7 +311,12 @@ def main() -> None:
     parser.add_argument("--serving", action="store_true", help="also the packed (varlen) cases")
     parser.add_argument("--fp8", action="store_true", help="also fp8 K/V: widened, fp8 products (sm89+)")
     parser.add_argument(
-        "--warp-rows", type=int, nargs="+", default=[16], choices=[16, 32], help="query rows per warp of the forward"
+        "--warp-rows",
+        type=lambda text: None if text == "default" else int(text),
+        nargs="+",
+        default=[None],
+        choices=[None, 16, 32],
+        help="query rows per warp of the forward: 16, 32 or default (the compiler's choice)",
     )
     parser.add_argument(
         "--no-flex", action="store_true", help="leave FlexAttention out (its compiles take a short lease's minutes)"
@@ -347,7 +354,7 @@ def main() -> None:
     # first the short ones, so that the budget cuts the grid below, not these
     if args.decode:
         results += decode_cases(
-            kernels.get(("dense", 16)) or attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
+            kernels.get(("dense", None)) or attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda"),
             flex,
             args.repeats,
         )
@@ -421,7 +428,7 @@ def grid_row(
         if key in row
     )
     print(
-        f"d={D:3d} N={N:5d} {row['case']:14s} {'fwd+bwd' if backward else 'fwd    '} rows/warp {row['warp_rows']}: "
+        f"d={D:3d} N={N:5d} {row['case']:14s} {'fwd+bwd' if backward else 'fwd    '} rows/warp {row['warp_rows'] or 'default'}: "
         f"attncc {ours:7.3f} ms (single call {row['attncc_single_ms']:7.3f}, {row['attncc_tflops']:6.1f} TFLOP/s)  "
         f"{ratios}{model}",
         flush=True,

@@ -16,11 +16,11 @@ prefill with key ranges (the transformers integration's padding, B=8, N=2048). M
 With `--cuda` (on a GPU machine) the same cases run the real kernels: each timing enqueues
 `--calls` calls without waiting for the GPU (their launches fit the launch queue, so the wall
 time is the host's: validation, plans, allocations, the launches), then synchronises outside
-the timed region; `--profile` adds cProfile's top functions of the first case. On the H100
+the timed region; `--profile [CASE]` adds cProfile's top functions of one case (the first). On the H100
 (session 29) an eager decoding call took ~48 us more than its CUDA-graph replay (MHA B=1
 M=16K: 0.163 against 0.115 ms per call) where this script's emulated path says 13 us.
 
-    python bench/bench_host.py [--cuda [--profile]] [--json bench/results/host-<machine>.json]
+    python bench/bench_host.py [--cuda [--profile [CASE]]] [--json bench/results/host-<machine>.json]
 """
 
 from __future__ import annotations
@@ -124,10 +124,10 @@ def varlen(
     return call
 
 
-def padded_prefill(device: str = "cpu") -> Callable[[], object]:
+def padded_prefill(device: str = "cpu", ranges_on: str | None = None) -> Callable[[], object]:
     """The transformers integration's padded prefill: causal with each sequence's key range
-    (`kv_start`, `kv_end` int[B], on q's device as the integration passes them), B=8, GQA 32/8,
-    N=M=2048 (every layer of a model calls it with the same ranges)."""
+    (`kv_start`, `kv_end` int[B], on the CPU as the integration passes them, or on `ranges_on`),
+    B=8, GQA 32/8, N=M=2048 (every layer of a model calls it with the same ranges)."""
     from attncc.integrations.transformers import LayerNeeds, model_program
 
     program = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=0.0))
@@ -135,7 +135,7 @@ def padded_prefill(device: str = "cpu") -> Callable[[], object]:
     B, N = 8, 2048
     q = torch.randn(B, 32, N, 128, dtype=torch.bfloat16, device=device)
     k, v = (torch.randn(B, 8, N, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
-    start, end = (torch.full((B,), n, dtype=torch.int64, device=device) for n in (0, N))
+    start, end = (torch.full((B,), n, dtype=torch.int64, device=ranges_on or "cpu") for n in (0, N))
     start[1], end[0] = 300, 1700  # one left-padded sequence, one right-padded
     return lambda: kern(q, k, v, kv_start=start, kv_end=end)
 
@@ -146,7 +146,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--cuda", action="store_true", help="the real kernels on this machine's GPU")
-    parser.add_argument("--profile", action="store_true", help="cProfile's top functions of the first case")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=0,
+        metavar="CASE",
+        help="cProfile's top functions of case CASE (0: the first)",
+    )
     args = parser.parse_args()
     program = ROOT / "examples" / "vanilla.attn"
     device = "cuda" if args.cuda else "cpu"
@@ -162,6 +169,7 @@ def main() -> None:
         ("  a new batch each call", varlen(kern, True, device)),
         ("  one batch, planned (plan_varlen)", varlen(kern, False, device, planned=True)),
         ("padded prefill with key ranges B=8 N=2048", padded_prefill(device)),
+        ("  the ranges on q's device (read back)", padded_prefill(device, ranges_on=device)),
     ]
     rows = []
     meta = {**cpu_meta(), "torch": torch.__version__, "device": torch.cuda.get_device_name() if args.cuda else "none"}
@@ -182,12 +190,12 @@ def main() -> None:
             times.append((time.perf_counter() - began) / args.calls * 1e6)
         rows.append({"case": name.strip(), "host_us": statistics.median(times)})
         print(f"{name:40s} {rows[-1]['host_us']:7.0f} us", flush=True)
-    if args.profile:
+    if args.profile is not None:
         profiler = cProfile.Profile()
         wait()
         profiler.enable()
         for _ in range(args.calls):
-            cases[0][1]()
+            cases[args.profile][1]()
         profiler.disable()
         wait()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)

@@ -36,7 +36,7 @@ TARGET = "sm90"  # the H100 and H200 the device tool lends
 ARCHIVE = ROOT / ".gpu" / "prebuilt.tar.xz"
 
 
-def kernel(program: str | Path, tiles: tuple[int, int] | None = None, warp_rows: int = 16) -> GpuKernel:
+def kernel(program: str | Path, tiles: tuple[int, int] | None = None, warp_rows: int | None = None) -> GpuKernel:
     """As `attncc.compile(program, target="cuda", ...)` makes it on an sm90 GPU."""
     return GpuKernel(attncc.lower(program, TARGET, tiles, warp_rows), TARGET)
 
@@ -73,8 +73,10 @@ def lease_builds() -> list[Callable[[], object]]:
         folded = kern.with_folded_query_heads()
         return [each for k in (kern, folded) for each in (k, *k.decoding_forwards(head_dim))]
 
-    for name in EXAMPLES:  # test_gpu_forward_backward_match_fp64
+    for name in EXAMPLES:  # test_gpu_forward_backward_match_fp64, test_gpu_32_row_warps_match_fp64 (and the bench)
         prebuild(kernel(example(name)), [fp16, bf16], [64, 128, 256])
+        for rows in (16, 32):  # (one of them is the default)
+            prebuild(kernel(example(name), warp_rows=rows), [bf16], [64, 128])
     for name in ("alibi", "gpt2", "document"):  # Dv != D
         for kern in decoding_variants(kernel(example(name))):
             builds.extend(lambda kern=kern, s=s: kern.library_path_for("bfloat16", s.D, s.Dv) for s in VALUE_DIM_SHAPES)
@@ -86,12 +88,11 @@ def lease_builds() -> list[Callable[[], object]]:
             for s in FP8_SHAPES:
                 for fmt in ("float8_e4m3fn", "float8_e5m2"):
                     builds.append(lambda kern=kern, s=s, fmt=fmt: kern.library_path_for(f"bfloat16+{fmt}", s.D, s.Dv))
-    for name in ("vanilla", "causal"):  # fp8 products (tests, bench); warps of 32 rows (bench)
+    for name in ("vanilla", "causal"):  # fp8 products (tests, bench)
         kern = kernel(example(name))
         kern.fp8_mma = True
         for each in decoding_variants(kern):  # (and vanilla's paged decoding: bench)
             prebuild(each, [bf16], [64, 128], fp8, paged=name == "vanilla")
-        prebuild(kernel(example(name), warp_rows=32), [bf16], [64, 128])
     for tiles in ((64, 32), (64, 64), (32, 64)):  # the forward sweep's overrides
         prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
     vanilla = kernel(example("vanilla"))  # the decoding sweep's key-split forwards, in place and paged

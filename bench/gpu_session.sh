@@ -12,12 +12,14 @@
 # `lease` runs, in this order, each stage bounded so that the call returns what it measured:
 # the golden tests (tests/test_gpu.py), the decoding sweep (split counts; the 64-row and the
 # key-split forwards, padded and paged at pages of 16, 64, 256), host time per decoding call, decoding (padded and paged, planned) against SDPA,
-# packed batches, fp8 K/V, dense and causal d=128 at warps of 16 and 32 rows against
+# packed batches, fp8 K/V, dense and causal d=128 at the default warps and at 16 rows against
 # SDPA-flash (no FlexAttention: its compiles cost minutes; session 19 measured it), and, with
 # the time left, the forward tile sweep. The other modes are for a lease with minutes left, one call each:
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl", ".gpu"])        probe, prebuild, golden tests
 #   run(command="bash bench/gpu_session.sh decode", carry=[".whl", ".gpu"])       GPU tests, decoding sweep and bench
 #   run(command="bash bench/gpu_session.sh host", carry=[".whl", ".gpu"])         host us per decoding call, profiled
+#   run(command="bash bench/gpu_session.sh rows", carry=[".whl", ".gpu"])         GPU tests, every grid case at 16 and 32 rows/warp
+#   run(command="bash bench/gpu_session.sh defaults", carry=[".whl", ".gpu"])     GPU tests, host, default warps vs 16, varlen
 #   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl", ".gpu"])    dense, causal at d=128, decoding, varlen, fp8
 #   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl", ".gpu"])    sliding window, ALiBi, softcap
 #   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl", ".gpu"])     racecheck, synccheck, memcheck logs
@@ -41,6 +43,13 @@ if [ -f .gpu/prebuilt.tar.xz ]; then  # from bench/gpu_prebuild.py: found before
   echo "prebuilt: $(ls /tmp/attncc-prebuilt | wc -l) libraries"
 fi
 device=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())") || exit 1
+
+device_and_gpu_tests() {  # the device and versions, then all of tests/test_gpu.py (~100 s on an H100)
+  { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+    python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } 2>&1 | tee "$OUT/device.txt"
+  OMP_NUM_THREADS=2 CUDA_LAUNCH_BLOCKING=1 timeout -k 5 200 python3 -m pytest -v -n 8 --timeout=150 -p no:cacheprovider \
+    -rfE --durations=10 -W ignore tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" | tail -25
+}
 
 case "${1:-lease}" in
   lease)
@@ -66,13 +75,38 @@ case "${1:-lease}" in
     timeout -k 5 150 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
     echo "decoding sweep done, $(left) s left"
     timeout -k 5 60 python3 bench/bench_host.py --cuda --profile --json "$OUT/host-$device.json" 2>&1 | tee "$OUT/host.log"
-    timeout -k 5 $(( $(left) - 30 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 16384 --warp-rows 16 32 \
+    timeout -k 5 $(( $(left) - 30 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 16384 --warp-rows default 16 \
       --decode --serving --fp8 --no-flex --budget-s $(( $(left) - 90 )) --repeats 15 \
       --json "$OUT/cuda-$device-lease.json" 2>&1 | tee "$OUT/bench.log"
     echo "bench done, $(left) s left"
     if [ "$(left)" -gt 30 ]; then
       timeout -k 5 "$(left)" python3 bench/sweep_tiles_cuda.py --dims 64 128 2>&1 | tee "$OUT/sweep-tiles.log"
     fi
+    ;;
+  rows)
+    # Warps of 16 against 32 query rows across programs before 32 may become the default: the
+    # GPU tests (every example at 32 rows against float64 among them), then every grid case at
+    # both, d = 64 and 128, then the host time per call with the unplanned paged call profiled.
+    deadline=${2:-500}
+    left() { echo $((deadline - SECONDS)); }
+    device_and_gpu_tests
+    echo "tests done, $(left) s left"
+    timeout -k 5 $(( $(left) - 45 )) python3 bench/bench_cuda.py --dims 64 128 --sizes 4096 16384 --warp-rows 16 32 \
+      --cases dense causal sliding_window alibi softcap --no-flex --budget-s $(( $(left) - 90 )) --repeats 10 \
+      --json "$OUT/cuda-$device-rows.json" 2>&1 | tee "$OUT/bench-rows.log"
+    timeout -k 5 40 python3 bench/bench_host.py --cuda --profile 2 --json "$OUT/host-$device.json" 2>&1 | tee "$OUT/host.log"
+    ;;
+  defaults)
+    # After a change of defaults: the GPU tests, host time per call, then dense and causal at
+    # the default warps against 16 rows (d = 64, 128) and packed batches.
+    deadline=${2:-420}
+    left() { echo $((deadline - SECONDS)); }
+    device_and_gpu_tests
+    echo "tests done, $(left) s left"
+    timeout -k 5 40 python3 bench/bench_host.py --cuda --json "$OUT/host-$device.json" 2>&1 | tee "$OUT/host.log"
+    timeout -k 5 $(( $(left) - 15 )) python3 bench/bench_cuda.py --dims 64 128 --sizes 4096 16384 --warp-rows default 16 \
+      --serving --no-flex --budget-s $(( $(left) - 60 )) --repeats 10 \
+      --json "$OUT/cuda-$device-defaults.json" 2>&1 | tee "$OUT/bench-defaults.log"
     ;;
   decode)
     # the decoding forwards after a change to their choice: the GPU tests but the per-example

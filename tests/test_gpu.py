@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import attncc
+from attncc.errors import InputError
 from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
 from attncc.runtime.check import _error, check
 from attncc.runtime.inputs import Shape, adapt
@@ -99,11 +100,11 @@ def test_gpu_forward_backward_match_fp64(name: str, dtype: torch.dtype) -> None:
         assert result.ok, result.describe()
 
 
-@pytest.mark.parametrize("name", ["vanilla", "causal"])
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_gpu_32_row_warps_match_fp64(name: str) -> None:
-    """Warps of 32 query rows (`warp_rows=32`, opt-in; dense d = 128 forwards 12-14% faster on
-    the H100 of session 29 and the H200 of session 23) on the GPU before they may become a
-    default: the golden test's shapes at d = 64 and 128, forward and backward against float64."""
+    """Warps of 32 query rows (`warp_rows=32`; dense d = 128 forwards 12-14% faster on the H100
+    of session 35) on the GPU for every example: the golden test's shapes at d = 64 and 128,
+    forward and backward against float64."""
     kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target="cuda", warp_rows=32)
     for shape in (Shape(2, 4, 2, 77, 130, 64), Shape(1, 2, 1, 257, 300, 128)):
         result = check(kern, adapt(shape, kern), torch.bfloat16, device="cuda")
@@ -446,11 +447,29 @@ def test_gpu_context_parallel_over_nccl(tmp_path: Path) -> None:
     compare(GPU_CONTEXT_PARALLEL_JOBS, world, tmp_path)
 
 
+def test_gpu_host_read_inputs_may_be_given_on_the_host() -> None:
+    """A runtime tensor whose values the host reads (a padding mask's lengths) may be given on
+    the CPU to a GPU kernel: the same result as on the GPU, the first call's values not reused
+    for a later call's; a tensor the host does not read (ALiBi's slopes) must be on q's device."""
+    kern = attncc.compile(ROOT / "examples" / "padding.attn", target="cuda")
+    q, k, v = (torch.randn(3, 4, 70, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for lengths in ([70, 1, 33], [5, 64, 0]):
+        on_gpu = kern(q, k, v, lengths=torch.tensor(lengths, device="cuda"))
+        on_host = kern(q, k, v, lengths=torch.tensor(lengths))
+        assert torch.equal(on_host, on_gpu)
+    if DRY_RUN:  # (one device: nothing is off q's)
+        return
+    alibi = attncc.compile(ROOT / "examples" / "alibi.attn", target="cuda")
+    with pytest.raises(InputError, match=r"slopes: expected a tensor on cuda:0 \(that of q\), got device cpu"):
+        alibi(q, k, v, slopes=torch.ones(4))
+
+
 def test_gpu_transformers_model_with_padding_and_cache_matches_sdpa() -> None:
     """The transformers integration on the GPU kernels (bf16): a tiny Llama (GQA 4/2, d = 128)
     on a left- and right-padded batch, prefill logits and a decoding step through the KV cache
     against the same weights on sdpa. The key ranges from the padding mask reach the kernels on
-    the GPU (made on the host, the kernels refused them: session 35)."""
+    the host (read once per forward; the kernels copy them to the GPU with their tile classes:
+    session 36; before session 35's fix GPU kernels refused ranges off q's device)."""
     transformers = pytest.importorskip("transformers")
     from attncc.integrations import transformers as integration
 

@@ -104,15 +104,17 @@ def model_program(needs: LayerNeeds) -> str:
 
 
 def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv_start, kv_end) int64 [B] from a 2-D padding mask [B, L] (1 or True: a real token) over
-    the call's `keys` key columns (L > keys: the last `keys` columns, a sliding-window cache).
-    Each row's valid keys must be one contiguous run."""
+    """(kv_start, kv_end) int64 [B] on the CPU from a 2-D padding mask [B, L] (1 or True: a real
+    token) over the call's `keys` key columns (L > keys: the last `keys` columns, a
+    sliding-window cache). Each row's valid keys must be one contiguous run."""
     if padding_mask.dim() != 2 or padding_mask.shape[0] != batch:
         raise AttnccError(
             f"attention_mask: expected the 2-D padding mask [B={batch}, keys] from transformers' "
             f"flash_attention_mask, got shape {tuple(padding_mask.shape)}"
         )
-    valid = padding_mask[:, -keys:].to(torch.bool)
+    # read on the host once per model forward: the kernels classify their tiles by these ranges
+    # there (copying them to a GPU once per distinct ranges), so no layer's call reads them back
+    valid = padding_mask[:, -keys:].to("cpu", torch.bool)
     length = valid.shape[1]
     position = torch.arange(length, device=valid.device).expand(batch, length)
     any_valid = valid.any(1)
@@ -125,7 +127,7 @@ def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch
             "left or right padding only, one contiguous run of keys per sequence (use the kernel's .varlen "
             "for packed sequences)"
         )
-    return start.to(torch.int64), end.to(torch.int64)  # (on the mask's device: the kernels take them there)
+    return start.to(torch.int64), end.to(torch.int64)
 
 
 def plain_positions(position_ids: object, batch: int, length: int) -> bool:

@@ -29,7 +29,7 @@ class Stage:
 
 
 def run_pipeline(
-    source: str, path: str, target: Target, tiles: tuple[int, int] | None = None, warp_rows: int = 16
+    source: str, path: str, target: Target, tiles: tuple[int, int] | None = None, warp_rows: int | None = None
 ) -> list[Stage]:
     """parse -> build graph -> verify -> canonicalize -> fuse -> sparsity -> backward -> tile -> cost.
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from attncc.errors import AttnccError
+from attncc.ir.expr import free_vars
 from attncc.ir.graph import Graph, clone, fused_node
+from attncc.ir.ops import FusedAttention
 from attncc.passes.roofline import (
     Estimate,
     Work,
@@ -313,6 +315,10 @@ class TilingTable:
     target: str
     plans: tuple[TilePlan | None, ...]
     micro_kernel: CpuMicroKernel | None = None  # CPU targets only
+    #: GPU tables whose plans took warps of 32 rows by default: the plans at 16 rows, from which
+    #: the forwards of short calls start (`for_short_queries`, `for_key_split_warps`: decoding
+    #: was timed on them; at d <= 64 their key tiles are twice as wide). Empty: from `plans`.
+    short_call_plans: tuple[TilePlan | None, ...] = ()
 
     @property
     def max_head_dim(self) -> int:
@@ -350,7 +356,8 @@ class TilingTable:
     def _with_gpu_plans(self, retile: Callable[[TilePlan], TilePlan]) -> TilingTable:
         if self.micro_kernel is not None:  # (a CPU table: its plans serve every call)
             return self
-        return replace(self, plans=tuple(p and retile(p) for p in self.plans))
+        plans = self.short_call_plans or self.plans
+        return replace(self, plans=tuple(p and retile(p) for p in plans), short_call_plans=())
 
     def describe(self, d: int = 64) -> str:
         p = self.for_head_dim(d)
@@ -386,33 +393,51 @@ def paper_blocks(onchip_elements: int, d: int) -> tuple[int, int]:
     return min(bc, d), bc
 
 
-def tile(g: Graph, target: Target, override: tuple[int, int] | None = None, warp_rows: int = 16) -> Graph:
+def tile(g: Graph, target: Target, override: tuple[int, int] | None = None, warp_rows: int | None = None) -> Graph:
     """Attach a `TilingTable` for `target` to the fused node.
 
     Guarantees: for every head dim, Br and Bc are positive multiples of the kernel's row and
     column granularity and the plan's on-chip bytes fit the target (`onchip_bytes`); on GPUs
     the register estimate is at most the per-thread limit. `override` = (Br, Bc) replaces the
     choice (validated the same way). `warp_rows` (GPU targets): query rows per warp of the
-    forward, 16 or 32 (`TilePlan.warp_rows`), Br a multiple of it.
+    forward, 16 or 32 (`TilePlan.warp_rows`), Br a multiple of it; None: `plan_gpu` chooses
+    (32 on targets in GPU_WIDE_WARP_TARGETS unless the scores are register-heavy).
     """
-    if warp_rows not in GPU_WARP_ROWS or (target.kind == "cpu" and warp_rows != GPU_ROWS_PER_WARP):
+    if warp_rows is not None and (
+        warp_rows not in GPU_WARP_ROWS or (target.kind == "cpu" and warp_rows != GPU_ROWS_PER_WARP)
+    ):
         raise AttnccError(f"warp_rows: expected one of {GPU_WARP_ROWS} (GPU targets only), got {warp_rows!r}")
     g = clone(g)
     node, op = fused_node(g)
+    heavy = register_heavy_scores(op)
 
-    def plan_or_none(d: int) -> TilePlan | None:
+    def plan_or_none(d: int, rows: int | None = warp_rows) -> TilePlan | None:
         try:
-            return plan_cpu(target, d, override) if target.kind == "cpu" else plan_gpu(target, d, override, warp_rows)
+            if target.kind == "cpu":
+                return plan_cpu(target, d, override)
+            return plan_gpu(target, d, override, rows, heavy_scores=heavy)
         except NoFit:
             return None
 
     limit = CPU_MAX_HEAD_DIM if target.kind == "cpu" else GPU_MAX_HEAD_DIM
-    plans = tuple(plan_or_none(d) for d in range(HEAD_DIM_STEP, limit + 1, HEAD_DIM_STEP))
+    dims = range(HEAD_DIM_STEP, limit + 1, HEAD_DIM_STEP)
+    plans = tuple(plan_or_none(d) for d in dims)
     if all(p is None for p in plans):
         raise AttnccError(f"no tiling fits target {target.name}" + (f" with tiles {override}" if override else ""))
     micro_kernel = choose_micro_kernel(target) if target.kind == "cpu" else None
-    g.nodes[node]["op"] = replace(op, tiling=TilingTable(target.name, plans, micro_kernel))
+    short_call_plans: tuple[TilePlan | None, ...] = ()
+    if warp_rows is None and any(p is not None and p.warp_rows != GPU_ROWS_PER_WARP for p in plans):
+        short_call_plans = tuple(plan_or_none(d, GPU_ROWS_PER_WARP) for d in dims)
+    g.nodes[node]["op"] = replace(op, tiling=TilingTable(target.name, plans, micro_kernel, short_call_plans))
     return g
+
+
+def register_heavy_scores(op: FusedAttention) -> bool:
+    """Whether each score's map needs registers beyond the fragments: a score expression that
+    reads the score's own positions (i, j: ALiBi, relative position tables) or dropout (its
+    counter-based random bits per score). ptxas on sm90, bf16, warps of 32 rows: these spill
+    88-160 B at d = 64 where the other examples spill none, and relative_bias 584 B at d = 128."""
+    return bool(op.dropout) or bool({"i", "j"} & free_vars(op.score))
 
 
 def choose_micro_kernel(target: Target) -> CpuMicroKernel:
@@ -562,6 +587,13 @@ GPU_MAX_FRAGMENT_REGISTERS = 128
 # 16 B, alibi and relative_bias ~100 B.
 GPU_MAX_TWO_BLOCK_FRAGMENT_REGISTERS = 192
 GPU_WARP_ROWS = (16, 32)
+# Where the forward's warps take 32 rows unless told (`plan_gpu`): measured on the H100 of
+# session 36 (bench/results/cuda-h100-session36.md), bf16, B*N = 64K tokens, N = 4K and 16K,
+# forward time at 16 rows / at 32: dense 1.14-1.18x, causal 1.16-1.22x, sliding window
+# 1.06-1.33x, softcap 1.05-1.14x at d = 64 and 128, ALiBi 1.03x at d = 128 (the same 128 x 64
+# tiles, 136 B of spills) but 0.90x at d = 64 (128 x 64 against 16-row warps' 128 x 128, 116 B
+# of spills). Other GPUs keep 16 until measured.
+GPU_WIDE_WARP_TARGETS = ("sm90",)
 # Bc above 64 only up to d = 64: the mask and score map are unrolled over Bc / 2 scores per
 # thread, whose temporaries come on top of the state (d = 80, Bc = 128, state 124: alibi fp16
 # spills 16 B on sm80).
@@ -699,7 +731,13 @@ def fastest_backward(target: Target, d: int, paper_br: int, paper_bc: int) -> Ti
     return cheapest(target, problem, candidates())
 
 
-def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None, warp_rows: int = 16) -> TilePlan:
+def plan_gpu(
+    target: Target,
+    d: int,
+    override: tuple[int, int] | None = None,
+    warp_rows: int | None = None,
+    heavy_scores: bool = False,
+) -> TilePlan:
     """Forward: the candidate (Br, Bc) with the smallest roofline estimate (`fastest_forward`);
     where none fits the registers (d = 256), or with `override`, Br = 16 x 4 warps and Bc from
     the paper's formula capped so the per-thread state fits the register file without spills;
@@ -709,9 +747,13 @@ def plan_gpu(target: Target, d: int, override: tuple[int, int] | None = None, wa
     larger working set (Q, dO, K, V, dS and fp32 dK, dV) fits, so a small shared memory shrinks
     the backward's tiles without shrinking the forward's; where even 16 x 16 does not fit, the
     fewest dV columns held in registers that make it fit. `warp_rows`: the forward's rows per
-    warp (16 or 32; Br a multiple of it)."""
+    warp (16 or 32; Br a multiple of it); None: 32 on GPU_WIDE_WARP_TARGETS where the scores
+    are not register-heavy (`register_heavy_scores`: `heavy_scores`), else 16."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
+    if warp_rows is None:
+        wide = override is None and target.name in GPU_WIDE_WARP_TARGETS and not heavy_scores
+        warp_rows = 32 if wide else GPU_ROWS_PER_WARP
     if override is not None:
         br, bc = override
         reason = "override"

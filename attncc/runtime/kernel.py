@@ -897,8 +897,11 @@ class Kernel:
             return
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
-        if value.device != device:
-            raise InputError(f"{decl.name}: expected a tensor on {device} (that of q), got device {value.device}")
+        if value.device != device and not (decl.name in self._host_reads and value.device.type == "cpu"):
+            where = " or the CPU (the host reads its values)" if decl.name in self._host_reads else ""
+            raise InputError(
+                f"{decl.name}: expected a tensor on {device} (that of q){where}, got device {value.device}"
+            )
         kinds = {
             "float": value.is_floating_point(),
             "int": not value.is_floating_point() and value.dtype != torch.bool and not value.is_complex(),
@@ -1167,15 +1170,21 @@ class Kernel:
         kept where they are at most PREPARED_LENGTHS_BYTES (every layer of a model on one
         padded batch's key ranges, or on one packed batch, forward and backward, classifies
         once: 0.15-1 ms of host work each); a `memo` (a PagedPlan's, whose lengths are fixed)
-        holds a paged call's under this kernel's key instead."""
+        holds a paged call's under this kernel's key instead. Host-read tensors given on the CPU
+        to a GPU kernel (the transformers integration's key ranges) are copied to the device
+        with the classes, once per key: no call reads them back from the GPU (a synchronisation
+        per layer) nor copies them there."""
         names = [d.name for d in self.inputs if d.role == "tensor"]
         given, values = tensors, ()
+        on_host = frozenset(
+            n for n, t in zip(names, tensors) if n in self._host_reads and t.device.type != self.device_type
+        )
         if self._host_reads & set(names):
             tensors = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
             read = [t for n, t in zip(names, tensors) if n in self._host_reads]
             if sum(t.numel() for t in read) > PREPARED_VALUES_MAX:
                 return self._to_device(self._prepare_call(plan, dtype, tensors, scalars, lengths))
-            values = tuple((t.dtype, tuple(t.reshape(-1).tolist())) for t in read)
+            values = (on_host, *((t.dtype, tuple(t.reshape(-1).tolist())) for t in read))
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
         shapes = tuple(tuple(t.shape) for t in tensors)
         key: tuple = (plan.problem, tiles, dtype, plan.scale_value, tuple(scalars), shapes, self._device_index())
@@ -1190,7 +1199,7 @@ class Kernel:
             call = calls.get(key)
         if call is None:
             call = self._to_device(self._prepare_call(plan, dtype, tensors, scalars, lengths))
-            per_call = {slot.ident for slot in self.abi.tensors if slot.name in names}
+            per_call = {slot.ident for slot in self.abi.tensors if slot.name in names and slot.name not in on_host}
             call["tensors"] = {
                 ident: t for ident, t in call["tensors"].items() if ident not in per_call
             }  # layout grids
@@ -1200,7 +1209,7 @@ class Kernel:
                     if len(calls) >= PREPARED_CALLS_KEPT:
                         calls.pop(next(iter(calls)))  # the oldest key
                     calls[key] = call
-        fresh = self._kernel_tensors(dict(zip(names, given)), acc_dtype(dtype))
+        fresh = self._kernel_tensors({n: t for n, t in zip(names, given) if n not in on_host}, acc_dtype(dtype))
         return dict(call, tensors={**call["tensors"], **fresh})
 
     @cached_property
