@@ -581,10 +581,10 @@ GPU_FORWARD_MAX_BC = 128
 # compiles at 255 registers without spills (alibi, relative_bias); above d = 128, where Q is
 # re-read per tile, d = 144, Bc = 96 spills 112 B on sm80 though its S and O state is 120.
 GPU_MAX_FRAGMENT_REGISTERS = 128
-# Warps of 32 rows (two row blocks; `warp_rows=32`, opt-in): S and O of Bc = 64, d = 128 (state
-# 192, Q re-read) is about the most ptxas fits on sm90: vanilla 255 registers, 8 B of spills,
-# masked programs 70-830 B (causal 144 B, relative_bias 832 B); at d = 64 vanilla none, causal
-# 16 B, alibi and relative_bias ~100 B.
+# Warps of 32 rows (two row blocks; `warp_rows=32`, GPU_WIDE_WARP_TARGETS' default): S and O of
+# Bc = 64, d = 128 (state 192, Q re-read) is about the most ptxas fits on sm90 (CUDA 13.0,
+# session 36): vanilla, causal, gqa, gpt_oss no spills, the other masks 24-104 B, alibi 136 B,
+# relative_bias 584 B; at d = 64 alibi 116 B, gpt2 88 B, relative_bias 160 B, the others none.
 GPU_MAX_TWO_BLOCK_FRAGMENT_REGISTERS = 192
 GPU_WARP_ROWS = (16, 32)
 # Where the forward's warps take 32 rows unless told (`plan_gpu`): measured on the H100 of
@@ -751,9 +751,17 @@ def plan_gpu(
     are not register-heavy (`register_heavy_scores`: `heavy_scores`), else 16."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
+    rows_why = ""
     if warp_rows is None:
         wide = override is None and target.name in GPU_WIDE_WARP_TARGETS and not heavy_scores
         warp_rows = 32 if wide else GPU_ROWS_PER_WARP
+        if override is None and target.name in GPU_WIDE_WARP_TARGETS:
+            rows_why = (
+                f" ({target.name}'s default where the score map reads no positions i, j and there is no dropout)"
+                if wide
+                else "; 16 rows per warp (the score map reads the positions i, j or there is dropout: 32-row "
+                "warps spill)"
+            )
     if override is not None:
         br, bc = override
         reason = "override"
@@ -804,6 +812,8 @@ def plan_gpu(
     )
     if forward is not None and override is not None:
         forward = replace(forward, warp_rows=warp_rows)
+    if forward is not None and forward.warp_rows == warp_rows:
+        forward = replace(forward, reason=forward.reason + rows_why)
     if forward is None:
         raise NoFit(f"tiles {br}x{bc} at d={d} do not fit target {target.name}")
 
