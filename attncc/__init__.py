@@ -65,7 +65,8 @@ def compile(
     rows per warp of the CUDA forward, 16 or 32 (FlashAttention-2's layout: each K/V fragment
     read from shared memory serves two mma row blocks, at the cost of registers); None (the
     default): 32 on sm90 unless the score map reads the positions i, j or the program has
-    dropout, else 16 (passes/tiling.py `plan_gpu`, from the H100 measurements of session 36).
+    dropout or rotary embeddings, else 16 (passes/tiling.py `plan_gpu`, from the H100
+    measurements of session 36).
     """
     if target == "cuda":
         from attncc.runtime.gpu import GpuKernel, device_target

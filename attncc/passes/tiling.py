@@ -433,11 +433,12 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None, warp
 
 
 def register_heavy_scores(op: FusedAttention) -> bool:
-    """Whether each score's map needs registers beyond the fragments: a score expression that
-    reads the score's own positions (i, j: ALiBi, relative position tables) or dropout (its
-    counter-based random bits per score). ptxas on sm90, bf16, warps of 32 rows: these spill
-    88-160 B at d = 64 where the other examples spill none, and relative_bias 584 B at d = 128."""
-    return bool(op.dropout) or bool({"i", "j"} & free_vars(op.score))
+    """Whether the forward needs registers beyond the fragments: a score expression that reads
+    the score's own positions (i, j: ALiBi, relative position tables), dropout (its
+    counter-based random bits per score) or rotary embeddings (applied as the Q and K tiles
+    load). ptxas on sm90, bf16, warps of 32 rows: the first two spill 88-160 B at d = 64 where
+    the other examples spill none, relative_bias 584 B at d = 128; the rope test program 92 B."""
+    return bool(op.dropout) or bool({"i", "j"} & free_vars(op.score)) or op.q_rope is not None or op.k_rope is not None
 
 
 def choose_micro_kernel(target: Target) -> CpuMicroKernel:
@@ -757,10 +758,10 @@ def plan_gpu(
         warp_rows = 32 if wide else GPU_ROWS_PER_WARP
         if override is None and target.name in GPU_WIDE_WARP_TARGETS:
             rows_why = (
-                f" ({target.name}'s default where the score map reads no positions i, j and there is no dropout)"
+                f" ({target.name}'s default where the score map reads no positions i, j, without dropout and rope)"
                 if wide
-                else "; 16 rows per warp (the score map reads the positions i, j or there is dropout: 32-row "
-                "warps spill)"
+                else "; 16 rows per warp (the score map reads the positions i, j, or dropout or rotary "
+                "embeddings: 32-row warps spill)"
             )
     if override is not None:
         br, bc = override
