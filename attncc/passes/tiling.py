@@ -401,7 +401,7 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None, warp
     the register estimate is at most the per-thread limit. `override` = (Br, Bc) replaces the
     choice (validated the same way). `warp_rows` (GPU targets): query rows per warp of the
     forward, 16 or 32 (`TilePlan.warp_rows`), Br a multiple of it; None: `plan_gpu` chooses
-    (32 on targets in GPU_WIDE_WARP_TARGETS unless the scores are register-heavy).
+    (32 on targets in GPU_WIDE_WARP_TARGETS unless the forward is register-heavy).
     """
     if warp_rows is not None and (
         warp_rows not in GPU_WARP_ROWS or (target.kind == "cpu" and warp_rows != GPU_ROWS_PER_WARP)
@@ -409,13 +409,13 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None, warp
         raise AttnccError(f"warp_rows: expected one of {GPU_WARP_ROWS} (GPU targets only), got {warp_rows!r}")
     g = clone(g)
     node, op = fused_node(g)
-    heavy = register_heavy_scores(op)
+    heavy = register_heavy_forward(op)
 
     def plan_or_none(d: int, rows: int | None = warp_rows) -> TilePlan | None:
         try:
             if target.kind == "cpu":
                 return plan_cpu(target, d, override)
-            return plan_gpu(target, d, override, rows, heavy_scores=heavy)
+            return plan_gpu(target, d, override, rows, heavy_forward=heavy)
         except NoFit:
             return None
 
@@ -432,7 +432,7 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None, warp
     return g
 
 
-def register_heavy_scores(op: FusedAttention) -> bool:
+def register_heavy_forward(op: FusedAttention) -> bool:
     """Whether the forward needs registers beyond the fragments: a score expression that reads
     the score's own positions (i, j: ALiBi, relative position tables), dropout (its
     counter-based random bits per score) or rotary embeddings (applied as the Q and K tiles
@@ -737,7 +737,7 @@ def plan_gpu(
     d: int,
     override: tuple[int, int] | None = None,
     warp_rows: int | None = None,
-    heavy_scores: bool = False,
+    heavy_forward: bool = False,
 ) -> TilePlan:
     """Forward: the candidate (Br, Bc) with the smallest roofline estimate (`fastest_forward`);
     where none fits the registers (d = 256), or with `override`, Br = 16 x 4 warps and Bc from
@@ -748,13 +748,13 @@ def plan_gpu(
     larger working set (Q, dO, K, V, dS and fp32 dK, dV) fits, so a small shared memory shrinks
     the backward's tiles without shrinking the forward's; where even 16 x 16 does not fit, the
     fewest dV columns held in registers that make it fit. `warp_rows`: the forward's rows per
-    warp (16 or 32; Br a multiple of it); None: 32 on GPU_WIDE_WARP_TARGETS where the scores
-    are not register-heavy (`register_heavy_scores`: `heavy_scores`), else 16."""
+    warp (16 or 32; Br a multiple of it); None: 32 on GPU_WIDE_WARP_TARGETS where the forward
+    is not register-heavy (`register_heavy_forward`: `heavy_forward`), else 16."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
     rows_why = ""
     if warp_rows is None:
-        wide = override is None and target.name in GPU_WIDE_WARP_TARGETS and not heavy_scores
+        wide = override is None and target.name in GPU_WIDE_WARP_TARGETS and not heavy_forward
         warp_rows = 32 if wide else GPU_ROWS_PER_WARP
         if override is None and target.name in GPU_WIDE_WARP_TARGETS:
             rows_why = (

@@ -897,8 +897,9 @@ class Kernel:
             return
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
-        if value.device != device and not (decl.name in self._host_reads and value.device.type == "cpu"):
-            where = " or the CPU (the host reads its values)" if decl.name in self._host_reads else ""
+        host_read = decl.name in self._host_reads
+        if value.device != device and not (host_read and value.device.type == "cpu"):
+            where = " or the CPU (the host reads its values)" if host_read else ""
             raise InputError(
                 f"{decl.name}: expected a tensor on {device} (that of q){where}, got device {value.device}"
             )
