@@ -3,7 +3,7 @@ them for `carry`: a lease's 15 minutes then go to running kernels, not to nvcc.
 
 Covers `bash bench/gpu_session.sh lease`: the golden tests (tests/test_gpu.py: every example in
 fp16 and bf16 at head dims 64, 128 and 256; Dv != D, rope, fp8 K/V and fp8 products at the
-shapes the tests import; paged calls, CUDA graphs, the context-parallel ring), the benchmark (warps of 16 and 32 rows, fp8) and the decoding sweep.
+shapes the tests import; paged calls, CUDA graphs, the context-parallel ring), the benchmark (warps of 16 and 32 rows, fp8), the decoding sweep and the backward's.
 A library left out is built on the GPU machine as before. The keys are the ones a GPU
 machine's `attncc.compile(..., target="cuda")` looks for on an H100 or H200 (sm90), whatever
 its torch build (attncc.runtime.build.portable_key).
@@ -14,6 +14,7 @@ its torch build (attncc.runtime.build.portable_key).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tarfile
 import tempfile
@@ -31,6 +32,7 @@ import attncc  # noqa: E402
 from attncc.passes.tiling import GPU_KEY_SPLIT_ROWS  # noqa: E402
 from attncc.runtime.build import prebuilding_into  # noqa: E402
 from attncc.runtime.gpu import GpuKernel  # noqa: E402
+from bench.sweep_tiles_cuda import BACKWARD_SWEEP_PLANS, backward_plans, with_backward_plan  # noqa: E402
 
 TARGET = "sm90"  # the H100 and H200 the device tool lends
 ARCHIVE = ROOT / ".gpu" / "prebuilt.tar.xz"
@@ -95,6 +97,9 @@ def lease_builds() -> list[Callable[[], object]]:
             prebuild(each, [bf16], [64, 128], fp8, paged=name == "vanilla")
     for tiles in ((64, 32), (64, 64), (32, 64)):  # the forward sweep's overrides
         prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
+    for name, d in itertools.product(("vanilla", "causal"), (64, 128)):  # the backward sweep's tiles
+        for plan, _ in backward_plans(TARGET, d, BACKWARD_SWEEP_PLANS):
+            prebuild(with_backward_plan(kernel(example(name)), d, plan), [bf16], [d])
     vanilla = kernel(example("vanilla"))  # the decoding sweep's key-split forwards, in place and paged
     for kern in (vanilla.for_key_split_warps(), vanilla.with_folded_query_heads().for_key_split_warps()):
         prebuild(kern, [bf16], [128], paged=True)

@@ -20,6 +20,7 @@
 #   run(command="bash bench/gpu_session.sh host", carry=[".whl", ".gpu"])         host us per decoding call, profiled
 #   run(command="bash bench/gpu_session.sh rows", carry=[".whl", ".gpu"])         GPU tests, every grid case at 16 and 32 rows/warp
 #   run(command="bash bench/gpu_session.sh defaults", carry=[".whl", ".gpu"])     GPU tests, host, default warps vs 16, varlen
+#   run(command="bash bench/gpu_session.sh backward", carry=[".whl", ".gpu"])     GPU tests, the backward's tiles, fwd+bwd grid
 #   run(command="bash bench/gpu_session.sh bench 128", carry=[".whl", ".gpu"])    dense, causal at d=128, decoding, varlen, fp8
 #   run(command="bash bench/gpu_session.sh masks 128", carry=[".whl", ".gpu"])    sliding window, ALiBi, softcap
 #   run(command="bash bench/gpu_session.sh sanitize", carry=[".whl", ".gpu"])     racecheck, synccheck, memcheck logs
@@ -108,6 +109,22 @@ case "${1:-lease}" in
       --serving --no-flex --budget-s $(( $(left) - 60 )) --repeats 10 \
       --json "$OUT/cuda-$device-defaults.json" 2>&1 | tee "$OUT/bench-defaults.log"
     ;;
+  backward)
+    # After a change to the backward kernel (session 37: its Q/dO copies whole-tile at 6 warps,
+    # dQ's atomics at fixed offsets, P in one FFMA; not yet run on a GPU): the GPU tests, then
+    # the backward's tiles against each other and SDPA-flash's backward (its plans were never
+    # timed against each other), then dense and causal fwd+bwd at the defaults.
+    deadline=${2:-500}
+    left() { echo $((deadline - SECONDS)); }
+    device_and_gpu_tests
+    echo "tests done, $(left) s left"
+    timeout -k 5 $(( $(left) - 100 )) python3 bench/sweep_tiles_cuda.py --backward --dims 64 128 2>&1 \
+      | tee "$OUT/sweep-backward.log"
+    echo "backward sweep done, $(left) s left"
+    timeout -k 5 $(( $(left) - 10 )) python3 bench/bench_cuda.py --dims 64 128 --sizes 4096 16384 --warp-rows default \
+      --no-flex --budget-s $(( $(left) - 50 )) --repeats 10 --json "$OUT/cuda-$device-backward.json" 2>&1 \
+      | tee "$OUT/bench-backward.log"
+    ;;
   decode)
     # the decoding forwards after a change to their choice: the GPU tests but the per-example
     # golden tests (which decoding does not reach), the decoding sweep, decoding against SDPA
@@ -166,16 +183,19 @@ PY
     ;;
   sanitize)
     # A causal backward (N=64 queries, M=1024 keys: key blocks no query sees), a sliding-window
-    # forward and key-split decoding (in place and paged) under racecheck (shared-memory
-    # hazards), synccheck (barrier misuse) and memcheck (out-of-bounds accesses).
+    # forward, a dense d = 128 backward with query and key tails, and key-split decoding (in
+    # place and paged) under racecheck (shared-memory hazards), synccheck (barrier misuse) and
+    # memcheck (out-of-bounds accesses).
     cat > /tmp/sanitize_case.py <<'PY'
 import torch
 import attncc
 torch.manual_seed(0)
-for name, n, m, backward in (("causal", 64, 1024, True), ("sliding_window", 1024, 1024, False)):
+# (d = 128: the backward's 6 warps copy Q and dO tiles whose last pass is partial, session 37)
+cases = (("causal", 64, 1024, 64, True), ("sliding_window", 1024, 1024, 64, False), ("vanilla", 200, 300, 128, True))
+for name, n, m, d, backward in cases:
     kern = attncc.compile(f"examples/{name}.attn", target="cuda")
-    q = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
-    k, v = (torch.randn(1, 2, m, 64, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(2))
+    q = torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+    k, v = (torch.randn(1, 2, m, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(2))
     out = kern(q, k, v)
     if backward:
         out.float().sum().backward()

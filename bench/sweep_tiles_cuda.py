@@ -9,8 +9,14 @@ key tile, `key_split_warps`) and the 64-row one, at
 split-KV counts 1..64 against `choose_kv_splits`'s, and SDPA (torch's choice of backend); then
 paged GQA decoding with both (pages of 16, 64 and 256 rows) against SDPA on contiguous K/V.
 
+Backward tiles (`--backward`): the dense and causal bf16 backward (B=4 H=16 N=4096) at the
+roofline's choice among `backward_candidates` and at the next best (Br, Bc) pairs by its
+estimate (the backward's plans were never timed against each other on a GPU), against SDPA-flash's
+backward.
+
     python bench/sweep_tiles_cuda.py --dims 64 128
     python bench/sweep_tiles_cuda.py --decode
+    python bench/sweep_tiles_cuda.py --backward --dims 64 128
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import itertools
 import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -30,6 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
+from attncc.ir.graph import fused_node  # noqa: E402
+from attncc.passes import Stage  # noqa: E402
+from attncc.passes.roofline import estimate  # noqa: E402
+from attncc.passes.tiling import HEAD_DIM_STEP, TilePlan, backward_candidates  # noqa: E402
+from attncc.targets import get_target  # noqa: E402
 from bench.bench_cuda import PAGED_DECODE_HEADS, median_ms, paged_decode_operands  # noqa: E402
 
 
@@ -37,9 +50,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--decode", action="store_true", help="the split-KV sweep of decoding instead")
+    parser.add_argument("--backward", action="store_true", help="the backward's tiles instead")
     args = parser.parse_args()
     if args.decode:
         decode_splits()
+    elif args.backward:
+        backward_tiles(args.dims)
     else:
         forward_tiles(args.dims)
 
@@ -73,6 +89,73 @@ def forward_tiles(dims: list[int], B: int = 4, H: int = 16, N: int = 4096) -> No
         print(f"d={d:3d} {label:8s} Br={plan.block_rows:3d} Bc={plan.block_cols:3d} warps={plan.warps} "
               f"rows/warp={plan.warp_rows}: "
               f"{ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)  # fmt: skip
+
+
+def with_backward_plan(kern: attncc.Kernel, d: int, plan: TilePlan) -> attncc.Kernel:
+    """`kern`'s program with `plan` as the backward's tiles at head dim `d` (a kernel of its own:
+    its cache key covers the tiles)."""
+    stages = kern.stages
+    graph = stages[-1].graph.copy()
+    node, op = fused_node(graph)
+    plans = list(op.tiling.plans)
+    at = d // HEAD_DIM_STEP - 1
+    plans[at] = replace(plans[at], backward=plan)
+    graph.nodes[node]["op"] = replace(op, tiling=replace(op.tiling, plans=tuple(plans)))
+    return type(kern)([*stages[:-1], Stage(stages[-1].name, graph)], kern.target)
+
+
+def backward_plans(target: str, d: int, top: int) -> list[tuple[TilePlan, float]]:
+    """The roofline's backward choice and the best-estimated plan of each of the next `top` - 1
+    (Br, Bc) pairs, with their estimates (seconds at GPU_REFERENCE_PROBLEM)."""
+    best: dict[tuple[int, int], tuple[TilePlan, float]] = {}
+    for plan, work in backward_candidates(get_target(target), d):
+        seconds = estimate(work, target, plan.registers_per_thread).seconds
+        key = (plan.block_rows, plan.block_cols)
+        if key not in best or seconds < best[key][1]:
+            best[key] = (plan, seconds)
+    return sorted(best.values(), key=lambda item: item[1])[:top]
+
+
+#: How many backward plans the sweep times per head dim (the roofline's and the next by estimate).
+BACKWARD_SWEEP_PLANS = 6
+
+
+def backward_tiles(dims: list[int], B: int = 4, H: int = 16, N: int = 4096, top: int = BACKWARD_SWEEP_PLANS) -> None:
+    """The dense and causal bf16 backward (time of torch.autograd.grad of out after one forward)
+    at `backward_plans`' tiles, against SDPA-flash's backward on the same inputs."""
+    programs = {mask: ROOT / "examples" / f"{mask}.attn" for mask in ("vanilla", "causal")}
+    kernels = {}
+    for (mask, program), d in itertools.product(programs.items(), dims):
+        base = attncc.compile(program, target="cuda")
+        for plan, seconds in backward_plans(base.target, d, top):
+            kernels[mask, d, plan.block_rows, plan.block_cols, plan.dk_register_columns, seconds] = with_backward_plan(
+                base, d, plan
+            )
+    with ThreadPoolExecutor(16) as pool:  # nvcc is single-threaded: build every variant at once
+        list(pool.map(lambda key: kernels[key].library_path_for("bfloat16", key[1]), kernels))
+    print(f"{device_name()}: bf16 backward, B={B} H={H} N={N}; ms (roofline estimate us)", flush=True)
+    for mask, d in itertools.product(programs, dims):
+        q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with (
+            torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+            if q.is_cuda
+            else nullcontext()
+        ):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal")
+            sdpa = median_ms(partial(torch.autograd.grad, out, (q, k, v), dout, retain_graph=True), 10, 3)
+        flops = 10 * B * H * N * N * d / (2 if mask == "causal" else 1)
+        print(f"{mask} d={d}: sdpa-flash backward {sdpa:.3f} ms {flops / sdpa / 1e9:6.1f} TFLOP/s", flush=True)
+        for (m, dk, br, bc, columns, seconds), kern in kernels.items():
+            if (m, dk) != (mask, d):
+                continue
+            out = kern(q, k, v)
+            ms = median_ms(partial(torch.autograd.grad, out, (q, k, v), dout, retain_graph=True), 10, 3)
+            print(
+                f"{mask} d={d} Br={br:3d} Bc={bc:3d} dK/dV register columns {columns:3d} "
+                f"(estimate {seconds * 1e6:5.0f} us): {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s = {sdpa / ms:.2f}x sdpa",
+                flush=True,
+            )
 
 
 #: ((H, Hkv), B, M, N): one query at 16K and 64K keys, MHA and GQA 32/8 (4 rows a group);

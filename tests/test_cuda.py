@@ -657,6 +657,28 @@ def test_deterministic_dq_beyond_128_columns_on_the_emulator() -> None:
         kern.deterministic = False
 
 
+@pytest.mark.parametrize("head_dim", [72, 128])
+def test_the_sm90_backward_at_its_own_tiles_on_the_emulator(head_dim: int) -> None:
+    """sm90's backward plans at the head dims that take its two special paths, atomic and
+    deterministic dQ, against float64: d = 128 runs 6 warps over 64-row Q/dO tiles of 128
+    columns (12 rows per copy pass: the last pass is partial, its rows beyond the tile left out
+    by one compare), d = 72 rounds up to 80 columns, so dQ's atomics take the column-checked
+    path instead of the fixed offsets of a whole-width row."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm90", emulate=True)
+    backward = kern.op.tiling.for_head_dim(head_dim, backward=True)
+    if head_dim == 128:
+        rows_per_pass = backward.threads // (head_dim * 2 // 16)
+        assert (backward.block_rows, backward.threads) == (64, 192) and backward.block_rows % rows_per_pass
+    shape = Shape(1, 2, 1, 131, 200, head_dim)
+    for deterministic in (False, True):
+        kern.deterministic = deterministic
+        try:
+            result = check(kern, shape, torch.bfloat16)
+        finally:
+            kern.deterministic = False
+        assert result.ok, f"deterministic={deterministic}: {result.describe()}"
+
+
 @pytest.mark.parametrize("name", ["alibi", "relative_bias"])
 def test_learnable_input_grads_are_exact_sums_in_deterministic_mode(name: str) -> None:
     """Deterministic mode sums learnable-input gradients in int64 fixed point (a bounds pass,

@@ -701,35 +701,39 @@ GPU_BACKWARD_STAGES = 2
 GPU_BACKWARD_REGISTERS = 255
 
 
-def fastest_backward(target: Target, d: int, paper_br: int, paper_bc: int) -> TilePlan | None:
-    """The backward tiles and register accumulator columns with the smallest roofline estimate
-    (`backward_work`) at GPU_REFERENCE_PROBLEM among the candidates whose shared memory and
-    fragment state fit; None above d = 128 and for targets without rates (plan_gpu's fallback)."""
+def backward_candidates(target: Target, d: int) -> Iterator[tuple[TilePlan, Work]]:
+    """The backward's candidate tiles and register accumulator columns whose shared memory and
+    fragment state fit `target` at head dim `d` (up to d = 128, targets with rates), each with
+    its `backward_work` at GPU_REFERENCE_PROBLEM (bench/sweep_tiles_cuda.py times them)."""
     if d > Q_IN_REGISTERS_MAX_HEAD_DIM or target.name not in GPU_RATES:
-        return None
+        return
+    paper_br, paper_bc = paper_blocks(target.onchip_bytes // 2, d)
     problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
     state_budget = GPU_MAX_BACKWARD_STATE_SM75 if target.name == "sm75" else GPU_MAX_BACKWARD_STATE
     state_budget -= GPU_BACKWARD_STATE_CUT_ABOVE_D64 if d > 64 else 0
+    for br in GPU_BACKWARD_ROWS:
+        for bc in GPU_BACKWARD_COLS:
+            for columns in range(0, d + 1, HEAD_DIM_STEP):
+                shared = gpu_backward_shared_bytes(br, bc, d, columns, columns, GPU_BACKWARD_STAGES)
+                if br + columns > state_budget or shared > target.onchip_bytes:
+                    continue
+                held = "none" if columns == 0 else "all" if columns == d else f"columns {d - columns}..{d - 1}"
+                reason = (
+                    f"of the backward's candidates fitting shared memory and registers; dK, dV in registers: {held}"
+                )
+                warps = bc // GPU_ROWS_PER_WARP
+                plan = TilePlan(
+                    d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_BACKWARD_STAGES, shared,
+                    GPU_BACKWARD_REGISTERS, reason, dv_register_columns=columns, dk_register_columns=columns,
+                )  # fmt: skip
+                yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
 
-    def candidates() -> Iterator[tuple[TilePlan, Work]]:
-        for br in GPU_BACKWARD_ROWS:
-            for bc in GPU_BACKWARD_COLS:
-                for columns in range(0, d + 1, HEAD_DIM_STEP):
-                    shared = gpu_backward_shared_bytes(br, bc, d, columns, columns, GPU_BACKWARD_STAGES)
-                    if br + columns > state_budget or shared > target.onchip_bytes:
-                        continue
-                    held = "none" if columns == 0 else "all" if columns == d else f"columns {d - columns}..{d - 1}"
-                    reason = (
-                        f"of the backward's candidates fitting shared memory and registers; dK, dV in registers: {held}"
-                    )
-                    warps = bc // GPU_ROWS_PER_WARP
-                    plan = TilePlan(
-                        d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_BACKWARD_STAGES, shared,
-                        GPU_BACKWARD_REGISTERS, reason, dv_register_columns=columns, dk_register_columns=columns,
-                    )  # fmt: skip
-                    yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
 
-    return cheapest(target, problem, candidates())
+def fastest_backward(target: Target, d: int) -> TilePlan | None:
+    """The backward tiles and register accumulator columns with the smallest roofline estimate
+    (`backward_work`) at GPU_REFERENCE_PROBLEM among `backward_candidates`; None above d = 128
+    and for targets without rates (plan_gpu's fallback)."""
+    return cheapest(target, replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d), backward_candidates(target, d))
 
 
 def plan_gpu(
@@ -821,7 +825,7 @@ def plan_gpu(
     def backward_warps(rows: int, cols: int) -> int:  # a warp per 16 keys (dK/dV) or query rows (dQ)
         return max(rows, cols) // GPU_ROWS_PER_WARP
 
-    backward = fastest_backward(target, d, paper_br, paper_bc) if override is None else None
+    backward = fastest_backward(target, d) if override is None else None
     # Above d = 128 (Q re-read per tile) the backward starts from 32 query rows: at 64, ptxas
     # spills 20-40 B in attention_backward for causal bf16 at d = 256 on sm80 and sm90.
     backward_rows = br if override is not None or d <= Q_IN_REGISTERS_MAX_HEAD_DIM else min(br, 32)
