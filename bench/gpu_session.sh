@@ -14,7 +14,7 @@
 # key-split forwards, padded and paged at pages of 16, 64, 256), host time per decoding call, decoding (padded and paged, planned) against SDPA,
 # packed batches, fp8 K/V, dense and causal d=128 at the default warps and at 16 rows against
 # SDPA-flash (no FlexAttention: its compiles cost minutes; session 19 measured it), and, with
-# the time left, the forward tile sweep. The other modes are for a lease with minutes left, one call each:
+# the time left, the backward tile sweep. The other modes are for a lease with minutes left, one call each:
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl", ".gpu"])        probe, prebuild, golden tests
 #   run(command="bash bench/gpu_session.sh decode", carry=[".whl", ".gpu"])       GPU tests, decoding sweep and bench
 #   run(command="bash bench/gpu_session.sh host", carry=[".whl", ".gpu"])         host us per decoding call, profiled
@@ -80,8 +80,8 @@ case "${1:-lease}" in
       --decode --serving --fp8 --no-flex --budget-s $(( $(left) - 90 )) --repeats 15 \
       --json "$OUT/cuda-$device-lease.json" 2>&1 | tee "$OUT/bench.log"
     echo "bench done, $(left) s left"
-    if [ "$(left)" -gt 30 ]; then
-      timeout -k 5 "$(left)" python3 bench/sweep_tiles_cuda.py --dims 64 128 2>&1 | tee "$OUT/sweep-tiles.log"
+    if [ "$(left)" -gt 30 ]; then  # (the forward's tiles were swept in sessions 19 and 36; the backward's never)
+      timeout -k 5 "$(left)" python3 bench/sweep_tiles_cuda.py --backward --dims 64 128 2>&1 | tee "$OUT/sweep-backward.log"
     fi
     ;;
   rows)

@@ -41,7 +41,7 @@ import attncc  # noqa: E402
 from attncc.ir.graph import fused_node  # noqa: E402
 from attncc.passes import Stage  # noqa: E402
 from attncc.passes.roofline import estimate  # noqa: E402
-from attncc.passes.tiling import HEAD_DIM_STEP, TilePlan, backward_candidates  # noqa: E402
+from attncc.passes.tiling import HEAD_DIM_STEP, TilePlan, backward_candidates, fastest_backward  # noqa: E402
 from attncc.targets import get_target  # noqa: E402
 from bench.bench_cuda import PAGED_DECODE_HEADS, median_ms, paged_decode_operands  # noqa: E402
 
@@ -105,25 +105,37 @@ def with_backward_plan(kern: attncc.Kernel, d: int, plan: TilePlan) -> attncc.Ke
 
 
 def backward_plans(target: str, d: int, top: int) -> list[tuple[TilePlan, float]]:
-    """The roofline's backward choice and the best-estimated plan of each of the next `top` - 1
-    (Br, Bc) pairs, with their estimates (seconds at GPU_REFERENCE_PROBLEM)."""
+    """The roofline's backward choice (the plan `plan_gpu` gives: its kernel is the default's)
+    and the best-estimated plan of each of the next `top` - 1 (Br, Bc) pairs, with their
+    estimates (seconds at GPU_REFERENCE_PROBLEM)."""
+    chosen = fastest_backward(get_target(target), d)
+    assert chosen is not None, f"{target} plans no backward candidates at d = {d}"
     best: dict[tuple[int, int], tuple[TilePlan, float]] = {}
     for plan, work in backward_candidates(get_target(target), d):
         seconds = estimate(work, target, plan.registers_per_thread).seconds
         key = (plan.block_rows, plan.block_cols)
         if key not in best or seconds < best[key][1]:
             best[key] = (plan, seconds)
-    return sorted(best.values(), key=lambda item: item[1])[:top]
+    first = best.pop((chosen.block_rows, chosen.block_cols))[1]
+    return [(chosen, first), *sorted(best.values(), key=lambda item: item[1])[: top - 1]]
 
 
 #: How many backward plans the sweep times per head dim (the roofline's and the next by estimate).
 BACKWARD_SWEEP_PLANS = 6
 
 
-def backward_tiles(dims: list[int], B: int = 4, H: int = 16, N: int = 4096, top: int = BACKWARD_SWEEP_PLANS) -> None:
-    """The dense and causal bf16 backward (time of torch.autograd.grad of out after one forward)
-    at `backward_plans`' tiles, against SDPA-flash's backward on the same inputs."""
-    programs = {mask: ROOT / "examples" / f"{mask}.attn" for mask in ("vanilla", "causal")}
+def backward_tiles(
+    dims: list[int],
+    B: int = 4,
+    H: int = 16,
+    N: int = 4096,
+    top: int = BACKWARD_SWEEP_PLANS,
+    masks: tuple[str, ...] = ("vanilla", "causal"),
+) -> None:
+    """The bf16 backward of each of `masks` (examples, "vanilla": dense; time of
+    torch.autograd.grad of out after one forward) at `backward_plans`' tiles, against
+    SDPA-flash's backward on the same inputs."""
+    programs = {mask: ROOT / "examples" / f"{mask}.attn" for mask in masks}
     kernels = {}
     for (mask, program), d in itertools.product(programs.items(), dims):
         base = attncc.compile(program, target="cuda")

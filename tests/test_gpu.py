@@ -408,7 +408,7 @@ def test_gpu_benchmark_sections_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sweep, "median_ms", lambda fn, repeats, calls=1: (fn(), 1.0)[1])
     sweep.decode_splits([((8, 2), 1, 48, 1), ((8, 2), 1, 48, 8)], splits_tried=(1, 2), pages=(16, 48))
     sweep.forward_tiles([64], B=1, H=1, N=64)
-    sweep.backward_tiles([64], B=1, H=1, N=64, top=2)
+    sweep.backward_tiles([64], B=1, H=1, N=64, top=2, masks=("vanilla",))  # (the first: the default's library)
     # the grid of bench_cuda.main as the lease runs it (dense and causal, warps of 16 and 32 rows)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "no GPU (dry run)")
     argv = ["bench_cuda.py", "--dims", "64", "--sizes", "64", "--tokens", "64", "--width", "128", "--no-flex"]
