@@ -27,7 +27,6 @@ import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -38,10 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
-from attncc.ir.graph import fused_node  # noqa: E402
-from attncc.passes import Stage  # noqa: E402
+from attncc.passes import with_tiles  # noqa: E402
 from attncc.passes.roofline import estimate  # noqa: E402
-from attncc.passes.tiling import HEAD_DIM_STEP, TilePlan, backward_candidates, fastest_backward  # noqa: E402
+from attncc.passes.tiling import TilePlan, backward_candidates, fastest_backward  # noqa: E402
 from attncc.targets import get_target  # noqa: E402
 from bench.bench_cuda import PAGED_DECODE_HEADS, median_ms, paged_decode_operands  # noqa: E402
 
@@ -94,14 +92,7 @@ def forward_tiles(dims: list[int], B: int = 4, H: int = 16, N: int = 4096) -> No
 def with_backward_plan(kern: attncc.Kernel, d: int, plan: TilePlan) -> attncc.Kernel:
     """`kern`'s program with `plan` as the backward's tiles at head dim `d` (a kernel of its own:
     its cache key covers the tiles)."""
-    stages = kern.stages
-    graph = stages[-1].graph.copy()
-    node, op = fused_node(graph)
-    plans = list(op.tiling.plans)
-    at = d // HEAD_DIM_STEP - 1
-    plans[at] = replace(plans[at], backward=plan)
-    graph.nodes[node]["op"] = replace(op, tiling=replace(op.tiling, plans=tuple(plans)))
-    return type(kern)([*stages[:-1], Stage(stages[-1].name, graph)], kern.target)
+    return type(kern)(with_tiles(kern.stages, lambda table: table.with_backward(d, plan)), kern.target)
 
 
 def backward_plans(target: str, d: int, top: int) -> list[tuple[TilePlan, float]]:

@@ -345,6 +345,14 @@ class TilingTable:
             )
         return plan.backward
 
+    def with_backward(self, d: int, backward: TilePlan) -> TilingTable:
+        """The table with `backward` as the backward's tiles at head dim `d` (a GPU plan of
+        `backward_candidates`: bench/sweep_tiles_cuda.py times them against each other)."""
+        at = math.ceil(d / HEAD_DIM_STEP) - 1
+        plans = list(self.plans)
+        plans[at] = replace(self.for_head_dim(d), backward=backward)
+        return replace(self, plans=tuple(plans))
+
     def for_short_queries(self) -> TilingTable:
         """GPU tables: every plan `TilePlan.for_short_queries` (forward only); CPU tables as they are."""
         return self._with_gpu_plans(TilePlan.for_short_queries)
