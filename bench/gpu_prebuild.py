@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import lzma
 import sys
 import tarfile
 import tempfile
@@ -143,7 +144,9 @@ def main() -> None:
         libraries = sorted(p.relative_to(directory) for p in directory.glob("*/kernel.so*") if p.parent.name in wanted)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         # only the libraries and their digests travel; xz finds the CUDA runtime each one links
-        with tarfile.open(args.output, "w:xz") as archive:
+        # (at its extreme preset: 636 libraries took 59.1 MB at the default, 53.8 at 9e, and the
+        # carry limit is 64 MiB with the working tree; a few minutes more here)
+        with tarfile.open(args.output, "w:xz", preset=9 | lzma.PRESET_EXTREME) as archive:
             for library in libraries:
                 archive.add(directory / library, arcname=str(library))
     count = sum(1 for p in libraries if p.name == "kernel.so")
