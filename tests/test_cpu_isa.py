@@ -118,6 +118,19 @@ extern "C" void matmul(float* c, const float* a, const float* b, int r, int n, i
   if (accumulate) trans_a ? gemm<true, true>(c, n, a, lda, b, n, r, n, k) : gemm<true>(c, n, a, lda, b, n, r, n, k);
   else trans_a ? gemm<false, true>(c, n, a, lda, b, n, r, n, k) : gemm<false>(c, n, a, lda, b, n, r, n, k);
 }}
+// B packed into gemm's strips first, from its rows (b: k x n) or from B^T's rows (b: n x k, as the
+// forward packs K^T from K); returns the strip width
+extern "C" int matmul_strips(float* c, const float* a, const float* b, int r, int n, int k, int accumulate,
+                             int trans_a, int from_transpose) {{
+  const int64_t lda = trans_a ? r : k, strip = gemm_strip(n);
+  Scratch strips(int64_t(k) * n);
+  if (from_transpose) load_tile_transposed_strips(strips.data, b, k, 1, n, k, n, k);
+  else load_tile_strips(strips.data, b, n, 1, k, n, k, n);
+  const float* s = strips.data;
+  if (accumulate) trans_a ? gemm<true, true>(c, n, a, lda, s, strip, r, n, k, strip) : gemm<true>(c, n, a, lda, s, strip, r, n, k, strip);
+  else trans_a ? gemm<false, true>(c, n, a, lda, s, strip, r, n, k, strip) : gemm<false>(c, n, a, lda, s, strip, r, n, k, strip);
+  return int(strip);
+}}
 """
 
 
@@ -144,6 +157,31 @@ def test_gemm_register_blocks_with_row_and_column_tails(vector_bytes: int, rows:
                     lib.matmul(*ptrs, r, n, k, accumulate, trans_a)
                     expected = want + c.double() if accumulate else want
                     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("vector_bytes,rows,vecs", [(32, 6, 2), (32, 3, 4), (64, 6, 4)])
+def test_gemm_on_b_in_strips(vector_bytes: int, rows: int, vecs: int) -> None:
+    """The forward's K^T and V panels in strips one register block wide (packed from B's rows and
+    from B^T's, as K^T from K), whole strips and partial ones, against float64; where the columns
+    are not whole register blocks the packing keeps one strip (rows as usual)."""
+    source = GEMM_HARNESS.format(vector_bytes=vector_bytes, rows=rows, vecs=vecs)
+    lib = load_library(build_library(source, f"gemm-{vector_bytes}-{rows}x{vecs}"))
+    lanes, block = lib.lanes(), vecs * lib.lanes()
+    gen = torch.Generator().manual_seed(1)
+    for r in (1, 7, 13, 64):
+        for n, strip in ((block, block), (3 * block, block), (block + lanes, block + lanes)):
+            for k in (1, 37, 64):
+                for trans_a in (0, 1):
+                    a = torch.randn(k, r, generator=gen) if trans_a else torch.randn(r, k, generator=gen)
+                    b, c = torch.randn(k, n, generator=gen), torch.randn(r, n, generator=gen)
+                    want = (a.t() if trans_a else a).double() @ b.double()
+                    for from_transpose, source_b in ((0, b), (1, b.t().contiguous())):
+                        for accumulate in (0, 1):
+                            out = c.clone()
+                            ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (out, a, source_b)]
+                            assert lib.matmul_strips(*ptrs, r, n, k, accumulate, trans_a, from_transpose) == strip
+                            expected = want + c.double() if accumulate else want
+                            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 # Odd shapes on each level below the machine's best (the best level is what every other test

@@ -330,7 +330,7 @@ class TilingTable:
         `backward` the backward kernels' plan."""
         if not 1 <= d <= self.max_head_dim:
             raise AttnccError(f"head dim {d} outside [1, {self.max_head_dim}] (target {self.target})")
-        plan = self.plans[math.ceil(d / HEAD_DIM_STEP) - 1]
+        plan = self.plans[self._slot(d)]
         if plan is None:
             raise AttnccError(f"head dim {d}: no tiling fits the on-chip memory of target {self.target}")
         if not backward:
@@ -345,12 +345,16 @@ class TilingTable:
             )
         return plan.backward
 
+    @staticmethod
+    def _slot(d: int) -> int:
+        """The plan of head dim `d`: one per HEAD_DIM_STEP head dims."""
+        return math.ceil(d / HEAD_DIM_STEP) - 1
+
     def with_backward(self, d: int, backward: TilePlan) -> TilingTable:
         """The table with `backward` as the backward's tiles at head dim `d` (a GPU plan of
         `backward_candidates`: bench/sweep_tiles_cuda.py times them against each other)."""
-        at = math.ceil(d / HEAD_DIM_STEP) - 1
         plans = list(self.plans)
-        plans[at] = replace(self.for_head_dim(d), backward=backward)
+        plans[self._slot(d)] = replace(self.for_head_dim(d), backward=backward)
         return replace(self, plans=tuple(plans))
 
     def for_short_queries(self) -> TilingTable:

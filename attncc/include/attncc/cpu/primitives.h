@@ -405,6 +405,32 @@ inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t r
   }
 }
 
+// gemm's B operand in strips: `strip` columns each, a strip's rows one after the other, so that
+// a register block's columns are one run of lines (gemm). The strip is one register block wide
+// (kGemmStrip) where the columns are whole blocks, else all columns (rows as usual).
+constexpr int kGemmStrip = ATTNCC_GEMM_VECS * VL;
+inline int gemm_strip(int64_t columns) { return columns % kGemmStrip == 0 ? kGemmStrip : int(columns); }
+
+// load_tile into strips (gemm_strip(pad_cols)): element (r, c) at dst[c / W pad_rows W + r W + c % W].
+template <typename T>
+inline void load_tile_strips(acc_t* dst, const T* src, int64_t row_stride, int64_t col_stride, int rows, int cols,
+                             int pad_rows, int pad_cols) {
+  const int strip = gemm_strip(pad_cols);
+  for (int c0 = 0; c0 < pad_cols; c0 += strip)
+    load_tile(dst + int64_t(c0) * pad_rows, strip, src + c0 * col_stride, row_stride, col_stride, rows,
+              std::clamp(cols - c0, 0, strip), pad_rows, strip);
+}
+
+// load_tile_transposed into strips (gemm_strip(pad_rows)): src (r, c) at dst[r / W pad_cols W + c W + r % W].
+template <typename T>
+inline void load_tile_transposed_strips(acc_t* dst, const T* src, int64_t row_stride, int64_t col_stride, int rows,
+                                        int cols, int pad_rows, int pad_cols) {
+  const int strip = gemm_strip(pad_rows);
+  for (int r0 = 0; r0 < pad_rows; r0 += strip)
+    load_tile_transposed(dst + int64_t(r0) * pad_cols, strip, src + r0 * row_stride, row_stride, col_stride,
+                         std::clamp(rows - r0, 0, strip), cols, strip, pad_cols);
+}
+
 // ---------------------------------------------------------------------------------- vectors
 // Sum and max of a vector's lanes by halving (log2 lanes dependent steps, not lanes - 1; the
 // compiler turns each step into one shuffle and one vector op).
@@ -482,8 +508,13 @@ inline bool any_lane_above(vec_t v, acc_t t) {
 // backward's P^T dO and dS^T Q products read P and dS as they are, with no transposed copy.
 // The Rows x Vecs accumulators, Vecs B vectors and a broadcast must fit the vector registers
 // (the tiling pass sizes ATTNCC_GEMM_ROWS/VECS from the target's register count and FMA ports).
+// Never inlined: GCC inlined the backward's dQ += dS0 K blocks into backward_fused, whose live
+// registers around them sent copies of the accumulators to the stack and the rows' offsets to
+// memory, reloaded in the k loop (avx2, d = 128: fwd+bwd fp32 N = 2048 1.055-1.085x with the
+// block a function of its own, bench/ab_templates.py). Hidden: called directly, not through the
+// kernel library's PLT.
 template <bool Accumulate, bool TransA, int Rows, int Vecs, typename BT>
-inline void gemm_block(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
+[[gnu::noinline, gnu::visibility("hidden")]] void gemm_block(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
                        const BT* __restrict B, int64_t ldb, int K) {
   vec_t acc[Rows][Vecs];
 #pragma GCC unroll 16
@@ -531,19 +562,25 @@ inline void gemm_columns(acc_t* __restrict C, int64_t ldc, const acc_t* __restri
 
 // C[R x Cn] (+)= op(A)[R x K] . B[K x Cn]; Cn a multiple of VL; row-major with leading
 // dimensions lda, ldb, ldc; op(A) = A (R x K) or, with TransA, A^T (A stored K x R); B of acc_t
-// or, widened as it is loaded, of a storage type (decoding's V rows in place).
+// or, widened as it is loaded, of a storage type (decoding's V rows in place). With `strip`
+// (gemm_strip(Cn), and ldb == strip), B comes in strips of `strip` columns, each
+// strip's K rows one after the other: column c of row k at B[(c / strip) K strip + k strip +
+// c % strip]. A column block then reads K x 64 B in one run of lines instead of K rows ldb
+// apart, which at ldb = 64 or 128 floats fall in 16 or 8 of L1's 64 sets and evict each other
+// (the forward's K^T and V panels at d = 128: 256 and 512 B rows).
 // Register-blocked ATTNCC_GEMM_ROWS rows x ATTNCC_GEMM_VECS vectors, column blocks outermost.
 template <bool Accumulate, bool TransA = false, typename BT>
 inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                 const BT* __restrict B, int64_t ldb, int R, int Cn, int K) {
+                 const BT* __restrict B, int64_t ldb, int R, int Cn, int K, int strip = 0) {
   constexpr int Vecs = ATTNCC_GEMM_VECS;
+  const auto columns = [&](int c) { return strip ? B + int64_t(c / strip) * K * strip + c % strip : B + c; };
   int c = 0;
-  for (; c + Vecs * VL <= Cn; c += Vecs * VL) gemm_columns<Accumulate, TransA, Vecs>(C + c, ldc, A, lda, B + c, ldb, R, K);
+  for (; c + Vecs * VL <= Cn; c += Vecs * VL) gemm_columns<Accumulate, TransA, Vecs>(C + c, ldc, A, lda, columns(c), ldb, R, K);
   // column tails two vectors wide where they can be: a Rows x 1 block has fewer accumulators than
   // FMA latency x ports (Bc = 96 at D = 128 left a third of S = Q K^T to it)
   if constexpr (Vecs > 2)
-    for (; c + 2 * VL <= Cn; c += 2 * VL) gemm_columns<Accumulate, TransA, 2>(C + c, ldc, A, lda, B + c, ldb, R, K);
-  for (; c < Cn; c += VL) gemm_columns<Accumulate, TransA, 1>(C + c, ldc, A, lda, B + c, ldb, R, K);
+    for (; c + 2 * VL <= Cn; c += 2 * VL) gemm_columns<Accumulate, TransA, 2>(C + c, ldc, A, lda, columns(c), ldb, R, K);
+  for (; c < Cn; c += VL) gemm_columns<Accumulate, TransA, 1>(C + c, ldc, A, lda, columns(c), ldb, R, K);
 }
 
 // 2^t lane by lane for t <= 0 (softmax's exponent, in base 2: the scale and the row max are
