@@ -28,9 +28,18 @@ import attncc
 import attncc.codegen as codegen
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# Call arguments of the examples that read runtime inputs (queries' heads H, sequences B, queries N).
+EXAMPLE_INPUTS = {
+    "alibi": lambda B, H, N: {"slopes": torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)])},
+    "relative_bias": lambda B, H, N: {"bias": torch.randn(H, 257)},
+    "document": lambda B, H, N: {"doc": (torch.arange(N) // 300).repeat(B, 1)},
+    "prefix_lm": lambda B, H, N: {"prefix": torch.full((B,), N // 4)},
+    "padding": lambda B, H, N: {"lengths": torch.full((B,), N - N // 8)},
+    "gpt2": lambda B, H, N: {"seed": 1234},  # dropout: the same bits on every call, so trees compare
+}
 
 
-def kernel_from(tree: str, program: Path, inputs: tuple[torch.Tensor, ...]) -> attncc.Kernel:
+def kernel_from(tree: str, program: Path, inputs: tuple[torch.Tensor, ...], runtime: dict) -> attncc.Kernel:
     """The program compiled with the templates of `tree` (`path[:Br,Bc]`), called once on
     `inputs` (forward and, for inputs that require grad, backward): a kernel renders its sources
     at their first call for a dtype, from the templates the process points at then."""
@@ -39,7 +48,7 @@ def kernel_from(tree: str, program: Path, inputs: tuple[torch.Tensor, ...]) -> a
     codegen.environment.cache_clear()
     options = {"tiles": tuple(int(t) for t in tiles.split(","))} if tiles else {}
     kernel = attncc.compile(program, **options)
-    out = kernel(*inputs)
+    out = kernel(*inputs, **runtime)
     if out.requires_grad:
         out.sum().backward()
     return kernel
@@ -66,14 +75,16 @@ def main() -> None:
     q = torch.randn(args.batch, args.heads, args.n, args.d, dtype=dtype, requires_grad=args.backward)
     k, v = (torch.randn(args.batch, kv_heads, keys, args.d, dtype=dtype, requires_grad=args.backward) for _ in range(2))
     dout = torch.randn(args.batch, args.heads, args.n, args.d, dtype=dtype)
+    runtime = EXAMPLE_INPUTS.get(args.program, lambda B, H, N: {})(args.batch, args.heads, args.n)
 
     def run(kernel: attncc.Kernel) -> torch.Tensor:
         if not args.backward:
             with torch.no_grad():
-                return kernel(q, k, v).float()
-        return torch.cat([g.float().flatten() for g in torch.autograd.grad(kernel(q, k, v), (q, k, v), dout)])
+                return kernel(q, k, v, **runtime).float()
+        out = kernel(q, k, v, **runtime)
+        return torch.cat([g.float().flatten() for g in torch.autograd.grad(out, (q, k, v), dout)])
 
-    kernels = [kernel_from(tree, EXAMPLES / f"{args.program}.attn", (q, k, v)) for tree in args.trees]
+    kernels = [kernel_from(tree, EXAMPLES / f"{args.program}.attn", (q, k, v), runtime) for tree in args.trees]
     baseline = run(kernels[0])
     for tree, kernel in zip(args.trees[1:], kernels[1:]):
         difference = (run(kernel) - baseline).abs().max().item()
