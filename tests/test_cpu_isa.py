@@ -347,11 +347,12 @@ def test_bf16_backward_takes_its_own_tiles_on_amx_only(monkeypatch) -> None:
 def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) -> None:
     """The forward reads K and V by rows (TilePlan.reads_by_rows: dot products, no panels) below
     4 queries and up to 64 query rows per kv head (N x group) where it multiplies in fp32, up to
-    8 where its tile products run on the bf16 unit; never past one query tile's rows, nor for a
-    packed batch's queries. Pages of 16 keys are a paged call's key tiles by rows, not with panels."""
+    8 where its tile products run on AMX, 16 on `vdpbf16ps`; never past one query tile's rows,
+    nor for a packed batch's queries. Pages of 16 keys are a paged call's key tiles by rows, not
+    with panels."""
     monkeypatch.setenv(ISA_ENV, isa)
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
-    bf16_unit = bool(CPU_ISAS[isa].bf16_products)
+    bf16_rows = {"amx": 8, "dpbf16": 16, "": 64}[CPU_ISAS[isa].bf16_products]
     cases = {  # (dtype, N, H, Hkv): by rows
         (torch.float32, 2, 32, 1): True,
         (torch.float32, 16, 8, 2): True,
@@ -359,8 +360,10 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
         (torch.float32, 32, 8, 2): False,
         (torch.bfloat16, 3, 32, 4): True,
         (torch.bfloat16, 8, 4, 4): True,
-        (torch.bfloat16, 4, 8, 2): not bf16_unit,
-        (torch.bfloat16, 16, 4, 4): not bf16_unit,
+        (torch.bfloat16, 4, 8, 2): bf16_rows >= 16,
+        (torch.bfloat16, 16, 4, 4): bf16_rows >= 16,
+        (torch.bfloat16, 9, 8, 4): bf16_rows >= 18,
+        (torch.bfloat16, 32, 4, 4): bf16_rows >= 32,
     }
     for (dtype, N, H, Hkv), by_rows in cases.items():
         q, k = torch.zeros(2, H, N, 64, dtype=dtype), torch.zeros(2, Hkv, 300, 64, dtype=dtype)

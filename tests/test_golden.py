@@ -21,16 +21,18 @@ LOW_PRECISION_SHAPES = (AWKWARD_SHAPES[1], AWKWARD_SHAPES[4])
 #: at least 3 key tiles (Bc <= 128 on the CPU). B = 2: per-batch lengths include 0.
 MASK_SPAN_SHAPE = Shape(2, 2, 1, 600, 600, 40)
 #: Few query rows per kv head, which the CPU forward reads K and V for by rows (TilePlan
-#: reads_by_rows): decoding (N < 4); D = 40 widens K and V into tiles, D = 64 reads them where
-#: they are stored, with 2 rows per kv head (dot products one row at a time, axpys) and 8 (four
-#: rows per dot product, the gemm for P V); N = 9 with 18 and 36 rows per kv head (fp32 by rows
-#: in place; bf16 and fp16 by rows of a tile widened once, more than kWidenInPlaceRows rows,
-#: except on AMX: by panels, a task taking 2 query heads of the group: all of it, or half where
-#: two threads would lack tasks) and N = 6 MHA (by rows at every dtype).
+#: reads_by_rows): decoding (N < 4); D = 40 widens K and V into tiles, D = 64 reads them where they
+#: are stored, with 2 rows per kv head (dot products one row at a time, axpys) and 8 (four rows per
+#: dot product, the gemm for P V); N = 4 with 16 rows per kv head (by rows of a tile widened once,
+#: more than kWidenInPlaceRows rows, at every dtype but bf16 and fp16 on AMX); N = 9 with 18 and 36
+#: rows per kv head (fp32 by rows in place; bf16 and fp16 by rows of a tile widened once, except
+#: bf16 on the bf16 units and fp16 on AMX: by panels, a task taking 2 query heads of the group: all
+#: of it, or half where two threads would lack tasks) and N = 6 MHA (by rows at every dtype).
 DECODING_SHAPES = (
     Shape(2, 4, 2, 3, 300, 40),
     Shape(1, 2, 1, 1, 513, 64),
     Shape(2, 8, 2, 2, 300, 64),
+    Shape(1, 8, 2, 4, 300, 64),
     Shape(2, 4, 2, 9, 300, 64),
     Shape(1, 8, 2, 9, 300, 64),
     Shape(2, 2, 2, 6, 300, 64),

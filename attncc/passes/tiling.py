@@ -115,8 +115,13 @@ CPU_BF16_STREAMING_BR = 256
 # (whose tile products are ~5x the FMAs'): MHA N=4 13.1 -> 6.8, N=8 13.3 -> 9.7 (D=64 4.65 ->
 # 4.78), N=16 12.9 -> 15.5; GQA 32/8 N=8 18.0 -> 28.8; fewer than CPU_DECODING_QUERIES queries
 # by rows whatever the group: GQA 32/4 N=2 11.6 -> 7.4, N=3 10.9 -> 10.7, MQA 32/1 N=1 6.5 -> 3.4.
+# `vdpbf16ps` multiplies at ~2x the FMAs' rate, not AMX's ~5x, so by rows pays there up to 16
+# rows. Zen 5 (avx512bf16, D=128 M=4096, medians of 9, ms, panels -> by rows): bf16 GQA 32/8
+# B=8 N=4 (16 rows) 11.4 -> 8.7, MHA N=16 43.5 -> 34.2; 32 rows stay panels: GQA N=8 13.4 ->
+# 15.1, MHA N=32 53.3 -> 60.6 (B=1 M=16384 GQA N=8 10.8 -> 8.0, the one exception: 8 tasks);
+# fp32 there confirms 64: 64 rows 52.0 -> 32.5, 128 rows 71.6 -> 101.5.
 CPU_DOT_PRODUCT_ROWS = 64
-CPU_BF16_DOT_PRODUCT_ROWS = 8
+CPU_BF16_DOT_PRODUCT_ROWS = {"amx": 8, "dpbf16": 16}  # by CpuIsa.bf16_products
 CPU_DECODING_QUERIES = 4
 # Keys per tile when decoding from kv heads side by side in each key row (TilePlan
 # for_side_by_side_decoding): one vector of fp32 lanes, the softmax's smallest row.
@@ -165,6 +170,8 @@ class TilePlan:
     bf16_block_rows: int = 0
     bf16_block_cols: int = 0
     bf16_streaming_block_rows: int = 0
+    #: CPU forward of bf16 inputs on a level with bf16 tile products: its `dot_product_rows`.
+    bf16_dot_product_rows: int = 0
     #: CPU backward of bf16 inputs on AMX: Br = Bc = this (0: the plan's).
     bf16_backward_block: int = 0
     #: CPU forward: calls of at most this many query rows per kv head read K and V by rows
@@ -180,11 +187,11 @@ class TilePlan:
     def for_bf16_products(self) -> TilePlan:
         """The forward's tiles where its products run on the CPU's bf16 unit (codegen/cpu.py
         `bf16_products`: bf16 inputs, and fp16 as bf16 terms on AMX), and the fewer query rows
-        it reads K and V by rows for (CPU_BF16_DOT_PRODUCT_ROWS)."""
+        it reads K and V by rows for (CPU_BF16_DOT_PRODUCT_ROWS of the unit)."""
         if self.bf16_block_rows:
             return replace(
                 self, block_rows=self.bf16_block_rows, block_cols=self.bf16_block_cols,
-                streaming_block_rows=self.bf16_streaming_block_rows, dot_product_rows=CPU_BF16_DOT_PRODUCT_ROWS,
+                streaming_block_rows=self.bf16_streaming_block_rows, dot_product_rows=self.bf16_dot_product_rows,
                 backward=self.backward or self,
             )  # fmt: skip
         return self
@@ -526,13 +533,15 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
             reason=f"{reason}; Br={CPU_STREAMING_BR} in the forward where a kv head's K/V panels outgrow L2",
         )
         if target.isa in CPU_ISAS and CPU_ISAS[target.isa].bf16_products:
-            amx = CPU_ISAS[target.isa].bf16_products == "amx"
+            unit = CPU_ISAS[target.isa].bf16_products
+            amx = unit == "amx"
             cols = CPU_AMX_BLOCK_COLS if amx else CPU_BF16_BLOCK
             rows = CPU_AMX_WIDE_HEAD_ROWS if amx and d >= 128 else CPU_BF16_BLOCK
             backward_block = CPU_AMX_BACKWARD_BLOCK if amx else 0
             plan = replace(
                 plan, bf16_block_rows=rows, bf16_block_cols=cols,
                 bf16_streaming_block_rows=CPU_BF16_STREAMING_BR, bf16_backward_block=backward_block,
+                bf16_dot_product_rows=CPU_BF16_DOT_PRODUCT_ROWS[unit],
                 reason=f"{plan.reason}; bf16 forward {rows}x{cols} (Br={CPU_BF16_STREAMING_BR} streaming)"
                 + (f", bf16 backward {backward_block}x{backward_block}" if amx else ""),
             )  # fmt: skip
