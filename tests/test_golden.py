@@ -9,9 +9,17 @@ import pytest
 import torch
 
 import attncc
-from attncc.passes.tiling import CPU_BF16_BLOCK, CPU_SIDE_BY_SIDE_DECODING_BC, CPU_STREAMING_BR
+from attncc.passes.tiling import (
+    CPU_BF16_BLOCK,
+    CPU_FUSED_SWEEP_ROWS,
+    CPU_SIDE_BY_SIDE_DECODING_BC,
+    CPU_STREAMING_BR,
+    TilePlan,
+    cpu_key_side_bytes,
+)
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
+from attncc.targets import cpu
 from tests.conftest import EXAMPLES, kernel
 
 LOW_PRECISION_SHAPES = (AWKWARD_SHAPES[1], AWKWARD_SHAPES[4])
@@ -132,14 +140,18 @@ def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
         assert result.ok, result.describe()
 
 
-@pytest.mark.parametrize("mode", ["fused", "two-pass"])
+@pytest.mark.parametrize("mode", ["fused", "fused, 2 key tiles a sweep", "two-pass"])
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_both_backward_schedules(name: str, mode: str) -> None:
+def test_both_backward_schedules(name: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-pass backward (dQ in a per-task buffer) and the two passes, forced either way; in
     bf16 on a shape whose rows and keys cross 3+ backward tiles with tails (the bf16 backward's
-    own tiles on AMX: TilePlan.for_bf16_backward)."""
+    own tiles on AMX: TilePlan.for_bf16_backward). The one pass also with two key tiles per sweep
+    over the query tiles (long sequences' schedule: TilePlan.key_tiles_per_sweep; an odd number
+    of key tiles leaves a last sweep of one)."""
+    if "sweep" in mode:
+        monkeypatch.setattr(TilePlan, "key_tiles_per_sweep", lambda plan, rows: 2)
     kern = kernel(name)
-    kern.backward = mode
+    kern.backward = mode.partition(",")[0]
     long_shape = adapt(Shape(2, 4, 2, 300, 270, 48), kern)
     s = long_shape
     q, k = (torch.empty(s.B, heads, n, s.D, dtype=torch.bfloat16) for heads, n in ((s.H, s.N), (s.Hkv, s.M)))
@@ -207,8 +219,16 @@ def test_gradient_buffers_beyond_the_budget_under_deterministic_mode(monkeypatch
 
 
 def test_backward_schedule_choice() -> None:
+    """Fused or two passes by tasks per thread; the fused pass's key tiles per sweep by query rows
+    per task, as many as fit L2."""
     kern = kernel("vanilla")
     q = torch.zeros(1, 8, 64, 64)
+    tiles = kern.plan(q, q, None, backward=True).tiles
+    sweep = tiles.sweep_key_tiles
+    assert tiles.key_tiles_per_sweep(CPU_FUSED_SWEEP_ROWS - 1) == 1
+    assert tiles.key_tiles_per_sweep(CPU_FUSED_SWEEP_ROWS) == sweep >= 1
+    key_side = cpu_key_side_bytes(tiles.block_rows, tiles.block_cols, tiles.head_dim)
+    assert sweep == 1 or sweep * key_side <= cpu().onchip_bytes
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

@@ -49,9 +49,11 @@ EXACT_GRAD_BUFFERS = (("bound", "int32_t*"), ("flags", "int32_t*"), ("shift", "c
 #: row, and the number of splits.
 SPLIT_BUFFERS = (("o_partial", "acc_t*"), ("lse_partial", "acc_t*"))
 SPLIT_CONTROL = ("splits",)
-#: The CPU forward's schedule: 1 where it reads K and V by rows (TilePlan.reads_by_rows, the
-#: template's forward_decode), 0 where it packs panels per kv head for tile products.
-CPU_CONTROL = ("by_rows",)
+#: The CPU kernels' schedule: by_rows, 1 where the forward reads K and V by rows
+#: (TilePlan.reads_by_rows, the template's forward_decode), 0 where it packs panels per kv head
+#: for tile products; key_tiles_per_sweep, the fused backward's key tiles per sweep over a task's
+#: query tiles (TilePlan.key_tiles_per_sweep).
+CPU_CONTROL = ("by_rows", "key_tiles_per_sweep")
 #: A paged call's block table (int64 [B, pages]; null otherwise), then its page size and the
 #: table's row stride (`Kernel.paged` reads K/V through it: templates/cpu and templates/cuda
 #: `key_row_offset`).

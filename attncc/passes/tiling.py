@@ -103,6 +103,20 @@ CPU_PARTIAL_TILES_FRACTION = 0.1
 # 20.4 -> 18.6. (128 x 256 was faster at d >= 128 N=2048, 28.0-28.6, but slower at N=512, 2.52,
 # and causal, 19.3; fp32 stays fastest at its own tiles: d=128 N=2048 123 ms, 128 x 128 128.)
 CPU_AMX_BACKWARD_BLOCK = 128
+# The fused CPU backward (templates/cpu backward_fused: one task per (b, kv head)) sweeps all of
+# its task's query tiles (fp32 dQ, Q and dO: 6 MiB at D=64, N=8K) once per key tile. Where they
+# outgrow the caches they come from memory on every sweep, and the backward's rate fell with N
+# (Zen 5, fp32 D=64, ms: N=2K 48.6, 4K 192, 8K 917 (4.8x), 16K 3870 (4.2x)). From
+# CPU_FUSED_SWEEP_ROWS query rows per task on, a sweep takes several key tiles, as many as their
+# workspaces (cpu_key_side_bytes) fit L2, at most CPU_MAX_SWEEP_KEY_TILES. Measured on Zen 5
+# (1 MiB L2, a 32 MiB L3 shared with other guests; B=1 H=8, backward alone, alternating medians,
+# ms, one key tile -> four): fp32 D=64 N=2K 48.6 -> 49.9, 4K 192 -> 202, 6K 425 -> 440, 8K
+# 840-918 -> 789-805, 16K 3927 -> 3204; D=128 N=2K 95.5 -> 99.0, 4K 375 -> 396, 6K 888 -> 899,
+# 8K 1924 -> 1631, 16K 8166 -> 6459; bf16 D=128 4K 203 -> 216, 8K 1015 -> 898. Rows, not bytes,
+# separate the two sides there (D=64 N=8K, 6 MiB, gains; D=128 N=6K, 9 MiB, loses). Two key
+# tiles: 16K D=64 3428, D=128 6836; eight: D=64 16K 3067 against four's 3168.
+CPU_FUSED_SWEEP_ROWS = 8192
+CPU_MAX_SWEEP_KEY_TILES = 4
 CPU_BF16_STREAMING_BR = 256
 # CPU forwards of few query rows per kv head (N x group: decoding, speculative decoding's
 # drafts, a short chunk of a prompt against a long cache) read K and V rows where they are
@@ -174,6 +188,9 @@ class TilePlan:
     bf16_dot_product_rows: int = 0
     #: CPU backward of bf16 inputs on AMX: Br = Bc = this (0: the plan's).
     bf16_backward_block: int = 0
+    #: CPU fused backward: key tiles per sweep over a task's query tiles where those outgrow the
+    #: caches (`key_tiles_per_sweep`; 1: one).
+    sweep_key_tiles: int = 1
     #: CPU forward: calls of at most this many query rows per kv head read K and V by rows
     #: (`reads_by_rows`; 0: a GPU plan, never).
     dot_product_rows: int = 0
@@ -183,6 +200,11 @@ class TilePlan:
     #: GPU forward: warps sharing each row block, each taking Bc / key_warps consecutive keys of
     #: every K/V tile with its own softmax state, merged at the end (`for_key_split_warps`).
     key_warps: int = 1
+
+    def key_tiles_per_sweep(self, query_rows: int) -> int:
+        """CPU fused backward: the key tiles each sweep over a task's `query_rows` query rows
+        (its group's heads x N) takes: `sweep_key_tiles` from CPU_FUSED_SWEEP_ROWS on, else one."""
+        return self.sweep_key_tiles if query_rows >= CPU_FUSED_SWEEP_ROWS else 1
 
     def for_bf16_products(self) -> TilePlan:
         """The forward's tiles where its products run on the CPU's bf16 unit (codegen/cpu.py
@@ -484,6 +506,12 @@ def choose_micro_kernel(target: Target) -> CpuMicroKernel:
     return CpuMicroKernel(target.isa, target.vector_bytes, rows, vecs, target.compile_flags, bf16_products)
 
 
+def cpu_key_side_bytes(br: int, bc: int, d: int) -> int:
+    """fp32 workspace of one key tile in the fused CPU backward: K^T, V^T and K (d x Bc each),
+    the dK and dV accumulators (Bc x d each) and dQ's rows (Br x d), S and dP (Br x Bc)."""
+    return 4 * (5 * bc * d + br * d + 2 * br * bc)
+
+
 def cpu_onchip_bytes(br: int, bc: int, d: int) -> int:
     """fp32 working set of one task: Q, O tiles (Br x d), K^T, V (d x Bc), S (Br x Bc)."""
     return 4 * (2 * br * d + 2 * bc * d + br * bc)
@@ -521,16 +549,18 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     onchip = cpu_onchip_bytes(br, bc, d)
     if onchip > target.onchip_bytes:
         raise NoFit(f"tiles {br}x{bc} need {onchip} B, more than the target's {target.onchip_bytes} B")
+    sweep = max(1, min(CPU_MAX_SWEEP_KEY_TILES, target.onchip_bytes // cpu_key_side_bytes(br, bc, d)))
     plan = TilePlan(
         d, br, bc, paper_br, paper_bc, target.vector_bytes // 4, 0, 1, onchip, 0, reason,
-        dot_product_rows=CPU_DOT_PRODUCT_ROWS,
+        dot_product_rows=CPU_DOT_PRODUCT_ROWS, sweep_key_tiles=sweep,
     )  # fmt: skip
     if override is None:
         plan = replace(
             plan,
             streaming_keys=target.onchip_bytes // (4 * 2 * d) + 1,
             streaming_block_rows=CPU_STREAMING_BR,
-            reason=f"{reason}; Br={CPU_STREAMING_BR} in the forward where a kv head's K/V panels outgrow L2",
+            reason=f"{reason}; Br={CPU_STREAMING_BR} in the forward where a kv head's K/V panels outgrow L2; "
+            f"the fused backward sweeps {sweep} key tile(s) at a time from {CPU_FUSED_SWEEP_ROWS} query rows per task",
         )
         if target.isa in CPU_ISAS and CPU_ISAS[target.isa].bf16_products:
             unit = CPU_ISAS[target.isa].bf16_products

@@ -1053,6 +1053,8 @@ class Kernel:
             self._run("attncc_backward_delta", dtype, plan, call, ptrs, dropout, seed)
             if dlse is not None:  # a loss on lse: D - dlse in place of D (delta_rows)
                 delta.sub_(dlse.to(acc))
+            p = plan.problem
+            call["key_tiles_per_sweep"] = plan.tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
             for entry in self.backward_entries(plan, threads):
                 self._run(entry, dtype, plan, call, ptrs, dropout, seed)
         else:
@@ -1360,7 +1362,7 @@ class Kernel:
         )
         threads = call.get("threads", max(1, torch.get_num_threads()))
         ints.update(seed=seed & (2**63 - 1), offset=call.get("offset", 0), threads=threads, splits=plan.kv_splits)
-        ints.update(by_rows=call.get("by_rows", 0))
+        ints.update(by_rows=call.get("by_rows", 0), key_tiles_per_sweep=call.get("key_tiles_per_sweep", 1))
         for ident, stride_names in names.tensor_strides:
             ints.update(zip(stride_names, tensors[ident].stride()))
         grad_slices: dict[str, int] = call.get("grad_slices", {})  # type: ignore[assignment]
