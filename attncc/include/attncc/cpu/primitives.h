@@ -173,11 +173,16 @@ inline double pymod(double a, double b) { double r = std::fmod(a, b); return (r 
 // KVM: the panels of a bf16 call at N = 512, 1 MiB, faulted ~120 times per call). One pool per
 // thread (the OpenMP workers persist between calls), so a block comes back to the core whose
 // cache last held it, and takes and gives need no lock. A pool keeps at most kPoolBlocks free
-// blocks and kPoolBytes in them; what would exceed that goes back to the heap.
+// blocks and kPoolBytes in them; what would exceed that goes back to the heap. A request takes
+// the smallest free block that fits, but none over kPoolSlack times its size: a small buffer
+// that took a large block left the large buffer after it to fault in a fresh one (the fused
+// backward's four key-tile workspaces, 17 buffers each, took the 2 MiB query-side blocks when
+// the pool held 32 blocks: +14 MiB of page faults per call at N = 8K).
 class BlockPool {
  public:
-  static constexpr int kPoolBlocks = 32;
+  static constexpr int kPoolBlocks = 128;
   static constexpr size_t kPoolBytes = size_t(32) << 20;
+  static constexpr size_t kPoolSlack = 4;
 
   // A 64-byte aligned block of at least `bytes` (give it back on this thread); `capacity`
   // receives its size.
@@ -185,8 +190,8 @@ class BlockPool {
     bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
     Free& f = free_list();
     int best = -1;
-    for (int i = 0; i < f.count; ++i)  // the smallest block that fits
-      if (f.sizes[i] >= bytes && (best < 0 || f.sizes[i] < f.sizes[best])) best = i;
+    for (int i = 0; i < f.count; ++i)  // the smallest block that fits, up to kPoolSlack x bytes
+      if (f.sizes[i] >= bytes && f.sizes[i] <= kPoolSlack * bytes && (best < 0 || f.sizes[i] < f.sizes[best])) best = i;
     if (best < 0) {
       capacity = bytes;
       return std::aligned_alloc(64, bytes);
