@@ -297,7 +297,11 @@ static void block_pool_on_this_thread(long* out) {
   BlockPool::give(large, large_cap);
   void* a = BlockPool::take(900, cap);  // the smallest free block that fits
   out[0] = a == small && cap == small_cap;
-  void* b = BlockPool::take(5000, cap);
+  size_t mid_cap;
+  void* mid = BlockPool::take(5000, mid_cap);  // not the large block: over kPoolSlack times its size
+  out[5] = mid != large;
+  BlockPool::give(mid, mid_cap);
+  void* b = BlockPool::take(30000, cap);  // within kPoolSlack times its size
   out[1] = b == large && cap == large_cap;
   out[2] = reinterpret_cast<uintptr_t>(a) % 64 == 0 && reinterpret_cast<uintptr_t>(b) % 64 == 0;
   BlockPool::give(a, small_cap);
@@ -407,10 +411,11 @@ def test_scalar_exp_and_tanh_accuracy(harness) -> None:
 
 def test_scratch_blocks_come_back_from_the_pool_zeroed(harness) -> None:
     """Kernel scratch (K/V panels, tiles) is recycled per thread: the smallest free block that
-    fits is taken again, 64-byte aligned, and a Buffer on a reused block starts zeroed."""
-    out = (ctypes.c_long * 5)()
+    fits is taken again, unless it is over 4 times the request (a large buffer after it would
+    fault in a fresh block), 64-byte aligned, and a Buffer on a reused block starts zeroed."""
+    out = (ctypes.c_long * 6)()
     harness.block_pool(out)
-    assert list(out) == [1, 1, 1, 1, 0]
+    assert list(out) == [1, 1, 1, 1, 0, 1]
 
 
 def test_gemm_matches_matmul(harness) -> None:
