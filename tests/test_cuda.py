@@ -7,6 +7,7 @@ import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +118,36 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
             assert instruction in report.ptx, f"{where}: no {instruction}"
         if arch == "sm75":
             assert "cp.async" not in report.ptx and "m16n8k16" not in report.ptx, where
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
+def test_ptxas_reports_come_from_the_cache_and_a_damaged_entry_compiles_again(tmp_path, monkeypatch) -> None:
+    """A source compiled before (same headers, architecture, nvcc) gives its report without
+    running nvcc; another architecture or a damaged entry runs it."""
+    import subprocess
+
+    import attncc.runtime.nvcc as nvcc_module
+
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    nvcc_module.nvcc_fingerprint()  # (its `nvcc --version`, once per process, before counting)
+    runs: list[str] = []
+    run = subprocess.run
+
+    def counted(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+        if Path(cmd[0]).name in ("nvcc", "ptxas"):  # (not the host compiler's version, read once for the key)
+            runs.append(cmd[0])
+        return run(cmd, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counted)
+    source = 'extern "C" __global__ void attention_forward(float* x) { x[0] += 1.0f; }\n'
+    first = compile_cuda(source, "sm80")
+    assert len(runs) == 2  # nvcc -ptx, ptxas -v
+    assert compile_cuda(source, "sm80") == first and len(runs) == 2
+    assert compile_cuda(source, "sm90").arch == "sm90" and len(runs) == 4
+    for cached in (tmp_path / nvcc_module.PTXAS_CACHE_DIR).iterdir():
+        cached.write_bytes(b"damaged")
+    assert compile_cuda(source, "sm80") == first and len(runs) == 6
+    assert compile_cuda(source, "sm80") == first and len(runs) == 6  # (rewritten)
 
 
 @pytest.mark.parametrize("arch", ["sm75", "sm80", "sm86", "sm90"])
