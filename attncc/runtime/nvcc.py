@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -197,7 +198,7 @@ def compile_cuda(source: str, arch: str, keep_dir: Path | None = None) -> PtxasR
     report = parse_ptxas(text, arch, ptx)
     try:  # (written whole, then renamed: a reader never sees half an entry)
         entry.parent.mkdir(parents=True, exist_ok=True)
-        partial = entry.with_suffix(f".{os.getpid()}.tmp")
+        partial = entry.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         partial.write_bytes(gzip.compress(json.dumps({"report": text, "ptx": ptx}).encode(), compresslevel=1))
         partial.replace(entry)
     except OSError:
