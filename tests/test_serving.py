@@ -96,7 +96,7 @@ def leaf64(t: torch.Tensor | int) -> torch.Tensor | int:
 
 # ----------------------------------------------------------------------- packed
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_varlen_matches_hand_written_reference_per_sequence(name: str) -> None:
+def test_varlen_matches_hand_written_reference_per_sequence(name: str, sweep: bool = False) -> None:
     """Forward and backward of every example on a packed batch of four ragged sequences."""
     case = CASES[name]
     shape = case.shape
@@ -106,13 +106,28 @@ def test_varlen_matches_hand_written_reference_per_sequence(name: str) -> None:
     names = ["dq", "dk", "dv"] + [f"d{n}" for n in learnable(inputs)]
     kern = kernel(name)
     out, lse = kern.varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True, **case.call, **inputs)
-    got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
+    kern.backward = "fused" if sweep else "auto"
+    try:
+        got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
+    finally:
+        kern.backward = "auto"
     ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
     q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
     ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
     leaves = [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))]
     ref = grads_of(ref_out, ref_lse, leaves, names, dout.double())
     assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
+
+
+@pytest.mark.parametrize("name", ["vanilla", "causal", "relative_bias", "document"])
+def test_varlen_backward_sweeping_two_key_tiles_at_a_time(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused backward with two key tiles per sweep over the query tiles (long sequences'
+    schedule, TilePlan.key_tiles_per_sweep) on the packed batch: sequences whose keys end inside
+    a sweep, one key, keys without queries."""
+    from attncc.passes.tiling import TilePlan
+
+    monkeypatch.setattr(TilePlan, "key_tiles_per_sweep", lambda plan, rows: 2)
+    test_varlen_matches_hand_written_reference_per_sequence(name, sweep=True)
 
 
 @pytest.mark.parametrize("name", ["alibi", "gpt_oss"])
