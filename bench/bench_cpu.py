@@ -12,8 +12,9 @@ subprocess.
     python bench/bench_cpu.py --sweep         # tile sizes for the dense forward
     python bench/bench_cpu.py --grid --json bench/results/cpu-<family>.json
                                               # the issue's targets: N = 512..16K, D = 64/128, fp32/bf16,
-                                              # fwd and fwd+bwd, decoding, masked variants; % of the GEMM
-                                              # rate measured here; a PNG plot beside the JSON
+                                              # fwd and fwd+bwd, decoding, masked variants; % of the
+                                              # machine's peak (bench/peak_cpu.py) and of the GEMM rate
+                                              # measured here; a PNG plot beside the JSON
     python bench/bench_cpu.py --serving --no-flex --json bench/results/cpu-<family>-serving.json
                                               # packed (varlen) vs SDPA on the padded batch, paged decoding
     python bench/bench_cpu.py --models --no-flex --json bench/results/cpu-<family>-models.json
@@ -49,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
+from bench.peak_cpu import peak_rates  # noqa: E402
 
 EX = ROOT / "examples"
 
@@ -639,23 +641,28 @@ def attention_flops(B: int, H: int, N: int, M: int, D: int, causal: bool, backwa
     return flops / 2 if causal else flops
 
 
-def rate_note(flops_per_s: float, rates: dict[str, float]) -> str:
-    """GFLOP/s and the share of the best torch.mm rate measured here (attncc multiplies bf16 in
-    fp32, and on CPUs without bf16 instructions torch's bf16 mm is far below its fp32 one)."""
-    best = max(rates.values())
-    return f"{flops_per_s / 1e9:.0f} GFLOP/s = {100 * flops_per_s / 1e9 / best:.0f}% of the best torch.mm rate"
+def rate_note(flops_per_s: float, rates: dict[str, float], peaks: dict[str, float], dtype: str) -> str:
+    """GFLOP/s, the share of the machine's peak on the unit that multiplies `dtype` here (measured
+    by bench/peak_cpu.py; none on AMX) and of the best torch.mm rate measured here (attncc may
+    multiply bf16 in fp32, and on CPUs without bf16 instructions torch's bf16 mm is far below its
+    fp32 one)."""
+    gflops = flops_per_s / 1e9
+    note = f"{gflops:.0f} GFLOP/s = "
+    if dtype in peaks:
+        note += f"{100 * gflops / peaks[dtype]:.0f}% of the {dtype} peak, "
+    return note + f"{100 * gflops / max(rates.values()):.0f}% of the best torch.mm rate"
 
 
-def grid_cases(results: list, args, flex, rates: dict[str, float]) -> None:
+def grid_cases(results: list, args, flex, rates: dict[str, float], peaks: dict[str, float]) -> None:
     """The CPU issue's target grid: B=1 H=8, D=64/128, N=512..max_n; dense and causal, fp32 and
     bf16, forward and forward+backward; GQA decoding; masked variants against FlexAttention."""
     if args.grid_part in ("all", "dense"):
-        grid_dense_cases(results, args, flex, rates)
+        grid_dense_cases(results, args, flex, rates, peaks)
     if args.grid_part in ("all", "extra"):
         grid_extra_cases(results, args, flex)
 
 
-def grid_dense_cases(results: list, args, flex, rates: dict[str, float]) -> None:
+def grid_dense_cases(results: list, args, flex, rates: dict[str, float], peaks: dict[str, float]) -> None:
     vanilla, causal = attncc.compile(EX / "vanilla.attn"), attncc.compile(EX / "causal.attn")
     r = args.repeats
     for D in (64, 128):
@@ -676,7 +683,7 @@ def grid_dense_cases(results: list, args, flex, rates: dict[str, float]) -> None
                     anchors = alternating_per_call(calls, r)
                     ours = anchors.pop("attncc")
                     flops = attention_flops(1, 8, N, N, D, is_causal, False)
-                    row(results, name, ours, anchors, rate_note(flops / ours, rates))
+                    row(results, name, ours, anchors, rate_note(flops / ours, rates, peaks, tag))
                     results[-1].update(N=N, D=D, dtype=tag, causal=is_causal, backward=False)
                     if N > args.max_n_backward:
                         continue
@@ -687,7 +694,8 @@ def grid_dense_cases(results: list, args, flex, rates: dict[str, float]) -> None
                     )
                     ours = anchors.pop("attncc")
                     flops = attention_flops(1, 8, N, N, D, is_causal, True)
-                    row(results, name.replace(" fwd ", " fwd+bwd "), ours, anchors, rate_note(flops / ours, rates))
+                    note = rate_note(flops / ours, rates, peaks, tag)
+                    row(results, name.replace(" fwd ", " fwd+bwd "), ours, anchors, note)
                     results[-1].update(N=N, D=D, dtype=tag, causal=is_causal, backward=True)
 
 
@@ -847,9 +855,12 @@ def main() -> None:
         "python": platform.python_version(),
         **cpu_meta(),
     }
-    rates = gemm_rates(args.repeats)
-    meta["torch_mm_gflops"] = rates
-    print(f"{meta['cpu_model']} ({meta['cpu_family_model']}), attncc {meta['attncc_isa']}; torch.mm GFLOP/s: {rates}")
+    rates, peaks = gemm_rates(args.repeats), peak_rates()
+    meta["torch_mm_gflops"], meta["peak_gflops"] = rates, peaks
+    print(
+        f"{meta['cpu_model']} ({meta['cpu_family_model']}), attncc {meta['attncc_isa']}; "
+        f"torch.mm GFLOP/s: {rates}; peak GFLOP/s (bench/peak_cpu.py): {peaks}"
+    )
     if args.serving:
         serving_cases(results, args)
     elif args.short:
@@ -861,7 +872,7 @@ def main() -> None:
     elif args.fp8:
         fp8_cases(results, args)
     elif args.grid:
-        grid_cases(results, args, flex, rates)
+        grid_cases(results, args, flex, rates, peaks)
         if args.grid_part != "extra":
             memory_cases(results, args, MEMORY_GRID)
     else:

@@ -477,3 +477,21 @@ def test_key_tiles_fitted_to_few_keys(isa: str, monkeypatch) -> None:
                 assert tiles.block_cols == max(step, -(-shape.M // step) * step), (isa, name, shape, dtype)
                 result = check(kern, shape, dtype)
                 assert result.ok, f"{isa} {name} {dtype} {shape}: {result.describe()}"
+
+
+@pytest.mark.parametrize("isa", [level for level in ("avx512bf16", "avx512", "avx2") if level in LEVELS_HERE])
+def test_the_peak_probe_times_the_unit_each_dtype_runs_on(isa: str, monkeypatch) -> None:
+    """bench/peak_cpu.py (bench_cpu.py's "% of the peak"): the fp32 FMAs at every level; bf16 on
+    vdpbf16ps where the level has it, else the same FMAs as fp32 (widened). Bounds, not speed: a
+    probe that measured no work (its loop optimised away) reads far beyond any x86 core's rate."""
+    sys.path.insert(0, str(ROOT))
+    from bench.peak_cpu import peak_rates
+
+    monkeypatch.setenv(ISA_ENV, isa)
+    rates = peak_rates(rounds=2_000_000, repeats=1)
+    fma_bound = 2 * 16 * 2 * 6.0 * cpu().cores  # 2 ports x 16 lanes x 2 FLOPs at 6 GHz: above any x86 core
+    assert set(rates) == {"float32", "bfloat16"}
+    assert 0 < rates["float32"] < fma_bound
+    assert 0 < rates["bfloat16"] < 2 * fma_bound  # vdpbf16ps: 4 FLOPs per lane
+    if isa != "avx512bf16":  # (no speed ratio asserted: a timed test fails on a busy machine)
+        assert rates["bfloat16"] == rates["float32"]
