@@ -44,6 +44,7 @@ DECODING_SHAPES = (
     Shape(2, 4, 2, 9, 300, 64),
     Shape(1, 8, 2, 9, 300, 64),
     Shape(2, 2, 2, 6, 300, 64),
+    Shape(1, 8, 2, 4, 300, 48),  # 16 rows a kv head: 4 x 4 dot blocks; bf16 pairs with a half-vector tail
 )
 LARGE_SCORES = (30.0, 100.0)
 
@@ -133,8 +134,9 @@ def test_running_max_follows_scores_rising_along_the_keys(dtype: torch.dtype) ->
 @pytest.mark.parametrize("shape", DECODING_SHAPES, ids=str)
 def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
     """Few query rows per kv head: the forward's row-by-row path (dot products, axpys) instead
-    of panels and tile products, K and V read where they are stored (D = 64, widened in registers
-    from bf16/fp16) or widened into tiles (D = 40, not a whole number of vectors)."""
+    of panels and tile products, K and V read where they are stored (D = 64 and 48, widened in
+    registers from bf16/fp16, or bf16 multiplied as stored on a bf16 unit) or widened into tiles
+    (D = 40, not a whole number of vectors)."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         result = check(example, adapt(shape, example), dtype)
         assert result.ok, result.describe()

@@ -804,15 +804,16 @@ constexpr int kDotRows = ATTNCC_VECTOR_BYTES == 64 ? 4 : 2;
 constexpr int kDotKeys = 4;
 
 // S[r * s_ld + c] = Q_r . K_c for r < rows, c < cols: the query rows against key rows where they
-// are stored (k_ld apart, of acc_t or a storage type widened in registers), n a multiple of VL.
+// are stored (k_ld apart, of acc_t or a storage type widened in registers), n a multiple of VL;
+// bf16 query rows (zero padded to whole 32-element pairs) against bf16 keys on vdpbf16ps.
 // Decoding's scores, where a tile has fewer rows than packing K^T would pay for. From two blocks
 // of kDotRows rows on, blocks of kDotRows rows x kDotKeys keys share their loads and reduce four
 // keys' sums together; below, the products are few beside the loads of K (memory-bound decoding),
 // and a key at a time keeps before_key's prefetches spread out. before_key(c) runs before key c's
 // products (decoding prefetches the next tile's rows there: all lines of a row each; four rows'
 // at once, before one block, stalled the loads: fp32 decoding 0.82x, N = 4 x 4 heads 0.75x).
-template <typename T, typename BeforeKey>
-inline void dot_rows(acc_t* __restrict S, int64_t s_ld, const acc_t* __restrict Q, int64_t q_ld, int rows,
+template <typename TQ, typename T, typename BeforeKey>
+inline void dot_rows(acc_t* __restrict S, int64_t s_ld, const TQ* __restrict Q, int64_t q_ld, int rows,
                      const T* __restrict K, int64_t k_ld, int cols, int n, BeforeKey&& before_key) {
   const int blocks = rows / kDotRows;
   int c = 0;
@@ -871,6 +872,37 @@ constexpr int kBf16Block = 32;  // rows and columns of the AMX gemm_bf16's block
 namespace attncc {
 #endif
 #if ATTNCC_BF16_PRODUCTS
+
+// dot_block (above) of bf16 query rows, zero padded to a multiple of 32 elements, against bf16
+// key rows as stored, on vdpbf16ps: 32 products a vector (16 with fp32 FMAs), none widened. The
+// products of bf16 are exact in fp32; n is a multiple of 16 (a last 16 read as a half vector).
+template <int Rows, int Keys>
+inline void dot_block(float* __restrict S, int64_t s_ld, const bf16_t* __restrict Q, int64_t q_ld,
+                      const bf16_t* __restrict k, int64_t k_ld, int n) {
+  vec_t acc[Rows][Keys] = {};
+  const auto pairs = [](const bf16_t* p, bool half) {
+    return half ? (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+                : (__m512bh)_mm512_loadu_si512(p);
+  };
+  for (int d = 0; d < n; d += 32) {
+    const bool half = n - d < 32;
+    __m512bh key[Keys];
+#pragma GCC unroll 4
+    for (int y = 0; y < Keys; ++y) key[y] = pairs(k + y * k_ld + d, half);
+#pragma GCC unroll 4
+    for (int x = 0; x < Rows; ++x) {
+      const __m512bh query = pairs(Q + x * q_ld + d, half);
+#pragma GCC unroll 4
+      for (int y = 0; y < Keys; ++y) acc[x][y] = vec_t(_mm512_dpbf16_ps(__m512(acc[x][y]), query, key[y]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int x = 0; x < Rows; ++x) {
+    if constexpr (Keys == 4) lanes_sums4(acc[x], S + x * s_ld);
+    else
+      for (int y = 0; y < Keys; ++y) S[x * s_ld + y] = lanes_sum(acc[x][y]);
+  }
+}
 
 // n floats (a multiple of 16) -> bf16 bits, rounding to nearest even (vcvtneps2bf16).
 inline void store_bf16(uint16_t* dst, __m512 v) {
