@@ -772,6 +772,17 @@ inline void lanes_sums4(const vec_t (&v)[4], acc_t* __restrict out) {
   for (int j = 0; j < 4; ++j) out[j] = lanes_sum(v[j]);
 }
 
+// S[x * s_ld + y] = the sum of acc[x][y]'s lanes: a dot block's Rows x Keys sums.
+template <int Rows, int Keys>
+inline void store_block_sums(const vec_t (&acc)[Rows][Keys], acc_t* __restrict S, int64_t s_ld) {
+#pragma GCC unroll 4
+  for (int x = 0; x < Rows; ++x) {
+    if constexpr (Keys == 4) lanes_sums4(acc[x], S + x * s_ld);
+    else
+      for (int y = 0; y < Keys; ++y) S[x * s_ld + y] = lanes_sum(acc[x][y]);
+  }
+}
+
 // S[r * s_ld + c] = Q_r . K_c for Rows query rows (q_ld apart) and Keys key rows (k_ld apart)
 // from k, over n (a multiple of VL): each vector of K, widened once, serves every row, and each
 // vector of Q every key; the Rows x Keys sums are independent chains the core overlaps.
@@ -790,24 +801,21 @@ inline void dot_block(acc_t* __restrict S, int64_t s_ld, const acc_t* __restrict
       for (int y = 0; y < Keys; ++y) acc[x][y] += query * key[y];
     }
   }
-#pragma GCC unroll 4
-  for (int x = 0; x < Rows; ++x) {
-    if constexpr (Keys == 4) lanes_sums4(acc[x], S + x * s_ld);
-    else
-      for (int y = 0; y < Keys; ++y) S[x * s_ld + y] = lanes_sum(acc[x][y]);
-  }
+  store_block_sums<Rows, Keys>(acc, S, s_ld);
 }
 
 // Query rows per dot_block: 4 x 4 keys take 16 accumulators, 4 keys and a query vector (21 of
-// AVX-512's 32 registers); 2 x 4 on 16 registers.
+// AVX-512's 32 registers); 2 x 4 on 16 registers. dot_rows takes blocks of keys from
+// kDotBlockRows rows on (4 blocks: the next tile's prefetches spread over them).
 constexpr int kDotRows = ATTNCC_VECTOR_BYTES == 64 ? 4 : 2;
 constexpr int kDotKeys = 4;
+constexpr int kDotBlockRows = 4 * kDotRows;
 
 // S[r * s_ld + c] = Q_r . K_c for r < rows, c < cols: the query rows against key rows where they
 // are stored (k_ld apart, of acc_t or a storage type widened in registers), n a multiple of VL;
 // bf16 query rows (zero padded to whole 32-element pairs) against bf16 keys on vdpbf16ps.
-// Decoding's scores, where a tile has fewer rows than packing K^T would pay for. From two blocks
-// of kDotRows rows on, blocks of kDotRows rows x kDotKeys keys share their loads and reduce four
+// Decoding's scores, where a tile has fewer rows than packing K^T would pay for. From
+// kDotBlockRows rows on, blocks of kDotRows rows x kDotKeys keys share their loads and reduce four
 // keys' sums together; below, the products are few beside the loads of K (memory-bound decoding),
 // and a key at a time keeps before_key's prefetches spread out. before_key(c) runs before key c's
 // products (decoding prefetches the next tile's rows there: all lines of a row each; four rows'
@@ -817,7 +825,7 @@ inline void dot_rows(acc_t* __restrict S, int64_t s_ld, const TQ* __restrict Q, 
                      const T* __restrict K, int64_t k_ld, int cols, int n, BeforeKey&& before_key) {
   const int blocks = rows / kDotRows;
   int c = 0;
-  if (blocks >= 4) {
+  if (rows >= kDotBlockRows) {
     for (; c + kDotKeys <= cols; c += kDotKeys) {
       const T* k = K + c * k_ld;
       int prefetched = 0;  // keys of this block whose next rows are asked for, spread over the row blocks
@@ -896,12 +904,7 @@ inline void dot_block(float* __restrict S, int64_t s_ld, const bf16_t* __restric
       for (int y = 0; y < Keys; ++y) acc[x][y] = vec_t(_mm512_dpbf16_ps(__m512(acc[x][y]), query, key[y]));
     }
   }
-#pragma GCC unroll 4
-  for (int x = 0; x < Rows; ++x) {
-    if constexpr (Keys == 4) lanes_sums4(acc[x], S + x * s_ld);
-    else
-      for (int y = 0; y < Keys; ++y) S[x * s_ld + y] = lanes_sum(acc[x][y]);
-  }
+  store_block_sums<Rows, Keys>(acc, S, s_ld);
 }
 
 // n floats (a multiple of 16) -> bf16 bits, rounding to nearest even (vcvtneps2bf16).
