@@ -345,19 +345,24 @@ def test_bf16_backward_takes_its_own_tiles_on_amx_only(monkeypatch) -> None:
 
 @pytest.mark.parametrize("isa", LEVELS_HERE)
 def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) -> None:
-    """The forward reads K and V by rows (TilePlan.reads_by_rows: dot products, no panels) below
-    4 queries and up to 64 query rows per kv head (N x group) where it multiplies in fp32, up to
-    8 where its tile products run on AMX, 16 on `vdpbf16ps`; never past one query tile's rows,
-    nor for a packed batch's queries. Pages of 16 keys are a paged call's key tiles by rows, not
-    with panels."""
+    """The forward reads K and V by rows (TilePlan.reads_by_rows: no panels) below 4 queries and
+    up to 64 query rows per kv head (N x group) where it multiplies in fp32, 512 on AVX-512
+    levels, up to 8 where its tile products run on AMX, 16 on `vdpbf16ps`; never past one query
+    tile's rows, nor for a packed batch's queries. A paged call's key tiles are pages of 16
+    keys where the rows take dot products, not with panels, nor from 48 rows per kv head on
+    AVX-512 (K^T tiles for gemm: 64 keys, copied page by page)."""
     monkeypatch.setenv(ISA_ENV, isa)
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
-    bf16_rows = {"amx": 8, "dpbf16": 16, "": 64}[CPU_ISAS[isa].bf16_products]
+    wide = CPU_ISAS[isa].vector_bytes == 64
+    fp32_rows = 512 if wide else 64
+    bf16_rows = {"amx": 8, "dpbf16": 16, "": fp32_rows}[CPU_ISAS[isa].bf16_products]
     cases = {  # (dtype, N, H, Hkv): by rows
         (torch.float32, 2, 32, 1): True,
         (torch.float32, 16, 8, 2): True,
         (torch.float32, 64, 4, 4): True,
-        (torch.float32, 32, 8, 2): False,
+        (torch.float32, 32, 8, 2): fp32_rows >= 128,
+        (torch.float32, 64, 64, 8): fp32_rows >= 512,
+        (torch.float32, 33, 64, 4): False,  # 528 rows
         (torch.bfloat16, 3, 32, 4): True,
         (torch.bfloat16, 8, 4, 4): True,
         (torch.bfloat16, 4, 8, 2): bf16_rows >= 16,
@@ -369,8 +374,9 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
         q, k = torch.zeros(2, H, N, 64, dtype=dtype), torch.zeros(2, Hkv, 300, 64, dtype=dtype)
         _, call = kern._forward_call(q, k, None, [], [])
         assert call["by_rows"] == by_rows, f"{isa} {dtype} N={N} H={H} Hkv={Hkv}"
-        tiles = kern.plan(q, k, None).tiles.for_pages(16, call["by_rows"])  # (of 32 keys with panels)
-        assert (tiles.block_cols == 16) == by_rows
+        paged, _ = kern._forward_call(q, k, None, [], [], page_size=16)
+        dot_products = by_rows and not (wide and N * H // Hkv >= 48)
+        assert (paged.tiles.block_cols == 16) == dot_products, f"{isa} {dtype} N={N} H={H} Hkv={Hkv}"
     small = attncc.compile(ROOT / "examples" / "vanilla.attn", tiles=(4, 32))
     for N, by_rows in ((3, True), (5, False)):  # Br = 4
         q = torch.zeros(1, 2, N, 64)

@@ -11,6 +11,7 @@ from attncc.codegen.cexpr import emit
 from attncc.errors import AttnccError
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, fused_node
+from attncc.passes.tiling import cpu_transposed_key_rows
 
 if TYPE_CHECKING:
     from attncc.passes.tiling import CpuMicroKernel
@@ -115,6 +116,7 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         micro_kernel=op.tiling.micro_kernel,
         bf16_products=bf16_products(dtype, op.tiling.micro_kernel),
         panel_budget_bytes=PANEL_BUDGET_BYTES,
+        transposed_key_rows=cpu_transposed_key_rows(op.tiling.micro_kernel.vector_bytes),
         has_dropout=op.dropout > 0,
         rope_q=op.q_rope,
         rope_k=op.k_rope,

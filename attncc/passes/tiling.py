@@ -134,7 +134,18 @@ CPU_BF16_STREAMING_BR = 256
 # B=8 N=4 (16 rows) 11.4 -> 8.7, MHA N=16 43.5 -> 34.2; 32 rows stay panels: GQA N=8 13.4 ->
 # 15.1, MHA N=32 53.3 -> 60.6 (B=1 M=16384 GQA N=8 10.8 -> 8.0, the one exception: 8 tasks);
 # fp32 there confirms 64: 64 rows 52.0 -> 32.5, 128 rows 71.6 -> 101.5.
-CPU_DOT_PRODUCT_ROWS = 64
+# On AVX-512, from 48 rows per kv head each key tile is transposed into K^T strips as it is read
+# (templates/cpu kTransposedKeyRows) and S comes from gemm's register blocks instead of dot
+# products; by rows then pays up to 512 rows, where panels (K/V of a kv head packed per call,
+# re-read by every query head's task) cost more. Zen 5, M=4096, ms, panels -> by rows: fp32 GQA
+# 32/8 B=8 D=128 N=32 (128 rows) 73.2 -> 44.4, N=64 (256) 113.0 -> 81.3; fp16 N=32 54.6 -> 44.0,
+# N=64 95.0 -> 82.4; D=64 N=32 29.2 -> 22.8, N=64 48.4 -> 41.3; GQA 64/8 B=2 N=64 (512 rows)
+# D=128 44.8 -> 40.4, D=256 107.5 -> 87.8, fp16 47.7 -> 39.3.
+CPU_DOT_PRODUCT_ROWS = {64: 512}  # by vector bytes (the kernels' vector width); 64 elsewhere
+CPU_NARROW_DOT_PRODUCT_ROWS = 64
+# Fewer rows than this per kv head keep dot products (dot_rows): a tile's transpose costs more
+# than gemm saves at 32 rows (GQA 32/8 B=8 N=8 15.2 -> 18.3 ms), 48 rows gain 1.05x, 64 1.20x.
+CPU_TRANSPOSED_KEY_ROWS = 48
 CPU_BF16_DOT_PRODUCT_ROWS = {"amx": 8, "dpbf16": 16}  # by CpuIsa.bf16_products
 CPU_DECODING_QUERIES = 4
 # Keys per tile when decoding from kv heads side by side in each key row (TilePlan
@@ -194,6 +205,9 @@ class TilePlan:
     #: CPU forward: calls of at most this many query rows per kv head read K and V by rows
     #: (`reads_by_rows`; 0: a GPU plan, never).
     dot_product_rows: int = 0
+    #: CPU by-rows forward: from this many query rows per kv head, K^T tiles and gemm
+    #: (`cpu_transposed_key_rows`; 0: never).
+    transposed_key_rows: int = 0
     #: GPU forward: query rows per warp, 16 (one mma row block) or 32 (two, each K and V
     #: fragment read from shared memory feeding both: FlashAttention-2's layout).
     warp_rows: int = 16
@@ -228,6 +242,11 @@ class TilePlan:
             return False
         return queries < CPU_DECODING_QUERIES or queries * group <= self.dot_product_rows
 
+    def transposes_keys(self, queries: int, group: int) -> bool:
+        """A by-rows CPU forward of `queries` rows per head and `group` heads per kv head whose
+        tasks transpose K tiles for gemm (templates/cpu kTransposedKeyRows), as a group's task."""
+        return 0 < self.transposed_key_rows <= queries * group
+
     def for_bf16_backward(self) -> TilePlan:
         """The backward's tiles where its products run on AMX (bf16 inputs; an fp16 backward
         widens to fp32 and keeps the plan's): CPU_AMX_BACKWARD_BLOCK square."""
@@ -236,15 +255,17 @@ class TilePlan:
             return replace(self, block_rows=block, block_cols=block, backward=self.backward or self)
         return self
 
-    def for_pages(self, page_size: int, by_rows: bool) -> TilePlan:
+    def for_pages(self, page_size: int, dot_products: bool) -> TilePlan:
         """The forward's tiles for keys read through a page table (CPU paged calls): Bc divides
         the page size, so no key tile straddles two pages and its rows are read where they
         are, and is a whole number of vectors (the softmax's rows; 16 fp32 lanes), of 32 keys
-        where query tiles pack panels for the tile products (their key step; not `by_rows`,
-        reads_by_rows): the largest such divisor up to the plan's Bc. Where there is none (pages
-        of 5 keys, of 16 under panels) the plan's: a tile's rows are copied page by page
-        (templates/cpu key_source) as the kernel reads them."""
-        step = 16 if by_rows else 32
+        where the scores come from tile products (their key step: panels, and by rows from
+        `transposes_keys`; 16 where `dot_products`, by rows below that): the largest such
+        divisor up to the plan's Bc. Where there is none (pages of 5 keys, of 16 under tile
+        products) the plan's: a tile's rows are copied page by page (templates/cpu key_source)
+        as the kernel reads them. (Zen 5, fp32 GQA 32/8 B=8 N=16 M=4096 D=128, pages of 16,
+        shuffled: transposed K tiles of 16 keys 49.9 ms, of 64 copied by pages 36.3.)"""
+        step = 16 if dot_products else 32
         fitting = [c for c in range(step, min(page_size, self.block_cols) + 1, step) if page_size % c == 0]
         return replace(self, block_cols=fitting[-1], backward=self.backward or self) if fitting else self
 
@@ -517,6 +538,13 @@ def cpu_onchip_bytes(br: int, bc: int, d: int) -> int:
     return 4 * (2 * br * d + 2 * bc * d + br * bc)
 
 
+def cpu_transposed_key_rows(vector_bytes: int) -> int:
+    """By-rows CPU forwards (`TilePlan.reads_by_rows`): from how many query rows per kv head a
+    key tile is transposed into gemm's K^T strips as it is read, S then by gemm (0: never; the
+    16 x 16 transposes in registers are AVX-512's, elsewhere they go word by word)."""
+    return CPU_TRANSPOSED_KEY_ROWS if vector_bytes == 64 else 0
+
+
 def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:
     elements = target.onchip_bytes // 4
     paper_br, paper_bc = paper_blocks(elements, d)
@@ -552,7 +580,8 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
     sweep = max(1, min(CPU_MAX_SWEEP_KEY_TILES, target.onchip_bytes // cpu_key_side_bytes(br, bc, d)))
     plan = TilePlan(
         d, br, bc, paper_br, paper_bc, target.vector_bytes // 4, 0, 1, onchip, 0, reason,
-        dot_product_rows=CPU_DOT_PRODUCT_ROWS, sweep_key_tiles=sweep,
+        dot_product_rows=CPU_DOT_PRODUCT_ROWS.get(target.vector_bytes, CPU_NARROW_DOT_PRODUCT_ROWS), sweep_key_tiles=sweep,
+        transposed_key_rows=cpu_transposed_key_rows(target.vector_bytes),
     )  # fmt: skip
     if override is None:
         plan = replace(

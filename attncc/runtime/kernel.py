@@ -1119,13 +1119,15 @@ class Kernel:
         plan = self.plan(q, k, scale, value_dim=value_dim)
         problem = plan.problem
         packed_rows = lengths is not None and page_size is None  # (a packed batch's queries: query tiles)
-        by_rows = not packed_rows and plan.tiles.reads_by_rows(problem.N, problem.H // max(problem.Hkv, 1))
+        group = problem.H // max(problem.Hkv, 1)
+        by_rows = not packed_rows and plan.tiles.reads_by_rows(problem.N, group)
+        dot_products = by_rows and not plan.tiles.transposes_keys(problem.N, group)
         if page_size is not None:
-            plan = replace(plan, tiles=plan.tiles.for_pages(page_size, by_rows))
+            plan = replace(plan, tiles=plan.tiles.for_pages(page_size, dot_products))
         else:
             plan = self._with_few_keys(plan, q.dtype)
         side_by_side = page_size is not None or k.stride(1) < k.stride(2)  # kv heads within each key row
-        if by_rows and problem.Hkv > 1 and side_by_side:
+        if dot_products and problem.Hkv > 1 and side_by_side:
             plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
         call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
         narrowed = plan.tiles.for_partial_tiles(partial_fraction(call["classes"]))  # type: ignore[arg-type]

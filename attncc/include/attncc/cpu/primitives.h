@@ -357,18 +357,16 @@ inline void load_tile(acc_t* dst, int64_t ld, const T* src, int64_t row_stride, 
   }
 }
 
-// dst[w * ld_dst + r] = src[r * ld_src + w] for r < rows, w < words: the transpose of a tile of
-// 32-bit words (fp32 K^T panels, bf16 pairs: pair-packed K^T panels, from K's rows), on AVX-512
-// 16 x 16 blocks in registers (unpack 32- and 64-bit neighbours, then a 4 x 4 transpose of
-// 128-bit lanes), the edges (and everything elsewhere) word by word.
-inline void transpose_words(uint32_t* __restrict dst, int64_t ld_dst, const uint32_t* __restrict src, int64_t ld_src,
-                            int rows, int words) {
 #if defined(__AVX512F__)
-  const int rows16 = rows / 16 * 16, words16 = words / 16 * 16;
+// dst[w * ld_dst + r] = word w of row r for r < rows16, w < words16 (multiples of 16), in 16 x 16
+// blocks in registers: load(r, w) gives words w .. w + 15 of row r; unpack 32- and 64-bit
+// neighbours, then a 4 x 4 transpose of 128-bit lanes.
+template <typename Load>
+inline void transpose_blocks16(uint32_t* __restrict dst, int64_t ld_dst, int rows16, int words16, Load load) {
   for (int r0 = 0; r0 < rows16; r0 += 16)
     for (int w0 = 0; w0 < words16; w0 += 16) {
       __m512i a[16], b[16];
-      for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_si512(src + (r0 + i) * ld_src + w0);
+      for (int i = 0; i < 16; ++i) a[i] = load(r0 + i, w0);
       for (int i = 0; i < 16; i += 2) {  // per 128-bit lane k: rows i, i + 1 at words 4k, 4k + 1 / 4k + 2, 4k + 3
         b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
         b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
@@ -390,6 +388,17 @@ inline void transpose_words(uint32_t* __restrict dst, int64_t ld_dst, const uint
         _mm512_storeu_si512(dst + (w0 + 12 + j) * ld_dst + r0, _mm512_shuffle_i32x4(hi01, hi23, 0xDD));
       }
     }
+}
+#endif
+
+// dst[w * ld_dst + r] = src[r * ld_src + w] for r < rows, w < words: the transpose of a tile of
+// 32-bit words (fp32 K^T panels, bf16 pairs: pair-packed K^T panels, from K's rows), on AVX-512
+// by 16 x 16 blocks in registers, the edges (and everything elsewhere) word by word.
+inline void transpose_words(uint32_t* __restrict dst, int64_t ld_dst, const uint32_t* __restrict src, int64_t ld_src,
+                            int rows, int words) {
+#if defined(__AVX512F__)
+  const int rows16 = rows / 16 * 16, words16 = words / 16 * 16;
+  transpose_blocks16(dst, ld_dst, rows16, words16, [&](int r, int w) { return _mm512_loadu_si512(src + r * ld_src + w); });
 #else
   const int rows16 = 0, words16 = 0;
 #endif
@@ -414,6 +423,21 @@ inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t r
       return;
     }
   }
+#if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
+  // bf16/fp16 rows: each 16 x 16 block widened as it is loaded (vload_widened), then transposed
+  if constexpr ((std::is_same_v<T, bf16_t> || std::is_same_v<T, fp16_t>) && std::is_same_v<acc_t, float>) {
+    if (col_stride == 1) {
+      if (rows < pad_rows || cols < pad_cols)
+        for (int c = 0; c < pad_cols; ++c) std::fill(dst + c * ld, dst + c * ld + pad_rows, 0.0f);
+      const int rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
+      transpose_blocks16(as_words(dst), ld, rows16, cols16,
+                         [&](int r, int c) { return _mm512_castps_si512((__m512)vload_widened(src + r * row_stride + c)); });
+      for (int r = 0; r < rows; ++r)
+        for (int c = r < rows16 ? cols16 : 0; c < cols; ++c) dst[c * ld + r] = to_acc(src[r * row_stride + c]);
+      return;
+    }
+  }
+#endif
   for (int c = 0; c < pad_cols; ++c)
     for (int r = 0; r < pad_rows; ++r) dst[c * ld + r] = 0;
   for (int r = 0; r < rows; ++r) {
