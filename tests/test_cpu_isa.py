@@ -347,15 +347,21 @@ def test_bf16_backward_takes_its_own_tiles_on_amx_only(monkeypatch) -> None:
 def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) -> None:
     """The forward reads K and V by rows (TilePlan.reads_by_rows: no panels) below 4 queries and
     up to 64 query rows per kv head (N x group) where it multiplies in fp32, 512 on AVX-512
-    levels, up to 8 where its tile products run on AMX, 16 on `vdpbf16ps`; never past one query
+    levels, up to 8 where its tile products run on AMX, 512 on `vdpbf16ps`; never past one query
     tile's rows, nor for a packed batch's queries. A paged call's key tiles are pages of 16
     keys where the rows take dot products, not with panels, nor from 48 rows per kv head on
-    AVX-512 (K^T tiles for gemm: 64 keys, copied page by page)."""
+    AVX-512 (K^T tiles for gemm: 64 keys, copied page by page) or 17 with bf16 on `vdpbf16ps`
+    (each key tile packed for the bf16 products)."""
     monkeypatch.setenv(ISA_ENV, isa)
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
     wide = CPU_ISAS[isa].vector_bytes == 64
     fp32_rows = 512 if wide else 64
-    bf16_rows = {"amx": 8, "dpbf16": 16, "": fp32_rows}[CPU_ISAS[isa].bf16_products]
+    unit = CPU_ISAS[isa].bf16_products
+    bf16_rows = {"amx": 8, "dpbf16": 512, "": fp32_rows}[unit]
+    tiles_from = {
+        torch.float32: 48 if wide else None,
+        torch.bfloat16: {"amx": None, "dpbf16": 17, "": 48 if wide else None}[unit],
+    }
     cases = {  # (dtype, N, H, Hkv): by rows
         (torch.float32, 2, 32, 1): True,
         (torch.float32, 16, 8, 2): True,
@@ -369,13 +375,14 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
         (torch.bfloat16, 16, 4, 4): bf16_rows >= 16,
         (torch.bfloat16, 9, 8, 4): bf16_rows >= 18,
         (torch.bfloat16, 32, 4, 4): bf16_rows >= 32,
+        (torch.bfloat16, 64, 64, 8): bf16_rows >= 512,
     }
     for (dtype, N, H, Hkv), by_rows in cases.items():
         q, k = torch.zeros(2, H, N, 64, dtype=dtype), torch.zeros(2, Hkv, 300, 64, dtype=dtype)
         _, call = kern._forward_call(q, k, None, [], [])
         assert call["by_rows"] == by_rows, f"{isa} {dtype} N={N} H={H} Hkv={Hkv}"
         paged, _ = kern._forward_call(q, k, None, [], [], page_size=16)
-        dot_products = by_rows and not (wide and N * H // Hkv >= 48)
+        dot_products = by_rows and not (tiles_from[dtype] and N * H // Hkv >= tiles_from[dtype])
         assert (paged.tiles.block_cols == 16) == dot_products, f"{isa} {dtype} N={N} H={H} Hkv={Hkv}"
     small = attncc.compile(ROOT / "examples" / "vanilla.attn", tiles=(4, 32))
     for N, by_rows in ((3, True), (5, False)):  # Br = 4

@@ -34,12 +34,14 @@ MASK_SPAN_SHAPE = Shape(2, 2, 1, 600, 600, 40)
 #: dot product, the gemm for P V); N = 4 with 16 rows per kv head (by rows of a tile widened once,
 #: more than kWidenInPlaceRows rows, at every dtype but bf16 and fp16 on AMX); N = 9 with 18 and 36
 #: rows per kv head (fp32 by rows in place; bf16 and fp16 by rows of a tile widened once, except
-#: bf16 on the bf16 units and fp16 on AMX: by panels, a task taking 2 query heads of the group: all
-#: of it, or half where two threads would lack tasks) and N = 6 MHA (by rows at every dtype).
+#: bf16 and fp16 on AMX: by panels, a task taking 2 query heads of the group: all of it, or half
+#: where two threads would lack tasks) and N = 6 MHA (by rows at every dtype).
 #: From 48 rows per kv head (N = 13 and 16 with groups of 4 and 8) the AVX-512 levels transpose
 #: each key tile for gemm (passes/tiling.py cpu_transposed_key_rows): 52 rows with D = 40 (a
 #: transposed tile's edge columns and rows, gemm's row tails), 128 rows with D = 64 (panels
-#: below AVX-512, and for bf16 on the bf16 units).
+#: below AVX-512 and for bf16 on AMX); bf16 on `vdpbf16ps` packs each key tile as panels from
+#: 17 rows (the N = 9 shapes, 52 and 128 rows). 640 rows (N = 40, a group of 16) take panels
+#: everywhere, bf16 on a bf16 unit with 2 query heads a task (`heads_per_task`).
 DECODING_SHAPES = (
     Shape(2, 4, 2, 3, 300, 40),
     Shape(1, 2, 1, 1, 513, 64),
@@ -51,6 +53,7 @@ DECODING_SHAPES = (
     Shape(1, 8, 2, 4, 300, 48),  # 16 rows a kv head: 4 x 4 dot blocks; bf16 pairs with a half-vector tail
     Shape(2, 8, 2, 13, 300, 40),  # 52 rows a kv head: K^T tiles (AVX-512), transposes' and gemm's tails
     Shape(1, 16, 2, 16, 200, 64),  # 128 rows a kv head: by rows on AVX-512 (K^T tiles), panels elsewhere
+    Shape(1, 32, 2, 40, 150, 48),  # 640 rows a kv head: panels; bf16 on a bf16 unit 2 query heads a task
 )
 LARGE_SCORES = (30.0, 100.0)
 

@@ -116,7 +116,10 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         micro_kernel=op.tiling.micro_kernel,
         bf16_products=bf16_products(dtype, op.tiling.micro_kernel),
         panel_budget_bytes=PANEL_BUDGET_BYTES,
-        transposed_key_rows=cpu_transposed_key_rows(op.tiling.micro_kernel.vector_bytes),
+        transposed_key_rows=cpu_transposed_key_rows(
+            op.tiling.micro_kernel.vector_bytes,
+            op.tiling.micro_kernel.bf16_products if bf16_products(dtype, op.tiling.micro_kernel) else "",
+        ),
         has_dropout=op.dropout > 0,
         rope_q=op.q_rope,
         rope_k=op.k_rope,

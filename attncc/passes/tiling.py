@@ -146,7 +146,15 @@ CPU_NARROW_DOT_PRODUCT_ROWS = 64
 # Fewer rows than this per kv head keep dot products (dot_rows): a tile's transpose costs more
 # than gemm saves at 32 rows (GQA 32/8 B=8 N=8 15.2 -> 18.3 ms), 48 rows gain 1.05x, 64 1.20x.
 CPU_TRANSPOSED_KEY_ROWS = 48
-CPU_BF16_DOT_PRODUCT_ROWS = {"amx": 8, "dpbf16": 16}  # by CpuIsa.bf16_products
+# bf16 on `vdpbf16ps`: by rows up to 512 rows too, from 17 rows per kv head (above the bf16 dot
+# blocks' 16: kBf16Dots) each key tile packed as the panels are (pair-packed K^T and V) for the
+# tile products, the next tile's rows prefetched meanwhile. Zen 5, GQA 32/8 M=4096 D=128, ms,
+# panels -> by rows: B=8 N=6 (24 rows) 12.8 -> 9.0, N=8 (32) 13.2 -> 8.7, N=16 (64) 17.8 -> 12.5,
+# N=32 (128) 27.5 -> 22.0, N=64 (256) 46.9 -> 41.0; GQA 64/8 B=2 N=64 (512) 21.1 -> 19.9. Dot
+# blocks against packed tiles: 16 rows 5.9 / 6.7, 24 rows 11.7 / 8.8, 12 rows 7.3 / 6.7, 8 rows
+# 5.6 / 7.0. AMX keeps 8 rows (unmeasured by rows beyond: no AMX machine at hand since).
+CPU_BF16_DOT_PRODUCT_ROWS = {"amx": 8, "dpbf16": 512}  # by CpuIsa.bf16_products
+CPU_BF16_TRANSPOSED_KEY_ROWS = {"dpbf16": 17}
 CPU_DECODING_QUERIES = 4
 # Keys per tile when decoding from kv heads side by side in each key row (TilePlan
 # for_side_by_side_decoding): one vector of fp32 lanes, the softmax's smallest row.
@@ -195,8 +203,10 @@ class TilePlan:
     bf16_block_rows: int = 0
     bf16_block_cols: int = 0
     bf16_streaming_block_rows: int = 0
-    #: CPU forward of bf16 inputs on a level with bf16 tile products: its `dot_product_rows`.
+    #: CPU forward of bf16 inputs on a level with bf16 tile products: its `dot_product_rows` and
+    #: `transposed_key_rows`.
     bf16_dot_product_rows: int = 0
+    bf16_transposed_key_rows: int = 0
     #: CPU backward of bf16 inputs on AMX: Br = Bc = this (0: the plan's).
     bf16_backward_block: int = 0
     #: CPU fused backward: key tiles per sweep over a task's query tiles where those outgrow the
@@ -228,6 +238,7 @@ class TilePlan:
             return replace(
                 self, block_rows=self.bf16_block_rows, block_cols=self.bf16_block_cols,
                 streaming_block_rows=self.bf16_streaming_block_rows, dot_product_rows=self.bf16_dot_product_rows,
+                transposed_key_rows=self.bf16_transposed_key_rows,
                 backward=self.backward or self,
             )  # fmt: skip
         return self
@@ -538,10 +549,14 @@ def cpu_onchip_bytes(br: int, bc: int, d: int) -> int:
     return 4 * (2 * br * d + 2 * bc * d + br * bc)
 
 
-def cpu_transposed_key_rows(vector_bytes: int) -> int:
+def cpu_transposed_key_rows(vector_bytes: int, bf16_unit: str = "") -> int:
     """By-rows CPU forwards (`TilePlan.reads_by_rows`): from how many query rows per kv head a
     key tile is transposed into gemm's K^T strips as it is read, S then by gemm (0: never; the
-    16 x 16 transposes in registers are AVX-512's, elsewhere they go word by word)."""
+    16 x 16 transposes in registers are AVX-512's, elsewhere they go word by word); for a
+    forward whose products run on `bf16_unit`, from how many each key tile is packed as panels
+    are for its tile products."""
+    if bf16_unit:
+        return CPU_BF16_TRANSPOSED_KEY_ROWS.get(bf16_unit, 0)
     return CPU_TRANSPOSED_KEY_ROWS if vector_bytes == 64 else 0
 
 
@@ -601,6 +616,7 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
                 plan, bf16_block_rows=rows, bf16_block_cols=cols,
                 bf16_streaming_block_rows=CPU_BF16_STREAMING_BR, bf16_backward_block=backward_block,
                 bf16_dot_product_rows=CPU_BF16_DOT_PRODUCT_ROWS[unit],
+                bf16_transposed_key_rows=cpu_transposed_key_rows(target.vector_bytes, unit),
                 reason=f"{plan.reason}; bf16 forward {rows}x{cols} (Br={CPU_BF16_STREAMING_BR} streaming)"
                 + (f", bf16 backward {backward_block}x{backward_block}" if amx else ""),
             )  # fmt: skip
