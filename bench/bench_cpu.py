@@ -487,6 +487,20 @@ def serving_cases(results: list, args) -> None:
             name = f"paged decode GQA {H}/{Hkv} {tag} B={B} M={M} D={D} page {page_size}, {order}"
             note = "SDPA on contiguous K/V of M keys per sequence" if lengths is spread else ""
             row(results, name, median_s(paged, args.repeats), anchors, note)
+        # a chunk of 16 queries (chunked prefill, a speculative draft) against the cache: 64 rows per
+        # kv head, by rows with tile products on AVX-512; the same call on contiguous K/V beside it
+        chunk = torch.randn(B, 16, H, D, generator=gen).to(dtype)
+        table = shuffled[0].int()
+
+        def sdpa_chunk(k=k, v=v, q=chunk):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
+
+        anchors = {
+            "sdpa_contiguous": median_s(sdpa_chunk, args.repeats),
+            "attncc_contiguous": median_s(partial(decode, chunk.transpose(1, 2), k, v), args.repeats),
+        }
+        name = f"paged chunk of 16 GQA {H}/{Hkv} {tag} B={B} M={M} D={D} page {page_size}, pages shuffled"
+        row(results, name, median_s(partial(decode.paged, chunk, k_cache, v_cache, table, full), args.repeats), anchors)
 
 
 def medians_of(calls: dict, qkv: tuple, backward: bool, repeats: int) -> dict[str, float]:
