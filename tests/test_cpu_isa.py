@@ -192,7 +192,8 @@ def test_gemm_on_b_in_strips(vector_bytes: int, rows: int, vecs: int) -> None:
 # a score map, a runtime mask and plain causal also in bf16/fp16 and at D = 16 and 256. Two
 # shapes give v a head dim of its own (Dv below and above D: the V panels, O, dO and dV tiles).
 ISA_EXAMPLES = ("causal", "alibi", "document", "gpt2", "softcap")
-ISA_SHAPES = (Shape(1, 2, 1, 1, 1, 16), Shape(2, 4, 2, 67, 201, 80, Dv=48))
+# (52 query rows per kv head: by rows on K^T tiles from 8 x 8 / 16 x 16 transposes with edges)
+ISA_SHAPES = (Shape(1, 2, 1, 1, 1, 16), Shape(2, 4, 2, 67, 201, 80, Dv=48), Shape(1, 8, 2, 13, 150, 40))
 ISA_LOW_PRECISION = ("alibi", "causal", "document")
 ISA_LOW_PRECISION_SHAPES = (
     Shape(2, 4, 2, 150, 300, 48, Dv=80),
@@ -347,26 +348,28 @@ def test_bf16_backward_takes_its_own_tiles_on_amx_only(monkeypatch) -> None:
 def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) -> None:
     """The forward reads K and V by rows (TilePlan.reads_by_rows: no panels) below 4 queries and
     up to 64 query rows per kv head (N x group) where it multiplies in fp32, 512 on AVX-512
-    levels, up to 8 where its tile products run on AMX, 512 on `vdpbf16ps`; never past one query
-    tile's rows, nor for a packed batch's queries. A paged call's key tiles are pages of 16
-    keys where the rows take dot products, not with panels, nor from 48 rows per kv head on
-    AVX-512 (K^T tiles for gemm: 64 keys, copied page by page) or 17 with bf16 on `vdpbf16ps`
-    (each key tile packed for the bf16 products)."""
+    levels and 256 on AVX2, up to 8 where its tile products run on AMX, 512 on `vdpbf16ps`;
+    never past one query tile's rows, nor for a packed batch's queries. A paged call's key tiles
+    are pages of 16 keys where the rows take dot products, not with panels, nor from 48 rows
+    per kv head on AVX-512 and AVX2 (K^T tiles for gemm: the plan's keys, copied page by page)
+    or 17 with bf16 on `vdpbf16ps` (each key tile packed for the bf16 products)."""
     monkeypatch.setenv(ISA_ENV, isa)
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
-    wide = CPU_ISAS[isa].vector_bytes == 64
-    fp32_rows = 512 if wide else 64
+    vector_bytes = CPU_ISAS[isa].vector_bytes
+    fp32_rows = {64: 512, 32: 256}.get(vector_bytes, 64)
     unit = CPU_ISAS[isa].bf16_products
     bf16_rows = {"amx": 8, "dpbf16": 512, "": fp32_rows}[unit]
+    transposed_from = 48 if vector_bytes >= 32 else None  # (K^T tiles)
     tiles_from = {
-        torch.float32: 48 if wide else None,
-        torch.bfloat16: {"amx": None, "dpbf16": 17, "": 48 if wide else None}[unit],
+        torch.float32: transposed_from,
+        torch.bfloat16: {"amx": None, "dpbf16": 17, "": transposed_from}[unit],
     }
     cases = {  # (dtype, N, H, Hkv): by rows
         (torch.float32, 2, 32, 1): True,
         (torch.float32, 16, 8, 2): True,
         (torch.float32, 64, 4, 4): True,
         (torch.float32, 32, 8, 2): fp32_rows >= 128,
+        (torch.float32, 64, 32, 8): fp32_rows >= 256,
         (torch.float32, 64, 64, 8): fp32_rows >= 512,
         (torch.float32, 33, 64, 4): False,  # 528 rows
         (torch.bfloat16, 3, 32, 4): True,

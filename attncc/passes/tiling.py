@@ -134,14 +134,18 @@ CPU_BF16_STREAMING_BR = 256
 # B=8 N=4 (16 rows) 11.4 -> 8.7, MHA N=16 43.5 -> 34.2; 32 rows stay panels: GQA N=8 13.4 ->
 # 15.1, MHA N=32 53.3 -> 60.6 (B=1 M=16384 GQA N=8 10.8 -> 8.0, the one exception: 8 tasks);
 # fp32 there confirms 64: 64 rows 52.0 -> 32.5, 128 rows 71.6 -> 101.5.
-# On AVX-512, from 48 rows per kv head each key tile is transposed into K^T strips as it is read
+# On AVX-512 (and AVX2, below), from 48 rows per kv head each key tile is transposed into K^T strips as it is read
 # (templates/cpu kTransposedKeyRows) and S comes from gemm's register blocks instead of dot
 # products; by rows then pays up to 512 rows, where panels (K/V of a kv head packed per call,
 # re-read by every query head's task) cost more. Zen 5, M=4096, ms, panels -> by rows: fp32 GQA
 # 32/8 B=8 D=128 N=32 (128 rows) 73.2 -> 44.4, N=64 (256) 113.0 -> 81.3; fp16 N=32 54.6 -> 44.0,
 # N=64 95.0 -> 82.4; D=64 N=32 29.2 -> 22.8, N=64 48.4 -> 41.3; GQA 64/8 B=2 N=64 (512 rows)
 # D=128 44.8 -> 40.4, D=256 107.5 -> 87.8, fp16 47.7 -> 39.3.
-CPU_DOT_PRODUCT_ROWS = {64: 512}  # by vector bytes (the kernels' vector width); 64 elsewhere
+# AVX2 (8 x 8 transposes): the same measured with the avx2 level forced on Zen 5 (Zen 3, AVX2's
+# machine, unmeasured), fp32 N=16 (64 rows) 48.6 -> 43.9 ms, fp16 48.7 -> 43.0, N=12 (48) 35.2 ->
+# 33.8; panels -> by rows: N=32 (128 rows) 124.1 -> 78.1, bf16 117.8 -> 79.5, N=64 (256) 208.3 ->
+# 155.3; up to 256 rows there: Zen 3's L2 (512 KiB) holds 256 rows' Q, O and S at d = 128.
+CPU_DOT_PRODUCT_ROWS = {64: 512, 32: 256}  # by vector bytes (the kernels' vector width); 64 elsewhere
 CPU_NARROW_DOT_PRODUCT_ROWS = 64
 # Fewer rows than this per kv head keep dot products (dot_rows): a tile's transpose costs more
 # than gemm saves at 32 rows (GQA 32/8 B=8 N=8 15.2 -> 18.3 ms), 48 rows gain 1.05x, 64 1.20x.
@@ -551,13 +555,13 @@ def cpu_onchip_bytes(br: int, bc: int, d: int) -> int:
 
 def cpu_transposed_key_rows(vector_bytes: int, bf16_unit: str = "") -> int:
     """By-rows CPU forwards (`TilePlan.reads_by_rows`): from how many query rows per kv head a
-    key tile is transposed into gemm's K^T strips as it is read, S then by gemm (0: never; the
-    16 x 16 transposes in registers are AVX-512's, elsewhere they go word by word); for a
+    key tile is transposed into gemm's K^T strips as it is read, S then by gemm (0: never: the
+    transposes run in registers on AVX-512 and AVX2, 16 x 16 and 8 x 8, word by word below); for a
     forward whose products run on `bf16_unit`, from how many each key tile is packed as panels
     are for its tile products."""
     if bf16_unit:
         return CPU_BF16_TRANSPOSED_KEY_ROWS.get(bf16_unit, 0)
-    return CPU_TRANSPOSED_KEY_ROWS if vector_bytes == 64 else 0
+    return CPU_TRANSPOSED_KEY_ROWS if vector_bytes >= 32 else 0
 
 
 def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) -> TilePlan:

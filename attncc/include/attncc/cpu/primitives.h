@@ -389,16 +389,45 @@ inline void transpose_blocks16(uint32_t* __restrict dst, int64_t ld_dst, int row
       }
     }
 }
+#elif defined(__AVX2__)
+// The same in 8 x 8 blocks (AVX2): load(r, w) gives words w .. w + 7 of row r.
+template <typename Load>
+inline void transpose_blocks8(uint32_t* __restrict dst, int64_t ld_dst, int rows8, int words8, Load load) {
+  for (int r0 = 0; r0 < rows8; r0 += 8)
+    for (int w0 = 0; w0 < words8; w0 += 8) {
+      __m256 a[8], b[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_castsi256_ps(load(r0 + i, w0));
+      for (int i = 0; i < 8; i += 2) {  // per 128-bit lane: rows i, i + 1 at words 0, 1 / 2, 3
+        b[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        b[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+      }
+      for (int g = 0; g < 2; ++g) {  // per 128-bit lane: rows 4g .. 4g + 3 at one word each
+        a[4 * g] = _mm256_shuffle_ps(b[4 * g], b[4 * g + 2], 0x44);
+        a[4 * g + 1] = _mm256_shuffle_ps(b[4 * g], b[4 * g + 2], 0xEE);
+        a[4 * g + 2] = _mm256_shuffle_ps(b[4 * g + 1], b[4 * g + 3], 0x44);
+        a[4 * g + 3] = _mm256_shuffle_ps(b[4 * g + 1], b[4 * g + 3], 0xEE);
+      }
+      for (int j = 0; j < 4; ++j) {  // word j: low lanes of rows 0..3 and 4..7; word 4 + j: high lanes
+        _mm256_storeu_ps(reinterpret_cast<float*>(dst + (w0 + j) * ld_dst + r0), _mm256_permute2f128_ps(a[j], a[4 + j], 0x20));
+        _mm256_storeu_ps(reinterpret_cast<float*>(dst + (w0 + 4 + j) * ld_dst + r0), _mm256_permute2f128_ps(a[j], a[4 + j], 0x31));
+      }
+    }
+}
 #endif
 
 // dst[w * ld_dst + r] = src[r * ld_src + w] for r < rows, w < words: the transpose of a tile of
 // 32-bit words (fp32 K^T panels, bf16 pairs: pair-packed K^T panels, from K's rows), on AVX-512
-// by 16 x 16 blocks in registers, the edges (and everything elsewhere) word by word.
+// by 16 x 16 blocks in registers (AVX2: 8 x 8), the edges (and everything elsewhere) word by word.
 inline void transpose_words(uint32_t* __restrict dst, int64_t ld_dst, const uint32_t* __restrict src, int64_t ld_src,
                             int rows, int words) {
 #if defined(__AVX512F__)
   const int rows16 = rows / 16 * 16, words16 = words / 16 * 16;
   transpose_blocks16(dst, ld_dst, rows16, words16, [&](int r, int w) { return _mm512_loadu_si512(src + r * ld_src + w); });
+#elif defined(__AVX2__)
+  const int rows16 = rows / 8 * 8, words16 = words / 8 * 8;
+  transpose_blocks8(dst, ld_dst, rows16, words16, [&](int r, int w) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * ld_src + w));
+  });
 #else
   const int rows16 = 0, words16 = 0;
 #endif
@@ -434,6 +463,19 @@ inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t r
                          [&](int r, int c) { return _mm512_castps_si512((__m512)vload_widened(src + r * row_stride + c)); });
       for (int r = 0; r < rows; ++r)
         for (int c = r < rows16 ? cols16 : 0; c < cols; ++c) dst[c * ld + r] = to_acc(src[r * row_stride + c]);
+      return;
+    }
+  }
+#elif ATTNCC_VECTOR_BYTES == 32 && defined(__AVX2__)
+  if constexpr ((std::is_same_v<T, bf16_t> || std::is_same_v<T, fp16_t>) && std::is_same_v<acc_t, float>) {
+    if (col_stride == 1) {
+      if (rows < pad_rows || cols < pad_cols)
+        for (int c = 0; c < pad_cols; ++c) std::fill(dst + c * ld, dst + c * ld + pad_rows, 0.0f);
+      const int rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+      transpose_blocks8(as_words(dst), ld, rows8, cols8,
+                        [&](int r, int c) { return _mm256_castps_si256((__m256)vload_widened(src + r * row_stride + c)); });
+      for (int r = 0; r < rows; ++r)
+        for (int c = r < rows8 ? cols8 : 0; c < cols; ++c) dst[c * ld + r] = to_acc(src[r * row_stride + c]);
       return;
     }
   }
