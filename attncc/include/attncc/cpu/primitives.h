@@ -421,18 +421,18 @@ inline void transpose_blocks8(uint32_t* __restrict dst, int64_t ld_dst, int rows
 inline void transpose_words(uint32_t* __restrict dst, int64_t ld_dst, const uint32_t* __restrict src, int64_t ld_src,
                             int rows, int words) {
 #if defined(__AVX512F__)
-  const int rows16 = rows / 16 * 16, words16 = words / 16 * 16;
-  transpose_blocks16(dst, ld_dst, rows16, words16, [&](int r, int w) { return _mm512_loadu_si512(src + r * ld_src + w); });
+  const int rows_b = rows / 16 * 16, words_b = words / 16 * 16;  // (whole blocks)
+  transpose_blocks16(dst, ld_dst, rows_b, words_b, [&](int r, int w) { return _mm512_loadu_si512(src + r * ld_src + w); });
 #elif defined(__AVX2__)
-  const int rows16 = rows / 8 * 8, words16 = words / 8 * 8;
-  transpose_blocks8(dst, ld_dst, rows16, words16, [&](int r, int w) {
+  const int rows_b = rows / 8 * 8, words_b = words / 8 * 8;
+  transpose_blocks8(dst, ld_dst, rows_b, words_b, [&](int r, int w) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * ld_src + w));
   });
 #else
-  const int rows16 = 0, words16 = 0;
+  const int rows_b = 0, words_b = 0;
 #endif
   for (int r = 0; r < rows; ++r)
-    for (int w = r < rows16 ? words16 : 0; w < words; ++w) std::memcpy(dst + w * ld_dst + r, src + r * ld_src + w, 4);
+    for (int w = r < rows_b ? words_b : 0; w < words; ++w) std::memcpy(dst + w * ld_dst + r, src + r * ld_src + w, 4);
 }
 // bf16 pairs as 32-bit words (transpose_words' operands)
 template <typename T> inline uint32_t* as_words(T* p) { return reinterpret_cast<uint32_t*>(p); }
@@ -452,30 +452,21 @@ inline void load_tile_transposed(acc_t* dst, int64_t ld, const T* src, int64_t r
       return;
     }
   }
-#if ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)
-  // bf16/fp16 rows: each 16 x 16 block widened as it is loaded (vload_widened), then transposed
+#if (ATTNCC_VECTOR_BYTES == 64 && defined(__AVX512F__)) || (ATTNCC_VECTOR_BYTES == 32 && defined(__AVX2__))
+  // bf16/fp16 rows: each VL x VL block widened as it is loaded (vload_widened), then transposed
   if constexpr ((std::is_same_v<T, bf16_t> || std::is_same_v<T, fp16_t>) && std::is_same_v<acc_t, float>) {
     if (col_stride == 1) {
       if (rows < pad_rows || cols < pad_cols)
         for (int c = 0; c < pad_cols; ++c) std::fill(dst + c * ld, dst + c * ld + pad_rows, 0.0f);
-      const int rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
-      transpose_blocks16(as_words(dst), ld, rows16, cols16,
-                         [&](int r, int c) { return _mm512_castps_si512((__m512)vload_widened(src + r * row_stride + c)); });
+      const int rows_v = rows / VL * VL, cols_v = cols / VL * VL;
+      const auto widened = [&](int r, int c) { return vload_widened(src + r * row_stride + c); };
+#if ATTNCC_VECTOR_BYTES == 64
+      transpose_blocks16(as_words(dst), ld, rows_v, cols_v, [&](int r, int c) { return _mm512_castps_si512((__m512)widened(r, c)); });
+#else
+      transpose_blocks8(as_words(dst), ld, rows_v, cols_v, [&](int r, int c) { return _mm256_castps_si256((__m256)widened(r, c)); });
+#endif
       for (int r = 0; r < rows; ++r)
-        for (int c = r < rows16 ? cols16 : 0; c < cols; ++c) dst[c * ld + r] = to_acc(src[r * row_stride + c]);
-      return;
-    }
-  }
-#elif ATTNCC_VECTOR_BYTES == 32 && defined(__AVX2__)
-  if constexpr ((std::is_same_v<T, bf16_t> || std::is_same_v<T, fp16_t>) && std::is_same_v<acc_t, float>) {
-    if (col_stride == 1) {
-      if (rows < pad_rows || cols < pad_cols)
-        for (int c = 0; c < pad_cols; ++c) std::fill(dst + c * ld, dst + c * ld + pad_rows, 0.0f);
-      const int rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
-      transpose_blocks8(as_words(dst), ld, rows8, cols8,
-                        [&](int r, int c) { return _mm256_castps_si256((__m256)vload_widened(src + r * row_stride + c)); });
-      for (int r = 0; r < rows; ++r)
-        for (int c = r < rows8 ? cols8 : 0; c < cols; ++c) dst[c * ld + r] = to_acc(src[r * row_stride + c]);
+        for (int c = r < rows_v ? cols_v : 0; c < cols; ++c) dst[c * ld + r] = to_acc(src[r * row_stride + c]);
       return;
     }
   }
