@@ -352,7 +352,8 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
     never past one query tile's rows, nor for a packed batch's queries. A paged call's key tiles
     are pages of 16 keys where the rows take dot products, not with panels, nor from 48 rows
     per kv head on AVX-512 and AVX2 (K^T tiles for gemm: the plan's keys, copied page by page)
-    or 17 with bf16 on `vdpbf16ps` (each key tile packed for the bf16 products)."""
+    or 9 with bf16 on `vdpbf16ps` (each key tile packed for the bf16 products; 16 rows, the bf16
+    dot blocks' own, keep dot products)."""
     monkeypatch.setenv(ISA_ENV, isa)
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
     vector_bytes = CPU_ISAS[isa].vector_bytes
@@ -362,7 +363,7 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
     transposed_from = 48 if vector_bytes >= 32 else None  # (K^T tiles)
     tiles_from = {
         torch.float32: transposed_from,
-        torch.bfloat16: {"amx": None, "dpbf16": 17, "": transposed_from}[unit],
+        torch.bfloat16: {"amx": None, "dpbf16": 9, "": transposed_from}[unit],
     }
     cases = {  # (dtype, N, H, Hkv): by rows
         (torch.float32, 2, 32, 1): True,
@@ -373,6 +374,7 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
         (torch.float32, 64, 64, 8): fp32_rows >= 512,
         (torch.float32, 33, 64, 4): False,  # 528 rows
         (torch.bfloat16, 3, 32, 4): True,
+        (torch.bfloat16, 2, 12, 2): True,  # 12 rows
         (torch.bfloat16, 8, 4, 4): True,
         (torch.bfloat16, 4, 8, 2): bf16_rows >= 16,
         (torch.bfloat16, 16, 4, 4): bf16_rows >= 16,
@@ -385,7 +387,9 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
         _, call = kern._forward_call(q, k, None, [], [])
         assert call["by_rows"] == by_rows, f"{isa} {dtype} N={N} H={H} Hkv={Hkv}"
         paged, _ = kern._forward_call(q, k, None, [], [], page_size=16)
-        dot_products = by_rows and not (tiles_from[dtype] and N * H // Hkv >= tiles_from[dtype])
+        rows = N * H // Hkv
+        kept = unit == "dpbf16" and dtype == torch.bfloat16 and rows == 16
+        dot_products = by_rows and (kept or not (tiles_from[dtype] and rows >= tiles_from[dtype]))
         assert (paged.tiles.block_cols == 16) == dot_products, f"{isa} {dtype} N={N} H={H} Hkv={Hkv}"
     small = attncc.compile(ROOT / "examples" / "vanilla.attn", tiles=(4, 32))
     for N, by_rows in ((3, True), (5, False)):  # Br = 4

@@ -19,7 +19,7 @@ from attncc.passes.tiling import (
 )
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
-from attncc.targets import cpu
+from attncc.targets import CPU_ISAS, cpu
 from tests.conftest import EXAMPLES, kernel
 
 LOW_PRECISION_SHAPES = (AWKWARD_SHAPES[1], AWKWARD_SHAPES[4])
@@ -40,7 +40,7 @@ MASK_SPAN_SHAPE = Shape(2, 2, 1, 600, 600, 40)
 #: each key tile for gemm (passes/tiling.py cpu_transposed_key_rows): 52 rows with D = 40 (a
 #: transposed tile's edge columns and rows, gemm's row tails), 128 rows with D = 64 (panels
 #: below AVX-512 and for bf16 on AMX); bf16 on `vdpbf16ps` packs each key tile as panels from
-#: 17 rows (the N = 9 shapes, 52 and 128 rows). 640 rows (N = 40, a group of 16) take panels
+#: 9 rows but at the bf16 dot blocks' 16 (12 rows with N = 2, the N = 9 shapes, 52 and 128 rows). 640 rows (N = 40, a group of 16) take panels
 #: everywhere, bf16 on a bf16 unit with 2 query heads a task (`heads_per_task`).
 DECODING_SHAPES = (
     Shape(2, 4, 2, 3, 300, 40),
@@ -51,6 +51,7 @@ DECODING_SHAPES = (
     Shape(1, 8, 2, 9, 300, 64),
     Shape(2, 2, 2, 6, 300, 64),
     Shape(1, 8, 2, 4, 300, 48),  # 16 rows a kv head: 4 x 4 dot blocks; bf16 pairs with a half-vector tail
+    Shape(1, 12, 2, 2, 300, 64),  # 12 rows a kv head: bf16 on vdpbf16ps packs key tiles (from 9 rows but 16)
     Shape(2, 8, 2, 13, 300, 40),  # 52 rows a kv head: K^T tiles (AVX-512), transposes' and gemm's tails
     Shape(1, 16, 2, 16, 200, 64),  # 128 rows a kv head: by rows on AVX-512 (K^T tiles), panels elsewhere
     Shape(1, 32, 2, 40, 150, 48),  # 640 rows a kv head: panels; bf16 on a bf16 unit 2 query heads a task
@@ -436,15 +437,19 @@ def test_decoding_from_kv_heads_side_by_side(name: str) -> None:
     """K, V as [B, M, Hkv, D] (a paged cache's layout, a transposed view): a decoding task takes
     the query heads of several kv heads of a sequence (forward_decode), and each kv head's rows
     must meet its own K/V rows, score map and mask: groups of 3 rows (axpy tails), 12 (gemm
-    blocks and a tail) and 1 query head per kv head, 1 to 3 sequences."""
+    blocks and a tail) and 1 query head per kv head, 1 to 3 sequences. (bf16 on `vdpbf16ps`
+    packs key tiles from 9 rows a kv head, a kv head per task in its plan's key tiles.)"""
     kern = kernel(name)
+    packs_bf16 = CPU_ISAS[cpu().isa].bf16_products == "dpbf16"
     for B, H, Hkv, N in ((1, 12, 4, 1), (3, 8, 2, 3), (2, 6, 6, 2)):
         shape = adapt(Shape(B, H, Hkv, N, 300, 40), kern)
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, runtime = make_inputs(kern, shape, dtype, requires_grad=False)
             side_by_side = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
             assert side_by_side[0].stride(1) < side_by_side[0].stride(2)
-            assert kern.forward_classes(q, side_by_side[0], **runtime)[0].block_cols == CPU_SIDE_BY_SIDE_DECODING_BC
+            packed = packs_bf16 and dtype == torch.bfloat16 and N * H // Hkv >= 9
+            key_tile = kern.forward_classes(q, side_by_side[0], **runtime)[0].block_cols
+            assert (key_tile == CPU_SIDE_BY_SIDE_DECODING_BC) != packed, (B, H, Hkv, N, dtype)
             out = kern(q, *side_by_side, **runtime)
             ref, _ = kern.reference(q.double(), k.double(), v.double(), **runtime)
             tolerance = 1e-4 if dtype == torch.float32 else 3e-2

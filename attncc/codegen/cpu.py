@@ -11,7 +11,7 @@ from attncc.codegen.cexpr import emit
 from attncc.errors import AttnccError
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, fused_node
-from attncc.passes.tiling import cpu_transposed_key_rows
+from attncc.passes.tiling import CPU_BF16_KEPT_DOT_ROWS, cpu_transposed_key_rows
 
 if TYPE_CHECKING:
     from attncc.passes.tiling import CpuMicroKernel
@@ -106,6 +106,7 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         raise AttnccError("CPU kernels read pages in every library: a paged library is a CUDA one")
     storage, acc = STORAGE_TYPES[dtype]
     hooks = hook_values(g)
+    bf16_unit = op.tiling.micro_kernel.bf16_products if bf16_products(dtype, op.tiling.micro_kernel) else ""
     return render(
         "cpu/attention.cpp.jinja",
         variant=g.graph["name"],
@@ -116,10 +117,8 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         micro_kernel=op.tiling.micro_kernel,
         bf16_products=bf16_products(dtype, op.tiling.micro_kernel),
         panel_budget_bytes=PANEL_BUDGET_BYTES,
-        transposed_key_rows=cpu_transposed_key_rows(
-            op.tiling.micro_kernel.vector_bytes,
-            op.tiling.micro_kernel.bf16_products if bf16_products(dtype, op.tiling.micro_kernel) else "",
-        ),
+        transposed_key_rows=cpu_transposed_key_rows(op.tiling.micro_kernel.vector_bytes, bf16_unit),
+        kept_dot_rows=CPU_BF16_KEPT_DOT_ROWS.get(bf16_unit, 0),
         has_dropout=op.dropout > 0,
         rope_q=op.q_rope,
         rope_k=op.k_rope,

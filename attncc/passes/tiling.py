@@ -150,15 +150,20 @@ CPU_NARROW_DOT_PRODUCT_ROWS = 64
 # Fewer rows than this per kv head keep dot products (dot_rows): a tile's transpose costs more
 # than gemm saves at 32 rows (GQA 32/8 B=8 N=8 15.2 -> 18.3 ms), 48 rows gain 1.05x, 64 1.20x.
 CPU_TRANSPOSED_KEY_ROWS = 48
-# bf16 on `vdpbf16ps`: by rows up to 512 rows too, from 17 rows per kv head (above the bf16 dot
-# blocks' 16: kBf16Dots) each key tile packed as the panels are (pair-packed K^T and V) for the
-# tile products, the next tile's rows prefetched meanwhile. Zen 5, GQA 32/8 M=4096 D=128, ms,
+# bf16 on `vdpbf16ps`: by rows up to 512 rows too, from 9 rows per kv head (below) each key tile
+# packed as the panels are (pair-packed K^T and V) for the tile products, the next tile's rows
+# prefetched meanwhile. Zen 5, GQA 32/8 M=4096 D=128, ms,
 # panels -> by rows: B=8 N=6 (24 rows) 12.8 -> 9.0, N=8 (32) 13.2 -> 8.7, N=16 (64) 17.8 -> 12.5,
 # N=32 (128) 27.5 -> 22.0, N=64 (256) 46.9 -> 41.0; GQA 64/8 B=2 N=64 (512) 21.1 -> 19.9. Dot
 # blocks against packed tiles: 16 rows 5.9 / 6.7, 24 rows 11.7 / 8.8, 12 rows 7.3 / 6.7, 8 rows
 # 5.6 / 7.0. AMX keeps 8 rows (unmeasured by rows beyond: no AMX machine at hand since).
 CPU_BF16_DOT_PRODUCT_ROWS = {"amx": 8, "dpbf16": 512}  # by CpuIsa.bf16_products
-CPU_BF16_TRANSPOSED_KEY_ROWS = {"dpbf16": 17}
+# From 9 rows the packed tiles beat the dot products at every count but the bf16 dot blocks' own 16
+# (4 x 4-row blocks, kBf16Dots: 16 rows stay dot products): Zen 5, GQA B=8 M=4096 D=128, ms, dot
+# products -> packed tiles: 10 rows 7.6 -> 6.7, 12 7.6 -> 6.6 (and 7.1 -> 6.6), 14 9.5 -> 7.0, 15
+# 10.4 -> 6.5; 16 rows 6.2 / 6.0 / 6.1 -> 6.6 / 6.5 / 7.1 (kept), 8 rows 5.3 -> 5.4 (kept).
+CPU_BF16_TRANSPOSED_KEY_ROWS = {"dpbf16": 9}
+CPU_BF16_KEPT_DOT_ROWS = {"dpbf16": 16}
 CPU_DECODING_QUERIES = 4
 # Keys per tile when decoding from kv heads side by side in each key row (TilePlan
 # for_side_by_side_decoding): one vector of fp32 lanes, the softmax's smallest row.
@@ -208,9 +213,10 @@ class TilePlan:
     bf16_block_cols: int = 0
     bf16_streaming_block_rows: int = 0
     #: CPU forward of bf16 inputs on a level with bf16 tile products: its `dot_product_rows` and
-    #: `transposed_key_rows`.
+    #: `transposed_key_rows` and `kept_dot_rows`.
     bf16_dot_product_rows: int = 0
     bf16_transposed_key_rows: int = 0
+    bf16_kept_dot_rows: int = 0
     #: CPU backward of bf16 inputs on AMX: Br = Bc = this (0: the plan's).
     bf16_backward_block: int = 0
     #: CPU fused backward: key tiles per sweep over a task's query tiles where those outgrow the
@@ -220,8 +226,9 @@ class TilePlan:
     #: (`reads_by_rows`; 0: a GPU plan, never).
     dot_product_rows: int = 0
     #: CPU by-rows forward: from this many query rows per kv head, K^T tiles and gemm
-    #: (`cpu_transposed_key_rows`; 0: never).
+    #: (`cpu_transposed_key_rows`; 0: never), but at exactly `kept_dot_rows` rows (0: none).
     transposed_key_rows: int = 0
+    kept_dot_rows: int = 0
     #: GPU forward: query rows per warp, 16 (one mma row block) or 32 (two, each K and V
     #: fragment read from shared memory feeding both: FlashAttention-2's layout).
     warp_rows: int = 16
@@ -242,7 +249,7 @@ class TilePlan:
             return replace(
                 self, block_rows=self.bf16_block_rows, block_cols=self.bf16_block_cols,
                 streaming_block_rows=self.bf16_streaming_block_rows, dot_product_rows=self.bf16_dot_product_rows,
-                transposed_key_rows=self.bf16_transposed_key_rows,
+                transposed_key_rows=self.bf16_transposed_key_rows, kept_dot_rows=self.bf16_kept_dot_rows,
                 backward=self.backward or self,
             )  # fmt: skip
         return self
@@ -260,7 +267,7 @@ class TilePlan:
     def transposes_keys(self, queries: int, group: int) -> bool:
         """A by-rows CPU forward of `queries` rows per head and `group` heads per kv head whose
         tasks transpose K tiles for gemm (templates/cpu kTransposedKeyRows), as a group's task."""
-        return 0 < self.transposed_key_rows <= queries * group
+        return 0 < self.transposed_key_rows <= queries * group != self.kept_dot_rows
 
     def for_bf16_backward(self) -> TilePlan:
         """The backward's tiles where its products run on AMX (bf16 inputs; an fp16 backward
@@ -621,6 +628,7 @@ def plan_cpu(target: Target, d: int, override: tuple[int, int] | None = None) ->
                 bf16_streaming_block_rows=CPU_BF16_STREAMING_BR, bf16_backward_block=backward_block,
                 bf16_dot_product_rows=CPU_BF16_DOT_PRODUCT_ROWS[unit],
                 bf16_transposed_key_rows=cpu_transposed_key_rows(target.vector_bytes, unit),
+                bf16_kept_dot_rows=CPU_BF16_KEPT_DOT_ROWS.get(unit, 0),
                 reason=f"{plan.reason}; bf16 forward {rows}x{cols} (Br={CPU_BF16_STREAMING_BR} streaming)"
                 + (f", bf16 backward {backward_block}x{backward_block}" if amx else ""),
             )  # fmt: skip
