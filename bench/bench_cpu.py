@@ -725,7 +725,7 @@ def grid_extra_cases(results: list, args, flex) -> None:
             k, v = (torch.randn(1, 8, M, 128, generator=gen).to(dtype) for _ in range(2))
             anchors = {"sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True), r)}
             row(results, f"decode GQA 32/8 {tag} N=1 M={M} D=128", median_s(partial(vanilla, q, k, v), r), anchors)
-        for N in (4, 16, 64):  # speculative decoding's drafts, short chunks: by rows or grouped query tiles
+        for N in (3, 4, 16, 64):  # speculative decoding's drafts, short chunks: by rows or grouped query tiles
             gen = torch.Generator().manual_seed(0)
             q = torch.randn(8, 32, N, 128, generator=gen).to(dtype)
             k, v = (torch.randn(8, 8, 4096, 128, generator=gen).to(dtype) for _ in range(2))
