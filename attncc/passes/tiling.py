@@ -134,9 +134,9 @@ CPU_BF16_STREAMING_BR = 256
 # B=8 N=4 (16 rows) 11.4 -> 8.7, MHA N=16 43.5 -> 34.2; 32 rows stay panels: GQA N=8 13.4 ->
 # 15.1, MHA N=32 53.3 -> 60.6 (B=1 M=16384 GQA N=8 10.8 -> 8.0, the one exception: 8 tasks);
 # fp32 there confirms 64: 64 rows 52.0 -> 32.5, 128 rows 71.6 -> 101.5.
-# On AVX-512 (and AVX2, below), from 48 rows per kv head each key tile is transposed into K^T strips as it is read
-# (templates/cpu kTransposedKeyRows) and S comes from gemm's register blocks instead of dot
-# products; by rows then pays up to 512 rows, where panels (K/V of a kv head packed per call,
+# On AVX-512 (and AVX2, below), from 48 rows per kv head each key tile is transposed into K^T
+# strips as it is read (templates/cpu kTransposedKeyRows) and S comes from gemm's register blocks
+# instead of dot products; by rows then pays up to 512 rows, where panels (K/V of a kv head packed per call,
 # re-read by every query head's task) cost more. Zen 5, M=4096, ms, panels -> by rows: fp32 GQA
 # 32/8 B=8 D=128 N=32 (128 rows) 73.2 -> 44.4, N=64 (256) 113.0 -> 81.3; fp16 N=32 54.6 -> 44.0,
 # N=64 95.0 -> 82.4; D=64 N=32 29.2 -> 22.8, N=64 48.4 -> 41.3; GQA 64/8 B=2 N=64 (512 rows)
@@ -152,11 +152,10 @@ CPU_NARROW_DOT_PRODUCT_ROWS = 64
 CPU_TRANSPOSED_KEY_ROWS = 48
 # bf16 on `vdpbf16ps`: by rows up to 512 rows too, from 9 rows per kv head (below) each key tile
 # packed as the panels are (pair-packed K^T and V) for the tile products, the next tile's rows
-# prefetched meanwhile. Zen 5, GQA 32/8 M=4096 D=128, ms,
-# panels -> by rows: B=8 N=6 (24 rows) 12.8 -> 9.0, N=8 (32) 13.2 -> 8.7, N=16 (64) 17.8 -> 12.5,
-# N=32 (128) 27.5 -> 22.0, N=64 (256) 46.9 -> 41.0; GQA 64/8 B=2 N=64 (512) 21.1 -> 19.9. Dot
-# blocks against packed tiles: 16 rows 5.9 / 6.7, 24 rows 11.7 / 8.8, 12 rows 7.3 / 6.7, 8 rows
-# 5.6 / 7.0. AMX keeps 8 rows (unmeasured by rows beyond: no AMX machine at hand since).
+# prefetched meanwhile. Zen 5, GQA 32/8 M=4096 D=128, ms, panels -> by rows: B=8 N=6 (24 rows)
+# 12.8 -> 9.0, N=8 (32) 13.2 -> 8.7, N=16 (64) 17.8 -> 12.5, N=32 (128) 27.5 -> 22.0, N=64 (256)
+# 46.9 -> 41.0; GQA 64/8 B=2 N=64 (512) 21.1 -> 19.9. AMX keeps 8 rows (by rows beyond is
+# unmeasured there: no AMX machine at hand since).
 CPU_BF16_DOT_PRODUCT_ROWS = {"amx": 8, "dpbf16": 512}  # by CpuIsa.bf16_products
 # From 9 rows the packed tiles beat the dot products at every count but the bf16 dot blocks' own 16
 # (4 x 4-row blocks, kBf16Dots: 16 rows stay dot products): Zen 5, GQA B=8 M=4096 D=128, ms, dot
@@ -265,8 +264,9 @@ class TilePlan:
         return queries < CPU_DECODING_QUERIES or queries * group <= self.dot_product_rows
 
     def transposes_keys(self, queries: int, group: int) -> bool:
-        """A by-rows CPU forward of `queries` rows per head and `group` heads per kv head whose
-        tasks transpose K tiles for gemm (templates/cpu kTransposedKeyRows), as a group's task."""
+        """Whether a by-rows CPU forward of `queries` rows per head, `group` heads per kv head (a
+        task of a group's heads), takes S from tile products: on K^T tiles, or with bf16
+        products on packed key tiles (templates/cpu tile_products_by_rows)."""
         return 0 < self.transposed_key_rows <= queries * group != self.kept_dot_rows
 
     def for_bf16_backward(self) -> TilePlan:
@@ -281,8 +281,8 @@ class TilePlan:
         """The forward's tiles for keys read through a page table (CPU paged calls): Bc divides
         the page size, so no key tile straddles two pages and its rows are read where they
         are, and is a whole number of vectors (the softmax's rows; 16 fp32 lanes), of 32 keys
-        where the scores come from tile products (their key step: panels, and by rows from
-        `transposes_keys`; 16 where `dot_products`, by rows below that): the largest such
+        where the scores come from tile products (their key step: panels, and by rows where
+        `transposes_keys`), 16 where they come from dot products (`dot_products`): the largest such
         divisor up to the plan's Bc. Where there is none (pages of 5 keys, of 16 under tile
         products) the plan's: a tile's rows are copied page by page (templates/cpu key_source)
         as the kernel reads them. (Zen 5, fp32 GQA 32/8 B=8 N=16 M=4096 D=128, pages of 16,
