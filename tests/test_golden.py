@@ -19,7 +19,7 @@ from attncc.passes.tiling import (
 )
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
-from attncc.targets import CPU_ISAS, cpu
+from attncc.targets import cpu
 from tests.conftest import EXAMPLES, kernel
 
 LOW_PRECISION_SHAPES = (AWKWARD_SHAPES[1], AWKWARD_SHAPES[4])
@@ -437,19 +437,24 @@ def test_decoding_from_kv_heads_side_by_side(name: str) -> None:
     """K, V as [B, M, Hkv, D] (a paged cache's layout, a transposed view): a decoding task takes
     the query heads of several kv heads of a sequence (forward_decode), and each kv head's rows
     must meet its own K/V rows, score map and mask: groups of 3 rows (axpy tails), 12 (gemm
-    blocks and a tail) and 1 query head per kv head, 1 to 3 sequences. (bf16 on `vdpbf16ps`
-    packs key tiles from 9 rows a kv head, a kv head per task in its plan's key tiles.)"""
+    blocks and a tail) and 1 query head per kv head, 1 to 3 sequences; and, from 48 rows a kv
+    head, fp32's transposed K tiles, a segment per kv head (52 rows a kv head: gemm tails; 2
+    and 3 kv heads in a task, the K/V rows of the next segment fetched ahead). (bf16 on
+    `vdpbf16ps` packs key tiles from 9 rows a kv head, a kv head per task in its plan's key
+    tiles.) Where the scores come from dot products, key tiles of one vector."""
     kern = kernel(name)
-    packs_bf16 = CPU_ISAS[cpu().isa].bf16_products == "dpbf16"
-    for B, H, Hkv, N in ((1, 12, 4, 1), (3, 8, 2, 3), (2, 6, 6, 2)):
+    for B, H, Hkv, N in ((1, 12, 4, 1), (3, 8, 2, 3), (2, 6, 6, 2), (2, 8, 2, 13), (1, 12, 3, 16)):
         shape = adapt(Shape(B, H, Hkv, N, 300, 40), kern)
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, runtime = make_inputs(kern, shape, dtype, requires_grad=False)
             side_by_side = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
             assert side_by_side[0].stride(1) < side_by_side[0].stride(2)
-            packed = packs_bf16 and dtype == torch.bfloat16 and N * H // Hkv >= 9
+            tiles, group = kern.plan(q, side_by_side[0], None).tiles, H // Hkv
+            if dtype == torch.float32:  # (bf16: by the machine's bf16 unit)
+                assert tiles.reads_by_rows(N, group) and tiles.transposes_keys(N, group) == (N * group >= 48)
+            dot_products = tiles.reads_by_rows(N, group) and not tiles.transposes_keys(N, group)
             key_tile = kern.forward_classes(q, side_by_side[0], **runtime)[0].block_cols
-            assert (key_tile == CPU_SIDE_BY_SIDE_DECODING_BC) != packed, (B, H, Hkv, N, dtype)
+            assert (key_tile == CPU_SIDE_BY_SIDE_DECODING_BC) == dot_products, (B, H, Hkv, N, dtype)
             out = kern(q, *side_by_side, **runtime)
             ref, _ = kern.reference(q.double(), k.double(), v.double(), **runtime)
             tolerance = 1e-4 if dtype == torch.float32 else 3e-2
