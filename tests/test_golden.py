@@ -440,10 +440,11 @@ def test_decoding_from_kv_heads_side_by_side(name: str) -> None:
     blocks and a tail) and 1 query head per kv head, 1 to 3 sequences; and, from 48 rows a kv
     head, fp32's transposed K tiles, a segment per kv head (52 rows a kv head: gemm tails; 2
     and 3 kv heads in a task, the K/V rows of the next segment fetched ahead). (bf16 on
-    `vdpbf16ps` packs key tiles from 9 rows a kv head, a kv head per task in its plan's key
-    tiles.) Where the scores come from dot products, key tiles of one vector."""
+    `vdpbf16ps` packs key tiles from 9 rows a kv head, in segments where a kv head's rows are
+    whole blocks of 16: the 64 rows.) Where the scores come from dot products, key tiles of
+    one vector."""
     kern = kernel(name)
-    for B, H, Hkv, N in ((1, 12, 4, 1), (3, 8, 2, 3), (2, 6, 6, 2), (2, 8, 2, 13), (1, 12, 3, 16)):
+    for B, H, Hkv, N in ((1, 12, 4, 1), (3, 8, 2, 3), (2, 6, 6, 2), (2, 8, 2, 13), (2, 12, 3, 16)):
         shape = adapt(Shape(B, H, Hkv, N, 300, 40), kern)
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, runtime = make_inputs(kern, shape, dtype, requires_grad=False)

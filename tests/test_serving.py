@@ -546,6 +546,8 @@ def bottom_right_alibi(q, k, v, slopes):
         (5, 4, "bhnd", False),
         (16, 1, "bnhd", True),
         (5, 4, "bhnd", True),
+        (16, 26, "bhnd", False),  # 52 rows a kv head: fp32 K^T tiles, both kv heads' segments in a task
+        (5, 24, "bnhd", False),
     ],
 )
 def test_paged_decode_and_chunked_prefill_with_appended_keys(

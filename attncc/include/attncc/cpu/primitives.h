@@ -772,20 +772,13 @@ inline vec_t exp_shift_lanes(acc_t* x, int n, acc_t shift, acc_t scale = 1) {
   return sum;
 }
 
-// The cache line at p, fetched into L2. An asm statement, not __builtin_prefetch: GCC deletes a
-// loop whose body is only that builtin (it has no side effects), and with it the prefetches.
-inline void prefetch_l2(const void* p) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
-// The cache line at p, fetched into L1 (and L2). For rows read soon after: of rows 4 KiB apart
-// (a paged cache's kv heads side by side), which the hardware prefetchers do not follow, those
-// fetched by prefetcht1 were still missing when read more often than these (Zen 5, fp32 chunk
-// of 16 queries from a [B, M, Hkv, D] cache: 28.8 -> 27.3 ms; contiguous K/V 24.9 -> 24.2).
+// The cache line at p, fetched into L1 (and L2): K/V rows read soon after, which the hardware
+// prefetchers do not fetch in time (decoding's next key tile, the by-rows forward's next rows).
+// prefetcht0, not prefetcht1 (into L2): more of t1's lines were still missing when read (Zen 5:
+// paged decoding B=8 GQA 32/8 M=4096 D=128 fp32 1.07-1.08x, bf16 1.24-1.30x; contiguous bf16
+// decoding 1.01-1.17x; an fp32 chunk of 16 queries from kv heads side by side 1.06x). An asm
+// statement, not __builtin_prefetch: GCC deletes a loop whose body is only that builtin (it
+// has no side effects), and with it the prefetches.
 inline void prefetch_l1(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
   asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
