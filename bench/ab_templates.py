@@ -11,6 +11,7 @@ tree: only template differences are compared.
     python bench/ab_templates.py --program causal --n 2048 --d 64 /tmp/base/templates templates:128,128
     python bench/ab_templates.py --backward --n 2048 /tmp/base/templates templates   # forward + backward
     python bench/ab_templates.py --n 1 --keys 16384 --heads 32 --kv-heads 8 --batch 8 /tmp/base/templates templates
+    python bench/ab_templates.py --n 16 --keys 4096 --heads 32 --kv-heads 8 --batch 8 --kv-side-by-side /tmp/base/templates templates
 
 A tree may carry `:Br,Bc` to force those tiles (Kernel tiles=).
 """
