@@ -70,7 +70,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.05, help="per batch of calls")
     parser.add_argument("--backward", action="store_true", help="time forward + backward (q, k, v gradients)")
     parser.add_argument(
-        "--kv-side-by-side", action="store_true", help="K and V as [B, M, Hkv, D] memory (a paged cache's rows), viewed as [B, Hkv, M, D]"
+        "--kv-side-by-side",
+        action="store_true",
+        help="K and V as [B, M, Hkv, D] memory (a paged cache's rows), viewed as [B, Hkv, M, D]",
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -78,9 +80,14 @@ def main() -> None:
     keys, kv_heads = args.keys or args.n, args.kv_heads or args.heads
     q = torch.randn(args.batch, args.heads, args.n, args.d, dtype=dtype, requires_grad=args.backward)
     if args.kv_side_by_side:
-        k, v = (torch.randn(args.batch, keys, kv_heads, args.d, dtype=dtype).transpose(1, 2).requires_grad_(args.backward) for _ in range(2))
+        k, v = (
+            torch.randn(args.batch, keys, kv_heads, args.d, dtype=dtype).transpose(1, 2).requires_grad_(args.backward)
+            for _ in range(2)
+        )
     else:
-        k, v = (torch.randn(args.batch, kv_heads, keys, args.d, dtype=dtype, requires_grad=args.backward) for _ in range(2))
+        k, v = (
+            torch.randn(args.batch, kv_heads, keys, args.d, dtype=dtype, requires_grad=args.backward) for _ in range(2)
+        )
     dout = torch.randn(args.batch, args.heads, args.n, args.d, dtype=dtype)
     runtime = EXAMPLE_INPUTS.get(args.program, lambda B, H, N: {})(args.batch, args.heads, args.n)
 
