@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
 
 import attncc
 
@@ -21,6 +23,19 @@ def kernel(name: str) -> attncc.Kernel:
 @pytest.fixture(params=EXAMPLES)
 def example(request: pytest.FixtureRequest) -> attncc.Kernel:
     return kernel(request.param)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """torch (and so the CPU kernels) on 2 threads for the test: a CPU decoding task takes as
+    many kv heads of a sequence as leave every thread a task (templates/cpu forward_decode), so
+    tests of several kv heads per task must not depend on the machine's core count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def recorded_problems(kern: attncc.Kernel, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:

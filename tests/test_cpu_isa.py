@@ -19,7 +19,7 @@ from attncc.errors import AttnccError
 from attncc.passes.tiling import CPU_AMX_BACKWARD_BLOCK, choose_micro_kernel
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.check import check
-from attncc.runtime.inputs import Shape, adapt
+from attncc.runtime.inputs import Shape, adapt, make_inputs
 from attncc.runtime.kernel import PackedSequences
 from attncc.targets import CPU_ISAS, ISA_ENV, best_cpu_isa, cpu, cpu_features, select_cpu_isa
 from tests.conftest import ROOT
@@ -433,6 +433,24 @@ def test_small_tiles_and_panel_batches(isa: str, monkeypatch) -> None:
         for dtype in dtypes:
             result = check(kern, adapt(Shape(3, 4, 2, 45, 110, 24), kern), dtype)
             assert result.ok, f"{isa} {name} {dtype}: {result.describe()}"
+
+
+@pytest.mark.parametrize("isa", LEVELS_HERE)
+@pytest.mark.usefixtures("two_threads")
+def test_kv_heads_side_by_side_in_segments_on_each_level(isa: str, monkeypatch) -> None:
+    """Chunks of queries against K/V whose kv heads lie side by side in each key row (a paged
+    cache's layout, here a [B, M, Hkv, D] view): from 48 rows a kv head (52, 64) a task takes
+    every kv head of a sequence as segments, fp32 on K^T tiles on the vector levels (AVX2's 8 x 8
+    transposes too), bf16 on packed tiles where the level has vdpbf16ps; against float64."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    kern = attncc.compile(ROOT / "examples" / "alibi.attn")
+    for B, H, Hkv, N in ((2, 8, 2, 13), (2, 12, 3, 16)):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, runtime = make_inputs(kern, adapt(Shape(B, H, Hkv, N, 300, 40), kern), dtype, requires_grad=False)
+            k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+            ref, _ = kern.reference(q.double(), k.double(), v.double(), **runtime)
+            error = (kern(q, k, v, **runtime).double() - ref).abs().max().item()
+            assert error < (1e-4 if dtype == torch.float32 else 3e-2), (isa, B, H, Hkv, N, dtype, error)
 
 
 CACHED_RUN = """
