@@ -11,7 +11,7 @@ from attncc.codegen.cexpr import emit
 from attncc.errors import AttnccError
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, fused_node
-from attncc.passes.tiling import CPU_BF16_KEPT_DOT_ROWS, cpu_transposed_key_rows
+from attncc.passes.tiling import CPU_BF16_KEPT_DOT_ROWS, CPU_SIDE_BY_SIDE_TILE_PRODUCT_ROWS, cpu_transposed_key_rows
 
 if TYPE_CHECKING:
     from attncc.passes.tiling import CpuMicroKernel
@@ -119,6 +119,7 @@ def generate_cpu(g: Graph, dtype: str, variant_key: str) -> str:
         panel_budget_bytes=PANEL_BUDGET_BYTES,
         transposed_key_rows=cpu_transposed_key_rows(op.tiling.micro_kernel.vector_bytes, bf16_unit),
         kept_dot_rows=CPU_BF16_KEPT_DOT_ROWS.get(bf16_unit, 0),
+        side_by_side_tile_product_rows=CPU_SIDE_BY_SIDE_TILE_PRODUCT_ROWS,
         has_dropout=op.dropout > 0,
         rope_q=op.q_rope,
         rope_k=op.k_rope,

@@ -167,6 +167,13 @@ CPU_DECODING_QUERIES = 4
 # Keys per tile when decoding from kv heads side by side in each key row (TilePlan
 # for_side_by_side_decoding): one vector of fp32 lanes, the softmax's smallest row.
 CPU_SIDE_BY_SIDE_DECODING_BC = 16
+# Where the kv heads lie side by side and the scores come from tile products by rows
+# (`transposes_keys`), a task takes several kv heads of a sequence as segments (templates/cpu
+# forward_decode, kSideBySideTileProductRows) up to this many query rows per kv head. Zen 5, GQA
+# 32/8 B=8 M=4096 D=128 from a [B, M, Hkv, D] view, against a kv head per task, fp32 / bf16:
+# N = 16 1.08 / 1.06x, N = 32 1.04 / 1.03x, N = 64 1.02 / 1.00x; 512 rows a kv head (GQA 64/8
+# B=2 N=64) 1.00 / 0.99x with 8x the task's buffers.
+CPU_SIDE_BY_SIDE_TILE_PRODUCT_ROWS = 256
 # A call with fewer keys than Bc takes key tiles of its key count rounded up to this many
 # (TilePlan.for_few_keys): one vector of fp32 lanes; AMX's P V products take 32 keys per tile
 # (CPU_AMX_KEY_STEP). Measured on Zen 4 (fp32 / bf16 fwd, B=64 H=8 N=M=16 D=64): Bc = 128
