@@ -9,6 +9,7 @@ paged cache pages in shuffled order, page sizes that are not powers of two and a
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import replace
 from functools import cache
@@ -237,16 +238,30 @@ def emulated(name: str) -> attncc.Kernel:
     return attncc.compile(ROOT / "examples" / f"{name}.attn", target="sm80", emulate=True)
 
 
-def count_launches(monkeypatch: pytest.MonkeyPatch, kern: attncc.Kernel) -> list[str]:
-    """The entry points `kern` calls from now on (`_run`), in order."""
-    launches: list[str] = []
+def count_runs(monkeypatch: pytest.MonkeyPatch, kern: attncc.Kernel) -> list[str]:
+    """The entry points `kern` runs by the full path from now on (`_run`: planned, prepared and
+    packed for the call), in order."""
+    runs: list[str] = []
     run = type(kern)._run
 
     def counted(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
-        launches.append(entry)
+        runs.append(entry)
         return run(self, entry, *args, **kwargs)
 
     monkeypatch.setattr(type(kern), "_run", counted)
+    return runs
+
+
+def count_launches(monkeypatch: pytest.MonkeyPatch, kern: attncc.Kernel) -> list[str]:
+    """The entry points `kern` launches from now on (`_launch`: full paths and kept launches), in order."""
+    launches: list[str] = []
+    launch = type(kern)._launch
+
+    def counted(self: attncc.Kernel, lib: object, fn: ctypes._CFuncPtr, *args: object) -> None:
+        launches.append(fn.__name__)
+        return launch(self, lib, fn, *args)
+
+    monkeypatch.setattr(type(kern), "_launch", counted)
     return launches
 
 
@@ -384,14 +399,14 @@ def test_planned_packed_forwards_keep_their_launch(monkeypatch: pytest.MonkeyPat
     ~125, bench_host.py), bit-equal to a fresh kernel's unplanned call; an unplanned call keeps
     none (its offsets are copied up per call), so another batch of the same sizes is its own."""
     kern = emulated("causal")
-    launches = count_launches(monkeypatch, kern)
+    runs = count_runs(monkeypatch, kern)
     shape, lens = Shape(3, 2, 1, 150, 150, 32), [150, 1, 70]
     plan = attncc.plan_varlen(offsets(lens), offsets(lens))
     outs = []
     for layer in range(3):
         q, k, v, _ = (t.detach().bfloat16() for t in packed_leaves(shape, lens, lens, seed=layer))  # (read in place)
         outs.append((q, k, v, kern.varlen(q, k, v, plan=plan)))
-    assert launches == ["attncc_emulated_forward"]
+    assert runs == ["attncc_emulated_forward"]
     for q, k, v, out in outs:
         assert torch.equal(out, emulated("causal").varlen(q, k, v, offsets(lens), offsets(lens)))
     other = [70, 1, 150]  # same rows and longest sequence, other offsets

@@ -150,6 +150,92 @@ def test_training_calls_repeat_a_kept_launch(monkeypatch: pytest.MonkeyPatch) ->
         assert (got.double() - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
 
 
+RECENT = (
+    "attention recent\ninput n: int\ns = q @ k.T * scale\nmask j <= i and i - j < n\np = softmax(s)\n"
+    "o = p @ v\noutput o\n"
+)
+
+
+def recent_mask(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return (j <= i) & (i - j < 6)
+
+
+def butterfly_mask(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    blocks = (i // 64) ^ (j // 64)  # visible where the query and key blocks' xor is 0 or a power of two
+    return (blocks & (blocks - 1)) == 0
+
+
+@pytest.mark.parametrize(
+    ("program", "visible", "n", "passes"),
+    [
+        (RECENT, recent_mask, 23, "fused"),
+        (RECENT, recent_mask, 23, "two-pass"),
+        (ROOT / "examples" / "blocksparse_butterfly.attn", butterfly_mask, 150, "auto"),  # a layout grid
+    ],
+)
+def test_training_backwards_repeat_a_kept_launch(
+    monkeypatch: pytest.MonkeyPatch, program: object, visible: object, n: int, passes: str
+) -> None:
+    """The backward of a call that repeated a kept forward launch repeats the backward's packed
+    launch (`BackwardLaunch`): from the second such backward no plan, no prepared call, no
+    packing. Every call here has fresh q, k, v and dout (new addresses, new values), the loss on
+    out, on out and lse, or on lse alone, dout contiguous or not, and the thread count changed
+    between a forward and its backward once; every gradient against float64 torch code."""
+    kern = attncc.compile(program)
+    kern.backward = passes
+    full_paths = []
+    backward_impl = attncc.Kernel.backward_impl
+
+    def counting_backward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
+        full_paths.append(kwargs.get("kept_by"))
+        return backward_impl(self, *args, **kwargs)
+
+    monkeypatch.setattr(attncc.Kernel, "backward_impl", counting_backward)
+    gen = torch.Generator().manual_seed(11)
+    B, H, Hkv, D = 2, 4, 2, 24  # GQA; N not a multiple of any tile
+    runtime = {"n": 6} if program is RECENT else {}
+
+    def expected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = (t.double().repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+        s = q.double() @ k.transpose(-1, -2) / D**0.5
+        s = s.masked_fill(~visible(torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)), float("-inf"))
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+    losses = ["out", "out", "out and lse", "lse", "out, dout expanded", "out", "out, threads changed"]
+    for step, loss in enumerate(losses):
+        q = torch.randn(B, H, n, D, generator=gen, requires_grad=True)
+        k, v = (torch.randn(B, Hkv, n, D, generator=gen, requires_grad=True) for _ in range(2))
+        dout = torch.randn(B, H, n, D, generator=gen)
+        if "expanded" in loss:
+            dout = torch.randn(1, H, n, D, generator=gen).expand(B, H, n, D)
+        dlse = torch.randn(B, H, n, generator=gen)
+        out, lse = kern(q, k, v, return_lse=True, **runtime)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = expected(*leaves)
+        if loss == "lse":
+            outputs, ref_outputs, grads_in = (lse,), (ref_lse,), (dlse,)
+        elif loss == "out and lse":
+            outputs, ref_outputs, grads_in = (out, lse), (ref_out, ref_lse), (dout, dlse)
+        else:
+            outputs, ref_outputs, grads_in = (out,), (ref_out,), (dout,)
+        threads = torch.get_num_threads()
+        try:
+            if "threads changed" in loss:
+                torch.set_num_threads(1)
+            got = torch.autograd.grad(outputs, (q, k, v), grads_in)
+        finally:
+            torch.set_num_threads(threads)
+        grads_out = tuple(g.double() for g in grads_in)  # (lse alone does not depend on v: dv = 0)
+        want = torch.autograd.grad(ref_outputs, leaves, grads_out, allow_unused=True, materialize_grads=True)
+        for name, g, w in zip("qkv", got, want):
+            assert (g.double() - w).abs().max() <= 1e-4 * max(1.0, w.abs().max().item()), (step, loss, name)
+    # the first call ran the full path (its forward was checked), the second kept the backward's
+    # launch, the others repeated it, but for the thread count the launch was not packed for
+    assert len(full_paths) == 3 and full_paths[0] is None and full_paths[1] is not None
+    assert full_paths[2] is full_paths[1]  # (threads changed: the full path, kept again)
+    assert full_paths[1].backward_launch is not None
+
+
 def test_double_backward_is_a_clear_error() -> None:
     q = torch.randn(1, 1, 8, 8, dtype=torch.float64, requires_grad=True)
     (g,) = torch.autograd.grad(kernel("vanilla")(q, q, q).sum(), q, create_graph=True)

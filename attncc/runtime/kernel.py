@@ -1010,9 +1010,12 @@ class Kernel:
         grad_inputs: list[bool],
         offset: int = 0,
         packed: PackedSequences | None = None,
+        kept_by: KeptLaunch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """dq, dk, dv and the learnable inputs' gradients (empty where not wanted); `packed` as
-        in `forward_impl` (q, k, v, out, dout, dq, dk, dv rows [total, heads, D])."""
+        in `forward_impl` (q, k, v, out, dout, dq, dk, dv rows [total, heads, D]). `kept_by`: the
+        forward's kept launch this call repeated (`KeptLaunch.backward`), which keeps the
+        backward's packed launch for the calls repeating it."""
         dtype = _DTYPES[q.dtype]
         acc = acc_dtype(q.dtype)
         dq, dk, dv = (
@@ -1050,13 +1053,20 @@ class Kernel:
             if packed is not None:
                 ptrs.update(packed.buffers())
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
-            self._run("attncc_backward_delta", dtype, plan, call, ptrs, dropout, seed)
-            if dlse is not None:  # a loss on lse: D - dlse in place of D (delta_rows)
-                delta.sub_(dlse.to(acc))
             p = plan.problem
             call["key_tiles_per_sweep"] = plan.tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
-            for entry in self.backward_entries(plan, threads):
-                self._run(entry, dtype, plan, call, ptrs, dropout, seed)
+            library = self._library_for(dtype, plan)
+            pointers, ints, reals = self.pack(plan, call, ptrs, dropout, seed)
+            names = self._slot_names.pointers
+            launch = BackwardLaunch(
+                library, self._entry(library, "attncc_backward_delta"),
+                tuple(self._entry(library, entry) for entry in self.backward_entries(plan, threads)),
+                pointers, {name: names.index(name) for name in BACKWARD_OPERANDS}, ints, reals,
+                (threads, self.backward), out.stride(), dout.stride(), call,
+            )  # fmt: skip
+            launch.run(self, ptrs, dlse)
+            if kept_by is not None and packed is None and not grads:  # (`call` keeps the layout grids alive)
+                kept_by.backward_launch = launch
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
         grad_list = [
@@ -1391,9 +1401,47 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
 
 #: The forward's operands whose addresses change from call to call (`KeptLaunch`).
 CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial")
+#: The backward's (`BackwardLaunch`; delta: the rows' rowsum(dO * O), its first pass's result).
+BACKWARD_OPERANDS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "delta")
 
 
 @dataclass(frozen=True)
+class BackwardLaunch:
+    """A CPU backward's packed launch: the delta pass, then `passes` (fused, or dK/dV and dQ),
+    all on one set of arrays. Kept by the forward's `KeptLaunch` (`Kernel.backward_impl`), it
+    repeats the backward of calls repeating that forward without the plan, the prepared call
+    and the packing. A grad-recording fp32 call and its backward at B=1 H=8 N=16 d=64 (2 Zen 5
+    cores, kernels ~21 us of it) took ~150 us, ~81 with this and lse's unused gradient left None
+    (SDPA's: ~55; an autograd.Function doing nothing but allocate: ~32)."""
+
+    library: ctypes.CDLL
+    delta_entry: ctypes._CFuncPtr
+    passes: tuple[ctypes._CFuncPtr, ...]
+    pointers: ctypes.Array  # the ABI's pointer slots, the operands' for the call that packed them
+    operand_slots: dict[str, int]  # where each of BACKWARD_OPERANDS goes in `pointers`
+    ints: ctypes.Array
+    reals: ctypes.Array
+    settings: tuple[int, str]  # the threads and the kernel's `backward` setting that chose `passes`
+    out_stride: tuple[int, ...]
+    dout_stride: tuple[int, ...]
+    kept: object  # what `pointers` points into besides the operands (the prepared call)
+
+    def run(self, kernel: Kernel, operands: Mapping[str, torch.Tensor], dlse: torch.Tensor | None) -> None:
+        """The passes on `operands` (by BACKWARD_OPERANDS' names; a loss on lse, `dlse`, turns
+        delta into delta - dlse between the delta pass and the others, as delta_rows does)."""
+        pointers = type(self.pointers).from_buffer_copy(self.pointers)
+        for name, slot in self.operand_slots.items():
+            pointers[slot] = operands[name].data_ptr()
+        args = (pointers, self.ints, self.reals)
+        kernel._launch(self.library, self.delta_entry, args)
+        if dlse is not None:
+            delta = operands["delta"]
+            delta.sub_(dlse.to(delta.dtype))
+        for entry in self.passes:
+            kernel._launch(self.library, entry, args)
+
+
+@dataclass(eq=False)
 class KeptLaunch:
     """A forward's packed launch, kept for calls that repeat what decided it: a checked call's
     sizes, strides, dtypes, scalars and thread count (`Kernel._repeat_key`), and on the GPU path
@@ -1416,6 +1464,53 @@ class KeptLaunch:
     lse_dtype: torch.dtype
     partial_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None  # o_partial, lse_partial (split-KV)
     kept: object  # what `pointers` points into (the prepared call, a paged plan's keys)
+    backward_launch: BackwardLaunch | None = None  # the first backward of a call repeating this launch kept it
+
+    @property
+    def repeats_backward(self) -> bool:
+        """Whether the backward of calls repeating this launch can repeat a kept launch too:
+        the CPU kernels' (`BackwardLaunch`)."""
+        return type(self.kernel).backward_impl is Kernel.backward_impl
+
+    def backward(
+        self,
+        key: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        tensors: list[torch.Tensor],
+        scalars: list[float],
+        scale: float | None,
+        dropout: float,
+        seed: torch.Tensor,
+        grad_inputs: list[bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """`_attention_backward` for a call that repeated this launch (so no runtime tensors, no
+        dropout): the kept backward launch where the operands' strides and the settings that
+        chose its passes are those it was packed for, else the full path, which keeps one."""
+        dout = dout.contiguous()
+        launch = self.backward_launch
+        if (
+            launch is None
+            or launch.dout_stride != dout.stride()
+            or launch.out_stride != out.stride()
+            or launch.settings != (max(1, torch.get_num_threads()), self.kernel.backward)
+        ):
+            return _REGISTRY[key].backward_impl(
+                q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs,
+                kept_by=self,
+            )  # fmt: skip
+        dq = torch.empty(q.shape, dtype=q.dtype)
+        dk = torch.empty(k.shape, dtype=k.dtype)
+        dv = torch.empty(v.shape, dtype=v.dtype)
+        delta = torch.empty(lse.shape, dtype=lse.dtype)
+        operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
+        launch.run(self.kernel, dict(operands, delta=delta), dlse)
+        return dq, dk, dv, []
 
     @cached_property
     def _pointer_template(self) -> ctypes.Array:
@@ -1642,12 +1737,19 @@ class _EagerAttention(torch.autograd.Function):
         else:
             out, lse = _REGISTRY[key].forward_impl(q, k, v, list(tensors), scalars, scale, dropout, int(seed.item()))
         _setup_context(ctx, (key, q, k, v, list(tensors), scalars, scale, dropout, seed, None, None, None), (out, lse))
+        ctx.launch = launch
+        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no zeros to subtract from delta
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
-        # create_graph: through the backward op, whose derivative raises the clear error
+    def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:  # noqa: ANN001 - autograd ctx
+        if dout is None:  # only lse took part in the loss
+            dout = torch.zeros_like(ctx.saved_tensors[3])
+        # create_graph: through the backward op, whose derivative raises the clear error; a
+        # repeated forward's backward repeats a kept launch where the kernel keeps one
         direct = None if torch.is_grad_enabled() else _attention_backward
+        if direct is not None and ctx.launch is not None and ctx.launch.repeats_backward:
+            direct = ctx.launch.backward
         _, dq, dk, dv, tensor_grads, *_ = _backward(ctx, dout, dlse, direct)
         return None, None, dq, dk, dv, None, None, None, None, *tensor_grads
 
