@@ -134,9 +134,14 @@ class Flex:
         return lambda: self.fn(q, k, v, block_mask=block_mask)
 
 
+def duration(seconds: float) -> str:
+    """`seconds` as ms with one decimal, or us below 1 ms (host-bound calls)."""
+    return f"{seconds * 1e3:8.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:8.1f} us"
+
+
 def row(results: list, name: str, attncc_s: float, anchors: dict[str, float], extra: str = "") -> None:
-    ratios = "  ".join(f"{k} {v * 1e3:8.1f} ms ({v / attncc_s:5.2f}x)" for k, v in anchors.items())
-    line = f"{name:44s} attncc {attncc_s * 1e3:8.1f} ms  {ratios} {extra}"
+    ratios = "  ".join(f"{k} {duration(v)} ({v / attncc_s:5.2f}x)" for k, v in anchors.items())
+    line = f"{name:44s} attncc {duration(attncc_s)}  {ratios} {extra}"
     print(line, flush=True)
     results.append({"case": name, "attncc_s": attncc_s, **{f"{k}_s": v for k, v in anchors.items()}, "note": extra})
 
@@ -375,23 +380,31 @@ def alternating_per_call(fns: dict[str, Callable[[], object]], repeats: int) -> 
 def short_cases(results: list, args) -> None:
     """Many short sequences (a padded batch of 1024 tokens per head, N = M = 16 .. 128, H=8
     D=64): key tiles fitted to the key count (TilePlan.for_few_keys), against SDPA; fp32 and
-    bf16, dense and causal, forward and forward+backward."""
+    bf16, dense and causal, forward and forward+backward. Then one short sequence (B=1 H=8
+    N = M = 16 .. 256 D=64, dense), where the host's work per call (checks, autograd, kept
+    launches) is most of the time."""
     gen = torch.Generator().manual_seed(5)
-    for program in ("vanilla", "causal"):
+    shapes = [(program, 1024 // n, n) for program in ("vanilla", "causal") for n in (16, 32, 64, 128)]
+    shapes += [("vanilla", 1, n) for n in (16, 64, 256)]
+    for program, batch, n in shapes:
         kern = attncc.compile(EX / f"{program}.attn")
         for dtype in (torch.float32, torch.bfloat16):
-            for n in (16, 32, 64, 128):
-                q, k, v = (torch.randn(1024 // n, 8, n, 64, generator=gen).to(dtype) for _ in range(3))
+            q, k, v = (torch.randn(batch, 8, n, 64, generator=gen).to(dtype) for _ in range(3))
 
-                def sdpa(q_, k_, v_, causal=program == "causal"):
-                    return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
+            def sdpa(q_, k_, v_, causal=program == "causal"):
+                return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
 
-                name = f"short {program} {str(dtype).removeprefix('torch.')} B={1024 // n} H=8 N=M={n} D=64"
-                ours, anchor = alternating_medians([partial(kern, q, k, v), partial(sdpa, q, k, v)], args.repeats)
-                row(results, f"{name} fwd", ours, {"sdpa": anchor})
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                ours, anchor = alternating_medians([fwd_bwd(kern, *leaves), fwd_bwd(sdpa, *leaves)], args.repeats)
-                row(results, f"{name} fwd+bwd", ours, {"sdpa": anchor})
+            name = f"short {program} {str(dtype).removeprefix('torch.')} B={batch} H=8 N=M={n} D=64"
+            # (batches of calls, the median per call: single sub-millisecond calls are jitter)
+            times = alternating_per_call(
+                {"attncc": partial(kern, q, k, v), "sdpa": partial(sdpa, q, k, v)}, args.repeats
+            )
+            row(results, f"{name} fwd", times["attncc"], {"sdpa": times["sdpa"]})
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            times = alternating_per_call(
+                {"attncc": fwd_bwd(kern, *leaves), "sdpa": fwd_bwd(sdpa, *leaves)}, args.repeats
+            )
+            row(results, f"{name} fwd+bwd", times["attncc"], {"sdpa": times["sdpa"]})
 
 
 def fp16_cases(results: list, args) -> None:
