@@ -407,6 +407,43 @@ def short_cases(results: list, args) -> None:
             row(results, f"{name} fwd+bwd", times["attncc"], {"sdpa": times["sdpa"]})
 
 
+def backward_with(kern, mode: str, q, k, v, dout) -> object:
+    """A grad-recording call of `kern` and its backward with `kern.backward = mode`."""
+    kern.backward = mode
+    try:
+        return torch.autograd.grad(kern(q, k, v), (q, k, v), dout)
+    finally:
+        kern.backward = "auto"
+
+
+def kv_heads_cases(results: list, args) -> None:
+    """Training with few kv heads (B=1 H=8, MQA and GQA 8/2, N = 512 and 2048, D = 64 and 128,
+    fp32 and bf16, dense and causal): forward+backward against SDPA (enable_gqa), and the
+    backward alone against attncc's own two-pass backward. With fewer (b, kv head) tasks than
+    twice the threads the fused backward cuts each into key chunks (`Kernel.backward_passes`)."""
+    gen = torch.Generator().manual_seed(9)
+    for program in ("vanilla", "causal"):
+        kern = attncc.compile(EX / f"{program}.attn")
+
+        def sdpa(q_, k_, v_, causal=program == "causal"):
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=True)
+
+        for dtype, hkv, n, d in itertools.product((torch.float32, torch.bfloat16), (1, 2), (512, 2048), (64, 128)):
+            q = torch.randn(1, 8, n, d, generator=gen).to(dtype).requires_grad_()
+            k, v = (torch.randn(1, hkv, n, d, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+            passes, chunks = kern.backward_passes(kern.plan(q, k, None, backward=True))
+            tag = f"{len(passes)} pass{'es' if len(passes) > 1 else ''}, {chunks} key chunk{'s' if chunks > 1 else ''}"
+            name = f"kv heads {program} {str(dtype).removeprefix('torch.')} H=8/{hkv} N={n} D={d}"
+            times = alternating_per_call(
+                {"attncc": fwd_bwd(kern, q, k, v), "sdpa": fwd_bwd(sdpa, q, k, v)}, args.repeats
+            )
+            row(results, f"{name} fwd+bwd", times["attncc"], {"sdpa": times["sdpa"]}, tag)
+            dout = torch.randn_like(q)
+            runs = {mode: partial(backward_with, kern, mode, q, k, v, dout) for mode in ("auto", "two-pass")}
+            times = alternating_per_call(runs, args.repeats)
+            row(results, f"{name} fwd+bwd, two-pass backward", times["auto"], {"two-pass": times["two-pass"]}, tag)
+
+
 def fp16_cases(results: list, args) -> None:
     """fp16 inputs (B=1 H=8, dense and causal, D = 64 and 128, N = 512 .. --max-n) against SDPA
     on the same fp16 tensors: the forward, whose products run on the machine's bf16 unit as two
@@ -855,6 +892,7 @@ def main() -> None:
     parser.add_argument("--models", action="store_true", help="the models' head shapes (issue 12) only")
     parser.add_argument("--fp8", action="store_true", help="the fp8 K/V cases (part of --models) only")
     parser.add_argument("--short", action="store_true", help="many short sequences (N = M = 16 .. 128) only")
+    parser.add_argument("--kv-heads", action="store_true", help="fwd+bwd with one or two kv heads (key chunks) only")
     parser.add_argument(
         "--fp16", action="store_true", help="fp16 inputs, dense and causal, N = --min-n .. --max-n, only"
     )
@@ -892,6 +930,8 @@ def main() -> None:
         serving_cases(results, args)
     elif args.short:
         short_cases(results, args)
+    elif args.kv_heads:
+        kv_heads_cases(results, args)
     elif args.fp16:
         fp16_cases(results, args)
     elif args.models:

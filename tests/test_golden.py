@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import replace
 
@@ -152,16 +153,20 @@ def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
         assert result.ok, result.describe()
 
 
-@pytest.mark.parametrize("mode", ["fused", "fused, 2 key tiles a sweep", "two-pass"])
+@pytest.mark.parametrize("mode", ["fused", "fused, 2 key tiles a sweep", "fused, 3 key chunks", "two-pass"])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_both_backward_schedules(name: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-pass backward (dQ in a per-task buffer) and the two passes, forced either way; in
     bf16 on a shape whose rows and keys cross 3+ backward tiles with tails (the bf16 backward's
     own tiles on AMX: TilePlan.for_bf16_backward). The one pass also with two key tiles per sweep
     over the query tiles (long sequences' schedule: TilePlan.key_tiles_per_sweep; an odd number
-    of key tiles leaves a last sweep of one)."""
+    of key tiles leaves a last sweep of one), and with each (b, kv head)'s key tiles cut into 3
+    chunks, a task each, their dQ rows summed after (templates/cpu `chunk_key_tiles`; one key
+    tile leaves two chunks empty)."""
     if "sweep" in mode:
         monkeypatch.setattr(TilePlan, "key_tiles_per_sweep", lambda plan, rows: 2)
+    if "chunks" in mode:
+        monkeypatch.setattr(attncc.Kernel, "backward_passes", lambda *args, **kwargs: (("attncc_backward_fused",), 3))
     kern = kernel(name)
     kern.backward = mode.partition(",")[0]
     long_shape = adapt(Shape(2, 4, 2, 300, 270, 48), kern)
@@ -177,6 +182,22 @@ def test_both_backward_schedules(name: str, mode: str, monkeypatch: pytest.Monke
         assert result.ok, f"{mode}: {result.describe()}"
     finally:
         kern.backward = "auto"
+
+
+@pytest.mark.parametrize("name", ["vanilla", "causal", "alibi", "sliding_window", "document", "gpt2"])
+@pytest.mark.usefixtures("two_threads")
+def test_few_kv_heads_cut_the_fused_backward_into_key_chunks(name: str) -> None:
+    """One (b, kv head) task or three for two threads: the fused backward cuts each into key
+    chunks of about equal visible tiles (a causal mask's and a sliding window's last key tiles
+    see few query tiles), fp32 and bf16, against the float64 reference."""
+    kern = kernel(name)
+    for shape, dtype in ((Shape(1, 4, 1, 300, 390, 48), torch.float32), (Shape(3, 2, 1, 259, 259, 64), torch.bfloat16)):
+        shape = adapt(shape, kern)
+        q, k = (torch.empty(shape.B, heads, n, shape.D) for heads, n in ((shape.H, shape.N), (shape.Hkv, shape.M)))
+        passes, chunks = kern.backward_passes(kern.plan(q, k, None, backward=True))
+        assert passes == ("attncc_backward_fused",) and chunks == 2, (shape, passes, chunks)
+        result = check(kern, shape, dtype)
+        assert result.ok, f"{shape} {dtype}: {result.describe()}"
 
 
 @pytest.mark.parametrize("mode", ["fused", "two-pass"])
@@ -231,8 +252,8 @@ def test_gradient_buffers_beyond_the_budget_under_deterministic_mode(monkeypatch
 
 
 def test_backward_schedule_choice() -> None:
-    """Fused or two passes by tasks per thread; the fused pass's key tiles per sweep by query rows
-    per task, as many as fit L2."""
+    """Fused or two passes by tasks per thread, the fused pass's tasks cut into key chunks where
+    they are fewer; its key tiles per sweep by query rows per task, as many as fit L2."""
     kern = kernel("vanilla")
     q = torch.zeros(1, 8, 64, 64)
     tiles = kern.plan(q, q, None, backward=True).tiles
@@ -241,13 +262,33 @@ def test_backward_schedule_choice() -> None:
     assert tiles.key_tiles_per_sweep(CPU_FUSED_SWEEP_ROWS) == sweep >= 1
     key_side = cpu_key_side_bytes(tiles.block_rows, tiles.block_cols, tiles.head_dim)
     assert sweep == 1 or sweep * key_side <= cpu().onchip_bytes
+    fused, two_pass = ("attncc_backward_fused",), ("attncc_backward_dkdv", "attncc_backward_dq")
+    long_q, one_kv_head = torch.zeros(1, 8, 1024, 64), torch.zeros(1, 1, 1024, 64)
+    key_tiles = math.ceil(1024 / kern.plan(long_q, long_q, None, backward=True).tiles.block_cols)
+    assert key_tiles >= 2
+
+    def passes(q: torch.Tensor, k: torch.Tensor, packed: bool = False) -> tuple[tuple[str, ...], int]:
+        return kern.backward_passes(kern.plan(q, k, None, backward=True), packed=packed)
+
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert kern.backward_entries(kern.plan(q, q, None)) == ("attncc_backward_fused",)  # 8 heads, 2 threads
+        assert passes(q, q) == (fused, 1)  # 8 (b, kv head) tasks, 2 threads
+        assert passes(long_q, one_kv_head) == (fused, 2)  # one task: two key chunks
+        assert passes(long_q, one_kv_head, packed=True) == (two_pass, 1)  # a packed batch's tasks differ
+        assert passes(q[:, :, :, :], one_kv_head[:, :, :64]) == (two_pass, 1)  # one key tile: no chunks
         torch.set_num_threads(8)
-        assert kern.backward_entries(kern.plan(q, q, None)) == ("attncc_backward_dkdv", "attncc_backward_dq")
+        assert passes(long_q, long_q) == (fused, 1)  # a task per thread: no chunks
+        # 8 chunks would give each thread a task, but 8 query heads x 1024 rows take sweeps of
+        # several key tiles: no more chunks than sweeps
+        assert passes(long_q, one_kv_head) == (fused, min(8, key_tiles // sweep))
+        assert passes(long_q, long_q[:, :2]) == (fused, min(4, key_tiles))  # 2 tasks x 4 chunks on 8 threads
+        kern.backward = "fused"
+        assert passes(q, one_kv_head[:, :, :64]) == (fused, 1)
+        kern.backward = "two-pass"
+        assert passes(long_q, one_kv_head) == (two_pass, 1)
     finally:
+        kern.backward = "auto"
         torch.set_num_threads(threads)
 
 

@@ -52,8 +52,9 @@ SPLIT_CONTROL = ("splits",)
 #: The CPU kernels' schedule: by_rows, 1 where the forward reads K and V by rows
 #: (TilePlan.reads_by_rows, the template's forward_decode), 0 where it packs panels per kv head
 #: for tile products; key_tiles_per_sweep, the fused backward's key tiles per sweep over a task's
-#: query tiles (TilePlan.key_tiles_per_sweep).
-CPU_CONTROL = ("by_rows", "key_tiles_per_sweep")
+#: query tiles (TilePlan.key_tiles_per_sweep); key_chunks, the chunks the fused backward cuts
+#: each (b, kv head)'s key tiles into, a task each (`Kernel.backward_passes`).
+CPU_CONTROL = ("by_rows", "key_tiles_per_sweep", "key_chunks")
 #: A paged call's block table (int64 [B, pages]; null otherwise), then its page size and the
 #: table's row stride (`Kernel.paged` reads K/V through it: templates/cpu and templates/cuda
 #: `key_row_offset`).

@@ -78,11 +78,35 @@ _KEYS = itertools.count()
 #: all; beyond it, one shared buffer with atomics, or fewer threads (`Kernel.backward_threads`).
 PER_THREAD_GRAD_BUFFERS_MAX = 256 * 2**20
 #: The fused backward runs one task per (b, kv head): with fewer than this many tasks per
-#: thread, a thread with a heavier task (a longer padded sequence) leaves the others idle.
+#: thread, a thread with a heavier task (a longer sequence of a packed batch) leaves the others
+#: idle, so a padded call's tasks are cut into key chunks (`fused_key_chunks`) and a packed
+#: batch's run the two passes (`Kernel.backward_passes`).
 FUSED_BACKWARD_TASKS_PER_THREAD = 2
 #: Its per-thread buffers (dQ, group x N x D fp32, and the query tiles it keeps loaded, at most
-#: as large) above which the two passes run instead.
+#: as large) above which the two passes run instead; also the most its key chunks' dQ rows take.
 FUSED_BACKWARD_MAX_BUFFER = 256 * 2**20
+#: The most a thread's tasks may exceed the average where key chunks even them out.
+FUSED_BACKWARD_IMBALANCE = 1.25
+
+
+def fused_key_chunks(tasks: int, threads: int) -> int:
+    """The key chunks each of `tasks` equal (b, kv head) tasks of the fused backward is cut into
+    for `threads`: the fewest that give every thread a task and none more than
+    FUSED_BACKWARD_IMBALANCE times the average (1 task, 2 threads: 2 chunks; 3 tasks: 2; 5 tasks
+    on 4 threads: 2). Zen 5, 2 threads, B=1 MQA backward (ms; the two passes, then 1 / 2 / 4 / 8
+    chunks): causal bf16 H=8 N=2048 D=128 41.5 / 53.1 / 29.4 / 31.4 / 34.3; H=32 N=1024 45.4 /
+    61.7 / 37.4 / 40.2 / 79.8; causal fp32 H=8 N=2048 D=128 76.5 / 99.1 / 53.7 / 53.8 / 61.0;
+    vanilla fp32 H=8 N=512 D=64 4.6 / 5.7 / 3.2 / 3.4 / 3.5: each chunk loads its task's query
+    tiles again and adds a copy of its dQ rows."""
+    chunks = 1
+    while chunks < threads and (
+        tasks * chunks < threads
+        or math.ceil(tasks * chunks / threads) * threads > FUSED_BACKWARD_IMBALANCE * tasks * chunks
+    ):
+        chunks += 1
+    return chunks
+
+
 #: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
 #: ... and the largest tile classes (bytes) kept of a call whose classes follow its sequences'
@@ -231,7 +255,7 @@ class Kernel:
 
     device_type = "cpu"  # where q, k, v and runtime tensors must live
     cuda_abi = False  # the kernels' ABI has the CUDA kernels' slots (see KernelAbi.cuda)
-    #: "auto" (see `backward_entries`), "fused" or "two-pass".
+    #: "auto" (see `backward_passes`), "fused" or "two-pass".
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
     _PER_PROCESS: tuple[str, ...] = (
@@ -1055,12 +1079,13 @@ class Kernel:
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             p = plan.problem
             call["key_tiles_per_sweep"] = plan.tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
+            entries, call["key_chunks"] = self.backward_passes(plan, threads, packed is not None)
             library = self._library_for(dtype, plan)
             pointers, ints, reals = self.pack(plan, call, ptrs, dropout, seed)
             names = self._slot_names.pointers
             launch = BackwardLaunch(
                 library, self._entry(library, "attncc_backward_delta"),
-                tuple(self._entry(library, entry) for entry in self.backward_entries(plan, threads)),
+                tuple(self._entry(library, entry) for entry in entries),
                 pointers, {name: names.index(name) for name in BACKWARD_OPERANDS}, ints, reals,
                 (threads, self.backward), out.stride(), dout.stride(), call,
             )  # fmt: skip
@@ -1092,21 +1117,38 @@ class Kernel:
         )
         return fewer
 
-    def backward_entries(self, plan: CallPlan, threads: int | None = None) -> tuple[str, ...]:
-        """The backward's passes: one fused pass (dQ in a per-task buffer, 5 tile products) when
-        the (b, kv head) tasks keep every thread busy and the buffer is small, else a dK/dV pass
-        and a dQ pass (7 tile products, parallel over tiles). `backward` forces one. `threads`:
-        those the backward runs on (default: torch's)."""
+    def backward_passes(
+        self, plan: CallPlan, threads: int | None = None, packed: bool = False
+    ) -> tuple[tuple[str, ...], int]:
+        """The backward's passes after the delta pass, and the fused pass's key chunks: one fused
+        pass (dQ in a per-task buffer, 5 tile products) where its buffers are small and its tasks
+        keep every thread busy, else a dK/dV pass and a dQ pass (7 tile products, parallel over
+        tiles). The fused pass's tasks are the (b, kv head) pairs; with fewer than
+        FUSED_BACKWARD_TASKS_PER_THREAD per thread each is cut into key chunks (templates/cpu
+        `chunk_key_tiles`, a task each; `fused_key_chunks`), at most one per sweep over its query
+        tiles and their dQ rows (a copy of dQ in fp32 per chunk) within
+        FUSED_BACKWARD_MAX_BUFFER; where that leaves the threads short the two passes run, as
+        they do for a packed batch (`packed`), whose sequences' tasks differ in size. `backward`
+        forces either (fused: with the chunks auto would take, or none). `threads`: those the
+        backward runs on (default: torch's)."""
         p, tiles = plan.problem, plan.tiles
         threads = threads or max(1, torch.get_num_threads())
         rows = (p.H // p.Hkv) * math.ceil(p.N / tiles.block_rows) * tiles.block_rows
         # fp32 dQ, and the task's query tiles (QuerySlots: fp32 Q and dO, or four bf16 forms of them)
         padded_dims = -(-p.D // 32) * 32, -(-p.Dv // 32) * 32
         buffers = 4 * rows * (padded_dims[0] + sum(padded_dims))
-        fused = p.B * p.Hkv >= FUSED_BACKWARD_TASKS_PER_THREAD * threads and buffers <= FUSED_BACKWARD_MAX_BUFFER
-        if self.backward == "fused" or (self.backward == "auto" and fused):
-            return ("attncc_backward_fused",)
-        return ("attncc_backward_dkdv", "attncc_backward_dq")
+        tasks = max(1, p.B * p.Hkv)
+        chunks = 1
+        if tasks < FUSED_BACKWARD_TASKS_PER_THREAD * threads and not packed:
+            # no more chunks than sweeps over the task's query tiles: none is loaded more often
+            sweeps = math.ceil(p.M / tiles.block_cols) // tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
+            chunks = min(fused_key_chunks(tasks, threads), max(1, sweeps))
+            while chunks > 1 and 4 * chunks * tasks * rows * padded_dims[0] > FUSED_BACKWARD_MAX_BUFFER:
+                chunks -= 1
+        busy = tasks >= FUSED_BACKWARD_TASKS_PER_THREAD * threads or ((chunks > 1 or tasks >= threads) and not packed)
+        if self.backward == "fused" or (self.backward == "auto" and busy and buffers <= FUSED_BACKWARD_MAX_BUFFER):
+            return ("attncc_backward_fused",), chunks
+        return ("attncc_backward_dkdv", "attncc_backward_dq"), 1
 
     def _forward_call(
         self,
@@ -1375,6 +1417,7 @@ class Kernel:
         threads = call.get("threads", max(1, torch.get_num_threads()))
         ints.update(seed=seed & (2**63 - 1), offset=call.get("offset", 0), threads=threads, splits=plan.kv_splits)
         ints.update(by_rows=call.get("by_rows", 0), key_tiles_per_sweep=call.get("key_tiles_per_sweep", 1))
+        ints.update(key_chunks=call.get("key_chunks", 1))
         for ident, stride_names in names.tensor_strides:
             ints.update(zip(stride_names, tensors[ident].stride()))
         grad_slices: dict[str, int] = call.get("grad_slices", {})  # type: ignore[assignment]
