@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -1515,26 +1516,12 @@ class KeptLaunch:
         the CPU kernels' (`BackwardLaunch`)."""
         return type(self.kernel).backward_impl is Kernel.backward_impl
 
-    def backward(
-        self,
-        key: str,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        tensors: list[torch.Tensor],
-        scalars: list[float],
-        scale: float | None,
-        dropout: float,
-        seed: torch.Tensor,
-        grad_inputs: list[bool],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """`_attention_backward` for a call that repeated this launch (so no runtime tensors, no
-        dropout): the kept backward launch where the operands' strides and the settings that
-        chose its passes are those it was packed for, else the full path, which keeps one."""
+    def backward(self, key: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """`_attention_backward` (the same arguments) for a call that repeated this launch (so no
+        runtime tensors, no dropout): the kept backward launch where the operands' strides and
+        the settings that chose its passes are those it was packed for, else the full path,
+        which keeps one."""
+        q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs = args
         dout = dout.contiguous()
         launch = self.backward_launch
         if (
