@@ -193,7 +193,10 @@ def test_few_kv_heads_cut_the_fused_backward_into_key_chunks(name: str) -> None:
     kern = kernel(name)
     for shape, dtype in ((Shape(1, 4, 1, 300, 390, 48), torch.float32), (Shape(3, 2, 1, 259, 259, 64), torch.bfloat16)):
         shape = adapt(shape, kern)
-        q, k = (torch.empty(shape.B, heads, n, shape.D) for heads, n in ((shape.H, shape.N), (shape.Hkv, shape.M)))
+        q, k = (
+            torch.empty(shape.B, heads, n, shape.D, dtype=dtype)
+            for heads, n in ((shape.H, shape.N), (shape.Hkv, shape.M))
+        )
         passes, chunks = kern.backward_passes(kern.plan(q, k, None, backward=True))
         assert passes == ("attncc_backward_fused",) and chunks == 2, (shape, passes, chunks)
         result = check(kern, shape, dtype)

@@ -173,6 +173,7 @@ def butterfly_mask(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         (ROOT / "examples" / "blocksparse_butterfly.attn", butterfly_mask, 150, "auto"),  # a layout grid
     ],
 )
+@pytest.mark.usefixtures("two_threads")  # (the thread count changes to 1 between a forward and its backward)
 def test_training_backwards_repeat_a_kept_launch(
     monkeypatch: pytest.MonkeyPatch, program: object, visible: object, n: int, passes: str
 ) -> None:

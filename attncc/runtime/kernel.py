@@ -117,6 +117,8 @@ PREPARED_LENGTHS_BYTES = 2**20
 PREPARED_VALUES_MAX = 4096
 #: Entry-point status of an AMX kernel that Linux refused the tile state (templates/cpu kAmxRefused).
 AMX_REFUSED = 3
+#: The status a CPU kernel entry point returns where a buffer could not be allocated.
+OUT_OF_MEMORY = 4
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -1080,7 +1082,7 @@ class Kernel:
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             p = plan.problem
             call["key_tiles_per_sweep"] = plan.tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
-            entries, call["key_chunks"] = self.backward_passes(plan, threads, packed is not None)
+            entries, call["key_chunks"] = self.backward_passes(plan, threads, packed is not None, acc.itemsize)
             library = self._library_for(dtype, plan)
             pointers, ints, reals = self.pack(plan, call, ptrs, dropout, seed)
             names = self._slot_names.pointers
@@ -1091,7 +1093,8 @@ class Kernel:
                 (threads, self.backward), out.stride(), dout.stride(), call,
             )  # fmt: skip
             launch.run(self, ptrs, dlse)
-            if kept_by is not None and packed is None and not grads:  # (`call` keeps the layout grids alive)
+            # (`call` keeps the layout grids alive; rope's tables, only in ptrs, would not be)
+            if kept_by is not None and packed is None and not grads and not rope_ptrs:
                 kept_by.backward_launch = launch
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
@@ -1119,7 +1122,7 @@ class Kernel:
         return fewer
 
     def backward_passes(
-        self, plan: CallPlan, threads: int | None = None, packed: bool = False
+        self, plan: CallPlan, threads: int | None = None, packed: bool = False, acc_bytes: int = 4
     ) -> tuple[tuple[str, ...], int]:
         """The backward's passes after the delta pass, and the fused pass's key chunks: one fused
         pass (dQ in a per-task buffer, 5 tile products) where its buffers are small and its tasks
@@ -1131,20 +1134,22 @@ class Kernel:
         FUSED_BACKWARD_MAX_BUFFER; where that leaves the threads short the two passes run, as
         they do for a packed batch (`packed`), whose sequences' tasks differ in size. `backward`
         forces either (fused: with the chunks auto would take, or none). `threads`: those the
-        backward runs on (default: torch's)."""
+        backward runs on (default: torch's); `acc_bytes`: the accumulators' element size (8 for
+        float64 calls)."""
         p, tiles = plan.problem, plan.tiles
         threads = threads or max(1, torch.get_num_threads())
         rows = (p.H // p.Hkv) * math.ceil(p.N / tiles.block_rows) * tiles.block_rows
-        # fp32 dQ, and the task's query tiles (QuerySlots: fp32 Q and dO, or four bf16 forms of them)
+        # fp32 dQ, and the task's query tiles (QuerySlots: fp32 Q and dO, or four bf16 forms of
+        # them); head dims rounded up to 32, at least the kernels' vector width (Dp)
         padded_dims = -(-p.D // 32) * 32, -(-p.Dv // 32) * 32
-        buffers = 4 * rows * (padded_dims[0] + sum(padded_dims))
+        buffers = acc_bytes * rows * (padded_dims[0] + sum(padded_dims))
         tasks = max(1, p.B * p.Hkv)
         chunks = 1
         if tasks < FUSED_BACKWARD_TASKS_PER_THREAD * threads and not packed:
             # no more chunks than sweeps over the task's query tiles: none is loaded more often
             sweeps = math.ceil(p.M / tiles.block_cols) // tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
             chunks = min(fused_key_chunks(tasks, threads), max(1, sweeps))
-            while chunks > 1 and 4 * chunks * tasks * rows * padded_dims[0] > FUSED_BACKWARD_MAX_BUFFER:
+            while chunks > 1 and acc_bytes * chunks * tasks * rows * padded_dims[0] > FUSED_BACKWARD_MAX_BUFFER:
                 chunks -= 1
         busy = tasks >= FUSED_BACKWARD_TASKS_PER_THREAD * threads or ((chunks > 1 or tasks >= threads) and not packed)
         if self.backward == "fused" or (self.backward == "auto" and busy and buffers <= FUSED_BACKWARD_MAX_BUFFER):
@@ -1439,6 +1444,8 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
             f"attncc kernel {entry} of {kernel}: Linux refused this process the AMX tile state "
             f"(arch_prctl ARCH_REQ_XCOMP_PERM); set {ISA_ENV}=avx512bf16 to run without AMX"
         )
+    if status == OUT_OF_MEMORY:
+        raise MemoryError(f"attncc kernel {entry} of {kernel}: a buffer could not be allocated")
     if status != 0:
         raise RuntimeError(f"attncc kernel {entry} of {kernel} failed with status {status}")
 

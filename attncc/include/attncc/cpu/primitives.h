@@ -34,7 +34,9 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -233,7 +235,8 @@ class BlockPool {
 // A block the calling thread keeps from one kernel call to its next (grow-only), for buffers too
 // large for the BlockPool that a call fills before reading (the fused backward's per-chunk dQ
 // rows: 8-32 MiB, whose first touch faulted ~1.3 us a 4 KiB page under KVM, 9 ms of a 43 ms
-// backward). Blocks above kKeptBlockBytes are the call's own, freed after it.
+// backward). Blocks above kKeptBlockBytes are the call's own, freed after it. Each kernel library
+// keeps its own (up to kKeptBlockBytes per library and calling thread, until the thread ends).
 class KeptBlock {
  public:
   static constexpr size_t kKeptBlockBytes = size_t(64) << 20;
@@ -245,10 +248,11 @@ class KeptBlock {
       if (kept.bytes < bytes_) {
         std::free(kept.data);
         kept.data = std::aligned_alloc(64, bytes_);
-        kept.bytes = bytes_;
+        kept.bytes = kept.data != nullptr ? bytes_ : 0;
       }
       data = kept.data;
     }
+    if (data == nullptr) throw std::bad_alloc();  // (the entry points turn it into an error status)
   }
   ~KeptBlock() {
     if (bytes_ > kKeptBlockBytes) std::free(data);
