@@ -203,17 +203,22 @@ def test_few_kv_heads_cut_the_fused_backward_into_key_chunks(name: str) -> None:
         assert result.ok, f"{shape} {dtype}: {result.describe()}"
 
 
-@pytest.mark.parametrize("mode", ["fused", "two-pass"])
+@pytest.mark.parametrize("mode", ["fused", "fused, key chunks", "two-pass"])
 def test_learnable_input_grads_are_bit_reproducible_on_the_cpu(mode: str) -> None:
     """Per-thread gradient buffers, a static task schedule and a sum in thread order: the same
-    bits on every run, also under torch.use_deterministic_algorithms(True)."""
+    bits on every run, also under torch.use_deterministic_algorithms(True); with one kv head the
+    fused pass's task is cut into key chunks, whose dQ rows are summed in chunk order."""
     kern = kernel("relative_bias")
-    q, k, v, runtime = make_inputs(kern, Shape(2, 4, 2, 150, 150, 32), torch.float32)
+    shape = Shape(1, 4, 1, 150, 150, 32) if "chunks" in mode else Shape(2, 4, 2, 150, 150, 32)
+    q, k, v, runtime = make_inputs(kern, shape, torch.float32)
+    mode = mode.partition(",")[0]
     threads = torch.get_num_threads()
     kern.backward = mode
     torch.set_num_threads(2)
     torch.use_deterministic_algorithms(True)
     try:
+        if shape.Hkv == 1:
+            assert kern.backward_passes(kern.plan(q, k, None, backward=True))[1] == 2
         grads = []
         for _ in range(3):
             out = kern(q, k, v, **runtime)
