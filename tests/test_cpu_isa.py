@@ -453,6 +453,22 @@ def test_kv_heads_side_by_side_in_segments_on_each_level(isa: str, monkeypatch) 
             assert error < (1e-4 if dtype == torch.float32 else 3e-2), (isa, B, H, Hkv, N, dtype, error)
 
 
+@pytest.mark.parametrize("isa", LEVELS_HERE)
+@pytest.mark.usefixtures("two_threads")
+def test_fused_backward_key_chunks_on_each_level(isa: str, monkeypatch) -> None:
+    """One (b, kv head) task for two threads: the fused backward cuts it into key chunks (their
+    dQ rows summed after), causal (chunks of unequal key counts) fp32 and bf16 on each level
+    (the AMX backward's own tiles on `amx`), against float64."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    for dtype in (torch.float32, torch.bfloat16):
+        shape = Shape(1, 4, 1, 300, 300, 40)
+        q = torch.empty(1, 4, 300, 40, dtype=dtype)
+        assert kern.backward_passes(kern.plan(q, q[:, :1], None, backward=True)) == (("attncc_backward_fused",), 2)
+        result = check(kern, shape, dtype)
+        assert result.ok, f"{isa} {dtype}: {result.describe()}"
+
+
 CACHED_RUN = """
 import sys, warnings, torch, attncc
 warnings.simplefilter("always")
