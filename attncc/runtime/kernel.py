@@ -1545,8 +1545,10 @@ class KeptLaunch:
         dk = torch.empty(k.shape, dtype=k.dtype)
         dv = torch.empty(v.shape, dtype=v.dtype)
         delta = torch.empty(lse.shape, dtype=lse.dtype)
-        operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
-        launch.run(self.kernel, dict(operands, delta=delta), dlse)
+        operands = {
+            "q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk, "dv": dv, "delta": delta,
+        }  # fmt: skip
+        launch.run(self.kernel, operands, dlse)
         return dq, dk, dv, []
 
     @cached_property
