@@ -405,6 +405,53 @@ def short_cases(results: list, args) -> None:
                 {"attncc": fwd_bwd(kern, *leaves), "sdpa": fwd_bwd(sdpa, *leaves)}, args.repeats
             )
             row(results, f"{name} fwd+bwd", times["attncc"], {"sdpa": times["sdpa"]})
+    short_packed_cases(results, args)
+
+
+def short_packed_cases(results: list, args) -> None:
+    """Small packed batches (causal, H=8 D=64, 4 sequences of 64 tokens in all and 16 of 8..64),
+    where the host's work per call is most of the time: varlen through an `attncc.plan_varlen`
+    plan (calls repeating a checked one repeat its kept launches, forward and backward) against
+    SDPA and attncc on the padded batch (SDPA with the key padding and causal mask) and varlen
+    given the offsets each call (read and checked per call)."""
+    gen = torch.Generator().manual_seed(6)
+    kern = attncc.compile(EX / "causal.attn")
+    for lens in ([16, 24, 8, 16], [8 + (b * 37) % 57 for b in range(16)]):
+        batch, longest, total = len(lens), max(lens), sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        plan = attncc.plan_varlen(cu, cu)
+        keys = torch.arange(longest).view(1, -1) < torch.tensor(lens).view(-1, 1)
+        mask = keys.view(batch, 1, 1, longest) & torch.ones(longest, longest, dtype=torch.bool).tril()
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(total, 8, 64, generator=gen).to(dtype) for _ in range(3))
+            padded = [torch.randn(batch, 8, longest, 64, generator=gen).to(dtype) for _ in range(3)]
+
+            def sdpa(q_, k_, v_, mask=mask):
+                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)
+
+            def planned(q_, k_, v_, plan=plan):
+                return kern.varlen(q_, k_, v_, plan=plan)
+
+            def offsets(q_, k_, v_, cu=cu):
+                return kern.varlen(q_, k_, v_, cu, cu)
+
+            tag = str(dtype).removeprefix("torch.")
+            name = f"short packed causal {tag} B={batch} H=8 {total} tokens D=64"
+            note = f"lengths {min(lens)}..{longest}"
+            runs = {
+                "attncc": partial(planned, q, k, v), "varlen_offsets": partial(offsets, q, k, v),
+                "attncc_padded": partial(kern, *padded), "sdpa_padded": partial(sdpa, *padded),
+            }  # fmt: skip
+            times = alternating_per_call(runs, args.repeats)
+            row(results, f"{name} fwd", times.pop("attncc"), times, note)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            padded_leaves = [t.clone().requires_grad_() for t in padded]
+            runs = {
+                "attncc": fwd_bwd(planned, *leaves), "varlen_offsets": fwd_bwd(offsets, *leaves),
+                "attncc_padded": fwd_bwd(kern, *padded_leaves), "sdpa_padded": fwd_bwd(sdpa, *padded_leaves),
+            }  # fmt: skip
+            times = alternating_per_call(runs, args.repeats)
+            row(results, f"{name} fwd+bwd", times.pop("attncc"), times, note)
 
 
 def backward_with(kern, mode: str, q, k, v, dout) -> object:
@@ -891,7 +938,9 @@ def main() -> None:
     parser.add_argument("--serving-n", type=int, default=2048, help="the longest sequence of the varlen cases")
     parser.add_argument("--models", action="store_true", help="the models' head shapes (issue 12) only")
     parser.add_argument("--fp8", action="store_true", help="the fp8 K/V cases (part of --models) only")
-    parser.add_argument("--short", action="store_true", help="many short sequences (N = M = 16 .. 128) only")
+    parser.add_argument(
+        "--short", action="store_true", help="many short sequences (N = M = 16 .. 128), small packed batches, only"
+    )
     parser.add_argument("--kv-heads", action="store_true", help="fwd+bwd with one or two kv heads (key chunks) only")
     parser.add_argument(
         "--fp16", action="store_true", help="fp16 inputs, dense and causal, N = --min-n .. --max-n, only"

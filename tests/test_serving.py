@@ -396,8 +396,8 @@ def test_a_varlen_plan_serves_every_layer_without_reading_back(monkeypatch: pyte
 def test_planned_packed_forwards_keep_their_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU path keeps a planned packed forward's launch in the plan's memo: the next layers'
     calls launch it at once (no plan, preparation or packing: ~55 us of host time instead of
-    ~125, bench_host.py), bit-equal to a fresh kernel's unplanned call; an unplanned call keeps
-    none (its offsets are copied up per call), so another batch of the same sizes is its own."""
+    ~125, bench_host.py), bit-equal to a fresh kernel's unplanned call; another batch of the same
+    sizes is its own."""
     kern = emulated("causal")
     runs = count_runs(monkeypatch, kern)
     shape, lens = Shape(3, 2, 1, 150, 150, 32), [150, 1, 70]
@@ -414,6 +414,155 @@ def test_planned_packed_forwards_keep_their_launch(monkeypatch: pytest.MonkeyPat
     got = kern.varlen(q, k, v, offsets(other), offsets(other))
     assert torch.equal(got, emulated("causal").varlen(q, k, v, offsets(other), offsets(other)))
     assert not torch.equal(got, outs[0][3])
+
+
+RECENT = (
+    "attention recent\ninput n: int\ns = q @ k.T * scale\nmask j <= i and i - j < n\np = softmax(s)\n"
+    "o = p @ v\noutput o\n"
+)
+
+
+def recent_reference(q, k, v, inputs: Inputs):
+    """float64 attention of one sequence [1, heads, rows, D] under `mask j <= i and i - j < n`."""
+    k, v = (t.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    s = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    i, j = torch.arange(q.shape[2]).view(-1, 1), torch.arange(k.shape[2]).view(1, -1)
+    s = s.masked_fill(~((j <= i) & (i - j < inputs["n"])), float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sm80-emulated"])
+@pytest.mark.usefixtures("two_threads")  # (the thread count changes to 1 between a forward and its backward)
+def test_repeated_planned_varlen_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """A planned packed call that repeats a checked one (same sizes, strides, dtypes, scalars,
+    threads; `Kernel._repeat_key`) launches the forward kept in the plan's memo: no checks, no
+    plan, no packing (host time of small batches); on the CPU its backward repeats a kept
+    backward launch too (`BackwardLaunch`). Every call has fresh q, k, v and dout; the loss on
+    out, out and lse, lse alone, an expanded dout, the threads changed before a backward, a new
+    scalar value, a plan of other offsets with the same sizes: every output and gradient
+    against float64 per-sequence attention."""
+    cpu = backend == "cpu"
+    kern = attncc.compile(RECENT) if cpu else attncc.compile(RECENT, target="sm80", emulate=True)
+    full_backwards = []
+    backward_impl = type(kern).backward_impl
+
+    def counting_backward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
+        full_backwards.append(kwargs.get("kept_by"))
+        return backward_impl(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(kern), "backward_impl", counting_backward)
+    checks = []
+    validate = type(kern).validate
+    monkeypatch.setattr(
+        type(kern), "validate", lambda self, *args, **kw: checks.append(1) or validate(self, *args, **kw)
+    )
+    runs = count_runs(monkeypatch, kern)
+    # 0 and 1 queries, keys without queries, more keys than queries; no length a multiple of a tile
+    lens = ([37, 1, 0, 90, 5], [40, 3, 2, 100, 5])
+    other = ([90, 5, 1, 37, 0], [100, 5, 3, 40, 2])  # the same rows and longest sequences: the same repeat key
+    shape = Shape(len(lens[0]), 4, 2, 90, 100, 24)  # GQA
+    plan, other_plan = (attncc.plan_varlen(offsets(lq), offsets(lk)) for lq, lk in (lens, other))
+    steps = [
+        ("no grad", plan, 6), ("out", plan, 6), ("out", plan, 6), ("out and lse", plan, 6), ("lse", plan, 6),
+        ("out, dout expanded", plan, 6), ("out, threads changed", plan, 6), ("out", plan, 6),
+        ("out", plan, 9), ("out", other_plan, 6),
+    ]  # fmt: skip
+    for step, (loss, step_plan, n) in enumerate(steps):
+        lens_q, lens_k = lens if step_plan is plan else other
+        q, k, v, dout = packed_leaves(shape, lens_q, lens_k, seed=step)
+        if not cpu:  # (the emulated kernels take bf16 operands in place: their launches are kept)
+            q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+            dout = dout.bfloat16()
+        if "expanded" in loss:
+            dout = dout[:1].expand(dout.shape)
+        dlse = torch.randn(sum(lens_q), shape.H, generator=torch.Generator().manual_seed(step))
+        checks.clear()
+        runs.clear()
+        with torch.set_grad_enabled(loss != "no grad"):
+            out, lse = kern.varlen(q, k, v, plan=step_plan, return_lse=True, n=n)
+        q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+        ref_out, ref_lse = per_sequence_reference(recent_reference, q64, k64, v64, {"n": n}, lens_q, lens_k)
+        repeated = step in range(1, 8)  # (the first call and those of a new key, n or plan: checked)
+        assert bool(checks) != repeated and (runs == []) == repeated, (step, loss)
+        tolerance = FWD_TOL if cpu else 2e-2
+        assert (out.double() - ref_out).abs().max() <= tolerance and (lse.double() - ref_lse).abs().max() <= tolerance
+        if loss == "no grad":
+            continue
+        if loss == "lse":
+            outputs, ref_outputs, grads_in = (lse,), (ref_lse,), (dlse,)
+        elif loss == "out and lse":
+            outputs, ref_outputs, grads_in = (out, lse), (ref_out, ref_lse), (dout, dlse)
+        else:
+            outputs, ref_outputs, grads_in = (out,), (ref_out,), (dout,)
+        threads = torch.get_num_threads()
+        try:
+            if "threads changed" in loss:
+                torch.set_num_threads(1)
+            got = torch.autograd.grad(outputs, (q, k, v), grads_in)
+        finally:
+            torch.set_num_threads(threads)
+        grads_out = tuple(g.double() for g in grads_in)  # (lse alone does not depend on v: dv = 0)
+        want = torch.autograd.grad(ref_outputs, (q64, k64, v64), grads_out, allow_unused=True, materialize_grads=True)
+        for name, g, w in zip("qkv", got, want):
+            bound = (BWD_TOL if cpu else 6e-2) * max(1.0, w.abs().max().item())
+            assert (g.double() - w).abs().max() <= bound, (step, loss, name)
+    if cpu:  # full backwards: the first (kept then), those on a thread count other than the kept
+        # launch's (after the change, and back), and those of a new key (n, plan), which kept no forward
+        kept = full_backwards[0]
+        assert len(full_backwards) == 5 and kept is not None and kept.backward_launch is not None
+        assert full_backwards[1:] == [kept, kept, None, None]
+    else:  # the emulated backward keeps no launch: every backward is the full path
+        assert len(full_backwards) == 9
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sm80-emulated"])
+def test_calls_given_the_same_offsets_share_a_plan(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """A call given its offsets reads them (their values, not the tensor, key the kernel's last
+    batches' plans: `ragged.offsets_plan`); a call repeating the values, longest lengths and
+    rows of a checked one takes its plan and its kept launch (no checks, no plan, no packing),
+    and one whose offsets changed in place, its own. Bad offsets and rows stay clear errors
+    after a batch was kept, and the kernel keeps the plans of its last VARLEN_PLANS_KEPT batches.
+    Every output against float64 per-sequence attention."""
+    from attncc.runtime.ragged import VARLEN_PLANS_KEPT
+
+    cpu = backend == "cpu"
+    kern = attncc.compile(RECENT) if cpu else attncc.compile(RECENT, target="sm80", emulate=True)
+    checks = []
+    validate = type(kern).validate
+    monkeypatch.setattr(
+        type(kern), "validate", lambda self, *args, **kw: checks.append(1) or validate(self, *args, **kw)
+    )
+    runs = count_runs(monkeypatch, kern)
+    lens_q, lens_k = [37, 1, 0, 90, 5], [40, 3, 2, 100, 5]
+    shape = Shape(len(lens_q), 4, 2, 90, 100, 24)
+    cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+    moved = ([90, 5, 1, 37, 0], [100, 5, 3, 40, 2])  # the same totals and longest lengths
+    for step, change in enumerate(["first", "again", "again", "values changed in place", "again"]):
+        if change == "values changed in place":
+            cu_q.copy_(offsets(moved[0]))
+            cu_k.copy_(offsets(moved[1]))
+            lens_q, lens_k = moved
+        q, k, v, _ = (t.detach() for t in packed_leaves(shape, lens_q, lens_k, seed=step))
+        if not cpu:  # (the emulated kernels take bf16 operands in place: their launches are kept)
+            q, k, v = (t.bfloat16() for t in (q, k, v))
+        checks.clear()
+        runs.clear()
+        out, lse = kern.varlen(q, k, v, cu_q, cu_k, return_lse=True, n=6)
+        assert (not checks and not runs) == (change == "again"), (step, change)
+        ref_out, ref_lse = per_sequence_reference(recent_reference, q, k, v, {"n": 6}, lens_q, lens_k)
+        tolerance = FWD_TOL if cpu else 2e-2
+        assert (out.double() - ref_out).abs().max() <= tolerance and (lse.double() - ref_lse).abs().max() <= tolerance
+    with pytest.raises(attncc.InputError, match="cu_seqlens_q: the last offset 133 must equal the q's rows, 132"):
+        kern.varlen(q[:-1], k, v, cu_q, cu_k, n=6)
+    with pytest.raises(attncc.InputError, match="max_seqlen_q: expected an int >= the longest sequence, 90"):
+        kern.varlen(q, k, v, cu_q, cu_k, max_seqlen_q=89, n=6)
+    with pytest.raises(attncc.InputError, match="cu_seqlens_k: expected dtype int32 or int64"):
+        kern.varlen(q, k, v, cu_q, cu_k.float(), n=6)
+    for extra in range(VARLEN_PLANS_KEPT + 2):  # other batches: the oldest plans dropped
+        lens = [3 + extra, 5]
+        q, k, v, _ = (t.detach().to(q.dtype) for t in packed_leaves(replace(shape, B=2), lens, lens))
+        kern.varlen(q, k, v, offsets(lens), offsets(lens), n=6)
+    assert len(kern._varlen_plans) == VARLEN_PLANS_KEPT
 
 
 @pytest.mark.parametrize("name", ["alibi", "document"])

@@ -379,22 +379,23 @@ class EmulatedKernel(Kernel):
         lse: torch.Tensor,
         scalars: list[float],
         scale: float | None,
+        packed: PackedSequences | None = None,
     ) -> None:
         """The launch forward_impl kept for this checked call (if it kept one), also under the
         call's `_repeat_key`: a call repeating it skips the checks too, not only the plan and
-        packing."""
-        launch = self.kept_launch(q, k, v, scalars, scale)
+        packing (a planned packed call's in its plan's memo)."""
+        launch = self.kept_launch(q, k, v, scalars, scale, packed=packed)
         if launch is not None:
-            self._keep_repeat(key, launch)
+            self._keep_repeat(key, launch, packed)
 
     def kept_launch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: list[float], scale: float | None,
-        paged: PagedKeys | None = None,
+        paged: PagedKeys | None = None, packed: PackedSequences | None = None,
     ) -> KeptLaunch | None:  # fmt: skip
         """The launch forward_impl kept for these operands (a plain call's, or in the plan's
-        memo a planned paged call's), if any."""
-        key = self.launch_key(q, k, v, [], scalars, scale, 0.0, paged, None, None, None)
-        launches = self._repeats if paged is None else paged.prepared
+        memo a planned paged or packed call's), if any."""
+        key = self.launch_key(q, k, v, [], scalars, scale, 0.0, paged, None, packed, None)
+        launches = self._repeats if paged is None and packed is None else (paged or packed).prepared  # type: ignore[union-attr]
         return None if key is None or launches is None else launches.get(key)
 
     def launch_key(

@@ -17,6 +17,7 @@ import math
 import threading
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
@@ -57,6 +58,7 @@ from attncc.runtime.ragged import (
     CheckedPagedCall,
     PagedPlan,
     VarlenPlan,
+    offsets_plan,
     paged_attention,
     paged_forward,
     planned,
@@ -263,6 +265,7 @@ class Kernel:
     #: Attributes `_register` makes, left out of pickles and copies.
     _PER_PROCESS: tuple[str, ...] = (
         "_libraries", "_lock", "call_key", "_calls", "_calls_by_values", "_plans", "_repeats", "_row_variants",
+        "_varlen_plans",
     )  # fmt: skip
 
     def __init__(self, stages: list[Stage], target: str) -> None:
@@ -330,6 +333,7 @@ class Kernel:
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
         self._repeats: dict[tuple, KeptLaunch] = {}  # packed launches of checked calls (see _repeat_key)
         self._row_variants: dict[str, Kernel] = {}  # by name: see _variant
+        self._varlen_plans: OrderedDict[tuple, VarlenPlan] = OrderedDict()  # by offsets (see ragged.offsets_plan)
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
         self.call_key = f"{self.key}#{next(_KEYS)}"
@@ -572,25 +576,41 @@ class Kernel:
         lse: torch.Tensor,
         scalars: list[float],
         scale: float | None,
+        packed: PackedSequences | None = None,
     ) -> None:
         """Keep the packed launch of a call that passed every check, for calls with the same
-        `_repeat_key` (plans and prepared calls are cached already, so this takes little)."""
-        plan, call = self._forward_call(q, k, scale, [], scalars, value_dim=v.shape[3])
+        `_repeat_key` (plans and prepared calls are cached already, so this takes little); a
+        planned packed call's (`packed`: its plan's sequences, rows [total, heads, D]) in the
+        plan's memo, under (call_key, key), as long-lived as the plan."""
+        value_dim = v.shape[-1]
+        operands = {"q": q, "k": k, "v": v, "out": out}
+        lengths = None
+        if packed is not None:
+            operands = {name: packed.as_batch(t, name in ("k", "v")) for name, t in operands.items()}
+            lengths = packed.lengths
+        plan, call = self._forward_call(
+            operands["q"], operands["k"], scale, [], scalars, lengths=lengths, value_dim=value_dim
+        )
         call["offset"] = 0
-        operands = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-        pointers, ints, reals = self.pack(plan, call, operands, 0.0, 0)
+        operands["lse"] = lse
+        ptrs = operands if packed is None else {**operands, **packed.buffers()}
+        pointers, ints, reals = self.pack(plan, call, ptrs, 0.0, 0)
         library = self.library(_DTYPES[q.dtype])
         names = self._slot_names.pointers
         repeat = KeptLaunch(
             self, library, self._entry(library, "attncc_forward"), list(pointers),
             {name: names.index(name) for name in operands}, ints, reals,
-            tuple(out.shape), tuple(lse.shape), lse.dtype, None, call,
+            tuple(out.shape), tuple(lse.shape), lse.dtype, None, call, packed=packed,
         )  # fmt: skip
-        self._keep_repeat(key, repeat)
+        self._keep_repeat(key, repeat, packed)
 
-    def _keep_repeat(self, key: tuple, launch: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """`launch` under `key` among the kept launches, the oldest dropped beyond PREPARED_CALLS_KEPT."""
+    def _keep_repeat(self, key: tuple, launch: KeptLaunch, packed: PackedSequences | None = None) -> None:
+        """`launch` under `key` among the kept launches, the oldest dropped beyond
+        PREPARED_CALLS_KEPT; a planned packed call's in its plan's memo (`packed.prepared`)."""
         with self._lock:
+            if packed is not None:
+                packed.prepared[(self.call_key, key)] = launch  # type: ignore[index]
+                return
             if len(self._repeats) >= PREPARED_CALLS_KEPT:
                 self._repeats.pop(next(iter(self._repeats)))  # the oldest key
             self._repeats[key] = launch
@@ -625,15 +645,53 @@ class Kernel:
         for sequence b. fp8 k and v (forward only) with k_descale and v_descale broadcastable to
         [total_k, Hkv], as in `__call__`. `plan=attncc.plan_varlen(cu_seqlens_q, cu_seqlens_k)`
         instead of the offsets: read and checked once for every call on the batch (each layer's,
-        forward and backward), so a call reads nothing back from the device. See
-        attncc/runtime/ragged.py.
+        forward and backward), so a call reads nothing back from the device. A call given the
+        offsets reads them and takes the plan of the kernel's last call given the same values
+        (`ragged.offsets_plan`; the last VARLEN_PLANS_KEPT batches'). Planned calls repeating a
+        checked one's sizes, strides, dtypes, scalars and threads launch what it packed, forward
+        and backward (`KeptLaunch`, kept in the plan). See attncc/runtime/ragged.py.
         """
+        if plan is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not _is_compiling():
+            with self._lock:  # the offsets read; the plan of the last call given the same (checked then)
+                plan = offsets_plan(self._varlen_plans, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            cu_seqlens_q = cu_seqlens_k = max_seqlen_q = max_seqlen_k = None
+        # a planned call repeating a checked one repeats its kept launch (`_repeat_key`, in the
+        # plan's memo): no offsets, checks, plan or packing per layer and step
+        repeat_key = repeat = None
+        if (
+            type(plan) is VarlenPlan
+            and cu_seqlens_q is None
+            and cu_seqlens_k is None
+            and max_seqlen_q is None
+            and max_seqlen_k is None
+            and k_descale is None
+            and v_descale is None
+        ):
+            repeat_key = self._repeat_key(q, k, v, runtime, scale, train, seed)
+            if repeat_key is not None:
+                repeat = plan.packed.prepared.get((self.call_key, repeat_key))  # type: ignore[union-attr]
+        if repeat is not None:
+            if _records_graph(q, k, v):
+                scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+                out, lse = _EagerVarlen.apply(
+                    self.call_key, plan.packed, q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k,  # type: ignore[union-attr]
+                    plan.max_seqlen_q, plan.max_seqlen_k, scalars, checked_scale(scale), 0.0,  # type: ignore[union-attr]
+                    seed_tensor(None, 0.0), repeat,
+                )  # fmt: skip
+            else:
+                out, lse = repeat(q, k, v)
+            return (out, lse) if return_lse else out
         _reject_transforms({"q": q, "k": k, "v": v, **runtime})
-        return varlen_attention(
+        out, lse = varlen_attention(
             self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            return_lse=return_lse, scale=scale, train=train, seed=seed, runtime=runtime,
+            return_lse=True, scale=scale, train=train, seed=seed, runtime=runtime,
             k_descale=k_descale, v_descale=v_descale, plan=plan,
         )  # fmt: skip
+        # (a call with a repeat key ran forward_impl, directly or through _EagerVarlen: see __call__)
+        if repeat_key is not None and out.numel():
+            scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
+            self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, checked_scale(scale), plan.packed)  # type: ignore[union-attr]
+        return (out, lse) if return_lse else out
 
     def paged(
         self,
@@ -1094,7 +1152,7 @@ class Kernel:
             )  # fmt: skip
             launch.run(self, ptrs, dlse)
             # (`call` keeps the layout grids alive; rope's tables, only in ptrs, would not be)
-            if kept_by is not None and packed is None and not grads and not rope_ptrs:
+            if kept_by is not None and not grads and not rope_ptrs:
                 kept_by.backward_launch = launch
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
@@ -1516,6 +1574,7 @@ class KeptLaunch:
     partial_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None  # o_partial, lse_partial (split-KV)
     kept: object  # what `pointers` points into (the prepared call, a paged plan's keys)
     backward_launch: BackwardLaunch | None = None  # the first backward of a call repeating this launch kept it
+    packed: PackedSequences | None = None  # a planned packed call's sequences (its plan's: alive as long)
 
     @property
     def repeats_backward(self) -> bool:
@@ -1539,7 +1598,7 @@ class KeptLaunch:
         ):
             return _REGISTRY[key].backward_impl(
                 q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs,
-                kept_by=self,
+                packed=self.packed, kept_by=self,
             )  # fmt: skip
         dq = torch.empty(q.shape, dtype=q.dtype)
         dk = torch.empty(k.shape, dtype=k.dtype)
@@ -1976,28 +2035,43 @@ class _EagerVarlen(torch.autograd.Function):
         scale: float | None,
         dropout: float,
         seed: torch.Tensor,
+        launch: KeptLaunch | None,
         *tensors: torch.Tensor,
     ):
         options = CallOptions(scalars, scale, dropout, int(seed.item()))
-        out, lse = varlen_forward(_REGISTRY[key], packed, options, q, k, v, None, list(tensors))
+        if launch is not None:
+            out, lse = launch(q, k, v)
+        else:
+            out, lse = varlen_forward(_REGISTRY[key], packed, options, q, k, v, None, list(tensors))
         inputs = (
             key, q, k, v, cu_q, cu_k, max_q, max_k, list(tensors), scalars, scale, dropout, seed, None, None, None,
         )  # fmt: skip
         _setup_varlen_context(ctx, inputs, (out, lse))  # (the op's inputs: no sink, no fp8 factors)
-        ctx.packed, ctx.options = packed, options
+        ctx.packed, ctx.options, ctx.launch = packed, options, launch
+        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no zeros to subtract from delta
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+    def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:  # noqa: ANN001 - autograd ctx
+        if dout is None:  # only lse took part in the loss
+            dout = torch.zeros_like(ctx.saved_tensors[3])
         if torch.is_grad_enabled():  # create_graph: through the backward op, whose derivative raises the clear error
+            if dlse is None:
+                dlse = torch.zeros_like(ctx.saved_tensors[4])
             _, dq, dk, dv, _, _, _, _, tensor_grads, *_ = _varlen_backward(ctx, dout, dlse)
         else:
-            q, k, v, out, lse, _, _, _, _, *tensors = ctx.saved_tensors  # (offsets, seed, sink: as checked)
-            dq, dk, dv, grads = varlen_backward(
-                ctx.kernel, ctx.packed, ctx.options, (q, k, v, out, lse), dout, dlse, tensors, ctx.grad_inputs
-            )
+            q, k, v, out, lse, _, _, seed, _, *tensors = ctx.saved_tensors  # (offsets, sink: as checked)
+            if ctx.launch is not None and ctx.launch.repeats_backward:  # (a repeated call's: no tensors)
+                dq, dk, dv, grads = ctx.launch.backward(
+                    ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, seed,
+                    ctx.grad_inputs,
+                )  # fmt: skip
+            else:
+                dq, dk, dv, grads = varlen_backward(
+                    ctx.kernel, ctx.packed, ctx.options, (q, k, v, out, lse), dout, dlse, tensors, ctx.grad_inputs
+                )
             tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
-        return None, None, dq, dk, dv, *(None,) * 8, *tensor_grads
+        return None, None, dq, dk, dv, *(None,) * 9, *tensor_grads
 
 
 # The paged call as one op (forward only), for the same reason; it writes k_new and v_new into

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from attncc.runtime.kernel import KeptLaunch, Kernel, PackedSequences, PagedKeys
 
 _INT_DTYPES = (torch.int32, torch.int64)
+#: Plans of calls given their offsets (`offsets_plan`) kept per kernel: the last batches'.
+VARLEN_PLANS_KEPT = 8
 
 
 @dataclass(frozen=True)
@@ -144,10 +147,32 @@ def _checked_offsets(
 ) -> tuple[PackedSequences, int, int]:
     """The packed sequences of these offsets on `device`, read on the host and checked (their
     last entries against `totals`, q's and k's rows, where given), and the call's N and M."""
+    return _checked_host_offsets(
+        _read_offsets(cu_seqlens_q, cu_seqlens_k, device), max_seqlen_q, max_seqlen_k, device, totals
+    )
+
+
+def _read_offsets(
+    cu_seqlens_q: object, cu_seqlens_k: object, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offsets on the host (int64), their types, dims, dtypes and device checked."""
+    return (
+        _host_ints("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]", device),
+        _host_ints("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]", device),
+    )
+
+
+def _checked_host_offsets(
+    offsets: tuple[torch.Tensor, torch.Tensor],
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    device: torch.device,
+    totals: tuple[int, int] | None,
+) -> tuple[PackedSequences, int, int]:
+    """`_checked_offsets` of offsets already read (`_read_offsets`)."""
     from attncc.runtime.kernel import PackedSequences
 
-    cq = _host_ints("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]", device)
-    ck = _host_ints("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]", device)
+    cq, ck = offsets
     if cq.numel() != ck.numel():
         raise InputError(f"cu_seqlens_k: expected {cq.numel()} offsets (as cu_seqlens_q: B + 1), got {ck.numel()}")
     total_q, total_k = (
@@ -194,6 +219,42 @@ def plan_varlen(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cu_seqlens_q.device, None
     )
     return VarlenPlan(cu_seqlens_q, cu_seqlens_k, n_max, m_max, replace(packed, prepared={}), cu_seqlens_q.device)
+
+
+def offsets_plan(
+    memo: OrderedDict[tuple, VarlenPlan],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+) -> VarlenPlan:
+    """The plan of a call given its offsets (`Kernel.varlen` without `plan=`), from `memo` (a
+    kernel's, the last VARLEN_PLANS_KEPT offsets it was given) where a call gave the same
+    offset values, the same longest lengths and q's and k's rows: the offsets are read on the
+    host (their checks on a call's own offsets, as unplanned calls always did), and a new
+    batch is checked against q's and k's rows. The calls of a model's layers on one batch then
+    share a plan, and its kept launches (`Kernel._remember_repeat`), as if given `plan=`. The
+    plan holds copies of the offsets (the caller may reuse its tensors for another batch)."""
+    q = _tensor("q", q, 3, "[total_q, H, D]")
+    k = _tensor("k", k, 3, "[total_k, Hkv, D]")
+    offsets = _read_offsets(cu_seqlens_q, cu_seqlens_k, q.device)
+    key = (
+        q.device, tuple(offsets[0].tolist()), tuple(offsets[1].tolist()), max_seqlen_q, max_seqlen_k,
+        q.shape[0], k.shape[0],
+    )  # fmt: skip
+    plan = memo.get(key)
+    if plan is None:
+        packed, n_max, m_max = _checked_host_offsets(
+            offsets, max_seqlen_q, max_seqlen_k, q.device, (q.shape[0], k.shape[0])
+        )
+        copies = (cu_seqlens_q.clone(), cu_seqlens_k.clone())  # type: ignore[union-attr]
+        plan = VarlenPlan(*copies, n_max, m_max, replace(packed, prepared={}), q.device)
+        if len(memo) >= VARLEN_PLANS_KEPT:
+            memo.popitem(last=False)  # the oldest
+        memo[key] = plan
+    return plan
 
 
 def _planned_sequences(
@@ -357,7 +418,7 @@ def varlen_attention(
     elif packed is not None and sink is None and not descale and _eager_autograd(q, k, v, *tensors):
         out, lse = _EagerVarlen.apply(
             kern.call_key, packed, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            scalars, scale, dropout, seed_value, *tensors,
+            scalars, scale, dropout, seed_value, None, *tensors,
         )  # fmt: skip
     else:
         out, lse = torch.ops.attncc.varlen_attention(
