@@ -51,3 +51,35 @@ def recorded_problems(kern: attncc.Kernel, monkeypatch: pytest.MonkeyPatch) -> l
 
     monkeypatch.setattr(type(kern), "_run", recorded)
     return problems
+
+
+def loss_gradients(
+    loss: str,
+    outputs: tuple[torch.Tensor, torch.Tensor],
+    reference: tuple[torch.Tensor, torch.Tensor],
+    leaves: tuple[torch.Tensor, ...],
+    reference_leaves: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    dlse: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The gradients w.r.t. `leaves` of a loss on (out, lse) and the float64 reference's w.r.t.
+    `reference_leaves`: `loss` names the outputs taking part ("lse", "out and lse", else out)
+    and "threads changed" runs the backward on one thread (torch's count restored after)."""
+    if loss == "lse":
+        picked, grads_in = [1], (dlse,)
+    elif loss == "out and lse":
+        picked, grads_in = [0, 1], (dout, dlse)
+    else:
+        picked, grads_in = [0], (dout,)
+    threads = torch.get_num_threads()
+    try:
+        if "threads changed" in loss:
+            torch.set_num_threads(1)
+        got = torch.autograd.grad([outputs[i] for i in picked], leaves, grads_in)
+    finally:
+        torch.set_num_threads(threads)
+    grads_out = tuple(g.double() for g in grads_in)  # (lse alone does not depend on v: dv = 0)
+    want = torch.autograd.grad(
+        [reference[i] for i in picked], reference_leaves, grads_out, allow_unused=True, materialize_grads=True
+    )
+    return got, want

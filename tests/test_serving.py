@@ -20,7 +20,7 @@ import torch
 import attncc
 from attncc.runtime.check import _error
 from attncc.runtime.inputs import Shape
-from tests.conftest import EXAMPLES, ROOT, kernel, recorded_problems
+from tests.conftest import EXAMPLES, ROOT, kernel, loss_gradients, recorded_problems
 from tests.test_independent_references import (
     BWD_TOL,
     CASES,
@@ -488,21 +488,7 @@ def test_repeated_planned_varlen_calls_repeat_kept_launches(monkeypatch: pytest.
         assert (out.double() - ref_out).abs().max() <= tolerance and (lse.double() - ref_lse).abs().max() <= tolerance
         if loss == "no grad":
             continue
-        if loss == "lse":
-            outputs, ref_outputs, grads_in = (lse,), (ref_lse,), (dlse,)
-        elif loss == "out and lse":
-            outputs, ref_outputs, grads_in = (out, lse), (ref_out, ref_lse), (dout, dlse)
-        else:
-            outputs, ref_outputs, grads_in = (out,), (ref_out,), (dout,)
-        threads = torch.get_num_threads()
-        try:
-            if "threads changed" in loss:
-                torch.set_num_threads(1)
-            got = torch.autograd.grad(outputs, (q, k, v), grads_in)
-        finally:
-            torch.set_num_threads(threads)
-        grads_out = tuple(g.double() for g in grads_in)  # (lse alone does not depend on v: dv = 0)
-        want = torch.autograd.grad(ref_outputs, (q64, k64, v64), grads_out, allow_unused=True, materialize_grads=True)
+        got, want = loss_gradients(loss, (out, lse), (ref_out, ref_lse), (q, k, v), (q64, k64, v64), dout, dlse)
         for name, g, w in zip("qkv", got, want):
             bound = (BWD_TOL if cpu else 6e-2) * max(1.0, w.abs().max().item())
             assert (g.double() - w).abs().max() <= bound, (step, loss, name)

@@ -15,7 +15,7 @@ import torch
 import attncc
 from attncc.errors import InputError
 from attncc.runtime.inputs import Shape, adapt, make_inputs
-from tests.conftest import ROOT, kernel
+from tests.conftest import ROOT, kernel, loss_gradients
 
 TEMPERED = (
     "attention tempered\ninput n: int\ninput t: float\ns = q @ k.T * scale\ns = s * t\nmask j < n + i\n"
@@ -213,21 +213,7 @@ def test_training_backwards_repeat_a_kept_launch(
         out, lse = kern(q, k, v, return_lse=True, **runtime)
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = expected(*leaves)
-        if loss == "lse":
-            outputs, ref_outputs, grads_in = (lse,), (ref_lse,), (dlse,)
-        elif loss == "out and lse":
-            outputs, ref_outputs, grads_in = (out, lse), (ref_out, ref_lse), (dout, dlse)
-        else:
-            outputs, ref_outputs, grads_in = (out,), (ref_out,), (dout,)
-        threads = torch.get_num_threads()
-        try:
-            if "threads changed" in loss:
-                torch.set_num_threads(1)
-            got = torch.autograd.grad(outputs, (q, k, v), grads_in)
-        finally:
-            torch.set_num_threads(threads)
-        grads_out = tuple(g.double() for g in grads_in)  # (lse alone does not depend on v: dv = 0)
-        want = torch.autograd.grad(ref_outputs, leaves, grads_out, allow_unused=True, materialize_grads=True)
+        got, want = loss_gradients(loss, (out, lse), (ref_out, ref_lse), (q, k, v), tuple(leaves), dout, dlse)
         for name, g, w in zip("qkv", got, want):
             assert (g.double() - w).abs().max() <= 1e-4 * max(1.0, w.abs().max().item()), (step, loss, name)
     # the first call ran the full path (its forward was checked), the second kept the backward's
