@@ -812,10 +812,18 @@ def grid_dense_cases(results: list, args, flex, rates: dict[str, float], peaks: 
 
 def grid_extra_cases(results: list, args, flex) -> None:
     """GQA decoding over a whole KV cache (no mask: the one query is the last position) and a
-    few queries against it, and masked variants against FlexAttention."""
+    few queries against it, MHA decoding (H=8 D=64, a small model's: one query row per kv head,
+    sub-millisecond calls timed in batches), and masked variants against FlexAttention."""
     r = args.repeats
     vanilla = attncc.compile(EX / "vanilla.attn")
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for N, M in ((1, 256), (1, 1024), (1, 4096), (1, 16384), (3, 1024)):
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(1, 8, N, 64, generator=gen).to(dtype)
+            k, v = (torch.randn(1, 8, M, 64, generator=gen).to(dtype) for _ in range(2))
+            sdpa = partial(F.scaled_dot_product_attention, q, k, v)
+            times = alternating_per_call({"attncc": partial(vanilla, q, k, v), "sdpa": sdpa}, r)
+            row(results, f"decode MHA {tag} H=8 N={N} M={M} D=64", times.pop("attncc"), times)
         for M in (4096, 16384, 32768):
             gen = torch.Generator().manual_seed(0)
             q = torch.randn(1, 32, 1, 128, generator=gen).to(dtype)

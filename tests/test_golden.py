@@ -144,13 +144,32 @@ def test_running_max_follows_scores_rising_along_the_keys(dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("shape", DECODING_SHAPES, ids=str)
 def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
-    """Few query rows per kv head: the forward's row-by-row path (dot products, axpys) instead
+    """Few query rows per kv head: the forward's row-by-row path (dot products, rows of P V) instead
     of panels and tile products, K and V read where they are stored (D = 64 and 48, widened in
     registers from bf16/fp16, or bf16 multiplied as stored on a bf16 unit) or widened into tiles
     (D = 40, not a whole number of vectors)."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         result = check(example, adapt(shape, example), dtype)
         assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("D", "Dv"), [(16, 16), (48, 40), (80, 80), (64, 96), (112, 112), (96, 144), (256, 256)])
+def test_decoding_value_rows_of_every_width(D: int, Dv: int, dtype: torch.dtype) -> None:
+    """Decoding's P V a query row at a time (primitives.h `row_times_rows`: O's row held in
+    registers, up to 8 vectors at once, keys in pairs and an odd last one) at every vector count
+    of Dv from 1 to 9 and 16 on AVX-512 (Dv = 40: tiles widened to 48), 1 and 3 query rows per
+    kv head, odd and even key counts, one key; against softmax(q k^T / sqrt(D)) v in float64."""
+    kern = kernel("vanilla")
+    gen = torch.Generator().manual_seed(D + Dv)
+    for heads, N, M in ((4, 1, 301), (2, 3, 64), (4, 1, 1)):
+        q = torch.randn(2, heads, N, D, generator=gen).to(dtype)
+        k = torch.randn(2, heads, M, D, generator=gen).to(dtype)
+        v = torch.randn(2, heads, M, Dv, generator=gen).to(dtype)
+        out = kern(q, k, v)
+        expected = torch.softmax(q.double() @ k.double().transpose(-1, -2) / D**0.5, -1) @ v.double()
+        tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+        assert out.shape == expected.shape and (out.double() - expected).abs().max() <= tolerance, (heads, N, M)
 
 
 @pytest.mark.parametrize("mode", ["fused", "fused, 2 key tiles a sweep", "fused, 3 key chunks", "two-pass"])
