@@ -93,6 +93,34 @@ def test_amx_refused_by_the_os_falls_back_to_dot_products(monkeypatch) -> None:
     assert targets.cpu().isa == "amx"
 
 
+@pytest.mark.parametrize("isa", [name for name in CPU_ISAS if name not in LEVELS_HERE] or ["none"])
+def test_levels_this_machine_cannot_run_still_build(isa: str, monkeypatch) -> None:
+    """The kernels of a level above this machine's (AMX on a machine without it) are generated
+    and compiled, not loaded (they would fault), so a template change that breaks a level fails
+    here rather than first on a machine that has it: fp32, bf16, fp16 and fp8 K/V sources,
+    forward and backward (one translation unit), for a program with sinks, a sliding window
+    and the sequence's own lengths and one with a learnable runtime tensor."""
+    import attncc.targets as targets
+
+    if isa == "none":
+        pytest.skip("this machine runs every CPU level: each is built and run by the golden tests")
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    monkeypatch.setattr(targets, "cpu_features", lambda: CPU_ISAS[isa].requires)
+    monkeypatch.setattr(targets, "amx_permitted", lambda: True)
+    monkeypatch.setattr(targets.platform, "machine", lambda: "x86_64")
+    for name in ("gpt_oss", "alibi"):
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn")
+        micro_kernel = kern.op.tiling.micro_kernel
+        assert micro_kernel.isa == isa
+        for dtype in ("float32", "bfloat16", "float16", "bfloat16+float8_e4m3fn"):
+            source = kern.source(dtype)
+            assert f"#define ATTNCC_VECTOR_BYTES {CPU_ISAS[isa].vector_bytes}\n" in source
+            library = build_library(
+                source, f"{kern.name}-{dtype}-{isa}-build-only", isa_flags=micro_kernel.compile_flags
+            )
+            assert library.exists()
+
+
 def test_micro_kernel_blocks_follow_the_register_count() -> None:
     """16 registers (AVX2, SSE): 12 accumulators, 2 B vectors and a broadcast, 6 rows x 2 vectors;
     32 registers (AVX-512): 24 accumulators as 6 x 4."""
