@@ -551,6 +551,44 @@ def test_calls_given_the_same_offsets_share_a_plan(monkeypatch: pytest.MonkeyPat
     assert len(kern._varlen_plans) == VARLEN_PLANS_KEPT
 
 
+@pytest.mark.usefixtures("two_threads")
+def test_compiled_varlen_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a torch.compile'd graph the varlen ops take the kernel's plan of the offsets'
+    values (`ragged.offsets_plan`) and repeat the launches kept in it (`Kernel.op_repeat_key`),
+    forward and backward; offsets of other values with the same sizes are planned anew. Fresh
+    q, k, v and dout each step; every output and gradient against float64 per-sequence attention."""
+    kern = attncc.compile(RECENT)
+    full = {"forward": [], "backward": []}
+    forward_impl, backward_impl = attncc.Kernel.forward_impl, attncc.Kernel.backward_impl
+
+    def counted_forward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
+        full["forward"].append(1)
+        return forward_impl(self, *args, **kwargs)
+
+    def counted_backward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
+        full["backward"].append(kwargs.get("kept_by"))
+        return backward_impl(self, *args, **kwargs)
+
+    monkeypatch.setattr(attncc.Kernel, "forward_impl", counted_forward)
+    monkeypatch.setattr(attncc.Kernel, "backward_impl", counted_backward)
+    compiled = torch.compile(lambda q, k, v, cq, ck: kern.varlen(q, k, v, cq, ck, return_lse=True, n=6), fullgraph=True)
+    batches = [([37, 1, 0, 90, 5], [40, 3, 2, 100, 5]), ([90, 5, 1, 37, 0], [100, 5, 3, 40, 2])]
+    shape = Shape(5, 4, 2, 90, 100, 24)
+    for step, batch in enumerate([0, 0, 0, 1, 1]):
+        lens_q, lens_k = batches[batch]
+        q, k, v, dout = packed_leaves(shape, lens_q, lens_k, seed=step)
+        full["forward"].clear()
+        out, lse = compiled(q, k, v, offsets(lens_q), offsets(lens_k))
+        assert len(full["forward"]) == (1 if step in (0, 3) else 0), step
+        got = grads_of(out, lse, [q, k, v], ["dq", "dk", "dv"], dout)
+        q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+        ref_out, ref_lse = per_sequence_reference(recent_reference, q64, k64, v64, {"n": 6}, lens_q, lens_k)
+        ref = grads_of(ref_out, ref_lse, [q64, k64, v64], ["dq", "dk", "dv"], dout.double())
+        assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
+    # each batch's first backward ran the full path, keeping its launch with the forward's
+    assert len(full["backward"]) == 2 and all(kept is not None and kept.backward_launch for kept in full["backward"])
+
+
 @pytest.mark.parametrize("name", ["alibi", "document"])
 def test_varlen_on_the_cuda_emulator(name: str) -> None:
     """The generated CUDA kernels (bf16 tensor cores, emulated) on a packed batch: within

@@ -40,6 +40,49 @@ def test_compile_fullgraph_with_changing_shapes_scalars_and_scale() -> None:
         assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(grad, ref_grad, atol=1e-5)
 
 
+@pytest.mark.usefixtures("two_threads")
+def test_compiled_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a torch.compile'd graph the ops' implementations repeat the launches a checked call
+    kept (`Kernel.op_repeat_key`: sizes, strides, dtypes, scale, scalar values, threads),
+    forward and backward, where they took the full path (plan, prepared call, packing) on every
+    call before. Fresh q, k, v and dout each step; the loss on out, on out and lse, on lse; a
+    new scalar value is a new key. Every output and gradient against float64 torch code."""
+    kern = attncc.compile(TEMPERED)
+    full = {"forward": [], "backward": []}
+    forward_impl, backward_impl = attncc.Kernel.forward_impl, attncc.Kernel.backward_impl
+
+    def counted_forward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
+        full["forward"].append(1)
+        return forward_impl(self, *args, **kwargs)
+
+    def counted_backward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
+        full["backward"].append(kwargs.get("kept_by"))
+        return backward_impl(self, *args, **kwargs)
+
+    monkeypatch.setattr(attncc.Kernel, "forward_impl", counted_forward)
+    monkeypatch.setattr(attncc.Kernel, "backward_impl", counted_backward)
+    compiled = torch.compile(lambda q, k, v, n: kern(q, k, v, n=n, t=0.7, return_lse=True), fullgraph=True)
+    gen = torch.Generator().manual_seed(4)
+    B, H, N, D = 2, 3, 37, 24
+    for step, (loss, n) in enumerate([("out", 5), ("out", 5), ("out and lse", 5), ("lse", 5), ("out", 9), ("out", 9)]):
+        q, k, v = (torch.randn(B, H, N, D, generator=gen, requires_grad=True) for _ in range(3))
+        dout, dlse = torch.randn(B, H, N, D, generator=gen), torch.randn(B, H, N, generator=gen)
+        full["forward"].clear()
+        out, lse = compiled(q, k, v, n)
+        assert len(full["forward"]) == (1 if step in (0, 4) else 0), step  # (a new n: a new key)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        s = leaves[0] @ leaves[1].transpose(-1, -2) / D**0.5 * 0.7
+        s = s.masked_fill(~(torch.arange(N).view(1, -1) < n + torch.arange(N).view(-1, 1)), float("-inf"))
+        ref_out, ref_lse = torch.softmax(s, -1) @ leaves[2], torch.logsumexp(s, -1)
+        assert (out.double() - ref_out).abs().max() < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-5
+        got, want = loss_gradients(loss, (out, lse), (ref_out, ref_lse), (q, k, v), tuple(leaves), dout, dlse)
+        for name, g, w in zip("qkv", got, want):
+            assert (g.double() - w).abs().max() <= 1e-4 * max(1.0, w.abs().max().item()), (step, loss, name)
+    # the first backward of each key ran the full path, keeping its launch with the forward's
+    assert len(full["backward"]) == 2 and all(kept is not None for kept in full["backward"])
+    assert all(kept.backward_launch is not None for kept in full["backward"])
+
+
 def test_compile_fullgraph_with_dropout_and_no_seed() -> None:
     """The seed is drawn as a tensor, so tracing needs no data-dependent value; the compiled
     call draws from torch's generator like the eager one."""
@@ -177,9 +220,8 @@ def butterfly_mask(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
 def test_training_backwards_repeat_a_kept_launch(
     monkeypatch: pytest.MonkeyPatch, program: object, visible: object, n: int, passes: str
 ) -> None:
-    """The backward of a call that repeated a kept forward launch repeats the backward's packed
-    launch (`BackwardLaunch`): from the second such backward no plan, no prepared call, no
-    packing. Every call here has fresh q, k, v and dout (new addresses, new values), the loss on
+    """The backward of a call whose forward kept its launch repeats the backward's packed launch
+    (`BackwardLaunch`): from the second backward on no plan, no prepared call, no packing. Every call here has fresh q, k, v and dout (new addresses, new values), the loss on
     out, on out and lse, or on lse alone, dout contiguous or not, and the thread count changed
     between a forward and its backward once; every gradient against float64 torch code."""
     kern = attncc.compile(program)
@@ -216,11 +258,11 @@ def test_training_backwards_repeat_a_kept_launch(
         got, want = loss_gradients(loss, (out, lse), (ref_out, ref_lse), (q, k, v), tuple(leaves), dout, dlse)
         for name, g, w in zip("qkv", got, want):
             assert (g.double() - w).abs().max() <= 1e-4 * max(1.0, w.abs().max().item()), (step, loss, name)
-    # the first call ran the full path (its forward was checked), the second kept the backward's
-    # launch, the others repeated it, but for the thread count the launch was not packed for
-    assert len(full_paths) == 3 and full_paths[0] is None and full_paths[1] is not None
-    assert full_paths[2] is full_paths[1]  # (threads changed: the full path, kept again)
-    assert full_paths[1].backward_launch is not None
+    # the first backward ran the full path and kept its launch with the launch its forward
+    # kept (the backward finds it by the call's key: `op_repeat_key`), the others repeated it,
+    # but for the thread count the launch was not packed for (the full path, kept again)
+    assert len(full_paths) == 2 and full_paths[0] is not None and full_paths[1] is full_paths[0]
+    assert full_paths[0].backward_launch is not None
 
 
 def test_double_backward_is_a_clear_error() -> None:

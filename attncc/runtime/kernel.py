@@ -63,10 +63,10 @@ from attncc.runtime.ragged import (
     paged_forward,
     planned,
     planned_call_key,
+    planned_sequences,
     varlen_attention,
     varlen_backward,
     varlen_forward,
-    varlen_sequences,
 )
 from attncc.runtime.reference import evaluate, reference_attention
 from attncc.runtime.rope import rope_tables, rotate_padded
@@ -549,11 +549,31 @@ class Kernel:
             or not _unwatched()  # (a call recording a graph repeats through _EagerAttention)
         ):
             return None
+        return self._launch_signature(q, k, v, scale, tuple(runtime.items()) if runtime else ())
+
+    def _launch_signature(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, scalars: tuple
+    ) -> tuple:
+        """The repeat key of a call that can repeat a kept launch (`_repeat_key`, `op_repeat_key`):
+        `scalars` its scalar inputs' (name, value) pairs."""
         return (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, scale, tuple(runtime.items()) if runtime else (), torch.get_num_threads(),
+            q.device, k.device, v.device, scale, scalars, torch.get_num_threads(),
             tuple(getattr(self, name, None) for name in ROW_VARIANT_SETTINGS),
         )  # fmt: skip
+
+    def op_repeat_key(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: list[float], scale: float | None
+    ) -> tuple | None:
+        """`_repeat_key` inside the ops' implementations (`attention_op`, the backward op: what a
+        torch.compile'd graph runs), for calls without runtime tensors, dropout, sinks or fp8 K/V
+        (the callers' checks): their tensors are plain there, checked when the graph was traced.
+        Without it every compiled call took the full path: ~100 us of host time per forward,
+        ~280 per forward and backward (fp32 B=1 H=8 N=16 d=64, 2 Zen 5 cores)."""
+        if not self._repeatable or k.dtype in FP8_DTYPES:
+            return None
+        names = [d.name for d in self.inputs if d.role == "scalar"]
+        return self._launch_signature(q, k, v, scale, tuple(zip(names, scalars)))
 
     @cached_property
     def _repeatable(self) -> bool:
@@ -1699,10 +1719,20 @@ def attention_op(
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    kern = _REGISTRY[key]
+    repeat_key = None
+    if not tensors and dropout == 0 and sink is None and k_descale is None and v_descale is None:
+        repeat_key = kern.op_repeat_key(q, k, v, scalars, scale)
+        launch = kern._repeats.get(repeat_key) if repeat_key is not None else None
+        if launch is not None:
+            return launch(q, k, v)
     descale = by_name(k_descale, v_descale)
-    return _REGISTRY[key].forward_impl(
+    out, lse = kern.forward_impl(
         q, k, v, tensors, scalars, scale, dropout, int(seed.item()), sink=sink, descale=descale
     )
+    if repeat_key is not None and out.numel():
+        kern._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
+    return out, lse
 
 
 @attention_op.register_fake
@@ -1739,8 +1769,17 @@ def _attention_backward(
     seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """The backward op's implementation, also called directly (`_EagerAttention`)."""
-    return _REGISTRY[key].backward_impl(
+    """The backward op's implementation, also called directly (`_EagerAttention`): the kept
+    backward launch of the forward's kept launch where there is one (`op_repeat_key`), else the
+    full path."""
+    kern = _REGISTRY[key]
+    if not tensors and dropout == 0:
+        repeat_key = kern.op_repeat_key(q, k, v, scalars, scale)
+        launch = kern._repeats.get(repeat_key) if repeat_key is not None else None
+        if launch is not None and launch.repeats_backward:
+            args = (q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs)
+            return launch.backward(key, *args)
+    return kern.backward_impl(
         q, k, v, out, lse, dout.contiguous(), dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs
     )
 
@@ -1881,12 +1920,31 @@ def _varlen_call(
     scale: float | None,
     dropout: float,
     seed: torch.Tensor,
-) -> tuple[Kernel, PackedSequences, CallOptions]:
-    """The kernel, checked sequences and shared options of a varlen op's call (forward or backward)."""
+) -> tuple[Kernel, VarlenPlan, CallOptions]:
+    """The kernel, the plan of the offsets (read and checked, or the kernel's plan of the same
+    values: `ragged.offsets_plan`) and the shared options of a varlen op's call (forward or
+    backward). The runtime inputs are the caller's to check (`_varlen_sequences`)."""
     kern = _REGISTRY[key]
-    runtime = kern.runtime_values(tensors, scalars)
-    packed = varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
-    return kern, packed, CallOptions(scalars, scale, dropout, int(seed.item()))
+    with kern._lock:
+        plan = offsets_plan(kern._varlen_plans, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return kern, plan, CallOptions(scalars, scale, dropout, int(seed.item()))
+
+
+def _varlen_repeat(
+    kern: Kernel, plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: list[float],
+    scale: float | None,
+) -> tuple[tuple | None, KeptLaunch | None]:  # fmt: skip
+    """A varlen op's repeat key (`Kernel.op_repeat_key`; the caller has checked that the call
+    has no runtime tensor, dropout, sink or fp8 factors) and the launch kept under it in the plan."""
+    repeat_key = kern.op_repeat_key(q, k, v, scalars, scale)
+    return repeat_key, None if repeat_key is None else plan.packed.prepared.get((kern.call_key, repeat_key))  # type: ignore[union-attr]
+
+
+def _varlen_sequences(
+    kern: Kernel, plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, tensors: list, scalars: list
+) -> PackedSequences:
+    """The plan's sequences for a varlen op's full path, the runtime inputs checked at the batch's padded sizes."""
+    return planned_sequences(kern, plan, q, k, kern.runtime_values(tensors, scalars))
 
 
 # The packed (varlen) call as one op: its offsets are read on the host inside, so torch.compile
@@ -1910,11 +1968,19 @@ def varlen_op(
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kern, packed, options = _varlen_call(
+    kern, plan, options = _varlen_call(
         key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
     )
-    descale = by_name(k_descale, v_descale)
-    return varlen_forward(kern, packed, options, q, k, v, sink, tensors, descale)
+    repeat_key = None
+    if not tensors and dropout == 0 and sink is None and k_descale is None and v_descale is None:
+        repeat_key, launch = _varlen_repeat(kern, plan, q, k, v, scalars, scale)
+        if launch is not None:
+            return launch(q, k, v)
+    packed = _varlen_sequences(kern, plan, q, k, tensors, scalars)
+    out, lse = varlen_forward(kern, packed, options, q, k, v, sink, tensors, by_name(k_descale, v_descale))
+    if repeat_key is not None and out.numel():
+        kern._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale, packed)
+    return out, lse
 
 
 @varlen_op.register_fake
@@ -1960,9 +2026,15 @@ def varlen_backward_op(
     seed: torch.Tensor,
     grad_inputs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    kern, packed, options = _varlen_call(
+    kern, plan, options = _varlen_call(
         key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
     )
+    if not tensors and dropout == 0:  # (the forward's kept launch, where it kept one: no sink, no fp8)
+        _, launch = _varlen_repeat(kern, plan, q, k, v, scalars, scale)
+        if launch is not None and launch.repeats_backward:
+            args = (q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs)
+            return launch.backward(key, *args)
+    packed = _varlen_sequences(kern, plan, q, k, tensors, scalars)
     return varlen_backward(kern, packed, options, (q, k, v, out, lse), dout, dlse, tensors, grad_inputs)
 
 

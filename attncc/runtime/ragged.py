@@ -116,27 +116,6 @@ def _validate_runtime(
 
 
 # ---------------------------------------------------------------------- packed (varlen)
-def varlen_sequences(
-    kern: Kernel,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
-    runtime: Mapping[str, object],
-) -> PackedSequences:
-    """The sequences of a packed call as one launch takes them, checked on the host: the
-    offsets' values, the longest lengths and the runtime inputs at the batch's padded sizes
-    (data-dependent checks: the op's implementation runs them, and `varlen_attention` before it
-    where nothing is traced)."""
-    packed, n_max, m_max = _checked_offsets(
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device, (q.shape[0], k.shape[0])
-    )
-    _validate_runtime(kern, q, (packed.batch, q.shape[1], k.shape[1], n_max, m_max, q.shape[2]), runtime)
-    return packed
-
-
 def _checked_offsets(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
@@ -257,7 +236,7 @@ def offsets_plan(
     return plan
 
 
-def _planned_sequences(
+def planned_sequences(
     kern: Kernel, plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, runtime: Mapping[str, object]
 ) -> PackedSequences:
     """A planned call's sequences, the call checked against its plan (device, q's and k's rows)
@@ -391,15 +370,14 @@ def varlen_attention(
         if cu_seqlens_q is not None or cu_seqlens_k is not None or max_seqlen_q is not None or max_seqlen_k is not None:
             raise InputError("plan: give the offsets either as plan= or as cu_seqlens_q, cu_seqlens_k, not both")
         if not traced:
-            packed = _planned_sequences(kern, plan, q, k, runtime)
+            packed = planned_sequences(kern, plan, q, k, runtime)
         cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
         max_seqlen_q, max_seqlen_k = plan.max_seqlen_q, plan.max_seqlen_k
     elif cu_seqlens_q is None or cu_seqlens_k is None:
         raise InputError(
             "cu_seqlens_q, cu_seqlens_k: a packed call needs both offsets (or plan=attncc.plan_varlen(...))"
         )
-    elif not traced:
-        packed = varlen_sequences(kern, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, runtime)
+    # (untraced, a call given its offsets comes with the kernel's plan of them: `Kernel.varlen`)
     if not traced:
         scale = checked_scale(scale)
     dropout = kern.op.dropout if train else 0.0
