@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
+from attncc.runtime.kernel import PackedSequences  # noqa: E402
 from bench.peak_cpu import peak_rates  # noqa: E402
 
 EX = ROOT / "examples"
@@ -489,6 +490,54 @@ def kv_heads_cases(results: list, args) -> None:
             runs = {mode: partial(backward_with, kern, mode, q, k, v, dout) for mode in ("auto", "two-pass")}
             times = alternating_per_call(runs, args.repeats)
             row(results, f"{name} fwd+bwd, two-pass backward", times["auto"], {"two-pass": times["two-pass"]}, tag)
+    packed_kv_heads_cases(results, args)
+
+
+def packed_kv_heads_cases(results: list, args) -> None:
+    """Packed batches whose (sequence, kv head) tasks are few or unequal (causal MQA, H=8 D=64):
+    forward+backward with the backward's choice (`packed_key_chunks`) against the same call
+    with the fused pass forced unchunked (the choice before session 45 where tasks were two per
+    thread) and the two passes, and against SDPA on the padded batch with its mask."""
+    gen = torch.Generator().manual_seed(10)
+    kern = attncc.compile(EX / "causal.attn")
+    for lens, dtype in itertools.product(
+        ([2048, 64, 64, 64], [1024, 1024, 1024], [2048]), (torch.float32, torch.bfloat16)
+    ):
+        batch, longest, total = len(lens), max(lens), sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(total, 8, 64, generator=gen).to(dtype).requires_grad_()
+        k, v = (torch.randn(total, 1, 64, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+        dout = torch.randn_like(q)
+        view = PackedSequences.of(cu.tolist(), cu.tolist(), torch.device("cpu"))
+        batch_q, batch_k = view.as_batch(q.detach(), False), view.as_batch(k.detach(), True)
+        passes, chunks = kern.backward_passes(kern.plan(batch_q, batch_k, None, backward=True), lengths=view.lengths)
+        tag = f"{len(passes)} pass{'es' if len(passes) > 1 else ''}, {chunks} key chunk{'s' if chunks > 1 else ''}"
+
+        def step(mode: str, q=q, k=k, v=v, cu=cu, dout=dout) -> None:
+            chosen = attncc.Kernel.backward_passes
+            forced = {
+                "fused, unchunked": (("attncc_backward_fused",), 1),
+                "two-pass": (("attncc_backward_dkdv", "attncc_backward_dq"), 1),
+            }
+            if mode in forced:
+                attncc.Kernel.backward_passes = lambda *a, **kw: forced[mode]
+            try:  # (seed=: the full path each call, so the forced choice is taken)
+                torch.autograd.grad(kern.varlen(q, k, v, cu, cu, seed=0), (q, k, v), dout)
+            finally:
+                attncc.Kernel.backward_passes = chosen
+
+        padded = [torch.zeros(batch, heads, longest, 64, dtype=dtype, requires_grad=True) for heads in (8, 1, 1)]
+        keys = torch.arange(longest).view(1, -1) < torch.tensor(lens).view(-1, 1)
+        mask = keys.view(batch, 1, 1, longest) & torch.ones(longest, longest, dtype=torch.bool).tril()
+
+        def sdpa(padded=padded, mask=mask) -> None:
+            out = F.scaled_dot_product_attention(*padded, attn_mask=mask, enable_gqa=True)
+            torch.autograd.grad(out, padded, torch.ones_like(out))
+
+        runs = {mode: partial(step, mode) for mode in ("auto", "fused, unchunked", "two-pass")}
+        times = alternating_per_call({**runs, "sdpa_padded": sdpa}, args.repeats)
+        name = f"packed MQA causal {str(dtype).removeprefix('torch.')} H=8/1 lengths {lens} D=64 fwd+bwd"
+        row(results, name, times.pop("auto"), times, tag)
 
 
 def fp16_cases(results: list, args) -> None:

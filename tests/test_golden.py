@@ -294,15 +294,21 @@ def test_backward_schedule_choice() -> None:
     key_tiles = math.ceil(1024 / kern.plan(long_q, long_q, None, backward=True).tiles.block_cols)
     assert key_tiles >= 2
 
-    def passes(q: torch.Tensor, k: torch.Tensor, packed: bool = False) -> tuple[tuple[str, ...], int]:
-        return kern.backward_passes(kern.plan(q, k, None, backward=True), packed=packed)
+    def passes(q: torch.Tensor, k: torch.Tensor, lengths: list[int] | None = None) -> tuple[tuple[str, ...], int]:
+        packed = None if lengths is None else (torch.tensor(lengths), torch.tensor(lengths))
+        return kern.backward_passes(kern.plan(q, k, None, backward=True), lengths=packed)
 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         assert passes(q, q) == (fused, 1)  # 8 (b, kv head) tasks, 2 threads
         assert passes(long_q, one_kv_head) == (fused, 2)  # one task: two key chunks
-        assert passes(long_q, one_kv_head, packed=True) == (two_pass, 1)  # a packed batch's tasks differ
+        # a packed batch's tasks differ: cut where the largest would hold a thread too long
+        packed_q, packed_kv = torch.zeros(4, 8, 1024, 64), torch.zeros(4, 1, 1024, 64)  # (its batch view)
+        assert passes(packed_q, packed_kv, [1024, 64, 64, 64]) == (fused, 2)
+        assert passes(packed_q, packed_kv, [1024, 1024, 1024, 1024]) == (fused, 1)
+        assert passes(packed_q[:3], packed_kv[:3], [1024, 1024, 1024]) == (fused, 2)  # 3 on 2 threads
+        assert passes(packed_q[:1], packed_kv[:1], [1024]) == (fused, 2)
         assert passes(q[:, :, :, :], one_kv_head[:, :, :64]) == (two_pass, 1)  # one key tile: no chunks
         torch.set_num_threads(8)
         assert passes(long_q, long_q) == (fused, 1)  # a task per thread: no chunks

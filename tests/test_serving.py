@@ -131,6 +131,42 @@ def test_varlen_backward_sweeping_two_key_tiles_at_a_time(name: str, monkeypatch
     test_varlen_matches_hand_written_reference_per_sequence(name, sweep=True)
 
 
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_varlen_backward_in_key_chunks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused backward with each (sequence, kv head)'s key tiles cut into 3 chunks, a task
+    each, their dQ rows summed after (templates/cpu `chunk_key_tiles` on per-sequence tile
+    classes): sequences with fewer key tiles than chunks, one key, keys without queries."""
+    monkeypatch.setattr(attncc.Kernel, "backward_passes", lambda *args, **kwargs: (("attncc_backward_fused",), 3))
+    test_varlen_matches_hand_written_reference_per_sequence(name)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_packed_batch_with_one_long_sequence_cuts_it_into_key_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MQA on 2 threads, one sequence of 300 beside short ones: the fused backward cuts every
+    (sequence, kv head)'s key tiles into 2 chunks (`packed_key_chunks`: whole, the long one would
+    hold one thread), where before it ran the long sequence on one thread; gradients against
+    float64 per-sequence attention."""
+    kern = attncc.compile(RECENT)
+    chosen = []
+    backward_passes = attncc.Kernel.backward_passes
+
+    def recorded(self: attncc.Kernel, *args: object, **kwargs: object) -> tuple:
+        chosen.append(backward_passes(self, *args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(attncc.Kernel, "backward_passes", recorded)
+    lens_q, lens_k = [300, 7, 1, 0], [300, 9, 1, 2]
+    shape = Shape(4, 4, 1, 300, 300, 32)
+    q, k, v, dout = packed_leaves(shape, lens_q, lens_k, seed=3)
+    out, lse = kern.varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True, n=40)
+    got = grads_of(out, lse, [q, k, v], ["dq", "dk", "dv"], dout)
+    assert chosen == [(("attncc_backward_fused",), 2)]
+    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+    ref_out, ref_lse = per_sequence_reference(recent_reference, q64, k64, v64, {"n": 40}, lens_q, lens_k)
+    ref = grads_of(ref_out, ref_lse, [q64, k64, v64], ["dq", "dk", "dv"], dout.double())
+    assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
+
+
 @pytest.mark.parametrize("name", ["alibi", "gpt_oss"])
 def test_varlen_under_torch_compile_fullgraph(name: str) -> None:
     """A packed call traced whole (the offsets are read inside the op, the sink rows are tensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import hashlib
+import heapq
 import itertools
 import math
 import threading
@@ -110,6 +111,40 @@ def fused_key_chunks(tasks: int, threads: int) -> int:
     return chunks
 
 
+def packed_key_chunks(
+    lengths: Lengths, block_rows: int, block_cols: int, kv_heads: int, threads: int, most: int
+) -> tuple[int, Callable[[int], bool]]:
+    """The key chunks of a packed batch's fused backward (templates/cpu `chunk_key_tiles`: each
+    (sequence, kv head)'s key tiles cut into that many, a task each, equal in visible tiles), and
+    whether a chunk count keeps the threads balanced: the tasks' tiles (query tiles times key
+    tiles, per sequence and kv head) dealt largest first to the least loaded thread (dynamic
+    scheduling, as the kernel runs them in order of size only roughly) leave none more than
+    FUSED_BACKWARD_IMBALANCE times the average. The fewest chunks up to `most` (and `threads`)
+    that do, else 1. (Before, a packed batch took the fused pass from two tasks per thread,
+    however unequal: [2048, 64, 64, 64] MQA on 2 threads ran the long sequence on one thread.)"""
+    n, m = lengths
+    work = [-(-int(a) // block_rows) * -(-int(c) // block_cols) for a, c in zip(n.tolist(), m.tolist())]
+    work = sorted((w for w in work if w), reverse=True) * kv_heads
+    total = sum(work)
+
+    def balanced(chunks: int) -> bool:
+        if not total or len(work) * chunks < threads:
+            return False
+        if len(work) * chunks > PACKED_BALANCE_TASKS:  # (many tasks: the greedy deal's bound)
+            return work[0] / chunks <= (FUSED_BACKWARD_IMBALANCE - 1) * total / threads
+        loads = [0.0] * threads
+        for w in sorted(work * chunks, reverse=True):
+            heapq.heapreplace(loads, loads[0] + w / chunks)
+        return max(loads) <= FUSED_BACKWARD_IMBALANCE * total / threads
+
+    for chunks in range(1, max(1, min(most, threads)) + 1):
+        if balanced(chunks):
+            return chunks, balanced
+    return 1, balanced
+
+
+#: Tasks beyond which `packed_key_chunks` bounds the greedy deal instead of dealing it.
+PACKED_BALANCE_TASKS = 4096
 #: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
 #: ... and the largest tile classes (bytes) kept of a call whose classes follow its sequences'
@@ -1160,7 +1195,8 @@ class Kernel:
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             p = plan.problem
             call["key_tiles_per_sweep"] = plan.tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
-            entries, call["key_chunks"] = self.backward_passes(plan, threads, packed is not None, acc.itemsize)
+            lengths = None if packed is None else packed.lengths
+            entries, call["key_chunks"] = self.backward_passes(plan, threads, lengths, acc.itemsize)
             library = self._library_for(dtype, plan)
             pointers, ints, reals = self.pack(plan, call, ptrs, dropout, seed)
             names = self._slot_names.pointers
@@ -1200,7 +1236,7 @@ class Kernel:
         return fewer
 
     def backward_passes(
-        self, plan: CallPlan, threads: int | None = None, packed: bool = False, acc_bytes: int = 4
+        self, plan: CallPlan, threads: int | None = None, lengths: Lengths | None = None, acc_bytes: int = 4
     ) -> tuple[tuple[str, ...], int]:
         """The backward's passes after the delta pass, and the fused pass's key chunks: one fused
         pass (dQ in a per-task buffer, 5 tile products) where its buffers are small and its tasks
@@ -1209,11 +1245,12 @@ class Kernel:
         FUSED_BACKWARD_TASKS_PER_THREAD per thread each is cut into key chunks (templates/cpu
         `chunk_key_tiles`, a task each; `fused_key_chunks`), at most one per sweep over its query
         tiles and their dQ rows (a copy of dQ in fp32 per chunk) within
-        FUSED_BACKWARD_MAX_BUFFER; where that leaves the threads short the two passes run, as
-        they do for a packed batch (`packed`), whose sequences' tasks differ in size. `backward`
-        forces either (fused: with the chunks auto would take, or none). `threads`: those the
-        backward runs on (default: torch's); `acc_bytes`: the accumulators' element size (8 for
-        float64 calls)."""
+        FUSED_BACKWARD_MAX_BUFFER; where that leaves the threads short the two passes run. A
+        packed batch's tasks (`lengths`: its sequences' query and key counts) differ in size:
+        they are cut where the largest would hold a thread more than FUSED_BACKWARD_IMBALANCE
+        times its share of all their tiles (`packed_key_chunks`). `backward` forces either
+        (fused: with the chunks auto would take, or none). `threads`: those the backward runs on
+        (default: torch's); `acc_bytes`: the accumulators' element size (8 for float64 calls)."""
         p, tiles = plan.problem, plan.tiles
         threads = threads or max(1, torch.get_num_threads())
         rows = (p.H // p.Hkv) * math.ceil(p.N / tiles.block_rows) * tiles.block_rows
@@ -1222,14 +1259,22 @@ class Kernel:
         padded_dims = -(-p.D // 32) * 32, -(-p.Dv // 32) * 32
         buffers = acc_bytes * rows * (padded_dims[0] + sum(padded_dims))
         tasks = max(1, p.B * p.Hkv)
-        chunks = 1
-        if tasks < FUSED_BACKWARD_TASKS_PER_THREAD * threads and not packed:
-            # no more chunks than sweeps over the task's query tiles: none is loaded more often
-            sweeps = math.ceil(p.M / tiles.block_cols) // tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
-            chunks = min(fused_key_chunks(tasks, threads), max(1, sweeps))
-            while chunks > 1 and acc_bytes * chunks * tasks * rows * padded_dims[0] > FUSED_BACKWARD_MAX_BUFFER:
-                chunks -= 1
-        busy = tasks >= FUSED_BACKWARD_TASKS_PER_THREAD * threads or ((chunks > 1 or tasks >= threads) and not packed)
+        # no more chunks than sweeps over the task's query tiles: none is loaded more often
+        sweeps = max(1, math.ceil(p.M / tiles.block_cols) // tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N))
+        if lengths is not None:
+            chunks, balanced = packed_key_chunks(lengths, tiles.block_rows, tiles.block_cols, p.Hkv, threads, sweeps)
+        else:
+            chunks = (
+                min(fused_key_chunks(tasks, threads), sweeps)
+                if tasks < FUSED_BACKWARD_TASKS_PER_THREAD * threads
+                else 1
+            )
+        while chunks > 1 and acc_bytes * chunks * tasks * rows * padded_dims[0] > FUSED_BACKWARD_MAX_BUFFER:
+            chunks -= 1
+        if lengths is not None:
+            busy = balanced(chunks)
+        else:
+            busy = tasks >= FUSED_BACKWARD_TASKS_PER_THREAD * threads or chunks > 1 or tasks >= threads
         if self.backward == "fused" or (self.backward == "auto" and busy and buffers <= FUSED_BACKWARD_MAX_BUFFER):
             return ("attncc_backward_fused",), chunks
         return ("attncc_backward_dkdv", "attncc_backward_dq"), 1
