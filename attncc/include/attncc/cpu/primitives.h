@@ -831,6 +831,14 @@ inline void prefetch_l1(const void* p) {
 #endif
 }
 
+inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 // sum a[k] b[k] over n (a multiple of VL).
 inline acc_t dot(const acc_t* __restrict a, const acc_t* __restrict b, int n) {
   vec_t even{}, odd{};  // two chains: the FMA latency, not the loads, would bound one
