@@ -154,12 +154,16 @@ def test_decoding_shapes(example: attncc.Kernel, shape: Shape) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("D", "Dv"), [(16, 16), (48, 40), (80, 80), (64, 96), (112, 112), (96, 144), (256, 256)])
+@pytest.mark.parametrize(
+    ("D", "Dv"),
+    [(16, 16), (24, 24), (32, 32), (48, 40), (64, 64), (80, 80), (64, 96), (112, 112), (96, 144), (256, 256)],
+)
 def test_decoding_value_rows_of_every_width(D: int, Dv: int, dtype: torch.dtype) -> None:
     """Decoding's P V a query row at a time (primitives.h `row_times_rows`: O's row held in
     registers, up to 8 vectors at once, keys in pairs and an odd last one) at every vector count
-    of Dv from 1 to 9 and 16 on AVX-512 (Dv = 40: tiles widened to 48), 1 and 3 query rows per
-    kv head, odd and even key counts, one key; against softmax(q k^T / sqrt(D)) v in float64."""
+    of Dv from 1 to 9 and 16 on AVX-512 and 1 to 4 (and chunks of 4) on AVX2 (Dv = 40: tiles
+    widened to 48), 1 and 3 query rows per kv head, odd and even key counts, one key; against
+    softmax(q k^T / sqrt(D)) v in float64."""
     kern = kernel("vanilla")
     gen = torch.Generator().manual_seed(D + Dv)
     for heads, N, M in ((4, 1, 301), (2, 3, 64), (4, 1, 1)):

@@ -83,6 +83,26 @@ def test_compiled_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch) ->
     assert all(kept.backward_launch is not None for kept in full["backward"])
 
 
+def test_a_scale_tensor_changed_in_place_is_not_a_repeat() -> None:
+    """A repeated call's key holds the scale's value (a 0-d tensor's, not its identity): the
+    same tensor with a new value takes a launch of its own, padded and packed."""
+    kern = kernel("vanilla")
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 4, 9])
+    scale = torch.tensor(0.5)
+    for value in (0.5, 0.5, 0.25, 0.25):
+        scale.fill_(value)
+        expected = torch.softmax(q.double() @ k.double().transpose(-1, -2) * value, -1) @ v.double()
+        assert (kern(q, k, v, scale=scale).double() - expected).abs().max() < 1e-5, value
+        rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [9, 2, 16]: sequences of 4 and 5 rows
+        out = kern.varlen(*rows, cu, cu, scale=scale)
+        for b, (start, end) in enumerate(((0, 4), (4, 9))):
+            s = q[0, :, start:end].double() @ k[0, :, start:end].double().transpose(-1, -2) * value
+            want = torch.softmax(s, -1) @ v[0, :, start:end].double()
+            assert (out[start:end].transpose(0, 1).double() - want).abs().max() < 1e-5, (value, b)
+
+
 def test_compile_fullgraph_with_dropout_and_no_seed() -> None:
     """The seed is drawn as a tensor, so tracing needs no data-dependent value; the compiled
     call draws from torch's generator like the eager one."""

@@ -21,7 +21,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property, partial
+from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -111,19 +111,20 @@ def fused_key_chunks(tasks: int, threads: int) -> int:
     return chunks
 
 
+@lru_cache(maxsize=64)
 def packed_key_chunks(
-    lengths: Lengths, block_rows: int, block_cols: int, kv_heads: int, threads: int, most: int
-) -> tuple[int, Callable[[int], bool]]:
+    lengths: tuple[tuple[int, int], ...], block_rows: int, block_cols: int, kv_heads: int, threads: int, most: int
+) -> tuple[int, bool]:
     """The key chunks of a packed batch's fused backward (templates/cpu `chunk_key_tiles`: each
-    (sequence, kv head)'s key tiles cut into that many, a task each, equal in visible tiles), and
-    whether a chunk count keeps the threads balanced: the tasks' tiles (query tiles times key
-    tiles, per sequence and kv head) dealt largest first to the least loaded thread (dynamic
-    scheduling, as the kernel runs them in order of size only roughly) leave none more than
-    FUSED_BACKWARD_IMBALANCE times the average. The fewest chunks up to `most` (and `threads`)
-    that do, else 1. (Before, a packed batch took the fused pass from two tasks per thread,
+    (sequence, kv head)'s key tiles cut into that many, a task each, equal in visible tiles) and
+    whether they keep the threads balanced: the tasks' tiles (query tiles times key tiles, per
+    sequence and kv head; `lengths`: the sequences' (N, M)) dealt largest first to the least
+    loaded thread (dynamic scheduling, as the kernel runs them in order of size only roughly)
+    leave none more than FUSED_BACKWARD_IMBALANCE times the average. The fewest chunks up to
+    `most` (and `threads`) that do, else (1, False). Cached: the layers of a model repeat a
+    batch's lengths. (Before, a packed batch took the fused pass from two tasks per thread,
     however unequal: [2048, 64, 64, 64] MQA on 2 threads ran the long sequence on one thread.)"""
-    n, m = lengths
-    work = [-(-int(a) // block_rows) * -(-int(c) // block_cols) for a, c in zip(n.tolist(), m.tolist())]
+    work = [-(-n // block_rows) * -(-m // block_cols) for n, m in lengths]
     work = sorted((w for w in work if w), reverse=True) * kv_heads
     total = sum(work)
 
@@ -139,12 +140,12 @@ def packed_key_chunks(
 
     for chunks in range(1, max(1, min(most, threads)) + 1):
         if balanced(chunks):
-            return chunks, balanced
-    return 1, balanced
+            return chunks, True
+    return 1, False
 
 
 #: Tasks beyond which `packed_key_chunks` bounds the greedy deal instead of dealing it.
-PACKED_BALANCE_TASKS = 4096
+PACKED_BALANCE_TASKS = 1024
 #: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
 #: ... and the largest tile classes (bytes) kept of a call whose classes follow its sequences'
@@ -584,7 +585,8 @@ class Kernel:
             or not _unwatched()  # (a call recording a graph repeats through _EagerAttention)
         ):
             return None
-        return self._launch_signature(q, k, v, scale, tuple(runtime.items()) if runtime else ())
+        # (the scale as the launch takes it: a 0-d tensor's value, not its identity)
+        return self._launch_signature(q, k, v, checked_scale(scale), tuple(runtime.items()) if runtime else ())
 
     def _launch_signature(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, scalars: tuple
@@ -663,8 +665,11 @@ class Kernel:
         """`launch` under `key` among the kept launches, the oldest dropped beyond
         PREPARED_CALLS_KEPT; a planned packed call's in its plan's memo (`packed.prepared`)."""
         with self._lock:
-            if packed is not None:
-                packed.prepared[(self.call_key, key)] = launch  # type: ignore[index]
+            if packed is not None:  # (the plan's memo holds every kernel's: capped all the same)
+                memo: dict = packed.prepared  # type: ignore[assignment]
+                if len(memo) >= PREPARED_CALLS_KEPT:
+                    memo.pop(next(iter(memo)))  # the oldest key
+                memo[(self.call_key, key)] = launch
                 return
             if len(self._repeats) >= PREPARED_CALLS_KEPT:
                 self._repeats.pop(next(iter(self._repeats)))  # the oldest key
@@ -707,6 +712,9 @@ class Kernel:
         and backward (`KeptLaunch`, kept in the plan). See attncc/runtime/ragged.py.
         """
         if plan is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not _is_compiling():
+            if all(type(t) is torch.Tensor for t in (q, k, v)) and not _untransformed(q, k, v):
+                # (the clear error, before the offsets are read)
+                _reject_transforms({"q": q, "k": k, "v": v})
             with self._lock:  # the offsets read; the plan of the last call given the same (checked then)
                 plan = offsets_plan(self._varlen_plans, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             cu_seqlens_q = cu_seqlens_k = max_seqlen_q = max_seqlen_k = None
@@ -1259,22 +1267,17 @@ class Kernel:
         padded_dims = -(-p.D // 32) * 32, -(-p.Dv // 32) * 32
         buffers = acc_bytes * rows * (padded_dims[0] + sum(padded_dims))
         tasks = max(1, p.B * p.Hkv)
-        # no more chunks than sweeps over the task's query tiles: none is loaded more often
-        sweeps = max(1, math.ceil(p.M / tiles.block_cols) // tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N))
+        # no more chunks than sweeps over the task's query tiles (none is loaded more often), and
+        # their dQ copies within FUSED_BACKWARD_MAX_BUFFER
+        most = math.ceil(p.M / tiles.block_cols) // tiles.key_tiles_per_sweep(p.H // p.Hkv * p.N)
+        most = max(1, min(most, FUSED_BACKWARD_MAX_BUFFER // max(1, acc_bytes * tasks * rows * padded_dims[0])))
         if lengths is not None:
-            chunks, balanced = packed_key_chunks(lengths, tiles.block_rows, tiles.block_cols, p.Hkv, threads, sweeps)
+            pairs = tuple(zip(lengths[0].tolist(), lengths[1].tolist()))
+            chunks, busy = packed_key_chunks(pairs, tiles.block_rows, tiles.block_cols, p.Hkv, threads, most)
         else:
-            chunks = (
-                min(fused_key_chunks(tasks, threads), sweeps)
-                if tasks < FUSED_BACKWARD_TASKS_PER_THREAD * threads
-                else 1
-            )
-        while chunks > 1 and acc_bytes * chunks * tasks * rows * padded_dims[0] > FUSED_BACKWARD_MAX_BUFFER:
-            chunks -= 1
-        if lengths is not None:
-            busy = balanced(chunks)
-        else:
-            busy = tasks >= FUSED_BACKWARD_TASKS_PER_THREAD * threads or chunks > 1 or tasks >= threads
+            many = tasks >= FUSED_BACKWARD_TASKS_PER_THREAD * threads
+            chunks = 1 if many else min(fused_key_chunks(tasks, threads), most)
+            busy = many or chunks > 1 or tasks >= threads
         if self.backward == "fused" or (self.backward == "auto" and busy and buffers <= FUSED_BACKWARD_MAX_BUFFER):
             return ("attncc_backward_fused",), chunks
         return ("attncc_backward_dkdv", "attncc_backward_dq"), 1

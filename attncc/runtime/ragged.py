@@ -224,7 +224,9 @@ def offsets_plan(
         q.shape[0], k.shape[0],
     )  # fmt: skip
     plan = memo.get(key)
-    if plan is None:
+    if plan is not None:
+        memo.move_to_end(key)  # (the least recently used is dropped first)
+    else:
         packed, n_max, m_max = _checked_host_offsets(
             offsets, max_seqlen_q, max_seqlen_k, q.device, (q.shape[0], k.shape[0])
         )
