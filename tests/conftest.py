@@ -83,3 +83,23 @@ def loss_gradients(
         [reference[i] for i in picked], reference_leaves, grads_out, allow_unused=True, materialize_grads=True
     )
     return got, want
+
+
+def count_full_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """The CPU kernels' full-path forwards and backwards from now on (`Kernel.forward_impl`,
+    `backward_impl`: planned, prepared and packed for the call): "forward" grows by one per
+    forward, "backward" by the kept forward launch each backward was given (`kept_by`, or None)."""
+    full: dict[str, list] = {"forward": [], "backward": []}
+    forward_impl, backward_impl = attncc.Kernel.forward_impl, attncc.Kernel.backward_impl
+
+    def counted_forward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
+        full["forward"].append(1)
+        return forward_impl(self, *args, **kwargs)
+
+    def counted_backward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
+        full["backward"].append(kwargs.get("kept_by"))
+        return backward_impl(self, *args, **kwargs)
+
+    monkeypatch.setattr(attncc.Kernel, "forward_impl", counted_forward)
+    monkeypatch.setattr(attncc.Kernel, "backward_impl", counted_backward)
+    return full

@@ -20,7 +20,7 @@ import torch
 import attncc
 from attncc.runtime.check import _error
 from attncc.runtime.inputs import Shape
-from tests.conftest import EXAMPLES, ROOT, kernel, loss_gradients, recorded_problems
+from tests.conftest import EXAMPLES, ROOT, count_full_paths, kernel, loss_gradients, recorded_problems
 from tests.test_independent_references import (
     BWD_TOL,
     CASES,
@@ -594,19 +594,7 @@ def test_compiled_varlen_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPa
     forward and backward; offsets of other values with the same sizes are planned anew. Fresh
     q, k, v and dout each step; every output and gradient against float64 per-sequence attention."""
     kern = attncc.compile(RECENT)
-    full = {"forward": [], "backward": []}
-    forward_impl, backward_impl = attncc.Kernel.forward_impl, attncc.Kernel.backward_impl
-
-    def counted_forward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
-        full["forward"].append(1)
-        return forward_impl(self, *args, **kwargs)
-
-    def counted_backward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
-        full["backward"].append(kwargs.get("kept_by"))
-        return backward_impl(self, *args, **kwargs)
-
-    monkeypatch.setattr(attncc.Kernel, "forward_impl", counted_forward)
-    monkeypatch.setattr(attncc.Kernel, "backward_impl", counted_backward)
+    full = count_full_paths(monkeypatch)
     compiled = torch.compile(lambda q, k, v, cq, ck: kern.varlen(q, k, v, cq, ck, return_lse=True, n=6), fullgraph=True)
     batches = [([37, 1, 0, 90, 5], [40, 3, 2, 100, 5]), ([90, 5, 1, 37, 0], [100, 5, 3, 40, 2])]
     shape = Shape(5, 4, 2, 90, 100, 24)

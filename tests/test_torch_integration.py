@@ -15,7 +15,7 @@ import torch
 import attncc
 from attncc.errors import InputError
 from attncc.runtime.inputs import Shape, adapt, make_inputs
-from tests.conftest import ROOT, kernel, loss_gradients
+from tests.conftest import ROOT, count_full_paths, kernel, loss_gradients
 
 TEMPERED = (
     "attention tempered\ninput n: int\ninput t: float\ns = q @ k.T * scale\ns = s * t\nmask j < n + i\n"
@@ -48,19 +48,7 @@ def test_compiled_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch) ->
     call before. Fresh q, k, v and dout each step; the loss on out, on out and lse, on lse; a
     new scalar value is a new key. Every output and gradient against float64 torch code."""
     kern = attncc.compile(TEMPERED)
-    full = {"forward": [], "backward": []}
-    forward_impl, backward_impl = attncc.Kernel.forward_impl, attncc.Kernel.backward_impl
-
-    def counted_forward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
-        full["forward"].append(1)
-        return forward_impl(self, *args, **kwargs)
-
-    def counted_backward(self: attncc.Kernel, *args: object, **kwargs: object) -> object:
-        full["backward"].append(kwargs.get("kept_by"))
-        return backward_impl(self, *args, **kwargs)
-
-    monkeypatch.setattr(attncc.Kernel, "forward_impl", counted_forward)
-    monkeypatch.setattr(attncc.Kernel, "backward_impl", counted_backward)
+    full = count_full_paths(monkeypatch)
     compiled = torch.compile(lambda q, k, v, n: kern(q, k, v, n=n, t=0.7, return_lse=True), fullgraph=True)
     gen = torch.Generator().manual_seed(4)
     B, H, N, D = 2, 3, 37, 24
