@@ -71,6 +71,17 @@ def test_compiled_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch) ->
     assert all(kept.backward_launch is not None for kept in full["backward"])
 
 
+def test_descale_factors_with_other_than_fp8_k_are_refused_on_a_repeat() -> None:
+    """A call that would repeat a kept launch but gives descale factors with bf16 K/V gets the
+    full path's error, not the launch (descale factors go with fp8 K/V only)."""
+    kern = kernel("vanilla")
+    q = torch.randn(1, 2, 9, 16).bfloat16()
+    kern(q, q, q)
+    kern(q, q, q)
+    with pytest.raises(attncc.InputError, match="k_descale: descale factors go with fp8 k and v"):
+        kern(q, q, q, k_descale=0.5, v_descale=0.5)
+
+
 def test_a_scale_tensor_changed_in_place_is_not_a_repeat() -> None:
     """A repeated call's key holds the scale's value (a 0-d tensor's, not its identity): the
     same tensor with a new value takes a launch of its own, padded and packed."""

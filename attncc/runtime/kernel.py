@@ -416,7 +416,10 @@ class Kernel:
         runtime inputs are passed by their declared names. Returns out (and lse [B, H, N] in
         float32, float64 for float64 inputs, when return_lse).
         """
-        repeat_key = self._repeat_key(q, k, v, runtime, scale, train, seed)
+        # (descale factors: fp8 K/V's, which never repeat; given with other K/V, the full path's error)
+        repeat_key = None
+        if k_descale is None and v_descale is None:
+            repeat_key = self._repeat_key(q, k, v, runtime, scale, train, seed)
         repeat = self._repeats.get(repeat_key) if repeat_key is not None else None
         if repeat is not None:
             if _records_graph(q, k, v):
