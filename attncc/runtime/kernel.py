@@ -654,15 +654,22 @@ class Kernel:
         call["offset"] = 0
         operands["lse"] = lse
         ptrs = operands if packed is None else {**operands, **packed.buffers()}
-        pointers, ints, reals = self.pack(plan, call, ptrs, 0.0, 0)
-        library = self.library(_DTYPES[q.dtype])
+        self._keep_repeat(key, self._forward_launch(plan, call, ptrs, out, lse, call, packed=packed), packed)
+
+    def _forward_launch(
+        self, plan: CallPlan, call: dict, ptrs: dict[str, torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+        kept: object, strides: Mapping[str, tuple[int, ...]] | None = None, packed: PackedSequences | None = None,
+    ) -> KeptLaunch:  # fmt: skip
+        """The CPU forward's `KeptLaunch` of a call packed from `ptrs` (out and lse as the forward
+        returns them; `kept`: what its pointers point into besides the operands)."""
+        pointers, ints, reals = self.pack(plan, call, ptrs, 0.0, 0, strides)
+        library = self.library(_DTYPES[out.dtype])
         names = self._slot_names.pointers
-        repeat = KeptLaunch(
+        return KeptLaunch(
             self, library, self._entry(library, "attncc_forward"), list(pointers),
-            {name: names.index(name) for name in operands}, ints, reals,
-            tuple(out.shape), tuple(lse.shape), lse.dtype, None, call, packed=packed,
+            {name: names.index(name) for name in CALL_OPERANDS if name in ptrs}, ints, reals,
+            tuple(out.shape), tuple(lse.shape), lse.dtype, None, kept, packed=packed,
         )  # fmt: skip
-        self._keep_repeat(key, repeat, packed)
 
     def _keep_repeat(self, key: tuple, launch: KeptLaunch, packed: PackedSequences | None = None) -> None:
         """`launch` under `key` among the kept launches, the oldest dropped beyond
@@ -855,14 +862,7 @@ class Kernel:
         (`_paged_launch_key`), for the calls repeating it (`CheckedPagedCall`): the next layers of
         a decoding step. Before, each planned paged CPU call took the full path: B=1 H=8 M=256
         D=64 fp32 decoding 129 us a call, where a padded call repeating a kept launch took 17."""
-        pointers, ints, reals = self.pack(plan, call, ptrs, 0.0, 0, strides)
-        library = self.library(_DTYPES[out.dtype])
-        names = self._slot_names.pointers
-        launch = KeptLaunch(
-            self, library, self._entry(library, "attncc_forward"), list(pointers),
-            {name: names.index(name) for name in ("q", "k", "v", "out", "lse")}, ints, reals,
-            tuple(out.shape), tuple(lse.shape), lse.dtype, None, (call, paged),
-        )  # fmt: skip
+        launch = self._forward_launch(plan, call, ptrs, out, lse, (call, paged), strides)
         with self._lock:
             paged.prepared[key] = launch  # type: ignore[index]
 
