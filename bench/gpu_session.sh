@@ -17,6 +17,7 @@
 # the time left, the backward tile sweep. The other modes are for a lease with minutes left, one call each:
 #   run(command="bash bench/gpu_session.sh check", carry=[".whl", ".gpu"])        probe, prebuild, golden tests
 #   run(command="bash bench/gpu_session.sh decode", carry=[".whl", ".gpu"])       GPU tests, decoding sweep and bench
+#   run(command="bash bench/gpu_session.sh serving", carry=[".whl", ".gpu"])      GPU tests, decoding sweep, host, serving, fwd+bwd
 #   run(command="bash bench/gpu_session.sh host", carry=[".whl", ".gpu"])         host us per decoding call, profiled
 #   run(command="bash bench/gpu_session.sh rows", carry=[".whl", ".gpu"])         GPU tests, every grid case at 16 and 32 rows/warp
 #   run(command="bash bench/gpu_session.sh defaults", carry=[".whl", ".gpu"])     GPU tests, host, default warps vs 16, varlen
@@ -123,6 +124,26 @@ case "${1:-lease}" in
     echo "backward sweep done, $(left) s left"
     timeout -k 5 $(( $(left) - 10 )) python3 bench/bench_cuda.py --dims 64 128 --sizes 4096 16384 --warp-rows default \
       --no-flex --budget-s $(( $(left) - 50 )) --repeats 10 --json "$OUT/cuda-$device-backward.json" 2>&1 \
+      | tee "$OUT/bench-backward.log"
+    ;;
+  serving)
+    # After a change to the paged forward or the backward's tiles (session 46: whole pages of a
+    # multiple of Bc rows copied as in-place tiles; the backward's measured tiles): the GPU
+    # tests, the decoding sweep (paged at pages of 16, 64, 256 against in place), host time per
+    # call (profiled), decoding, paged, packed and fp8 against SDPA, dense and causal fwd+bwd.
+    deadline=${2:-400}
+    left() { echo $((deadline - SECONDS)); }
+    device_and_gpu_tests
+    echo "tests done, $(left) s left"
+    timeout -k 5 120 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
+    # (case 3: the planned paged call with an appended key, ~2x a padded decoding call's host time in session 46)
+    timeout -k 5 40 python3 bench/bench_host.py --cuda --profile 3 --json "$OUT/host-$device.json" 2>&1 | tee "$OUT/host.log"
+    echo "decoding sweep and host done, $(left) s left"
+    timeout -k 5 $(( $(left) / 2 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 --cases dense causal --decode \
+      --serving --fp8 --no-flex --budget-s $(( $(left) / 2 - 40 )) --repeats 15 --json "$OUT/cuda-$device-serving.json" 2>&1 \
+      | tee "$OUT/bench-serving.log"
+    timeout -k 5 $(( $(left) - 5 )) python3 bench/bench_cuda.py --dims 64 128 --sizes 4096 16384 --warp-rows default \
+      --no-flex --budget-s $(( $(left) - 45 )) --repeats 10 --json "$OUT/cuda-$device-backward.json" 2>&1 \
       | tee "$OUT/bench-backward.log"
     ;;
   decode)

@@ -199,7 +199,7 @@ def test_gpu_varlen_matches_hand_written_reference_per_sequence(name: str) -> No
     assert_within(got, ref, {n: 2e-2 if n in ("out", "lse") else 6e-2 for n in ref})
 
 
-@pytest.mark.parametrize(("page_size", "queries"), [(16, 1), (64, 7), (32, 70)])
+@pytest.mark.parametrize(("page_size", "queries"), [(16, 1), (64, 7), (32, 70), (256, 1)])
 def test_gpu_paged_decode_and_prefill_with_appended_keys(page_size: int, queries: int) -> None:
     """GQA 8/2 from shuffled pages on the GPU, new k/v appended in place at cache_seqlens (one
     sequence empty before), bottom-right causal: against float64 attention written here."""

@@ -829,17 +829,22 @@ def test_paged_keys_are_read_in_place_through_the_block_table(
     check_pages_read_in_place(attncc.compile(BOTTOM_RIGHT_CAUSAL), page_size, queries, D, dtype, monkeypatch)
 
 
-@pytest.mark.parametrize(("page_size", "queries", "D"), [(16, 1, 64), (5, 7, 40)])
+@pytest.mark.parametrize(
+    ("page_size", "queries", "D"), [(16, 1, 64), (5, 7, 40), (128, 1, 64), (256, 7, 40), (64, 3, 128), (192, 1, 128)]
+)
 def test_paged_keys_are_read_in_place_by_the_cuda_kernels_on_the_emulator(
     page_size: int, queries: int, D: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CUDA forward (emulated, bf16) looks every key row up in the block table: pages of 16
-    and 5 rows, fewer than its 64-key tiles and not dividing them."""
+    """The CUDA forward (emulated, bf16) looks every key row up in the block table where pages
+    are smaller than its key tiles (pages of 16 and 5 rows: fewer than its 64- and 128-key
+    tiles, not dividing them), and copies whole tiles from one page's rows where the page size
+    is a multiple of the tile's (128 and 256 at d <= 64's 128 keys, 64 and 192 at d = 128's 64;
+    lengths ending inside a tile)."""
     kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm80", emulate=True)
     check_pages_read_in_place(kern, page_size, queries, D, torch.bfloat16, monkeypatch)
 
 
-@pytest.mark.parametrize("page_size", [16, 64, 3])
+@pytest.mark.parametrize("page_size", [16, 64, 3, 128])
 def test_paged_gqa_decoding_on_the_cuda_kernels_runs_a_groups_heads_as_one_heads_rows(
     page_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -954,6 +959,47 @@ def test_paged_cache_must_hold_the_appended_keys() -> None:
             torch.randn(1, 2, 2, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16), torch.tensor([[0, 1]]),
             torch.tensor([15]), k_new=x, v_new=x,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("cache_layout", ["contiguous", "rows_of_longer_pages", "heads_outer"])
+@pytest.mark.parametrize("planned", [False, True])
+def test_appended_keys_land_in_the_callers_cache_whatever_its_strides(cache_layout: str, planned: bool) -> None:
+    """k_new and v_new are written into the caller's cache in place, whatever its strides (a
+    contiguous cache, pages that are views of longer pages, heads outside the rows); one
+    sequence's new keys cross a page boundary. The call attends the written cache (as a call
+    without an append on its copy does); a planned call repeated with other new keys (the
+    kept call's path) writes those at the same rows."""
+    gen = torch.Generator().manual_seed(17)
+    B, H, Hkv, D, page_size, held, new = 2, 4, 2, 16, 16, [15, 5], 2
+    num_pages = 6
+
+    def cache() -> torch.Tensor:
+        if cache_layout == "rows_of_longer_pages":
+            return torch.randn(num_pages, page_size + 8, Hkv, D, generator=gen)[:, :page_size]
+        if cache_layout == "heads_outer":
+            return torch.randn(num_pages, Hkv, page_size, D, generator=gen).transpose(1, 2)
+        return torch.randn(num_pages, page_size, Hkv, D, generator=gen)
+
+    k_cache, v_cache = cache(), cache()
+    buffers = k_cache.data_ptr(), v_cache.data_ptr()
+    table = torch.tensor([[3, 0, 5], [1, 4, 2]], dtype=torch.int32)
+    lengths = torch.tensor(held)
+    q = torch.randn(B, 1, H, D, generator=gen)
+    plan = attncc.plan_paged(k_cache, table, lengths, new_tokens=new) if planned else None
+    kern = kernel("vanilla")
+    for _ in range(2 if planned else 1):
+        k_new, v_new = (torch.randn(B, new, Hkv, D, generator=gen) for _ in range(2))
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        for b in range(B):
+            for t in range(new):
+                page, slot = int(table[b, (held[b] + t) // page_size]), (held[b] + t) % page_size
+                want_k[page, slot], want_v[page, slot] = k_new[b, t], v_new[b, t]
+        where = {"plan": plan} if planned else {"block_table": table, "cache_seqlens": lengths}
+        out = kern.paged(q, k_cache, v_cache, k_new=k_new, v_new=v_new, **where)
+        assert (k_cache.data_ptr(), v_cache.data_ptr()) == buffers
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        expected = kern.paged(q, want_k.contiguous(), want_v.contiguous(), table, lengths + new)
+        assert _error(out, expected) <= 1e-6
 
 
 @pytest.mark.parametrize(("backend", "page_size", "queries"), [("cpu", 16, 1), ("cpu", 5, 3), ("sm80", 16, 1)])

@@ -844,11 +844,37 @@ def backward_candidates(target: Target, d: int) -> Iterator[tuple[TilePlan, Work
                 yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
 
 
+#: The backward's (Br, Bc) per target and head dim where a GPU timed its candidates and the
+#: roofline ranked them wrongly: its estimates of the six timed lay within 1% (d = 64) and 8%
+#: (d = 128) of each other while the clock spread them 1.5x and 2.4x (the H200 of session 46,
+#: bf16 B=4 H=16 N=4096, dense and causal,
+#: bench/results/cuda-h200-session46/backward/sweep-backward.log). d = 64: 48 x 128 took
+#: 5.17 / 3.28 ms where the estimate's 48 x 96 took 6.22 / 3.98 (1.20x); d = 128: 48 x 128 took
+#: 9.39 / 5.75 ms where 64 x 96 took 9.95 / 6.05 (1.06x). Their dK/dV register columns stay
+#: the estimate's choice (those were the timed plans).
+MEASURED_BACKWARD_TILES: dict[str, dict[int, tuple[int, int]]] = {"sm90": {64: (48, 128), 128: (48, 128)}}
+
+
 def fastest_backward(target: Target, d: int) -> TilePlan | None:
     """The backward tiles and register accumulator columns with the smallest roofline estimate
-    (`backward_work`) at GPU_REFERENCE_PROBLEM among `backward_candidates`; None above d = 128
-    and for targets without rates (plan_gpu's fallback)."""
-    return cheapest(target, replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d), backward_candidates(target, d))
+    (`backward_work`) at GPU_REFERENCE_PROBLEM among `backward_candidates`, restricted to the
+    tiles MEASURED_BACKWARD_TILES names for this target and head dim where it names fitting
+    ones; None above d = 128 and for targets without rates (plan_gpu's fallback)."""
+    problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
+    measured = MEASURED_BACKWARD_TILES.get(target.name, {}).get(d)
+    if measured is not None:
+        timed = [
+            (plan, work)
+            for plan, work in backward_candidates(target, d)
+            if (plan.block_rows, plan.block_cols) == measured
+        ]
+        if timed:
+            chosen = cheapest(target, problem, timed)
+            assert chosen is not None
+            return replace(
+                chosen, reason=f"the tiles timed fastest on this target (MEASURED_BACKWARD_TILES); {chosen.reason}"
+            )
+    return cheapest(target, problem, backward_candidates(target, d))
 
 
 def plan_gpu(
