@@ -33,7 +33,12 @@ import attncc  # noqa: E402
 from attncc.passes.tiling import GPU_KEY_SPLIT_ROWS  # noqa: E402
 from attncc.runtime.build import prebuilding_into  # noqa: E402
 from attncc.runtime.gpu import GpuKernel  # noqa: E402
-from bench.sweep_tiles_cuda import BACKWARD_SWEEP_PLANS, backward_plans, with_backward_plan  # noqa: E402
+from bench.sweep_tiles_cuda import (  # noqa: E402
+    BACKWARD_SWEEP_LIGHT_PLANS,
+    BACKWARD_SWEEP_PLANS,
+    backward_plans,
+    with_backward_plan,
+)
 
 TARGET = "sm90"  # the H100 and H200 the device tool lends
 ARCHIVE = ROOT / ".gpu" / "prebuilt.tar.xz"
@@ -99,7 +104,7 @@ def lease_builds() -> list[Callable[[], object]]:
     for tiles in ((64, 32), (64, 64), (32, 64)):  # the forward sweep's overrides
         prebuild(kernel(example("vanilla"), tiles), [bf16], [64, 128])
     for name, d in itertools.product(("vanilla", "causal"), (64, 128)):  # the backward sweep's tiles
-        for plan, _ in backward_plans(TARGET, d, BACKWARD_SWEEP_PLANS):
+        for plan, _ in backward_plans(TARGET, d, BACKWARD_SWEEP_PLANS, BACKWARD_SWEEP_LIGHT_PLANS):
             prebuild(with_backward_plan(kernel(example(name)), d, plan), [bf16], [d])
     vanilla = kernel(example("vanilla"))  # the decoding sweep's key-split forwards, in place and paged
     for kern in (vanilla.for_key_split_warps(), vanilla.with_folded_query_heads().for_key_split_warps()):

@@ -130,7 +130,8 @@ case "${1:-lease}" in
     # After a change to the paged forward or the backward's tiles (session 46: whole pages of a
     # multiple of Bc rows copied as in-place tiles; the backward's measured tiles): the GPU
     # tests, the decoding sweep (paged at pages of 16, 64, 256 against in place), host time per
-    # call (profiled), decoding, paged, packed and fp8 against SDPA, dense and causal fwd+bwd.
+    # call (profiled), decoding, paged, packed and fp8 against SDPA, the backward's tiles (light
+    # programs' plans among them), dense and causal fwd+bwd.
     deadline=${2:-400}
     left() { echo $((deadline - SECONDS)); }
     device_and_gpu_tests
@@ -142,6 +143,8 @@ case "${1:-lease}" in
     timeout -k 5 $(( $(left) / 2 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 --cases dense causal --decode \
       --serving --fp8 --no-flex --budget-s $(( $(left) / 2 - 40 )) --repeats 15 --json "$OUT/cuda-$device-serving.json" 2>&1 \
       | tee "$OUT/bench-serving.log"
+    # the backward's tiles again, with the light-only plans (more dK/dV columns in registers) never timed
+    timeout -k 5 90 python3 bench/sweep_tiles_cuda.py --backward --dims 64 128 2>&1 | tee "$OUT/sweep-backward.log"
     timeout -k 5 $(( $(left) - 5 )) python3 bench/bench_cuda.py --dims 64 128 --sizes 4096 16384 --warp-rows default \
       --no-flex --budget-s $(( $(left) - 45 )) --repeats 10 --json "$OUT/cuda-$device-backward.json" 2>&1 \
       | tee "$OUT/bench-backward.log"

@@ -95,24 +95,35 @@ def with_backward_plan(kern: attncc.Kernel, d: int, plan: TilePlan) -> attncc.Ke
     return type(kern)(with_tiles(kern.stages, lambda table: table.with_backward(d, plan)), kern.target)
 
 
-def backward_plans(target: str, d: int, top: int) -> list[tuple[TilePlan, float]]:
-    """The roofline's backward choice (the plan `plan_gpu` gives: its kernel is the default's)
-    and the best-estimated plan of each of the next `top` - 1 (Br, Bc) pairs, with their
+def backward_plans(target: str, d: int, top: int, light: int = 0) -> list[tuple[TilePlan, float]]:
+    """The default backward plan (`fastest_backward`: its kernel is the default's), the
+    best-estimated plan of each of the next `top` - 1 (Br, Bc) pairs, and with `light` > 0 the
+    best-estimated light-only plan (`backward_candidates(..., light=True)`: more dK/dV columns
+    in registers than the budget of every program allows) of `light` (Br, Bc) pairs, with their
     estimates (seconds at GPU_REFERENCE_PROBLEM)."""
     chosen = fastest_backward(get_target(target), d)
     assert chosen is not None, f"{target} plans no backward candidates at d = {d}"
-    best: dict[tuple[int, int], tuple[TilePlan, float]] = {}
-    for plan, work in backward_candidates(get_target(target), d):
+    everyone = {
+        (p.block_rows, p.block_cols, p.dk_register_columns) for p, _ in backward_candidates(get_target(target), d)
+    }
+    best: dict[tuple[int, int, bool], tuple[TilePlan, float]] = {}  # (Br, Bc, light-only)
+    for plan, work in backward_candidates(get_target(target), d, light=light > 0):
         seconds = estimate(work, target, plan.registers_per_thread).seconds
-        key = (plan.block_rows, plan.block_cols)
+        light_only = (plan.block_rows, plan.block_cols, plan.dk_register_columns) not in everyone
+        key = (plan.block_rows, plan.block_cols, light_only)
         if key not in best or seconds < best[key][1]:
             best[key] = (plan, seconds)
-    first = best.pop((chosen.block_rows, chosen.block_cols))[1]
-    return [(chosen, first), *sorted(best.values(), key=lambda item: item[1])[: top - 1]]
+    first = best.pop((chosen.block_rows, chosen.block_cols, False))[1]
+    by_estimate = sorted(best.items(), key=lambda item: item[1][1])
+    others = [value for key, value in by_estimate if not key[2]][: top - 1]
+    light_plans = [value for key, value in by_estimate if key[2]][:light]
+    return [(chosen, first), *others, *light_plans]
 
 
-#: How many backward plans the sweep times per head dim (the roofline's and the next by estimate).
+#: How many backward plans the sweep times per head dim (the default's and the next by estimate),
+#: and how many light-only ones beside them for the light programs it times (vanilla, causal).
 BACKWARD_SWEEP_PLANS = 6
+BACKWARD_SWEEP_LIGHT_PLANS = 4
 
 
 def backward_tiles(
@@ -130,7 +141,7 @@ def backward_tiles(
     kernels = {}
     for (mask, program), d in itertools.product(programs.items(), dims):
         base = attncc.compile(program, target="cuda")
-        for plan, seconds in backward_plans(base.target, d, top):
+        for plan, seconds in backward_plans(base.target, d, top, BACKWARD_SWEEP_LIGHT_PLANS):
             kernels[mask, d, plan.block_rows, plan.block_cols, plan.dk_register_columns, seconds] = with_backward_plan(
                 base, d, plan
             )

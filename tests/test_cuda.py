@@ -22,7 +22,11 @@ from attncc.passes.roofline import gpu_dq_shared_bytes
 from attncc.passes.tiling import (
     GPU_BACKWARD_STATE_CUT_ABOVE_D64,
     GPU_MAX_BACKWARD_STATE,
+    GPU_MAX_LIGHT_BACKWARD_COLUMNS,
+    GPU_MAX_LIGHT_BACKWARD_STATE,
+    MEASURED_BACKWARD_TILES,
     backward_candidates,
+    fastest_backward,
     gpu_backward_shared_bytes,
     gpu_shared_bytes,
 )
@@ -688,6 +692,32 @@ def test_deterministic_dq_beyond_128_columns_on_the_emulator() -> None:
             assert torch.equal(first, second)
     finally:
         kern.deterministic = False
+
+
+@pytest.mark.parametrize("arch", ["sm75", "sm80", "sm90"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_light_backward_candidates_add_register_columns_within_their_budget(arch: str, head_dim: int) -> None:
+    """The light programs' candidates (the backward sweep's, for vanilla and causal) are every
+    program's and more: plans whose dK/dV register columns exceed the common state budget
+    but stay within GPU_MAX_LIGHT_BACKWARD_STATE and GPU_MAX_LIGHT_BACKWARD_COLUMNS (ptxas:
+    r = 96 spilled); none on sm75, whose budget is Turing's own. The default backward stays
+    among every program's candidates: on sm90 at d = 64 and 128 the tiles a GPU timed fastest."""
+    target = get_target(arch)
+    shape = lambda plan: (plan.block_rows, plan.block_cols, plan.dk_register_columns)  # noqa: E731
+    common = {shape(plan) for plan, _ in backward_candidates(target, head_dim)}
+    light = {shape(plan) for plan, _ in backward_candidates(target, head_dim, light=True)}
+    extra = light - common
+    assert common <= light
+    assert all(br + r <= GPU_MAX_LIGHT_BACKWARD_STATE and r <= GPU_MAX_LIGHT_BACKWARD_COLUMNS for br, _, r in extra)
+    if arch == "sm75":
+        assert not extra
+    else:  # (sm90, 64 x 128 with 64 columns at d = 128: 254-255 registers for vanilla and causal, no spill)
+        assert extra and all(br + r > GPU_MAX_BACKWARD_STATE - 16 for br, _, r in extra)
+        assert arch != "sm90" or (64, 128, 64) in extra
+    chosen = fastest_backward(target, head_dim)
+    assert chosen is not None and shape(chosen) in common
+    measured = MEASURED_BACKWARD_TILES.get(arch, {}).get(head_dim)
+    assert measured is None or (chosen.block_rows, chosen.block_cols) == measured
 
 
 @pytest.mark.parametrize("head_dim", [72, 128])

@@ -808,6 +808,14 @@ GPU_MAX_BACKWARD_STATE_SM75 = 96
 # the dropout counters per sequence) gpt2 at d = 128 spilled 4-16 B on sm75 (Br = 16, r = 80),
 # sm80 (Br = 64, r = 48) and sm90 (Br = 64, r = 48) at the budgets above; 16 less is spill-free.
 GPU_BACKWARD_STATE_CUT_ABOVE_D64 = 16
+# Light programs (no dropout, no score map, no learnable inputs: vanilla, causal) leave more
+# registers to the accumulators: ptxas on sm90 (bf16, CUDA 13.0, session 46) at state 112-128
+# with r = 64: d = 128 48 x 128 245-246 registers, 64 x 128 254-255, 64 x 96 253-255; d = 64
+# 64 x 128 237-241, 64 x 96 242-247; none spills. r = 96 spills 8-132 B (Br = 32-48), r = 128
+# 40-92 B. The budget for `backward_candidates(..., light=True)`, which the backward sweep
+# times for vanilla and causal (not yet any default: no GPU has timed them).
+GPU_MAX_LIGHT_BACKWARD_STATE = 128
+GPU_MAX_LIGHT_BACKWARD_COLUMNS = 64
 # Q/dO buffers of the roofline's backward candidates: the next visible query tile loads while
 # this one computes (as FA2's backward); the fallback plans (d > 128, small shared memory) keep one.
 GPU_BACKWARD_STAGES = 2
@@ -816,21 +824,29 @@ GPU_BACKWARD_STAGES = 2
 GPU_BACKWARD_REGISTERS = 255
 
 
-def backward_candidates(target: Target, d: int) -> Iterator[tuple[TilePlan, Work]]:
+def backward_candidates(target: Target, d: int, light: bool = False) -> Iterator[tuple[TilePlan, Work]]:
     """The backward's candidate tiles and register accumulator columns whose shared memory and
     fragment state fit `target` at head dim `d` (up to d = 128, targets with rates), each with
-    its `backward_work` at GPU_REFERENCE_PROBLEM (bench/sweep_tiles_cuda.py times them)."""
+    its `backward_work` at GPU_REFERENCE_PROBLEM (bench/sweep_tiles_cuda.py times them); with
+    `light`, the larger state of light programs beside them (GPU_MAX_LIGHT_BACKWARD_STATE)."""
     if d > Q_IN_REGISTERS_MAX_HEAD_DIM or target.name not in GPU_RATES:
         return
     paper_br, paper_bc = paper_blocks(target.onchip_bytes // 2, d)
     problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
     state_budget = GPU_MAX_BACKWARD_STATE_SM75 if target.name == "sm75" else GPU_MAX_BACKWARD_STATE
     state_budget -= GPU_BACKWARD_STATE_CUT_ABOVE_D64 if d > 64 else 0
+
+    def fits(br: int, columns: int) -> bool:
+        if br + columns <= state_budget:
+            return True
+        light_fit = br + columns <= GPU_MAX_LIGHT_BACKWARD_STATE and columns <= GPU_MAX_LIGHT_BACKWARD_COLUMNS
+        return light and target.name != "sm75" and light_fit
+
     for br in GPU_BACKWARD_ROWS:
         for bc in GPU_BACKWARD_COLS:
             for columns in range(0, d + 1, HEAD_DIM_STEP):
                 shared = gpu_backward_shared_bytes(br, bc, d, columns, columns, GPU_BACKWARD_STAGES)
-                if br + columns > state_budget or shared > target.onchip_bytes:
+                if not fits(br, columns) or shared > target.onchip_bytes:
                     continue
                 held = "none" if columns == 0 else "all" if columns == d else f"columns {d - columns}..{d - 1}"
                 reason = (
