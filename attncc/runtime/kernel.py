@@ -425,7 +425,7 @@ class Kernel:
             if _records_graph(q, k, v):
                 scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
                 out, lse = _EagerAttention.apply(
-                    self.call_key, repeat, q, k, v, scalars, checked_scale(scale), 0.0, seed_tensor(None, 0.0)
+                    self.call_key, repeat, q, k, v, scalars, checked_scale(scale), 0.0, NO_DROPOUT_SEED
                 )
             else:
                 out, lse = repeat(q, k, v)
@@ -749,7 +749,7 @@ class Kernel:
                 out, lse = _EagerVarlen.apply(
                     self.call_key, plan.packed, q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k,  # type: ignore[union-attr]
                     plan.max_seqlen_q, plan.max_seqlen_k, scalars, checked_scale(scale), 0.0,  # type: ignore[union-attr]
-                    seed_tensor(None, 0.0), repeat,
+                    NO_DROPOUT_SEED, repeat,
                 )  # fmt: skip
             else:
                 out, lse = repeat(q, k, v)
@@ -1745,6 +1745,11 @@ def checked_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, torch.SymInt)) or not 0 <= seed < 2**63:
         raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
     return seed  # type: ignore[return-value]
+
+
+#: The seed a repeated call (never with dropout) saves for its backward: one tensor for all of
+#: them, read and never written (a fresh one took ~1 us of a 10-20 us small call).
+NO_DROPOUT_SEED = torch.zeros(1, dtype=torch.int64)
 
 
 def seed_tensor(seed: int | None, dropout: float) -> torch.Tensor:
