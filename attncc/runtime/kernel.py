@@ -1706,10 +1706,8 @@ class KeptLaunch:
                 q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs,
                 packed=self.packed, kept_by=self,
             )  # fmt: skip
-        dq = torch.empty(q.shape, dtype=q.dtype)
-        dk = torch.empty(k.shape, dtype=k.dtype)
-        dv = torch.empty(v.shape, dtype=v.dtype)
-        delta = torch.empty(lse.shape, dtype=lse.dtype)
+        # (empty_like: ~0.8 us each, where torch.empty of a torch.Size took ~1.6)
+        dq, dk, dv, delta = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lse))
         operands = {
             "q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk, "dv": dv, "delta": delta,
         }  # fmt: skip
@@ -1723,8 +1721,9 @@ class KeptLaunch:
         return (ctypes.c_void_p * len(self.pointers))(*self.pointers)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=q.device)
+        # (sizes unpacked: torch.empty of a tuple took ~0.4 us more per allocation)
+        out = torch.empty(*self.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(*self.lse_shape, dtype=self.lse_dtype, device=q.device)
         template, slots = self._pointer_template, self.operand_slots
         pointers = type(template).from_buffer_copy(template)
         pointers[slots["q"]] = q.data_ptr()
@@ -1733,7 +1732,7 @@ class KeptLaunch:
         pointers[slots["out"]] = out.data_ptr()
         pointers[slots["lse"]] = lse.data_ptr()
         if self.partial_shapes is not None:  # (alive until the launch returns)
-            partials = [torch.empty(shape, device=q.device) for shape in self.partial_shapes]
+            partials = [torch.empty(*shape, device=q.device) for shape in self.partial_shapes]
             pointers[slots["o_partial"]] = partials[0].data_ptr()
             pointers[slots["lse_partial"]] = partials[1].data_ptr()
         self.kernel._launch(self.library, self.entry, (pointers, self.ints, self.reals), q.device)
