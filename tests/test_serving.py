@@ -846,16 +846,19 @@ def test_paged_keys_are_read_in_place_by_the_cuda_kernels_on_the_emulator(
 
 @pytest.mark.parametrize(
     ("page_size", "D", "splits"),
-    [(64, 128, 3), (256, 128, 1), (128, 64, 2), (16, 128, 2), (32, 128, 1), (16, 64, 2), (32, 64, 1), (8, 64, 1)],
-)
+    [
+        (64, 128, 3), (256, 128, 1), (128, 64, 2), (16, 128, 2), (32, 128, 1), (16, 64, 2), (32, 64, 1), (48, 128, 2),
+        (8, 64, 1), (24, 128, 1),
+    ],
+)  # fmt: skip
 def test_paged_decoding_on_the_key_split_forward_on_the_emulator(
     page_size: int, D: int, splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU's decoding forward (`key_split_warps`: warps split each key tile; sm90,
-    emulated, bf16) over shuffled pages: whole tiles from one page where the page size is a
-    multiple of its key tile (64 keys at d = 128, 128 at d = 64), row by row where it is not
-    (pages of 8, 16, 32); split-KV's splits starting inside the cache and a sequence ending
-    mid-tile."""
+    emulated, bf16) over shuffled pages: each 16-row group of a key tile (64 keys at d = 128,
+    128 at d = 64) from its page where pages hold whole groups (16 to 256 rows, 48 not
+    dividing the tile), row by row where they do not (8, 24); split-KV's splits starting
+    inside the cache and a sequence ending mid-tile (its last group partly beyond it)."""
     kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm90", emulate=True)
     kern.key_split_warps, kern.kv_splits = True, splits
     plan = kern.for_key_split_warps(16).op.tiling.for_head_dim(D)

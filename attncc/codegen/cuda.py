@@ -100,6 +100,7 @@ def generate_cuda(
         kv_format=kv_format,
         fp8_mma=fp8_mma,
         paged=paged,
+        page_group_copies=paged and plan.page_group_copies,
         rope_q=op.q_rope,
         rope_k=op.k_rope,
         **hook_values(g),

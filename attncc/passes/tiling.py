@@ -241,6 +241,11 @@ class TilePlan:
     #: GPU forward: warps sharing each row block, each taking Bc / key_warps consecutive keys of
     #: every K/V tile with its own softmax state, merged at the end (`for_key_split_warps`).
     key_warps: int = 1
+    #: GPU paged forward: each thread copies rows of one 16-row group of a K/V tile from its
+    #: page (one block-table entry per thread and tile, no per-row starts and no barrier; pages
+    #: of a multiple of 16 rows). The decoding forwards only (`for_key_split_warps`), whose
+    #: registers leave room for it: prefill forwards at 255 registers spilled up to 140 B with it.
+    page_group_copies: bool = False
 
     def key_tiles_per_sweep(self, query_rows: int) -> int:
         """CPU fused backward: the key tiles each sweep over a task's `query_rows` query rows
@@ -354,7 +359,7 @@ class TilePlan:
         warps = row_blocks * key_warps
         return replace(
             self, block_rows=rows, warp_rows=GPU_ROWS_PER_WARP, key_warps=key_warps, warps=warps,
-            threads=warps * 32, backward=None,
+            threads=warps * 32, backward=None, page_group_copies=True,
             onchip_bytes=gpu_shared_bytes(rows, self.block_cols, self.head_dim, self.stages),
             registers_per_thread=gpu_registers(self.block_cols // key_warps, self.head_dim),
             reason=f"{self.reason}; {rows} rows, {key_warps} warp(s) sharing each key tile per 16 rows (decoding)",

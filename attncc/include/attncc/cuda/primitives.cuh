@@ -392,6 +392,37 @@ __device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global_src));
 #endif
 }
+// The same where `copy`, else 16 zero bytes, global_src unread: one instruction either way
+// (cp.async's source size 0 zero-fills), so that a tile's last rows need no branch.
+__device__ __forceinline__ void cp_async_16_or_zeros(void* shared_dst, const void* global_src, bool copy ATTNCC_SITE) {
+#if ATTNCC_ARCH < 80 || defined(ATTNCC_EMULATE)
+  if (copy) {
+    cp_async_16(shared_dst, global_src ATTNCC_AT_SITE);
+  } else {
+    for (int e = 0; e < 4; ++e) st_shared(static_cast<uint32_t*>(shared_dst) + e, 0u ATTNCC_AT_SITE);
+  }
+#else
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global_src), "r"(copy ? 16 : 0));
+#endif
+}
+// 4 bytes global -> shared where `copy`, else 4 zero bytes (global_src unread), in the current
+// group: a row statistic (lse, delta) fetched with its tile instead of by a load each thread
+// waits for.
+__device__ __forceinline__ void cp_async_4_or_zero(float* shared_dst, const float* global_src, bool copy ATTNCC_SITE) {
+#if ATTNCC_ARCH < 80
+  st_shared(shared_dst, copy ? ld_global(global_src ATTNCC_AT_SITE) : 0.0f ATTNCC_AT_SITE);
+#elif defined(ATTNCC_EMULATE)
+  if (copy) {
+    attncc_emu::cp_async(shared_dst, global_src, 4, line);
+  } else {
+    st_shared(shared_dst, 0.0f ATTNCC_AT_SITE);
+  }
+#else
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(address), "l"(global_src), "r"(copy ? 4 : 0));
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #if ATTNCC_ARCH < 80
 #elif defined(ATTNCC_EMULATE)
