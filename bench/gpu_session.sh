@@ -127,11 +127,12 @@ case "${1:-lease}" in
       | tee "$OUT/bench-backward.log"
     ;;
   serving)
-    # After a change to the paged forward or the backward's tiles (session 46: whole pages of a
-    # multiple of Bc rows copied as in-place tiles; the backward's measured tiles): the GPU
-    # tests, the decoding sweep (paged at pages of 16, 64, 256 against in place), host time per
-    # call (profiled), decoding, paged, packed and fp8 against SDPA, the backward's tiles (light
-    # programs' plans among them), dense and causal fwd+bwd.
+    # After a change to the paged forward or the backward (session 46: the backward's measured
+    # tiles; session 47: each 16-row group of a paged key tile copied from its page, the
+    # backward's lse/delta by cp.async and two barriers per query tile): the GPU tests, the
+    # decoding sweep (paged at pages of 16, 64, 256 against in place), host time per call
+    # (profiled), decoding, paged, packed and fp8 against SDPA, the backward's tiles (light
+    # plans among them), dense and causal fwd+bwd. Then, with time left, `sanitize`.
     deadline=${2:-400}
     left() { echo $((deadline - SECONDS)); }
     device_and_gpu_tests
