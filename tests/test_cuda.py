@@ -488,12 +488,17 @@ def test_emulated_head_dims_and_edges(shape: Shape) -> None:
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_emulator_schedules_give_identical_bits(name: str) -> None:
+    """Forward and backward under each thread order and with cp.async copies landing at their
+    wait (the latest) and as issued (the earliest): a missing barrier, a missing wait or a
+    buffer refilled before its last readers are done changes the bits. 300 keys in one split:
+    three key tiles a block, so that the forward refills a K/V buffer."""
     kern = emulated(name)
-    q, k, v, runtime = make_inputs(kern, adapt(Shape(1, 2, 1, 90, 90, 64), kern), torch.bfloat16)
+    kern.kv_splits = 1
+    q, k, v, runtime = make_inputs(kern, adapt(Shape(1, 2, 1, 90, 300, 64), kern), torch.bfloat16)
     learnable = [t for t in runtime.values() if isinstance(t, torch.Tensor) and t.requires_grad]
     for deterministic in (False, True):
         results = []
-        for schedule in ("lockstep", "warp-greedy"):
+        for schedule in ("lockstep", "warp-greedy", "warp-greedy-eager-copies"):
             kern.schedule, kern.deterministic = schedule, deterministic
             try:
                 out, lse = kern(q, k, v, seed=9, return_lse=True, **runtime)
@@ -503,12 +508,13 @@ def test_emulator_schedules_give_identical_bits(name: str) -> None:
             results.append([out, lse, *grads])
         # out, lse, dq, dk, dv always bit-identical; learnable-input gradients too in deterministic
         # mode (exact sums), else sums of fp32 atomics whose order (as on a GPU) depends on the
-        # schedule: equal up to rounding
+        # schedule: equal up to rounding (relative_bias: sums of ~10^3 terms, 2e-5 of the largest apart)
         exact = len(results[0]) if deterministic else 5
-        for a, b in zip(results[0][:exact], results[1][:exact]):
-            assert torch.equal(a, b), f"deterministic={deterministic}"
-        for a, b in zip(results[0][exact:], results[1][exact:]):
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        for other in results[1:]:
+            for a, b in zip(results[0][:exact], other[:exact]):
+                assert torch.equal(a, b), f"deterministic={deterministic}"
+            for a, b in zip(results[0][exact:], other[exact:]):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-4 * max(1.0, float(a.abs().max())))
 
 
 def test_dropout_bits_identical_to_the_cpu_backend() -> None:

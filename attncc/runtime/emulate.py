@@ -43,7 +43,9 @@ from attncc.runtime.kernel import (
 from attncc.runtime.merge import merge_states
 from attncc.targets import GPUS
 
-SCHEDULES = {"lockstep": 0, "warp-greedy": 1}
+#: The emulator's schedules (include/attncc/cuda/emulator.h): the order its threads run to their
+#: sync points, and with "-eager-copies" cp.async copies landing as issued instead of at the wait.
+SCHEDULES = {"lockstep": 0, "warp-greedy": 1, "lockstep-eager-copies": 2, "warp-greedy-eager-copies": 3}
 _LOCK = threading.Lock()
 
 

@@ -2,14 +2,17 @@
 //
 // Every CUDA thread is a user-space fiber with its own stack; a hand-written x86-64 context
 // switch (ucontext elsewhere) moves between them only at synchronisation points: barriers,
-// warp collectives and cp.async waits. Blocks run one after another. Two schedules exist and
-// kernels must give identical bits under both:
+// warp collectives and cp.async waits. Blocks run one after another. The schedules below, and
+// each with eager copies, exist and kernels must give identical bits under all of them:
 //   kLockStep   - every thread in turn (0, 1, 2, ...) runs to its next sync point;
 //   kWarpGreedy - warps in reverse order, each running all its lanes to the next barrier.
 // A missing __syncthreads makes some thread read shared memory before or after its writer
 // depending on the schedule, so the results differ. Shared memory is poisoned (0xFF bytes,
 // NaN in fp16/fp32) at the start of each block; cp.async copies land at cp.async.wait_group,
-// so a missing wait reads poison.
+// the latest a GPU may land them, so a missing wait reads poison. With eager copies
+// (kEagerCopies added to a schedule) they land as they are issued, the earliest a GPU may: a
+// copy issued into a buffer that other threads have yet to read (a refill before the barrier
+// that ends those reads) then changes what they read, so the bits differ from the late landing.
 //
 // All warp collectives (shuffles, mma, ldmatrix) go through `warp_collective`: each lane
 // deposits its operands; the last lane of the mask to arrive checks that every lane called the
@@ -49,6 +52,7 @@ struct EmulationError : std::runtime_error {
 };
 
 enum Schedule { kLockStep = 0, kWarpGreedy = 1 };
+constexpr int kEagerCopies = 2;  // added to a schedule: cp.async copies land at issue
 enum class State { kReady, kBarrier, kCollective, kDone };
 
 constexpr int kWarpSize = 32;
@@ -89,6 +93,7 @@ struct BlockState {
   std::vector<long> committed;                   // per thread: groups committed so far
   unsigned char* smem = nullptr;
   size_t smem_bytes = 0;
+  bool eager_copies = false;
   std::string error;
   void* scheduler_sp = nullptr;
   int current = -1;
@@ -447,6 +452,10 @@ inline void cp_async(void* dst_shared, const void* src_global, int bytes, int li
   BlockState* b = tls_block;
   PendingCopy copy{dst_shared, std::vector<unsigned char>(bytes), b->committed[b->current]};
   std::memcpy(copy.bytes.data(), src_global, bytes);  // the source is read at issue
+  if (b->eager_copies) {
+    std::memcpy(dst_shared, copy.bytes.data(), bytes);
+    return;
+  }
   b->copies[b->current].push_back(std::move(copy));
 }
 inline void cp_async_commit() { ++tls_block->committed[tls_block->current]; }
@@ -547,14 +556,9 @@ inline std::string run_block(BlockState& b, Schedule schedule) {
   }
 }
 
-struct Launch {
-  dim3 grid, block;
-  size_t smem_bytes;
-  Schedule schedule;
-};
-
-inline Schedule& current_schedule() {
-  static Schedule schedule = kLockStep;
+// The schedule, plus kEagerCopies where copies land at issue.
+inline int& current_schedule() {
+  static int schedule = kLockStep;
   return schedule;
 }
 
@@ -617,7 +621,8 @@ void launch(const char* name, dim3 grid, dim3 block, size_t smem_bytes, Kernel k
           f.stack = stacks.data() + size_t(t) * kStackBytes;
           prepare_stack(f);
         }
-        const std::string error = run_block(b, current_schedule());
+        b.eager_copies = (current_schedule() & kEagerCopies) != 0;
+        const std::string error = run_block(b, Schedule(current_schedule() & ~kEagerCopies));
         if (!error.empty()) {
           throw EmulationError("block (" + std::to_string(x) + ", " + std::to_string(y) + ", " + std::to_string(z) +
                                "): " + error);
