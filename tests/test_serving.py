@@ -866,6 +866,30 @@ def test_paged_decoding_on_the_key_split_forward_on_the_emulator(
     check_pages_read_in_place(kern, page_size, 1, D, torch.bfloat16, monkeypatch)
 
 
+@pytest.mark.parametrize("page_size", [16, 48, 8])
+def test_paged_decoding_gives_the_same_bits_under_every_emulator_schedule(page_size: int) -> None:
+    """The key-split paged forward (sm90, emulated, bf16; GQA 8/2, one query, split-KV; the
+    kernel's schedule reaches the decoding variant it runs) over shuffled pages, under each
+    thread order and with cp.async copies landing as issued: a page's rows copied before the
+    row starts they need are stored for every warp (pages of 8) changes the bits."""
+    kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm90", emulate=True)
+    kern.key_split_warps, kern.kv_splits = True, 2
+    gen = torch.Generator().manual_seed(3)
+    B, H, Hkv, D, held = 2, 8, 2, 128, [400, 233]
+    pages_per_seq = -(-max(held) // page_size)
+    k_cache, v_cache = (torch.randn(B * pages_per_seq, page_size, Hkv, D, generator=gen).bfloat16() for _ in range(2))
+    table = torch.randperm(B * pages_per_seq, generator=gen).view(B, pages_per_seq).int()
+    q = torch.randn(B, 1, H, D, generator=gen).bfloat16()
+    lengths = torch.tensor(held, dtype=torch.int32)
+    results = []
+    for schedule in ("lockstep", "warp-greedy", "warp-greedy-eager-copies"):
+        kern.schedule = schedule
+        results.append(kern.paged(q, k_cache, v_cache, table, lengths, return_lse=True))
+        assert kern.for_key_split_warps(16).schedule == schedule
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
 @pytest.mark.parametrize("page_size", [16, 64, 3, 128])
 def test_paged_gqa_decoding_on_the_cuda_kernels_runs_a_groups_heads_as_one_heads_rows(
     page_size: int, monkeypatch: pytest.MonkeyPatch
