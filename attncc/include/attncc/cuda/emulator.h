@@ -450,12 +450,12 @@ inline void cp_async(void* dst_shared, const void* src_global, int bytes, int li
   record(kOpCpAsyncGlobal, src_global, bytes, line);
   record(kOpCpAsyncShared, dst_shared, bytes, line);
   BlockState* b = tls_block;
-  PendingCopy copy{dst_shared, std::vector<unsigned char>(bytes), b->committed[b->current]};
-  std::memcpy(copy.bytes.data(), src_global, bytes);  // the source is read at issue
   if (b->eager_copies) {
-    std::memcpy(dst_shared, copy.bytes.data(), bytes);
+    std::memcpy(dst_shared, src_global, bytes);
     return;
   }
+  PendingCopy copy{dst_shared, std::vector<unsigned char>(bytes), b->committed[b->current]};
+  std::memcpy(copy.bytes.data(), src_global, bytes);  // the source is read at issue
   b->copies[b->current].push_back(std::move(copy));
 }
 inline void cp_async_commit() { ++tls_block->committed[tls_block->current]; }
