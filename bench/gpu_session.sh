@@ -28,6 +28,7 @@
 #   run(command="bash bench/gpu_session.sh sweep", carry=[".whl", ".gpu"])        forward tiles, decoding splits
 #   run(command="bash bench/gpu_session.sh ncu", carry=[".whl", ".gpu"])          Nsight Compute, dense d=128
 #   run(command="bash bench/gpu_session.sh ncu --decode", carry=[".whl", ".gpu"]) Nsight Compute, decoding
+#   run(command="bash bench/gpu_session.sh stalls", carry=[".whl", ".gpu"])       the backward's stall reasons per SASS line
 # Results land in $OUT (JSON with the device name and versions; the forwards with the roofline
 # estimate beside them; at most 8 files come back): commit them under bench/results/ with the
 # device name.
@@ -205,6 +206,25 @@ PY
       --section ComputeWorkloadAnalysis python3 bench/profile_cuda.py ${2:-} > "$OUT/ncu${2:+-decode}.txt" 2>&1
     grep -E "profiled|attention_|combine_splits|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued" \
       "$OUT/ncu${2:+-decode}.txt"
+    ;;
+  stalls)
+    # Where the backward's warps wait (session 48: the backward is 0.43-0.55x SDPA-flash, the
+    # forward ~0.9x; its time per query tile is ~5x what its mma count needs, and the H200
+    # sweep's 6-warp plans are slower than the 8-warp ones, as latency-bound code is): the
+    # dense d = 64 and d = 128 backward (48 x 128, the sweep's problem) under Nsight Compute's
+    # full set, then its warp stall reasons per SASS instruction (source page, CSV), and the
+    # paged key-split decoding forward's stall reasons. Built outside the profiler first.
+    python3 bench/profile_cuda.py --backward
+    ncu --clock-control none --profile-from-start off -k regex:'^attention_backward$' --set full \
+      --import-source no -o /tmp/ncu-backward python3 bench/profile_cuda.py --backward 2>&1 | tail -5
+    ncu -i /tmp/ncu-backward.ncu-rep --print-details all > "$OUT/ncu-backward.txt" 2>&1
+    ncu -i /tmp/ncu-backward.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-backward-sass.csv" 2>&1
+    grep -E "attention_backward|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|stall" \
+      "$OUT/ncu-backward.txt" | head -60
+    timeout -k 5 120 ncu --clock-control none --profile-from-start off -k regex:'^attention_forward' \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
+      --print-details all python3 bench/profile_cuda.py --decode > "$OUT/ncu-decode-stalls.txt" 2>&1
+    grep -E "profiled|attention_|Duration|DRAM Throughput|Warp Cycles Per Issued" "$OUT/ncu-decode-stalls.txt"
     ;;
   sanitize)
     # A causal backward (N=64 queries, M=1024 keys: key blocks no query sees), a sliding-window

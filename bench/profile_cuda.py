@@ -1,6 +1,8 @@
 """Kernels for Nsight Compute, in a profiler range (ncu --profile-from-start off):
 
     the default: one dense bf16 forward and backward (B=4 H=16 N=4096 d=128);
+    --backward: dense bf16 forward and backward at d=64 and d=128 (B=4 H=16 N=4096, the backward
+    tile sweep's problem), for the backward's stall reasons (`gpu_session.sh stalls`);
     --decode: bf16 decoding at d=128, one query, M=64K, B=8: MHA 32/32 on the key-split forward
     unsplit and on the 64-row one, GQA 32/8 on the key-split forward (its split count, and the
     merge), and GQA 32/8 from a paged cache (pages of 16, shuffled, planned).
@@ -35,15 +37,15 @@ def profiled(label: str, call: Callable[[], object]) -> None:
     print("profiled", label, flush=True)
 
 
-def dense() -> None:
+def dense(d: int = 128) -> None:
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="cuda")
-    q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(4, 16, 4096, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
     def step() -> None:
         out = kern(q, k, v)
         out.backward(torch.ones_like(out))
 
-    profiled(f"dense forward and backward: {kern.plan(q, k, None)}", step)
+    profiled(f"dense d={d} forward and backward: {kern.plan(q, k, None, backward=True)}", step)
 
 
 def decode(B: int = 8, M: int = 65536) -> None:
@@ -63,5 +65,12 @@ def decode(B: int = 8, M: int = 65536) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--decode", action="store_true")
-    decode() if parser.parse_args().decode else dense()
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--decode", action="store_true")
+    mode.add_argument("--backward", action="store_true")
+    args = parser.parse_args()
+    if args.decode:
+        decode()
+    else:
+        for d in (64, 128) if args.backward else (128,):
+            dense(d)
