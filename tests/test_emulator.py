@@ -100,6 +100,66 @@ extern "C" int async_copy(const f16* src, float* out, int wait, int s) {
     else ATTNCC_LAUNCH(copy_kernel<false>, dim3(1), dim3(32), 512, nullptr, src, out);
   });
 }
+
+// Race-check probes (run with kRaceCheck in the schedule): case 0, 4, 7 and 10 have no race;
+// each other case one kind of race, whose outcome the schedules need not show.
+template <int kCase>
+__global__ void race_kernel(const f16* src, float* out) {
+  float* sm = shared_memory<float>();  // 64 floats, then 64 rows of 8 halves from byte 1024
+  f16* rows = shared_memory<f16>() + 512;
+  const int tid = thread_id(), lane = lane_id(), other = (tid + 32) % 64;  // `other`: the other warp's
+  if constexpr (kCase == 0 || kCase == 1) {  // a read of another warp's write, after a barrier or not
+    st_shared(sm + tid, float(tid));
+    if (kCase == 0) block_sync();
+    out[tid] = ld_shared(sm + other);
+  } else if constexpr (kCase == 2) {  // a word rewritten while the other warp reads it: no barrier after the reads
+    st_shared(sm + tid, 1.0f);
+    block_sync();
+    out[tid] = ld_shared(sm + other);
+    st_shared(sm + tid, 2.0f);
+    block_sync();
+  } else if constexpr (kCase == 3 || kCase == 4) {  // lanes of one warp, without and with a collective between
+    st_shared(sm + tid, float(tid));
+    const float sum = kCase == 4 ? shfl_xor(1.0f, 1) : 0.0f;
+    out[tid] = ld_shared(sm + (tid ^ 1)) + sum;
+  } else if constexpr (kCase == 5) {  // a copy's destination read before its wait
+    cp_async_16(rows + 8 * tid, src + 8 * tid);
+    cp_async_commit();
+    out[tid] = to_float(ld_shared(rows + 8 * tid));
+    cp_async_wait<0>();
+  } else if constexpr (kCase == 6 || kCase == 7) {  // another warp's landed copy, read without and with a barrier
+    cp_async_16(rows + 8 * tid, src + 8 * tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    if (kCase == 7) block_sync();
+    out[tid] = to_float(ld_shared(rows + 8 * other));
+  } else if constexpr (kCase == 8) {  // past the block's shared memory
+    out[tid] = ld_shared(sm + 1024);
+  } else if constexpr (kCase == 9 || kCase == 10) {  // ldmatrix of rows the other warp wrote, without and with a barrier
+    for (int e = 0; e < 8; ++e) st_shared(rows + 8 * tid + e, src[8 * tid + e]);
+    if (kCase == 10) block_sync();
+    uint32_t r[4];
+    ldmatrix_x4<false>(r, rows + 8 * ((lane + 32 * (1 - tid / 32)) % 64));
+    out[tid] = float(r[0] & 0xffu);
+  } else if constexpr (kCase == 11) {  // a copy into a row the other warp reads in the same interval
+    st_shared(rows + 8 * tid, src[0]);
+    block_sync();
+    out[tid] = to_float(ld_shared(rows + 8 * other));
+    cp_async_16(rows + 8 * tid, src + 8 * tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+  }
+}
+template <int kCase> void launch_race(const f16* src, float* out) {
+  ATTNCC_LAUNCH(race_kernel<kCase>, dim3(2), dim3(64), 2048, nullptr, src, out);
+}
+using RaceLaunch = void (*)(const f16*, float*);
+static const RaceLaunch kRaceCases[] = {launch_race<0>, launch_race<1>, launch_race<2>, launch_race<3>,
+                                        launch_race<4>, launch_race<5>, launch_race<6>, launch_race<7>,
+                                        launch_race<8>, launch_race<9>, launch_race<10>, launch_race<11>};
+extern "C" int race_case(int which, const f16* src, float* out, int s) {
+  return run(s, [&] { kRaceCases[which](src, out); });
+}
 """
 
 
@@ -216,3 +276,41 @@ def test_cp_async_lands_at_the_wait(emu) -> None:
     assert torch.equal(ok, src.float().view(32, 8)[:, 0].roll(-1))
     assert emu.async_copy(p(src), p(missing), 0, 0) == 0
     assert torch.isnan(missing).all()  # poisoned shared memory, not the data
+
+
+RACE_CHECK = 4  # added to a schedule (include/attncc/cuda/emulator.h kRaceCheck)
+
+
+@pytest.mark.parametrize(
+    ("which", "message"),
+    [
+        (0, None),
+        (1, "shared-memory race"),
+        (2, "shared-memory race"),
+        (3, "shared-memory race"),
+        (4, None),
+        (5, "in flight (no cp.async.wait_group of its thread before)"),
+        (6, "shared-memory race"),
+        (7, None),
+        (8, "outside the block's 2048 bytes"),
+        (9, "shared-memory race"),
+        (10, None),
+        (11, "shared-memory race"),
+    ],
+)
+@pytest.mark.parametrize("schedule", [0, 1, 3])
+def test_race_check_reports_each_kind_of_race(emu, which: int, message: str | None, schedule: int) -> None:
+    """Each probe under the race check: the race-free ones run, each racy one fails naming the
+    race (a read of another warp's or lane's write, a rewrite under another warp's read, a copy
+    read before its wait or rewritten while read, ldmatrix rows, an access past the block),
+    whichever the schedule; without the check, every one of them runs to its end."""
+    src = torch.randn(64 * 8).to(torch.float16)
+    out = torch.zeros(64)
+    status = emu.race_case(which, p(src), p(out), schedule | RACE_CHECK)
+    if message is None:
+        assert status == 0, emu.last_error().decode()
+    else:
+        assert status == 1
+        assert message in emu.last_error().decode()
+        if which != 8:
+            assert emu.race_case(which, p(src), p(out), schedule) == 0

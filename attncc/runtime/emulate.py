@@ -46,6 +46,8 @@ from attncc.targets import GPUS
 #: The emulator's schedules (include/attncc/cuda/emulator.h): the order its threads run to their
 #: sync points, and with "-eager-copies" cp.async copies landing as issued instead of at the wait.
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1, "lockstep-eager-copies": 2, "warp-greedy-eager-copies": 3}
+#: Added to a schedule where `EmulatedKernel.racecheck` is on (emulator.h kRaceCheck).
+RACE_CHECK = 4
 _LOCK = threading.Lock()
 
 
@@ -98,7 +100,9 @@ def from_fixed_point(sums: torch.Tensor, shifts: torch.Tensor, flags: torch.Tens
 
 
 class EmulationFailure(AttnccError):
-    """The emulator caught a kernel bug: divergent barrier, deadlock, bad lane mask, misaligned ldmatrix."""
+    """The emulator caught a kernel bug: divergent barrier, deadlock, bad lane mask, misaligned
+    ldmatrix, a copy in flight at exit; with `racecheck`, a shared-memory race or an access past
+    the block's shared memory."""
 
 
 def library_dims(head_dim: int, value_dim: int | None) -> tuple[int, int, bool]:
@@ -113,6 +117,13 @@ class EmulatedKernel(Kernel):
 
     schedule = "lockstep"
     cuda_abi = True
+
+    #: Every shared-memory access of the kernels checked for races (the emulator's kRaceCheck):
+    #: two threads' accesses to a byte, one a write, with no barrier between (lanes of one warp:
+    #: no collective), or a cp.async's bytes touched before its thread's wait. The first race
+    #: fails the call with `EmulationFailure` naming both kernel lines, where comparing schedules
+    #: finds only the races whose outcome differs between them. On by default: it costs little.
+    racecheck = True
 
     #: dQ by a second kernel instead of fp32 atomics, and gradients of learnable inputs as exact
     #: fixed-point sums (a bounds pass, then the sums; see `fixed_point_shifts`), so every gradient is
@@ -542,7 +553,7 @@ class EmulatedKernel(Kernel):
         """Runs entry point `fn` with `args` and the emulator's schedule (`device`: the operands',
         which a GPU launch is made on); a clear error where it fails."""
         with _LOCK:  # the emulator's schedule is process-wide
-            status = fn(*args, SCHEDULES[self.schedule])
+            status = fn(*args, SCHEDULES[self.schedule] | (RACE_CHECK if self.racecheck else 0))
         if status == 3:
             lib.attncc_emulator_error.restype = ctypes.c_char_p
             raise EmulationFailure(f"{self.name} on the CUDA emulator: {lib.attncc_emulator_error().decode()}")

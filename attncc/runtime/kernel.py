@@ -177,6 +177,7 @@ class CallPlan:
 #: Per-object settings that a kernel's variants (`Kernel._variant`) follow.
 ROW_VARIANT_SETTINGS = (
     "backward", "deterministic", "kv_splits", "fp8_mma", "short_query_tiles", "key_split_warps", "schedule",
+    "racecheck",
 )  # fmt: skip
 
 

@@ -14,6 +14,10 @@
 // copy issued into a buffer that other threads have yet to read (a refill before the barrier
 // that ends those reads) then changes what they read, so the bits differ from the late landing.
 //
+// With kRaceCheck added to a schedule, every shared-memory access is also checked against the
+// other threads' accesses to its bytes that nothing orders before it (see "race check" below):
+// a race is reported even where the schedules happen to give the same bits.
+//
 // All warp collectives (shuffles, mma, ldmatrix) go through `warp_collective`: each lane
 // deposits its operands; the last lane of the mask to arrive checks that every lane called the
 // same operation with the same mask, computes the results for the whole warp and releases it.
@@ -53,6 +57,7 @@ struct EmulationError : std::runtime_error {
 
 enum Schedule { kLockStep = 0, kWarpGreedy = 1 };
 constexpr int kEagerCopies = 2;  // added to a schedule: cp.async copies land at issue
+constexpr int kRaceCheck = 4;    // added to a schedule: shared-memory accesses are checked for races
 enum class State { kReady, kBarrier, kCollective, kDone };
 
 constexpr int kWarpSize = 32;
@@ -84,6 +89,31 @@ struct PendingCopy {
   long group;
 };
 
+// The race check's record of one byte of shared memory in the current block: its last write
+// and its reads since then, each with the barrier interval (epoch) and, for ordering among the
+// lanes of one warp, the warp's collective generation it happened in. (Bytes, not words: two
+// lanes may write the two halves of a word, or fp8 bytes of one.)
+constexpr int16_t kSeveral = -2;  // reader / read_warp: more than one thread (warp) read
+struct ShadowByte {
+  uint32_t block = 0;  // the block serial these fields belong to (another: no access yet)
+  int32_t write_epoch = -1, read_epoch = -1;
+  uint32_t write_generation = 0, read_generation = 0;  // (of the reads: the latest)
+  uint16_t write_line = 0, read_line = 0;  // (kernel.cu lines)
+  int16_t writer = -1, reader = -1, read_warp = -1;
+  int16_t pending = -1;  // the thread whose cp.async into the byte has not landed yet
+};
+struct InFlight {  // a cp.async's destination, until its thread's wait lands it
+  size_t offset;
+  int bytes;
+  long group;
+};
+struct RaceState {
+  std::vector<ShadowByte> bytes;
+  std::vector<std::vector<InFlight>> copies;  // per thread
+  uint32_t block = 0;
+  int epoch = 0;  // barriers passed by the block
+};
+
 struct BlockState {
   dim3 block_idx, block_dim, grid_dim;
   int threads = 0;
@@ -94,6 +124,7 @@ struct BlockState {
   unsigned char* smem = nullptr;
   size_t smem_bytes = 0;
   bool eager_copies = false;
+  RaceState* race = nullptr;  // with kRaceCheck
   std::string error;
   void* scheduler_sp = nullptr;
   int current = -1;
@@ -213,8 +244,13 @@ inline void count_request(int line, int op, unsigned mask, int bytes, const uint
   }
 }
 
-// A lane's access (or instruction, for addr == nullptr, bytes == 0); grouped per warp.
+inline void check_shared(const void* address, int bytes, bool write, int line, int tid, bool collective = false);
+
+// A lane's access (or instruction, for addr == nullptr, bytes == 0); grouped per warp. The
+// race check sees every plain shared-memory access here.
 inline void record(int op, const void* addr, int bytes, int line) {
+  if ((op == kOpLdShared || op == kOpStShared) && tls_block != nullptr && tls_block->race != nullptr)
+    check_shared(addr, bytes, op == kOpStShared, line, tls_block->current);
   if (tls_traces == nullptr) return;
   const int tid = tls_block->current;
   WarpTrace& w = (*tls_traces)[tid / kWarpSize];
@@ -352,6 +388,99 @@ inline void fail(const std::string& message) {
   __builtin_unreachable();
 }
 
+// ------------------------------------------------------------------------ race check
+// Two accesses to a byte race where one of them writes and nothing orders them: they are in
+// the same barrier interval and either in different warps, or in one warp with no collective
+// between them (shuffles, mma and ldmatrix are .sync: the warp's lanes meet there, so a lane's
+// earlier accesses come before every lane's later ones; ldmatrix's own reads are ordered with
+// its warp's accesses on either side). A cp.async writes its bytes from its issue until the
+// wait that lands them in its thread: any access to them in between races, and after the wait
+// its thread's write is ordered with the others' as a store there. The first race ends the
+// launch with an error naming the two accesses' lines in kernel.cu. The reads of a byte in one
+// interval keep a summary (one reader, or several), which can report a same-warp write after
+// several lanes' reads where only its own lane read in that generation.
+inline std::string access_text(int tid, bool write, int line) {
+  return "thread " + std::to_string(tid) + " (warp " + std::to_string(tid / kWarpSize) + ") " +
+         (write ? "writes" : "reads") + " at line " + std::to_string(line);
+}
+
+inline void check_shared(const void* address, int bytes, bool write, int line, int tid, bool collective) {
+  BlockState* b = tls_block;
+  RaceState& r = *b->race;
+  const auto offset = static_cast<size_t>(static_cast<const unsigned char*>(address) - b->smem);
+  if (static_cast<const unsigned char*>(address) < b->smem || offset + bytes > b->smem_bytes)
+    fail(access_text(tid, write, line) + ": " + std::to_string(bytes) + " bytes at shared offset " +
+         std::to_string(static_cast<long long>(static_cast<const unsigned char*>(address) - b->smem)) +
+         ", outside the block's " + std::to_string(b->smem_bytes) + " bytes");
+  const int warp = tid / kWarpSize;
+  const uint32_t generation = b->warps[warp].generation;
+  const auto unordered = [&](int other, uint32_t other_generation) {
+    return other / kWarpSize != warp || (!collective && other_generation == generation);
+  };
+  const auto race = [&](size_t byte, const std::string& other) {
+    fail("shared-memory race at offset " + std::to_string(byte) + ": " + access_text(tid, write, line) + ", " +
+         other + ", with no barrier between");
+  };
+  for (size_t byte = offset; byte < offset + bytes; ++byte) {
+    ShadowByte& w = r.bytes[byte];
+    if (w.block != r.block) w = ShadowByte{r.block};
+    if (w.pending >= 0) {
+      fail("shared-memory race at offset " + std::to_string(byte) + ": " + access_text(tid, write, line) +
+           " while the cp.async of thread " + std::to_string(w.pending) + " (line " + std::to_string(w.write_line) +
+           ") into it is in flight (no cp.async.wait_group of its thread before)");
+    }
+    if (w.write_epoch == r.epoch && w.writer != tid && unordered(w.writer, w.write_generation))
+      race(byte, "which thread " + std::to_string(w.writer) + " wrote at line " + std::to_string(w.write_line));
+    if (write && w.read_epoch == r.epoch) {
+      const bool only_self = w.reader == tid;
+      const bool other_warp = w.read_warp != warp;  // (kSeveral: several warps)
+      if (other_warp || (!only_self && !collective && w.read_generation == generation))
+        race(byte, "which " + (w.reader == kSeveral ? std::string("several threads") : "thread " + std::to_string(w.reader)) +
+             " read at line " + std::to_string(w.read_line));
+    }
+    if (write) {
+      w.writer = int16_t(tid), w.write_epoch = r.epoch, w.write_generation = generation, w.write_line = uint16_t(line);
+    } else if (w.read_epoch != r.epoch) {
+      w.reader = int16_t(tid), w.read_warp = int16_t(warp), w.read_epoch = r.epoch;
+      w.read_generation = generation, w.read_line = uint16_t(line);
+    } else {
+      if (w.reader != tid) w.reader = kSeveral;
+      if (w.read_warp != warp) w.read_warp = kSeveral;
+      w.read_generation = std::max(w.read_generation, generation), w.read_line = uint16_t(line);
+    }
+  }
+}
+
+// A cp.async of `bytes` to `dst` issued by the current thread: a write from now until it lands.
+inline void race_issue_copy(void* dst, int bytes, int line) {
+  BlockState* b = tls_block;
+  const int tid = b->current;
+  check_shared(dst, bytes, true, line, tid);
+  const auto offset = static_cast<size_t>(static_cast<unsigned char*>(dst) - b->smem);
+  for (size_t byte = offset; byte < offset + bytes; ++byte) b->race->bytes[byte].pending = int16_t(tid);
+  b->race->copies[tid].push_back({offset, bytes, b->committed[tid]});
+}
+
+// The current thread's copies of groups before `limit` have landed: its writes, as of now.
+inline void race_land_copies(long limit) {
+  BlockState* b = tls_block;
+  RaceState& r = *b->race;
+  const int tid = b->current;
+  std::vector<InFlight> keep;
+  for (const InFlight& c : r.copies[tid]) {
+    if (c.group >= limit) {
+      keep.push_back(c);
+      continue;
+    }
+    for (size_t byte = c.offset; byte < c.offset + c.bytes; ++byte) {
+      ShadowByte& w = r.bytes[byte];
+      w.pending = -1;
+      w.writer = int16_t(tid), w.write_epoch = r.epoch, w.write_generation = b->warps[tid / kWarpSize].generation;
+    }
+  }
+  r.copies[tid].swap(keep);
+}
+
 inline void fiber_main() {
   BlockState* b = tls_block;
   b->body();
@@ -424,6 +553,10 @@ inline void warp_collective(int op, unsigned mask, const uint32_t* in, int n_in,
   slot.arrived |= 1u << lane;
   const unsigned my_generation = slot.generation;
   if (slot.arrived == mask) {
+    if (b->race != nullptr && (op == kLdmatrix || op == kLdmatrixTrans)) {  // each lane's 16-byte row
+      for (int l = 0; l < kWarpSize; ++l)
+        if ((mask >> l) & 1u) check_shared(slot.addr[l], 16, false, line, warp * kWarpSize + l, true);
+    }
     compute(slot, mask);
     if (tls_traces != nullptr) {  // every lane has arrived: its requests since the last sync are complete
       flush_warp(warp);
@@ -450,6 +583,7 @@ inline void cp_async(void* dst_shared, const void* src_global, int bytes, int li
   record(kOpCpAsyncGlobal, src_global, bytes, line);
   record(kOpCpAsyncShared, dst_shared, bytes, line);
   BlockState* b = tls_block;
+  if (b->race != nullptr) race_issue_copy(dst_shared, bytes, line);
   if (b->eager_copies) {
     std::memcpy(dst_shared, src_global, bytes);
     return;
@@ -464,6 +598,7 @@ inline void cp_async_wait(int pending) {
   BlockState* b = tls_block;
   auto& list = b->copies[b->current];
   const long limit = b->committed[b->current] - pending;
+  if (b->race != nullptr) race_land_copies(limit);
   std::vector<PendingCopy> keep;
   for (auto& c : list) {
     if (c.group < limit) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
@@ -543,6 +678,7 @@ inline std::string run_block(BlockState& b, Schedule schedule) {
     }
     if (at_barrier > 0 && at_barrier + in_collective == n && in_collective == 0) {
       flush_all_warps();  // every thread is at the barrier: its requests since the last sync are complete
+      if (b.race != nullptr) ++b.race->epoch;
       for (Fiber& f : b.fibers) f.state = State::kReady;
       continue;
     }
@@ -556,7 +692,7 @@ inline std::string run_block(BlockState& b, Schedule schedule) {
   }
 }
 
-// The schedule, plus kEagerCopies where copies land at issue.
+// The schedule, plus kEagerCopies where copies land at issue and kRaceCheck where accesses are checked.
 inline int& current_schedule() {
   static int schedule = kLockStep;
   return schedule;
@@ -589,6 +725,12 @@ void launch(const char* name, dim3 grid, dim3 block, size_t smem_bytes, Kernel k
   BlockState* saved = tls_block;
   tls_block = &b;
   std::vector<WarpTrace> traces(b.warps.size());
+  RaceState race;  // (its bytes start with block 0: no block of this launch touched them)
+  uint32_t block_serial = 0;
+  if (current_schedule() & kRaceCheck) {
+    race.bytes.resize(smem_bytes);
+    b.race = &race;
+  }
   if (Profile* profile = active_profile()) {
     KernelCounters& k = profile->kernels[name];
     ++k.launches;
@@ -622,7 +764,12 @@ void launch(const char* name, dim3 grid, dim3 block, size_t smem_bytes, Kernel k
           prepare_stack(f);
         }
         b.eager_copies = (current_schedule() & kEagerCopies) != 0;
-        const std::string error = run_block(b, Schedule(current_schedule() & ~kEagerCopies));
+        if (b.race != nullptr) {
+          race.block = ++block_serial;
+          race.epoch = 0;
+          race.copies.assign(b.threads, {});
+        }
+        const std::string error = run_block(b, Schedule(current_schedule() & kWarpGreedy));
         if (!error.empty()) {
           throw EmulationError("block (" + std::to_string(x) + ", " + std::to_string(y) + ", " + std::to_string(z) +
                                "): " + error);
