@@ -107,8 +107,10 @@ def lease_builds() -> list[Callable[[], object]]:
         for plan, _ in backward_plans(TARGET, d, BACKWARD_SWEEP_PLANS, BACKWARD_SWEEP_LIGHT_PLANS):
             prebuild(with_backward_plan(kernel(example(name)), d, plan), [bf16], [d])
     vanilla = kernel(example("vanilla"))  # the decoding sweep's key-split forwards, in place and paged
-    for kern in (vanilla.for_key_split_warps(), vanilla.with_folded_query_heads().for_key_split_warps()):
-        prebuild(kern, [bf16], [128], paged=True)
+    for base, rows, stages in itertools.product(
+        (vanilla, vanilla.with_folded_query_heads()), GPU_KEY_SPLIT_ROWS, (None, 2)
+    ):
+        prebuild(base.for_key_split_warps(rows, stages), [bf16], [128], paged=True)
     for name in ("alibi", "dropout", "gpt_oss", "padding"):  # key-split decoding (test_gpu_key_split_decoding...)
         base = kernel(DECODING_PROGRAMS.get(name) or example(name))
         folded = base.with_folded_query_heads()

@@ -130,7 +130,8 @@ case "${1:-lease}" in
   serving)
     # After a change to the paged forward or the backward (session 46: the backward's measured
     # tiles; session 47: each 16-row group of a paged key tile copied from its page, the
-    # backward's lse/delta by cp.async and two barriers per query tile): the GPU tests, the
+    # backward's lse/delta by cp.async and two barriers per query tile; session 48: the
+    # decoding forwards' third K/V buffer, timed against two in the sweep): the GPU tests, the
     # decoding sweep (paged at pages of 16, 64, 256 against in place), host time per call
     # (profiled), decoding, paged, packed and fp8 against SDPA, the backward's tiles (light
     # plans among them), dense and causal fwd+bwd. Then, with time left, `sanitize`.

@@ -192,11 +192,16 @@ def decode_splits(
     chosen split count and at every count of `splits_tried`; then GQA 32/8 from a paged cache
     (planned, pages of 16, 64 and 256 shuffled) against SDPA on the same keys stored contiguously. The
     forwards: the default (warps splitting each key tile for calls of at most 32 rows,
-    `key_split_warps`) and the 64-row forward (Kernel.for_short_queries; the session-23 sweep
+    `key_split_warps`, three K/V buffers where they fit), the same with two K/V buffers
+    (`key_split_stages`), and the 64-row forward (Kernel.for_short_queries; the session-23 sweep
     timed it fastest against the plan's 128 rows)."""
     program = ROOT / "examples" / "vanilla.attn"
-    kernels = {label: attncc.compile(program, target="cuda") for label in ("key-split", "64 rows")}
+    kernels = {label: attncc.compile(program, target="cuda") for label in ("key-split", "2 stages", "64 rows")}
     kernels["key-split"].key_split_warps, kernels["64 rows"].key_split_warps = True, False
+    kernels["2 stages"].key_split_warps, kernels["2 stages"].key_split_stages = (
+        True,
+        2,
+    )  # (session 48: the key-split forwards' third K/V buffer, never timed)
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda kern: kern.for_rows(1, 128).library_path_for("bfloat16", 128), kernels.values()))
     print(f"{device_name()}: bf16 decoding, d=128; ms per call (splits)", flush=True)
@@ -211,7 +216,7 @@ def decode_splits(
             chosen = kern.for_rows(H // Hkv * N, 128).plan(rows, k, None)
             best = median_ms(partial(kern, q, k, v), 15, 5)
             times = []
-            for splits in splits_tried:
+            for splits in splits_tried if label != "2 stages" else ():  # (the buffers: at the chosen count)
                 kern.kv_splits = splits
                 times.append(f"{median_ms(partial(kern, q, k, v), 15, 5):.3f} ({splits})")
             kern.kv_splits = None

@@ -340,6 +340,30 @@ def test_key_split_warps_take_whole_16_key_steps(key_tile: int, warps: int) -> N
         kern.for_key_split_warps(48)
 
 
+@pytest.mark.parametrize(
+    ("target", "head_dim", "stages"),
+    [("sm90", 128, 3), ("sm90", 256, 3), ("sm80", 64, 3), ("sm86", 64, 2), ("sm86", 128, 2), ("sm86", 256, 3),
+     ("sm75", 64, 2)],
+)  # fmt: skip
+def test_key_split_forwards_take_a_third_kv_buffer_where_it_fits(target: str, head_dim: int, stages: int) -> None:
+    """The decoding forwards keep two K/V tiles in flight (three buffers) where the target has
+    cp.async and a block's shared memory takes the third buffer (sm86: 99 KiB, where d = 256's
+    16-key tiles fit three times), else double-buffer; `kv_stages` forces 2 (or 3), nothing else."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target=target, emulate=True)
+    for rows in (16, 32):
+        plan = kern.for_key_split_warps(rows).op.tiling.for_head_dim(head_dim)
+        assert plan.stages == stages
+        assert (
+            plan.onchip_bytes
+            == gpu_shared_bytes(rows, plan.block_cols, plan.head_dim, stages)
+            <= GPUS[target].onchip_bytes
+        )
+        assert f"{stages} K/V stage(s)" in kern.for_key_split_warps(rows).op.tiling.describe(head_dim)
+        assert kern.for_key_split_warps(rows, 2).op.tiling.for_head_dim(head_dim).stages == 2
+    with pytest.raises(AttnccError, match="2 or 3 K/V stages, not 4"):
+        kern.for_key_split_warps(16, 4)
+
+
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
 def test_key_split_forwards_compile_forward_only_without_spills() -> None:
     """The forwards of warps splitting each key tile (`for_key_split_warps`, 16 and 32 rows) on

@@ -204,14 +204,14 @@ def test_cli_explain_shows_passes_tiles_and_io() -> None:
 
 def test_cli_explain_shows_the_split_kv_decision_for_gpu_targets() -> None:
     """Decoding with GQA 8/2: the group's 4 query heads as one head's rows, so 2 query blocks
-    (not 8) of the key-split forward (16 rows, 4 warps; 3 resident per SM, 1 counted), each
-    split 64 ways; with dropout (gpt2 in training) no fold: 8 blocks, 16 splits (2 slots per SM
-    would give 32, 3 give 64); without key-split warps the 64-row forward."""
+    (not 8) of the key-split forward (16 rows, 4 warps, three K/V buffers; 2 resident per SM,
+    1 counted), each split 64 ways; with dropout (gpt2 in training) no fold: 8 blocks, 16
+    splits (2 slots per SM would give 32); without key-split warps the 64-row forward."""
     proc = cli("explain", "examples/gqa.attn", "--target", "sm90", "--shape", "1,8,2,1,4096,128")  # decoding
     assert proc.returncode == 0, proc.stderr
     assert "// GQA decoding on sm90: each group's 4 query heads run as the rows of one head" in proc.stdout
     key_split = (
-        "// split-KV on sm90 (132 SMs x 3 resident blocks of 16 x 64, 4 warps of 16 keys per 16 rows, 1 counted)"
+        "// split-KV on sm90 (132 SMs x 2 resident blocks of 16 x 64, 4 warps of 16 keys per 16 rows, 1 counted)"
     )
     assert f"{key_split}: 2 query blocks, 64 key tiles: 64 block(s) per query tile" in proc.stdout
     proc = cli("explain", "examples/gpt2.attn", "--target", "sm90", "--shape", "1,8,2,1,4096,128")

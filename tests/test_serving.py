@@ -870,8 +870,10 @@ def test_paged_decoding_on_the_key_split_forward_on_the_emulator(
 def test_paged_decoding_gives_the_same_bits_under_every_emulator_schedule(page_size: int) -> None:
     """The key-split paged forward (sm90, emulated, bf16; GQA 8/2, one query, split-KV; the
     kernel's schedule reaches the decoding variant it runs) over shuffled pages, under each
-    thread order and with cp.async copies landing as issued: a page's rows copied before the
-    row starts they need are stored for every warp (pages of 8) changes the bits."""
+    thread order and with cp.async copies landing as issued, and with two K/V buffers instead
+    of its three: a page's rows copied before the row starts they need are stored for every
+    warp (pages of 8) changes the bits; a prefetch into the buffer of the tile in flight, not
+    the one before (three buffers), fails the race check."""
     kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm90", emulate=True)
     kern.key_split_warps, kern.kv_splits = True, 2
     gen = torch.Generator().manual_seed(3)
@@ -882,10 +884,14 @@ def test_paged_decoding_gives_the_same_bits_under_every_emulator_schedule(page_s
     q = torch.randn(B, 1, H, D, generator=gen).bfloat16()
     lengths = torch.tensor(held, dtype=torch.int32)
     results = []
+    assert kern.for_key_split_warps(16).op.tiling.for_head_dim(D).stages == 3
     for schedule in ("lockstep", "warp-greedy", "warp-greedy-eager-copies"):
         kern.schedule = schedule
         results.append(kern.paged(q, k_cache, v_cache, table, lengths, return_lse=True))
         assert kern.for_key_split_warps(16).schedule == schedule
+    kern.schedule, kern.key_split_stages = "warp-greedy", 2
+    results.append(kern.paged(q, k_cache, v_cache, table, lengths, return_lse=True))
+    assert kern.for_key_split_warps(16, 2).op.tiling.for_head_dim(D).stages == 2
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 

@@ -28,7 +28,7 @@ from attncc.passes.roofline import (
     gpu_shared_bytes,
 )
 from attncc.passes.sparsity import Problem
-from attncc.targets import CPU_ISAS, GPU_RATES, NATIVE_FLAGS, Target
+from attncc.targets import CPU_ISAS, GPU_RATES, NATIVE_FLAGS, Target, get_target
 
 HEAD_DIM_STEP = 16
 #: The largest head dim (of q and k, and of v) per target kind. The CPU kernels take D and Dv at
@@ -344,23 +344,34 @@ class TilePlan:
             reason=f"{self.reason}; {rows} rows for calls of at most {rows} query rows (decoding)",
         )  # fmt: skip
 
-    def for_key_split_warps(self, rows: int = 16) -> TilePlan:
+    def for_key_split_warps(
+        self, rows: int = 16, target: Target | None = None, kv_stages: int | None = None
+    ) -> TilePlan:
         """A GPU forward plan for calls of at most `rows` (16 or 32) query rows per (batch,
         head), a GQA group's query heads folded in (decoding, speculative decoding): `rows` / 16
         row blocks of 16 rows, each shared by up to GPU_KEY_WARPS / (rows / 16) warps that take
         Bc / key_warps consecutive keys of every K/V tile (Bc kept) with their own running max,
         sum and O, merged through shared memory at the end (flash-decoding inside the block:
-        FlashInfer's decode kernels split keys over warps the same way). Forward only."""
+        FlashInfer's decode kernels split keys over warps the same way). Forward only. K/V
+        buffers: `kv_stages` (2 or 3) where given, else with `target` GPU_DECODING_STAGES where
+        its cp.async and a block's shared memory take them (`decoding_stages`)."""
         if rows not in GPU_KEY_SPLIT_ROWS:
             raise AttnccError(f"key-split forwards take {GPU_KEY_SPLIT_ROWS} rows, not {rows}")
+        if kv_stages not in (None, GPU_STAGES, GPU_DECODING_STAGES):
+            raise AttnccError(
+                f"key-split forwards take {GPU_STAGES} or {GPU_DECODING_STAGES} K/V stages, not {kv_stages}"
+            )
         row_blocks = rows // GPU_ROWS_PER_WARP
         most = GPU_KEY_WARPS // row_blocks
         key_warps = max(w for w in range(1, most + 1) if self.block_cols % (16 * w) == 0)
         warps = row_blocks * key_warps
+        stages = kv_stages or (
+            self.stages if target is None else decoding_stages(target, rows, self.block_cols, self.head_dim)
+        )
         return replace(
             self, block_rows=rows, warp_rows=GPU_ROWS_PER_WARP, key_warps=key_warps, warps=warps,
-            threads=warps * 32, backward=None, page_group_copies=True,
-            onchip_bytes=gpu_shared_bytes(rows, self.block_cols, self.head_dim, self.stages),
+            threads=warps * 32, backward=None, page_group_copies=True, stages=stages,
+            onchip_bytes=gpu_shared_bytes(rows, self.block_cols, self.head_dim, stages),
             registers_per_thread=gpu_registers(self.block_cols // key_warps, self.head_dim),
             reason=f"{self.reason}; {rows} rows, {key_warps} warp(s) sharing each key tile per 16 rows (decoding)",
         )  # fmt: skip
@@ -445,9 +456,11 @@ class TilingTable:
         """GPU tables: every plan `TilePlan.for_short_queries` (forward only); CPU tables as they are."""
         return self._with_gpu_plans(TilePlan.for_short_queries)
 
-    def for_key_split_warps(self, rows: int = 16) -> TilingTable:
-        """GPU tables: every plan `TilePlan.for_key_split_warps(rows)` (forward only); CPU tables as they are."""
-        return self._with_gpu_plans(lambda plan: plan.for_key_split_warps(rows))
+    def for_key_split_warps(self, rows: int = 16, kv_stages: int | None = None) -> TilingTable:
+        """GPU tables: every plan `TilePlan.for_key_split_warps(rows, target, kv_stages)`
+        (forward only); CPU tables as they are."""
+        target = get_target(self.target)
+        return self._with_gpu_plans(lambda plan: plan.for_key_split_warps(rows, target, kv_stages))
 
     def _with_gpu_plans(self, retile: Callable[[TilePlan], TilePlan]) -> TilingTable:
         if self.micro_kernel is not None:  # (a CPU table: its plans serve every call)
@@ -690,6 +703,23 @@ GPU_KEY_SPLIT_ROWS = (16, 32)
 # key tiles in two).
 GPU_MAX_TILE = 64
 GPU_STAGES = 2  # the forward template double-buffers K/V: tile n + 1 loads while tile n computes
+# The decoding forwards (`for_key_split_warps`) keep two K/V tiles in flight, not one, where a
+# block's shared memory takes the third buffer: they run one block per SM
+# (GPU_SPLIT_BLOCKS_PER_SM) and stream K/V, and one 32 KiB tile (d = 128, Bc = 64) in flight per
+# SM over ~1 us of memory latency is ~32 GB/s per SM, ~4.2 TB/s over 132 SMs: where the H200's
+# key-split decoding stood (GQA 32/8 B=8 M=64K 0.522 ms, 4.1 TB/s; SDPA 4.5, session 46). The
+# third buffer also takes a barrier per tile off the loop: after the barrier that makes tile n
+# visible, every warp is done with tile n - 1, whose buffer takes tile n + 2.
+GPU_DECODING_STAGES = 3
+
+
+def decoding_stages(target: Target, rows: int, cols: int, d: int) -> int:
+    """K/V buffers of a decoding forward on `target`: GPU_DECODING_STAGES where it has cp.async
+    (sm80+) and a block's shared memory holds them, else GPU_STAGES."""
+    fits = gpu_shared_bytes(rows, cols, d, GPU_DECODING_STAGES) <= target.onchip_bytes
+    return GPU_DECODING_STAGES if target.sm_version >= 80 and fits else GPU_STAGES
+
+
 # The forward's candidates: 4 or 8 warps of 16 rows, Bc a multiple of 16 up to 128 (a row's
 # dropout keep bits, 2 per 8 keys, fill one 32-bit word), chosen by the roofline estimate at a
 # long-prefill problem (the shape FlashAttention's benchmarks report).

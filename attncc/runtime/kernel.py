@@ -177,7 +177,7 @@ class CallPlan:
 #: Per-object settings that a kernel's variants (`Kernel._variant`) follow.
 ROW_VARIANT_SETTINGS = (
     "backward", "deterministic", "kv_splits", "fp8_mma", "short_query_tiles", "key_split_warps", "schedule",
-    "racecheck",
+    "racecheck", "key_split_stages",
 )  # fmt: skip
 
 
@@ -340,12 +340,14 @@ class Kernel:
         rows per (batch, head) (`TilingTable.for_short_queries`; forward only). Made once per kernel."""
         return self._variant("short_queries", lambda stages: with_tiles(stages, TilingTable.for_short_queries))
 
-    def for_key_split_warps(self, rows: int = 16) -> Kernel:
+    def for_key_split_warps(self, rows: int = 16, kv_stages: int | None = None) -> Kernel:
         """This variant with the GPU forward of calls of at most `rows` (16 or 32) query rows
         per (batch, head) whose warps split each key tile (`TilingTable.for_key_split_warps`;
-        forward only). Made once per kernel and `rows`."""
-        retile = partial(TilingTable.for_key_split_warps, rows=rows)
-        return self._variant(f"key_split_warps_{rows}", lambda stages: with_tiles(stages, retile))
+        forward only), with `kv_stages` K/V buffers (None: the target's choice). Made once per
+        kernel, `rows` and `kv_stages`."""
+        retile = partial(TilingTable.for_key_split_warps, rows=rows, kv_stages=kv_stages)
+        name = f"key_split_warps_{rows}" + (f"_{kv_stages}_stages" if kv_stages else "")
+        return self._variant(name, lambda stages: with_tiles(stages, retile))
 
     def _with_rows(self, rewrite: str) -> Kernel:
         return self._variant(rewrite, lambda stages: with_rows(stages, rewrite))
