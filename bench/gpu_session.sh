@@ -216,13 +216,13 @@ PY
     # full set, then its warp stall reasons per SASS instruction (source page, CSV), and the
     # paged key-split decoding forward's stall reasons. Built outside the profiler first.
     python3 bench/profile_cuda.py --backward
-    ncu --clock-control none --profile-from-start off -k regex:'^attention_backward$' --set full \
+    ncu --clock-control none --profile-from-start off -k regex:'attention_backward$' --set full \
       --import-source no -o /tmp/ncu-backward python3 bench/profile_cuda.py --backward 2>&1 | tail -5
     ncu -i /tmp/ncu-backward.ncu-rep --print-details all > "$OUT/ncu-backward.txt" 2>&1
     ncu -i /tmp/ncu-backward.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-backward-sass.csv" 2>&1
     grep -E "attention_backward|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|stall" \
       "$OUT/ncu-backward.txt" | head -60
-    timeout -k 5 120 ncu --clock-control none --profile-from-start off -k regex:'^attention_forward' \
+    timeout -k 5 120 ncu --clock-control none --profile-from-start off -k regex:'attention_forward' \
       --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
       --print-details all python3 bench/profile_cuda.py --decode > "$OUT/ncu-decode-stalls.txt" 2>&1
     grep -E "profiled|attention_|Duration|DRAM Throughput|Warp Cycles Per Issued" "$OUT/ncu-decode-stalls.txt"
