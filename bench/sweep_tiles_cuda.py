@@ -198,10 +198,8 @@ def decode_splits(
     program = ROOT / "examples" / "vanilla.attn"
     kernels = {label: attncc.compile(program, target="cuda") for label in ("key-split", "2 stages", "64 rows")}
     kernels["key-split"].key_split_warps, kernels["64 rows"].key_split_warps = True, False
-    kernels["2 stages"].key_split_warps, kernels["2 stages"].key_split_stages = (
-        True,
-        2,
-    )  # (session 48: the key-split forwards' third K/V buffer, never timed)
+    # (session 48: the key-split forwards' third K/V buffer, never timed, against two)
+    kernels["2 stages"].key_split_warps, kernels["2 stages"].key_split_stages = True, 2
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda kern: kern.for_rows(1, 128).library_path_for("bfloat16", 128), kernels.values()))
     print(f"{device_name()}: bf16 decoding, d=128; ms per call (splits)", flush=True)

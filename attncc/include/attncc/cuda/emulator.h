@@ -85,7 +85,8 @@ struct WarpSlot {
 
 struct PendingCopy {
   void* dst;
-  std::vector<unsigned char> bytes;
+  int size;
+  std::vector<unsigned char> bytes;  // empty where the copy landed at issue (eager copies)
   long group;
 };
 
@@ -102,14 +103,8 @@ struct ShadowByte {
   int16_t writer = -1, reader = -1, read_warp = -1;
   int16_t pending = -1;  // the thread whose cp.async into the byte has not landed yet
 };
-struct InFlight {  // a cp.async's destination, until its thread's wait lands it
-  size_t offset;
-  int bytes;
-  long group;
-};
 struct RaceState {
   std::vector<ShadowByte> bytes;
-  std::vector<std::vector<InFlight>> copies;  // per thread
   uint32_t block = 0;
   int epoch = 0;  // barriers passed by the block
 };
@@ -407,11 +402,11 @@ inline std::string access_text(int tid, bool write, int line) {
 inline void check_shared(const void* address, int bytes, bool write, int line, int tid, bool collective) {
   BlockState* b = tls_block;
   RaceState& r = *b->race;
-  const auto offset = static_cast<size_t>(static_cast<const unsigned char*>(address) - b->smem);
-  if (static_cast<const unsigned char*>(address) < b->smem || offset + bytes > b->smem_bytes)
+  const auto* const at = static_cast<const unsigned char*>(address);
+  if (at < b->smem || at + bytes > b->smem + b->smem_bytes)
     fail(access_text(tid, write, line) + ": " + std::to_string(bytes) + " bytes at shared offset " +
-         std::to_string(static_cast<long long>(static_cast<const unsigned char*>(address) - b->smem)) +
-         ", outside the block's " + std::to_string(b->smem_bytes) + " bytes");
+         std::to_string(at - b->smem) + ", outside the block's " + std::to_string(b->smem_bytes) + " bytes");
+  const auto offset = static_cast<size_t>(at - b->smem);
   const int warp = tid / kWarpSize;
   const uint32_t generation = b->warps[warp].generation;
   const auto unordered = [&](int other, uint32_t other_generation) {
@@ -454,31 +449,22 @@ inline void check_shared(const void* address, int bytes, bool write, int line, i
 // A cp.async of `bytes` to `dst` issued by the current thread: a write from now until it lands.
 inline void race_issue_copy(void* dst, int bytes, int line) {
   BlockState* b = tls_block;
-  const int tid = b->current;
-  check_shared(dst, bytes, true, line, tid);
+  check_shared(dst, bytes, true, line, b->current);
   const auto offset = static_cast<size_t>(static_cast<unsigned char*>(dst) - b->smem);
-  for (size_t byte = offset; byte < offset + bytes; ++byte) b->race->bytes[byte].pending = int16_t(tid);
-  b->race->copies[tid].push_back({offset, bytes, b->committed[tid]});
+  for (size_t byte = offset; byte < offset + bytes; ++byte) b->race->bytes[byte].pending = int16_t(b->current);
 }
 
-// The current thread's copies of groups before `limit` have landed: its writes, as of now.
-inline void race_land_copies(long limit) {
+// The current thread's copy `c` has landed: its write, as of now.
+inline void race_land_copy(const PendingCopy& c) {
   BlockState* b = tls_block;
   RaceState& r = *b->race;
-  const int tid = b->current;
-  std::vector<InFlight> keep;
-  for (const InFlight& c : r.copies[tid]) {
-    if (c.group >= limit) {
-      keep.push_back(c);
-      continue;
-    }
-    for (size_t byte = c.offset; byte < c.offset + c.bytes; ++byte) {
-      ShadowByte& w = r.bytes[byte];
-      w.pending = -1;
-      w.writer = int16_t(tid), w.write_epoch = r.epoch, w.write_generation = b->warps[tid / kWarpSize].generation;
-    }
+  const auto offset = static_cast<size_t>(static_cast<unsigned char*>(c.dst) - b->smem);
+  for (size_t byte = offset; byte < offset + c.size; ++byte) {
+    ShadowByte& w = r.bytes[byte];
+    w.pending = -1;
+    w.writer = int16_t(b->current), w.write_epoch = r.epoch;
+    w.write_generation = b->warps[b->current / kWarpSize].generation;
   }
-  r.copies[tid].swap(keep);
 }
 
 inline void fiber_main() {
@@ -584,12 +570,13 @@ inline void cp_async(void* dst_shared, const void* src_global, int bytes, int li
   record(kOpCpAsyncShared, dst_shared, bytes, line);
   BlockState* b = tls_block;
   if (b->race != nullptr) race_issue_copy(dst_shared, bytes, line);
+  PendingCopy copy{dst_shared, bytes, {}, b->committed[b->current]};
   if (b->eager_copies) {
     std::memcpy(dst_shared, src_global, bytes);
-    return;
+  } else {
+    copy.bytes.resize(bytes);
+    std::memcpy(copy.bytes.data(), src_global, bytes);  // the source is read at issue
   }
-  PendingCopy copy{dst_shared, std::vector<unsigned char>(bytes), b->committed[b->current]};
-  std::memcpy(copy.bytes.data(), src_global, bytes);  // the source is read at issue
   b->copies[b->current].push_back(std::move(copy));
 }
 inline void cp_async_commit() { ++tls_block->committed[tls_block->current]; }
@@ -598,11 +585,14 @@ inline void cp_async_wait(int pending) {
   BlockState* b = tls_block;
   auto& list = b->copies[b->current];
   const long limit = b->committed[b->current] - pending;
-  if (b->race != nullptr) race_land_copies(limit);
   std::vector<PendingCopy> keep;
   for (auto& c : list) {
-    if (c.group < limit) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
-    else keep.push_back(std::move(c));
+    if (c.group >= limit) {
+      keep.push_back(std::move(c));
+      continue;
+    }
+    if (!c.bytes.empty()) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());  // (else it landed at issue)
+    if (b->race != nullptr) race_land_copy(c);
   }
   list.swap(keep);
 }
@@ -767,7 +757,6 @@ void launch(const char* name, dim3 grid, dim3 block, size_t smem_bytes, Kernel k
         if (b.race != nullptr) {
           race.block = ++block_serial;
           race.epoch = 0;
-          race.copies.assign(b.threads, {});
         }
         const std::string error = run_block(b, Schedule(current_schedule() & kWarpGreedy));
         if (!error.empty()) {
