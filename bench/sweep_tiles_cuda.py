@@ -39,7 +39,12 @@ sys.path.insert(0, str(ROOT))
 import attncc  # noqa: E402
 from attncc.passes import with_tiles  # noqa: E402
 from attncc.passes.roofline import estimate  # noqa: E402
-from attncc.passes.tiling import TilePlan, backward_candidates, fastest_backward  # noqa: E402
+from attncc.passes.tiling import (  # noqa: E402
+    TilePlan,
+    backward_candidates,
+    fastest_backward,
+    wide_light_backward_plans,
+)
 from attncc.targets import get_target  # noqa: E402
 from bench.bench_cuda import PAGED_DECODE_HEADS, median_ms, paged_decode_operands  # noqa: E402
 
@@ -99,8 +104,9 @@ def backward_plans(target: str, d: int, top: int, light: int = 0) -> list[tuple[
     """The default backward plan (`fastest_backward`: its kernel is the default's), the
     best-estimated plan of each of the next `top` - 1 (Br, Bc) pairs, and with `light` > 0 the
     best-estimated light-only plan (`backward_candidates(..., light=True)`: more dK/dV columns
-    in registers than the budget of every program allows) of `light` (Br, Bc) pairs, with their
-    estimates (seconds at GPU_REFERENCE_PROBLEM)."""
+    in registers than the budget of every program allows) of `light` (Br, Bc) pairs and the
+    wide light plans (`wide_light_backward_plans`), with their estimates (seconds at
+    GPU_REFERENCE_PROBLEM)."""
     chosen = fastest_backward(get_target(target), d)
     assert chosen is not None, f"{target} plans no backward candidates at d = {d}"
     everyone = {
@@ -117,7 +123,12 @@ def backward_plans(target: str, d: int, top: int, light: int = 0) -> list[tuple[
     by_estimate = sorted(best.items(), key=lambda item: item[1][1])
     others = [value for key, value in by_estimate if not key[2]][: top - 1]
     light_plans = [value for key, value in by_estimate if key[2]][:light]
-    return [(chosen, first), *others, *light_plans]
+    wide = [
+        (plan, estimate(work, target, plan.registers_per_thread).seconds)
+        for plan, work in wide_light_backward_plans(get_target(target), d)
+        if light > 0
+    ]
+    return [(chosen, first), *others, *light_plans, *wide]
 
 
 #: How many backward plans the sweep times per head dim (the default's and the next by estimate),

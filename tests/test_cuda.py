@@ -29,6 +29,8 @@ from attncc.passes.tiling import (
     fastest_backward,
     gpu_backward_shared_bytes,
     gpu_shared_bytes,
+    is_light_backward,
+    wide_light_backward_plans,
 )
 from attncc.runtime.check import check
 from attncc.runtime.emulate import NAN, NEG_INF, POS_INF, EmulatedKernel, fixed_point_shifts, from_fixed_point
@@ -95,7 +97,8 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
     the heaviest score maps at d = 64, where the roofline's choice gives 128 x 128 forward
     tiles (sm86: 64 x 128), and the register-heavy ones on sm80 at d = 64, whose backward holds
     dK and dV wholly in registers with 8 warps; causal bf16 at d = 256, whose backward kernels
-    spilled 20-52 B before their dQ columns were bounded at 128 per thread and Br at 32: 48 runs."""
+    spilled 20-52 B before their dQ columns were bounded at 128 per thread and Br at 32; the
+    light programs with the most registers (238) in sm90's light backward at d = 64: 50 runs."""
     jobs = [(n, "sm90", 128, "bfloat16") for n in EXAMPLES]
     jobs += [(n, "sm80", 128, "bfloat16") for n in REGISTER_HEAVY]
     jobs += [(n, "sm80", d, "float16") for n in ("alibi", "gpt2") for d in (16, 80, 256)]
@@ -105,7 +108,8 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
     jobs += [("alibi", "sm86", 64, "bfloat16")]  # 64 x 128
     jobs += [(n, "sm80", 64, "bfloat16") for n in REGISTER_HEAVY]  # dK, dV in registers, 8 warps
     jobs += [("causal", a, 256, "bfloat16") for a in ("sm80", "sm90")]  # spilled in both backward kernels
-    assert len(jobs) == 48
+    jobs += [(n, "sm90", 64, "bfloat16") for n in ("strided", "local_blocks")]  # light backward, r = 64
+    assert len(jobs) == 50
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(_ptxas, jobs))
     for (name, arch, head_dim, dtype), plan, report in results:
@@ -731,7 +735,9 @@ def test_light_backward_candidates_add_register_columns_within_their_budget(arch
     program's and more: plans whose dK/dV register columns exceed the common state budget
     but stay within GPU_MAX_LIGHT_BACKWARD_STATE and GPU_MAX_LIGHT_BACKWARD_COLUMNS (ptxas:
     r = 96 spilled); none on sm75, whose budget is Turing's own. The default backward stays
-    among every program's candidates: on sm90 at d = 64 and 128 the tiles a GPU timed fastest."""
+    among every program's candidates: on sm90 at d = 64 and 128 the tiles a GPU timed fastest.
+    A light program's default is a light plan only where a GPU timed one (sm90: 64 x 128 with
+    64 columns of each in registers at both head dims); elsewhere every program's."""
     target = get_target(arch)
     shape = lambda plan: (plan.block_rows, plan.block_cols, plan.dk_register_columns)  # noqa: E731
     common = {shape(plan) for plan, _ in backward_candidates(target, head_dim)}
@@ -748,6 +754,32 @@ def test_light_backward_candidates_add_register_columns_within_their_budget(arch
     assert chosen is not None and shape(chosen) in common
     measured = MEASURED_BACKWARD_TILES.get(arch, {}).get(head_dim)
     assert measured is None or (chosen.block_rows, chosen.block_cols) == measured
+    light_choice = fastest_backward(target, head_dim, light=True)
+    assert light_choice is not None
+    if arch == "sm90":
+        assert shape(light_choice) == (64, 128, 64) and shape(light_choice) in extra
+        assert "MEASURED_LIGHT_BACKWARD_TILES" in light_choice.reason
+    else:
+        assert light_choice == chosen
+
+
+def test_light_programs_take_the_light_backward_plans() -> None:
+    """`is_light_backward`: the examples whose score is the scaled product, without dropout,
+    sink or rotary embeddings (masks and layouts allowed: tested on partial tiles only) take
+    sm90's light backward plan, 64 x 128 with dK and dV wholly (d = 64) or half (d = 128) in
+    registers; score maps (alibi, softcap, relative_bias), dropout (gpt2) and sinks (gpt_oss)
+    keep every program's 48 x 128."""
+    light = set()
+    for name in EXAMPLES:
+        op = fused_node(attncc.lower(ROOT / "examples" / f"{name}.attn", "sm90")[-1].graph)[1]
+        plans = [op.tiling.for_head_dim(d, backward=True) for d in (64, 128)]
+        shapes = [(p.block_rows, p.block_cols, p.dk_register_columns, p.dv_register_columns) for p in plans]
+        if is_light_backward(op):
+            light.add(name)
+            assert shapes == [(64, 128, 64, 64), (64, 128, 64, 64)], name
+        else:
+            assert shapes == [(48, 128, 64, 64), (48, 128, 48, 48)], name
+    assert light == set(EXAMPLES) - {"alibi", "softcap", "relative_bias", "gpt2", "gpt_oss"}
 
 
 @pytest.mark.parametrize("head_dim", [72, 128])
@@ -775,6 +807,23 @@ def test_the_sm90_backward_at_its_own_tiles_on_the_emulator(head_dim: int) -> No
         finally:
             kern.deterministic = False
         assert result.ok, f"deterministic={deterministic}: {result.describe()}"
+
+
+@pytest.mark.parametrize("tiles", [(64, 128, 96), (48, 128, 128)])
+def test_wide_light_backward_plans_match_fp64_on_the_emulator(tiles: tuple[int, int, int]) -> None:
+    """The backward sweep's wide light plans (GPU_WIDE_LIGHT_BACKWARD_PLANS: 96 or all 128
+    columns of dK and dV in registers at d = 128, 32 or none in shared memory) against float64
+    on the emulator: causal with GQA, 131 queries and 300 keys (whole tiles, tiles the mask
+    cuts, a partial query and key tile), atomic dQ."""
+    (plan,) = [
+        plan
+        for plan, _ in wide_light_backward_plans(get_target("sm90"), 128)
+        if (plan.block_rows, plan.block_cols, plan.dk_register_columns) == tiles
+    ]
+    kern = attncc.compile(ROOT / "examples" / "causal.attn", target="sm90", emulate=True)
+    kern = EmulatedKernel(with_tiles(kern.stages, lambda table: table.with_backward(128, plan)), "sm90")
+    result = check(kern, adapt(Shape(1, 4, 2, 131, 300, 128), kern), torch.bfloat16)
+    assert result.ok, result.describe()
 
 
 @pytest.mark.parametrize("name", ["alibi", "relative_bias"])

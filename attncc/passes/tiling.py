@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from attncc.errors import AttnccError
+from attncc.ir import expr as ex
 from attncc.ir.expr import free_vars
 from attncc.ir.graph import Graph, clone, fused_node
 from attncc.ir.ops import FusedAttention
@@ -518,13 +519,13 @@ def tile(g: Graph, target: Target, override: tuple[int, int] | None = None, warp
         raise AttnccError(f"warp_rows: expected one of {GPU_WARP_ROWS} (GPU targets only), got {warp_rows!r}")
     g = clone(g)
     node, op = fused_node(g)
-    heavy = register_heavy_forward(op)
+    heavy, light = register_heavy_forward(op), is_light_backward(op)
 
     def plan_or_none(d: int, rows: int | None = warp_rows) -> TilePlan | None:
         try:
             if target.kind == "cpu":
                 return plan_cpu(target, d, override)
-            return plan_gpu(target, d, override, rows, heavy_forward=heavy)
+            return plan_gpu(target, d, override, rows, heavy_forward=heavy, light_backward=light)
         except NoFit:
             return None
 
@@ -895,6 +896,36 @@ def backward_candidates(target: Target, d: int, light: bool = False) -> Iterator
                 yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
 
 
+#: Light plans past GPU_MAX_LIGHT_BACKWARD_STATE for the backward sweep to time (no default):
+#: with session 49's backward (the mma accumulating into the register columns) ptxas, sm90
+#: bf16, compiles them without spills for vanilla (d = 128: 64 x 128 r = 96 245 registers,
+#: 48 x 128 r = 128 255; causal 64 x 128 r = 96 252), where r = 128 at 64 x 128 spills 44 B.
+#: Fewer shared dK/dV columns: their read-add-write per tile was the d = 128 backward's most
+#: stalled instruction (FADD waiting on LDS, the H200 profile of session 49).
+GPU_WIDE_LIGHT_BACKWARD_PLANS: dict[str, dict[int, tuple[tuple[int, int, int], ...]]] = {
+    "sm90": {128: ((64, 128, 96), (48, 128, 128))}
+}
+
+
+def wide_light_backward_plans(target: Target, d: int) -> Iterator[tuple[TilePlan, Work]]:
+    """GPU_WIDE_LIGHT_BACKWARD_PLANS for `target` at head dim `d`, each with its `backward_work`
+    at GPU_REFERENCE_PROBLEM (as `backward_candidates` gives its plans)."""
+    problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
+    paper_br, paper_bc = paper_blocks(target.onchip_bytes // 2, d)
+    for br, bc, columns in GPU_WIDE_LIGHT_BACKWARD_PLANS.get(target.name, {}).get(d, ()):
+        shared = gpu_backward_shared_bytes(br, bc, d, columns, columns, GPU_BACKWARD_STAGES)
+        assert shared <= target.onchip_bytes, (target.name, d, br, bc, columns)
+        warps = bc // GPU_ROWS_PER_WARP
+        reason = (
+            f"a wide light plan for the backward sweep (GPU_WIDE_LIGHT_BACKWARD_PLANS); dK, dV in registers: {columns}"
+        )
+        plan = TilePlan(
+            d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_BACKWARD_STAGES, shared,
+            GPU_BACKWARD_REGISTERS, reason, dv_register_columns=columns, dk_register_columns=columns,
+        )  # fmt: skip
+        yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
+
+
 #: The backward's (Br, Bc) per target and head dim where a GPU timed its candidates and the
 #: roofline ranked them wrongly: its estimates of the six timed lay within 1% (d = 64) and 8%
 #: (d = 128) of each other while the clock spread them 1.5x and 2.4x (the H200 of session 46,
@@ -906,25 +937,48 @@ def backward_candidates(target: Target, d: int, light: bool = False) -> Iterator
 MEASURED_BACKWARD_TILES: dict[str, dict[int, tuple[int, int]]] = {"sm90": {64: (48, 128), 128: (48, 128)}}
 
 
-def fastest_backward(target: Target, d: int) -> TilePlan | None:
+#: The same for light programs (`is_light_backward`), among `backward_candidates(..., light=True)`:
+#: the H200 of session 49 (bf16 B=4 H=16 N=4096, two sweeps 1% apart,
+#: bench/results/cuda-h200-session49/sweep-backward.log) timed 64 x 128 with 64 dK/dV columns
+#: in registers fastest at both head dims: dense d = 64 4.17-4.20 ms against 48 x 128's
+#: 4.66-4.72 (1.12x), d = 128 7.77-7.79 against 8.77-8.80 (1.13x); causal 2.85 / 4.98-5.00
+#: against 3.10-3.13 / 5.56-5.62 (causal d = 64's fastest, 64 x 64, took 2.63: one entry per
+#: head dim, the dense problem's).
+MEASURED_LIGHT_BACKWARD_TILES: dict[str, dict[int, tuple[int, int]]] = {"sm90": {64: (64, 128), 128: (64, 128)}}
+
+
+def is_light_backward(op: FusedAttention) -> bool:
+    """Whether the program's backward is light: the score is the scaled product (no score map,
+    so no learnable inputs), no dropout, no rotary embeddings, no sink. Such kernels leave
+    the accumulators GPU_MAX_LIGHT_BACKWARD_STATE (ptxas, sm90 bf16, session 49: 64 x 128 with
+    r = 64 at d = 128 takes 225 registers for vanilla, no spills); masks (causal, windows,
+    documents, block-sparse layouts) are tested only on partial tiles."""
+    plain = op.score == ex.score() and not op.dropout and op.sink is None
+    return plain and op.q_rope is None and op.k_rope is None
+
+
+def fastest_backward(target: Target, d: int, light: bool = False) -> TilePlan | None:
     """The backward tiles and register accumulator columns with the smallest roofline estimate
     (`backward_work`) at GPU_REFERENCE_PROBLEM among `backward_candidates`, restricted to the
     tiles MEASURED_BACKWARD_TILES names for this target and head dim where it names fitting
-    ones; None above d = 128 and for targets without rates (plan_gpu's fallback)."""
+    ones; for a `light` program, first among the light candidates with the tiles that
+    MEASURED_LIGHT_BACKWARD_TILES names (light plans without a timing are no default). None
+    above d = 128 and for targets without rates (plan_gpu's fallback)."""
     problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
-    measured = MEASURED_BACKWARD_TILES.get(target.name, {}).get(d)
-    if measured is not None:
+    tables = [("MEASURED_LIGHT_BACKWARD_TILES", MEASURED_LIGHT_BACKWARD_TILES)] if light else []
+    for name, table in [*tables, ("MEASURED_BACKWARD_TILES", MEASURED_BACKWARD_TILES)]:
+        measured = table.get(target.name, {}).get(d)
+        if measured is None:
+            continue
         timed = [
             (plan, work)
-            for plan, work in backward_candidates(target, d)
+            for plan, work in backward_candidates(target, d, light=name != "MEASURED_BACKWARD_TILES")
             if (plan.block_rows, plan.block_cols) == measured
         ]
         if timed:
             chosen = cheapest(target, problem, timed)
             assert chosen is not None
-            return replace(
-                chosen, reason=f"the tiles timed fastest on this target (MEASURED_BACKWARD_TILES); {chosen.reason}"
-            )
+            return replace(chosen, reason=f"the tiles timed fastest on this target ({name}); {chosen.reason}")
     return cheapest(target, problem, backward_candidates(target, d))
 
 
@@ -934,6 +988,7 @@ def plan_gpu(
     override: tuple[int, int] | None = None,
     warp_rows: int | None = None,
     heavy_forward: bool = False,
+    light_backward: bool = False,
 ) -> TilePlan:
     """Forward: the candidate (Br, Bc) with the smallest roofline estimate (`fastest_forward`);
     where none fits the registers (d = 256), or with `override`, Br = 16 x 4 warps and Bc from
@@ -945,7 +1000,8 @@ def plan_gpu(
     the backward's tiles without shrinking the forward's; where even 16 x 16 does not fit, the
     fewest dV columns held in registers that make it fit. `warp_rows`: the forward's rows per
     warp (16 or 32; Br a multiple of it); None: 32 on GPU_WIDE_WARP_TARGETS where the forward
-    is not register-heavy (`register_heavy_forward`: `heavy_forward`), else 16."""
+    is not register-heavy (`register_heavy_forward`: `heavy_forward`), else 16.
+    `light_backward` (`is_light_backward`): the light programs' timed backward plans first."""
     elements = target.onchip_bytes // 2
     paper_br, paper_bc = paper_blocks(elements, d)
     rows_why = ""
@@ -1017,7 +1073,7 @@ def plan_gpu(
     def backward_warps(rows: int, cols: int) -> int:  # a warp per 16 keys (dK/dV) or query rows (dQ)
         return max(rows, cols) // GPU_ROWS_PER_WARP
 
-    backward = fastest_backward(target, d) if override is None else None
+    backward = fastest_backward(target, d, light_backward) if override is None else None
     # Above d = 128 (Q re-read per tile) the backward starts from 32 query rows: at 64, ptxas
     # spills 20-40 B in attention_backward for causal bf16 at d = 256 on sm80 and sm90.
     backward_rows = br if override is not None or d <= Q_IN_REGISTERS_MAX_HEAD_DIM else min(br, 32)
