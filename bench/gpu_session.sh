@@ -131,7 +131,10 @@ case "${1:-lease}" in
     # After a change to the paged forward or the backward (session 46: the backward's measured
     # tiles; session 47: each 16-row group of a paged key tile copied from its page, the
     # backward's lse/delta by cp.async and two barriers per query tile; session 48: the
-    # decoding forwards' third K/V buffer, timed against two in the sweep): the GPU tests, the
+    # decoding forwards' third K/V buffer, timed against two in the sweep; session 49: the
+    # backward's mma-accumulated register columns, unmasked whole tiles without per-score
+    # tests, division-free pairs, light programs' 64 x 128 plan, wide light plans in the
+    # sweep, paged pages by shift and mask): the GPU tests, the
     # decoding sweep (paged at pages of 16, 64, 256 against in place), host time per call
     # (profiled), decoding, paged, packed and fp8 against SDPA, the backward's tiles (light
     # plans among them), dense and causal fwd+bwd. Then, with time left, `sanitize`.
@@ -209,19 +212,22 @@ PY
       "$OUT/ncu${2:+-decode}.txt"
     ;;
   stalls)
-    # Where the backward's warps wait (session 48: the backward is 0.43-0.55x SDPA-flash, the
-    # forward ~0.9x; its time per query tile is ~5x what its mma count needs, and the H200
-    # sweep's 6-warp plans are slower than the 8-warp ones, as latency-bound code is): the
-    # dense d = 64 and d = 128 backward (48 x 128, the sweep's problem) under Nsight Compute's
-    # full set, then its warp stall reasons per SASS instruction (source page, CSV), and the
-    # paged key-split decoding forward's stall reasons. Built outside the profiler first.
+    # Where the backward's warps wait (session 49's H200: 36% of issue slots busy with 2 warps
+    # per scheduler, ~950 instructions per warp and query tile at d = 64, 12% of them HMMA; the
+    # changes made from it are in bench/results/cuda-h200-session49.md): the dense d = 64 and
+    # d = 128 backward at the default plans (the sweep's problem) under Nsight Compute's full
+    # set, its warp stall reasons per SASS instruction (source page, CSV) summarised by region
+    # (bench/ncu_sass_summary.py), and the paged key-split decoding forward's stall sections.
+    # Built outside the profiler first.
     python3 bench/profile_cuda.py --backward
     ncu --clock-control none --profile-from-start off -k regex:'attention_backward$' --set full \
       --import-source no -o /tmp/ncu-backward python3 bench/profile_cuda.py --backward 2>&1 | tail -5
     ncu -i /tmp/ncu-backward.ncu-rep --print-details all > "$OUT/ncu-backward.txt" 2>&1
     ncu -i /tmp/ncu-backward.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-backward-sass.csv" 2>&1
-    grep -E "attention_backward|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|stall" \
-      "$OUT/ncu-backward.txt" | head -60
+    grep -E "attention_backward|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued" \
+      "$OUT/ncu-backward.txt" | head -30
+    # regions (lines executed equally often: loop body, per-pair prologue, dQ), stall reasons, hot lines
+    python3 bench/ncu_sass_summary.py "$OUT/ncu-backward-sass.csv" --top 12 | tee "$OUT/ncu-backward-summary.txt"
     timeout -k 5 120 ncu --clock-control none --profile-from-start off -k regex:'attention_forward' \
       --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
       --print-details all python3 bench/profile_cuda.py --decode > "$OUT/ncu-decode-stalls.txt" 2>&1

@@ -7,7 +7,9 @@ tiles; the occupancy and roofline arithmetic is checked on made-up counts.
 
 from __future__ import annotations
 
+import csv
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -396,3 +398,43 @@ def test_dq_atomics_are_float2_on_sm90() -> None:
     assert sm80 == sm90 > 0
     assert {s.bytes // s.lanes for s in counts["sm80"]} == {4} and {s.bytes // s.lanes for s in counts["sm90"]} == {8}
     assert sum(s.requests for s in counts["sm80"]) == 2 * sum(s.requests for s in counts["sm90"])
+
+
+def test_the_ncu_sass_summary_groups_lines_into_regions(tmp_path: Path) -> None:
+    """bench/ncu_sass_summary.py on a hand-made `ncu --page source --csv --print-source sass`
+    file of two kernels: executed instructions by opcode (predicates and modifiers dropped),
+    stall samples by region (lines executed equally often), by opcode and reason, and the
+    most sampled line, each as the CSV's numbers give them."""
+    from bench.ncu_sass_summary import read_kernels, summarize
+
+    header = [
+        "Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+        "stall_barrier", "stall_wait", "stall_selected", "stall_wait (Not Issued)",
+    ]  # fmt: skip
+    rows = [
+        ["Kernel Name", "attention_backward"], header,
+        ["0x0", "LDC R1, c[0x0][0x28]", "10", "16", "0", "10", "0", "0"],
+        ["0x10", "@!P0 IMAD.MOV.U32 R2, RZ, RZ, R3", "30", "1,000", "0", "20", "10", "5"],
+        ["0x20", "HMMA.16816.F32.BF16 R4, R8, R12, R4", "50", "1000", "0", "50", "0", "0"],
+        ["0x30", "BAR.SYNC 0x0", "0", "1000", "0", "0", "0", "0"],
+        ["0x40", "ULDC UR8, c[0x0][0x4c8]", "60", "1000", "60", "0", "0", "0"],
+        ["0x50", "IMAD R5, R5, 0x2, R6", "50", "250", "0", "50", "0", "0"],
+        ["Kernel Name", "attention_forward"], header,
+        ["0x0", "EXIT", "1", "8", "0", "1", "0", "0"],
+    ]  # fmt: skip
+    path = tmp_path / "sass.csv"
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    backward, forward = read_kernels(str(path))
+    assert (backward.name, forward.name, len(backward.lines), len(forward.lines)) == (
+        "attention_backward", "attention_forward", 6, 1,
+    )  # fmt: skip
+    assert [line.opcode for line in backward.lines] == ["LDC", "IMAD", "HMMA", "BAR", "ULDC", "IMAD"]
+    assert backward.lines[1].executed == 1000 and backward.lines[4].stalls["barrier"] == 60
+    text = summarize(backward, top=3)
+    assert "4,266 warp instructions, 200 stall samples" in text
+    assert "IMAD 29.3%, HMMA 23.4%, BAR 23.4%" in text  # (1250, 1000, 1000 of 4266)
+    assert "1,000 x    4 lines (first     1):  70.0% of samples; IMAD 1, HMMA 1, BAR 1, ULDC 1" in text
+    assert "250 x    1 lines (first     5):  25.0% of samples" in text
+    assert "IMAD/wait 35.0%, ULDC/barrier 30.0%, HMMA/wait 25.0%" in text  # (selected is no stall)
+    assert text.splitlines()[-3].split()[:3] == ["4", "30.00%", "(barrier"]
