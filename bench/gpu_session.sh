@@ -144,7 +144,10 @@ case "${1:-lease}" in
     echo "tests done, $(left) s left"
     timeout -k 5 120 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
     # (case 3: the planned paged call with an appended key, ~2x a padded decoding call's host time in session 46)
-    timeout -k 5 40 python3 bench/bench_host.py --cuda --profile 3 --json "$OUT/host-$device.json" 2>&1 | tee "$OUT/host.log"
+    # (at most 8 files come back from $OUT: the host table goes after the sweep's, the fwd+bwd grid
+    # after the serving bench; session 49's serving call wrote 10 and lost the tests' and sweep's logs)
+    timeout -k 5 40 python3 bench/bench_host.py --cuda --profile 3 --json "$OUT/host-$device.json" 2>&1 \
+      | tee -a "$OUT/sweep-decode.log"
     echo "decoding sweep and host done, $(left) s left"
     timeout -k 5 $(( $(left) / 2 )) python3 bench/bench_cuda.py --dims 128 --sizes 4096 --cases dense causal --decode \
       --serving --fp8 --no-flex --budget-s $(( $(left) / 2 - 40 )) --repeats 15 --json "$OUT/cuda-$device-serving.json" 2>&1 \
@@ -153,7 +156,7 @@ case "${1:-lease}" in
     timeout -k 5 90 python3 bench/sweep_tiles_cuda.py --backward --dims 64 128 2>&1 | tee "$OUT/sweep-backward.log"
     timeout -k 5 $(( $(left) - 5 )) python3 bench/bench_cuda.py --dims 64 128 --sizes 4096 16384 --warp-rows default \
       --no-flex --budget-s $(( $(left) - 45 )) --repeats 10 --json "$OUT/cuda-$device-backward.json" 2>&1 \
-      | tee "$OUT/bench-backward.log"
+      | tee -a "$OUT/bench-serving.log"
     ;;
   decode)
     # the decoding forwards after a change to their choice: the GPU tests but the per-example

@@ -855,10 +855,12 @@ def test_paged_decoding_on_the_key_split_forward_on_the_emulator(
     page_size: int, D: int, splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU's decoding forward (`key_split_warps`: warps split each key tile; sm90,
-    emulated, bf16) over shuffled pages: each 16-row group of a key tile (64 keys at d = 128,
-    128 at d = 64) from its page where pages hold whole groups (16 to 256 rows, 48 not
-    dividing the tile), row by row where they do not (8, 24); split-KV's splits starting
-    inside the cache and a sequence ending mid-tile (its last group partly beyond it)."""
+    emulated, bf16) over shuffled pages: a key tile (64 keys at d = 128, 128 at d = 64) as
+    the in-place call copies it, from one base, where pages hold whole tiles (64 and 256 rows
+    at d = 128, 128 at d = 64), each 16-row group from its page where pages hold whole groups
+    (16, 32, 48 not dividing the tile), row by row where they do not (8, 24); split-KV's splits
+    starting inside the cache and a sequence ending mid-tile (its last group partly beyond
+    it: every thread takes the tile's page, not its group's)."""
     kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target="sm90", emulate=True)
     kern.key_split_warps, kern.kv_splits = True, splits
     plan = kern.for_key_split_warps(16).op.tiling.for_head_dim(D)
