@@ -101,7 +101,9 @@ def with_backward_plan(kern: attncc.Kernel, d: int, plan: TilePlan) -> attncc.Ke
 
 
 def backward_plans(target: str, d: int, top: int, light: int = 0) -> list[tuple[TilePlan, float]]:
-    """The default backward plan (`fastest_backward`: its kernel is the default's), the
+    """Every program's default backward plan (`fastest_backward`; the light programs the sweep
+    times, vanilla and causal, default to a light plan where MEASURED_LIGHT_BACKWARD_TILES names
+    one, which is then among the light plans below), the
     best-estimated plan of each of the next `top` - 1 (Br, Bc) pairs, and with `light` > 0 the
     best-estimated light-only plan (`backward_candidates(..., light=True)`: more dK/dV columns
     in registers than the budget of every program allows) of `light` (Br, Bc) pairs and the

@@ -844,12 +844,15 @@ GPU_MAX_BACKWARD_STATE_SM75 = 96
 # the dropout counters per sequence) gpt2 at d = 128 spilled 4-16 B on sm75 (Br = 16, r = 80),
 # sm80 (Br = 64, r = 48) and sm90 (Br = 64, r = 48) at the budgets above; 16 less is spill-free.
 GPU_BACKWARD_STATE_CUT_ABOVE_D64 = 16
-# Light programs (no dropout, no score map, no learnable inputs: vanilla, causal) leave more
-# registers to the accumulators: ptxas on sm90 (bf16, CUDA 13.0, session 46) at state 112-128
-# with r = 64: d = 128 48 x 128 245-246 registers, 64 x 128 254-255, 64 x 96 253-255; d = 64
-# 64 x 128 237-241, 64 x 96 242-247; none spills. r = 96 spills 8-132 B (Br = 32-48), r = 128
-# 40-92 B. The budget for `backward_candidates(..., light=True)`, which the backward sweep
-# times for vanilla and causal (not yet any default: no GPU has timed them).
+# Light programs (`is_light_backward`: no dropout, no score map, no learnable inputs, sink or
+# rope) leave more registers to the accumulators: ptxas on sm90 (bf16, CUDA 13.0, session 46)
+# at state 112-128 with r = 64: d = 128 48 x 128 245-246 registers, 64 x 128 254-255, 64 x 96
+# 253-255; d = 64 64 x 128 237-241, 64 x 96 242-247; none spills (session 49's backward, the
+# mma adding into the register columns: 64 x 128 r = 64 214-240 for every light example).
+# r = 96 spilled 8-132 B (Br = 32-48), r = 128 40-92 B before session 49. The budget for
+# `backward_candidates(..., light=True)`, which the backward sweep times for vanilla and
+# causal; where a GPU timed one fastest it is the light programs' default
+# (MEASURED_LIGHT_BACKWARD_TILES).
 GPU_MAX_LIGHT_BACKWARD_STATE = 128
 GPU_MAX_LIGHT_BACKWARD_COLUMNS = 64
 # Q/dO buffers of the roofline's backward candidates: the next visible query tile loads while
