@@ -870,8 +870,6 @@ def backward_candidates(target: Target, d: int, light: bool = False) -> Iterator
     `light`, the larger state of light programs beside them (GPU_MAX_LIGHT_BACKWARD_STATE)."""
     if d > Q_IN_REGISTERS_MAX_HEAD_DIM or target.name not in GPU_RATES:
         return
-    paper_br, paper_bc = paper_blocks(target.onchip_bytes // 2, d)
-    problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
     state_budget = GPU_MAX_BACKWARD_STATE_SM75 if target.name == "sm75" else GPU_MAX_BACKWARD_STATE
     state_budget -= GPU_BACKWARD_STATE_CUT_ABOVE_D64 if d > 64 else 0
 
@@ -891,12 +889,21 @@ def backward_candidates(target: Target, d: int, light: bool = False) -> Iterator
                 reason = (
                     f"of the backward's candidates fitting shared memory and registers; dK, dV in registers: {held}"
                 )
-                warps = bc // GPU_ROWS_PER_WARP
-                plan = TilePlan(
-                    d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_BACKWARD_STAGES, shared,
-                    GPU_BACKWARD_REGISTERS, reason, dv_register_columns=columns, dk_register_columns=columns,
-                )  # fmt: skip
-                yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
+                yield backward_plan(target, d, br, bc, columns, reason)
+
+
+def backward_plan(target: Target, d: int, br: int, bc: int, columns: int, reason: str) -> tuple[TilePlan, Work]:
+    """The two-stage backward plan of Br x Bc tiles with the last `columns` of dK and dV in
+    registers (a warp per 16 keys), and its `backward_work` at GPU_REFERENCE_PROBLEM."""
+    paper_br, paper_bc = paper_blocks(target.onchip_bytes // 2, d)
+    shared = gpu_backward_shared_bytes(br, bc, d, columns, columns, GPU_BACKWARD_STAGES)
+    warps = bc // GPU_ROWS_PER_WARP
+    plan = TilePlan(
+        d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_BACKWARD_STAGES, shared,
+        GPU_BACKWARD_REGISTERS, reason, dv_register_columns=columns, dk_register_columns=columns,
+    )  # fmt: skip
+    problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
+    return plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
 
 
 #: Light plans past GPU_MAX_LIGHT_BACKWARD_STATE for the backward sweep to time (no default):
@@ -913,20 +920,13 @@ GPU_WIDE_LIGHT_BACKWARD_PLANS: dict[str, dict[int, tuple[tuple[int, int, int], .
 def wide_light_backward_plans(target: Target, d: int) -> Iterator[tuple[TilePlan, Work]]:
     """GPU_WIDE_LIGHT_BACKWARD_PLANS for `target` at head dim `d`, each with its `backward_work`
     at GPU_REFERENCE_PROBLEM (as `backward_candidates` gives its plans)."""
-    problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
-    paper_br, paper_bc = paper_blocks(target.onchip_bytes // 2, d)
     for br, bc, columns in GPU_WIDE_LIGHT_BACKWARD_PLANS.get(target.name, {}).get(d, ()):
-        shared = gpu_backward_shared_bytes(br, bc, d, columns, columns, GPU_BACKWARD_STAGES)
-        assert shared <= target.onchip_bytes, (target.name, d, br, bc, columns)
-        warps = bc // GPU_ROWS_PER_WARP
         reason = (
             f"a wide light plan for the backward sweep (GPU_WIDE_LIGHT_BACKWARD_PLANS); dK, dV in registers: {columns}"
         )
-        plan = TilePlan(
-            d, br, bc, paper_br, paper_bc, warps * target.warp_size, warps, GPU_BACKWARD_STAGES, shared,
-            GPU_BACKWARD_REGISTERS, reason, dv_register_columns=columns, dk_register_columns=columns,
-        )  # fmt: skip
-        yield plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
+        plan, work = backward_plan(target, d, br, bc, columns, reason)
+        assert plan.onchip_bytes <= target.onchip_bytes, (target.name, d, br, bc, columns)
+        yield plan, work
 
 
 #: The backward's (Br, Bc) per target and head dim where a GPU timed its candidates and the
@@ -968,14 +968,14 @@ def fastest_backward(target: Target, d: int, light: bool = False) -> TilePlan | 
     MEASURED_LIGHT_BACKWARD_TILES names (light plans without a timing are no default). None
     above d = 128 and for targets without rates (plan_gpu's fallback)."""
     problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
-    tables = [("MEASURED_LIGHT_BACKWARD_TILES", MEASURED_LIGHT_BACKWARD_TILES)] if light else []
-    for name, table in [*tables, ("MEASURED_BACKWARD_TILES", MEASURED_BACKWARD_TILES)]:
+    tables = [("MEASURED_LIGHT_BACKWARD_TILES", MEASURED_LIGHT_BACKWARD_TILES, True)] if light else []
+    for name, table, light_candidates in [*tables, ("MEASURED_BACKWARD_TILES", MEASURED_BACKWARD_TILES, False)]:
         measured = table.get(target.name, {}).get(d)
         if measured is None:
             continue
         timed = [
             (plan, work)
-            for plan, work in backward_candidates(target, d, light=name != "MEASURED_BACKWARD_TILES")
+            for plan, work in backward_candidates(target, d, light=light_candidates)
             if (plan.block_rows, plan.block_cols) == measured
         ]
         if timed:
