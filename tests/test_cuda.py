@@ -121,7 +121,12 @@ def test_every_example_compiles_for_sm75_to_sm90_without_spills() -> None:
         threads = max(plan.threads, plan.backward.threads if plan.backward else 0)
         assert report.registers * threads <= target.registers_per_sm, where  # >= 1 block per SM
         kernels = ["attention_backward_dq", "attention_backward"] if plan.backward else []  # sm75 d=256: forward only
-        assert [k.name for k in report.kernels] == [*kernels, "combine_splits", "attention_forward"], where
+        assert [k.name for k in report.kernels] == [
+            *kernels,
+            "append_new_keys",
+            "combine_splits",
+            "attention_forward",
+        ], where
         for instruction in INSTRUCTIONS.get(arch, INSTRUCTIONS["sm80"]) + COMMON_INSTRUCTIONS:
             assert instruction in report.ptx, f"{where}: no {instruction}"
         if arch == "sm75":
@@ -327,7 +332,7 @@ def test_paged_forwards_compile_forward_only_within_their_spill_bounds() -> None
         for warp_rows, report in zip(rows, reports):
             where = f"{name} d={head_dim} {warp_rows} rows/warp: {report.describe()}"
             most = 128 if warp_rows == 32 else most
-            assert [k.name for k in report.kernels] == ["combine_splits", "attention_forward"], where
+            assert [k.name for k in report.kernels] == ["append_new_keys", "combine_splits", "attention_forward"], where
             assert report.spill_stores <= most and report.spill_loads <= 2 * most, where
 
 
@@ -390,7 +395,7 @@ def test_key_split_forwards_compile_forward_only_without_spills() -> None:
         results = list(pool.map(ptxas, jobs))
     for job, report in results:
         where = f"{job}: {report.describe()}"
-        assert [k.name for k in report.kernels] == ["combine_splits", "attention_forward"], where
+        assert [k.name for k in report.kernels] == ["append_new_keys", "combine_splits", "attention_forward"], where
         assert report.spill_stores == 0 and report.spill_loads == 0 and report.stack_bytes == 0, where
 
 

@@ -1017,32 +1017,40 @@ def test_paged_cache_must_hold_the_appended_keys() -> None:
 
 @pytest.mark.parametrize("cache_layout", ["contiguous", "rows_of_longer_pages", "heads_outer"])
 @pytest.mark.parametrize("planned", [False, True])
-def test_appended_keys_land_in_the_callers_cache_whatever_its_strides(cache_layout: str, planned: bool) -> None:
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("cpu", torch.float32), ("sm80", torch.bfloat16), ("sm80", torch.float32)]
+)
+def test_appended_keys_land_in_the_callers_cache_whatever_its_strides(
+    cache_layout: str, planned: bool, backend: str, dtype: torch.dtype
+) -> None:
     """k_new and v_new are written into the caller's cache in place, whatever its strides (a
     contiguous cache, pages that are views of longer pages, heads outside the rows); one
     sequence's new keys cross a page boundary. The call attends the written cache (as a call
     without an append on its copy does); a planned call repeated with other new keys (the
-    kept call's path) writes those at the same rows."""
+    kept call's path) writes those at the same rows. Emulated CUDA: bf16 caches are written
+    by the library (`append_new_keys`, k_new given transposed too), fp32 ones, which the kernel
+    reads as bf16 copies, by torch."""
     gen = torch.Generator().manual_seed(17)
     B, H, Hkv, D, page_size, held, new = 2, 4, 2, 16, 16, [15, 5], 2
     num_pages = 6
 
     def cache() -> torch.Tensor:
         if cache_layout == "rows_of_longer_pages":
-            return torch.randn(num_pages, page_size + 8, Hkv, D, generator=gen)[:, :page_size]
+            return torch.randn(num_pages, page_size + 8, Hkv, D, generator=gen).to(dtype)[:, :page_size]
         if cache_layout == "heads_outer":
-            return torch.randn(num_pages, Hkv, page_size, D, generator=gen).transpose(1, 2)
-        return torch.randn(num_pages, page_size, Hkv, D, generator=gen)
+            return torch.randn(num_pages, Hkv, page_size, D, generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(num_pages, page_size, Hkv, D, generator=gen).to(dtype)
 
     k_cache, v_cache = cache(), cache()
     buffers = k_cache.data_ptr(), v_cache.data_ptr()
     table = torch.tensor([[3, 0, 5], [1, 4, 2]], dtype=torch.int32)
     lengths = torch.tensor(held)
-    q = torch.randn(B, 1, H, D, generator=gen)
+    q = torch.randn(B, 1, H, D, generator=gen).to(dtype)
     plan = attncc.plan_paged(k_cache, table, lengths, new_tokens=new) if planned else None
-    kern = kernel("vanilla")
+    kern = kernel("vanilla") if backend == "cpu" else emulated("vanilla")
     for _ in range(2 if planned else 1):
-        k_new, v_new = (torch.randn(B, new, Hkv, D, generator=gen) for _ in range(2))
+        k_new = torch.randn(B, Hkv, new, D, generator=gen).to(dtype).transpose(1, 2)  # (not contiguous)
+        v_new = torch.randn(B, new, Hkv, D, generator=gen).to(dtype)
         want_k, want_v = k_cache.clone(), v_cache.clone()
         for b in range(B):
             for t in range(new):

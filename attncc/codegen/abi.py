@@ -49,6 +49,11 @@ EXACT_GRAD_BUFFERS = (("bound", "int32_t*"), ("flags", "int32_t*"), ("shift", "c
 #: row, and the number of splits.
 SPLIT_BUFFERS = (("o_partial", "acc_t*"), ("lse_partial", "acc_t*"))
 SPLIT_CONTROL = ("splits",)
+#: A paged call's appended keys and values (CUDA forward: `append_new_keys`, run before it
+#: reads the cache): k_new and v_new [appended_rows, Hkv, D / Dv] contiguous, and the cache row
+#: (page * page_size + slot) of each, int64 [appended_rows]; null and 0 without an append.
+APPEND_BUFFERS = (("k_new", "const kv_t*"), ("v_new", "const kv_t*"), ("append_rows", "const int64_t*"))
+APPEND_CONTROL = ("appended_rows",)
 #: The CPU kernels' schedule: by_rows, 1 where the forward reads K and V by rows
 #: (TilePlan.reads_by_rows, the template's forward_decode), 0 where it packs panels per kv head
 #: for tile products; key_tiles_per_sweep, the fused backward's key tiles per sweep over a task's
@@ -82,14 +87,14 @@ class KernelAbi:
     tensors: tuple[TensorSlot, ...]  # runtime tensors read by the variant, then layout grids
     scalars: tuple[tuple[str, str, str], ...]  # (program name, C++ member, C type)
     grads: tuple[str, ...]  # float tensors that can receive gradients (program names)
-    cuda: bool = False  # the CUDA kernels' slots (EXACT_GRAD_BUFFERS, SPLIT_*) too
+    cuda: bool = False  # the CUDA kernels' slots (EXACT_GRAD_BUFFERS, SPLIT_*, APPEND_*) too
 
     def pointer_slots(self) -> list[tuple[str, str]]:
         """(member, C type) of every pointer, in order."""
         slots = (
             [(n, t) for n, t in OPERANDS]
             + list(ROW_BUFFERS)
-            + list(SPLIT_BUFFERS if self.cuda else ())
+            + list(SPLIT_BUFFERS + APPEND_BUFFERS if self.cuda else ())
             + list(PAGE_BUFFERS)
             + list(SEQUENCE_BUFFERS)
             + list(ROPE_BUFFERS)
@@ -103,7 +108,7 @@ class KernelAbi:
     def int_slots(self) -> list[str]:
         names = list(SIZES)
         names += [f"st_{n}_{d}" for n, _ in OPERANDS for d in range(4)]
-        names += list(CONTROL) + list(SPLIT_CONTROL if self.cuda else CPU_CONTROL) + list(PAGE_CONTROL)
+        names += list(CONTROL) + list(SPLIT_CONTROL + APPEND_CONTROL if self.cuda else CPU_CONTROL) + list(PAGE_CONTROL)
         names += list(ROPE_CONTROL)
         names += [f"st_{t.ident}_{d}" for t in self.tensors for d in range(t.rank)]
         names += [f"grad_slice_{self.ident_of(n)}" for n in self.grads]  # per-thread buffer stride

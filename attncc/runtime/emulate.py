@@ -41,6 +41,7 @@ from attncc.runtime.kernel import (
     delta_rows,
 )
 from attncc.runtime.merge import merge_states
+from attncc.runtime.ragged import Appends, append_to_caches
 from attncc.targets import GPUS
 
 #: The emulator's schedules (include/attncc/cuda/emulator.h): the order its threads run to their
@@ -117,6 +118,7 @@ class EmulatedKernel(Kernel):
 
     schedule = "lockstep"
     cuda_abi = True
+    appends_in_library = True
 
     #: Every shared-memory access of the kernels checked for races (the emulator's kRaceCheck):
     #: two threads' accesses to a byte, one a write, with no barrier between (lanes of one warp:
@@ -283,18 +285,27 @@ class EmulatedKernel(Kernel):
         sink: torch.Tensor | None = None,
         packed: PackedSequences | None = None,
         descale: Mapping[str, torch.Tensor] | None = None,
+        appends: Appends | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         launch_key = self.launch_key(q, k, v, tensors, scalars, scale, dropout, paged, sink, packed, descale)
         launches = paged.prepared if paged is not None else packed.prepared if packed is not None else self._repeats
         launch = launches.get(launch_key) if launch_key is not None and launches is not None else None
+        new_rows = None if appends is None else [t.contiguous() for t in appends[1:]]  # (as the library reads them)
         if launch is not None:
-            return launch(q, k, v)
+            return launch(q, k, v, *new_rows) if new_rows is not None else launch(q, k, v)
         storage = self.storage_dtype(q.dtype)
         qs = rows_of(q, storage, "q")
-        if is_fp8(k):  # fp8 bytes as stored, widened by the kernel (runtime/fp8.py)
-            ks, vs = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
-        else:
-            ks, vs = rows_of(k, storage, "k"), rows_of(v, storage, "v")
+
+        def kernel_rows() -> tuple[torch.Tensor, torch.Tensor]:  # fp8: the bytes as stored, widened by the kernel
+            if is_fp8(k):
+                return k if k.stride(-1) == 1 else k.contiguous(), v if v.stride(-1) == 1 else v.contiguous()
+            return rows_of(k, storage, "k"), rows_of(v, storage, "v")
+
+        ks, vs = kernel_rows()
+        # by torch where the kernel reads converted copies of the caches, or runs for no query
+        if appends is not None and (ks.data_ptr() != k.data_ptr() or vs.data_ptr() != v.data_ptr() or not q.numel()):
+            append_to_caches(k, v, appends)
+            ks, vs, appends = *kernel_rows(), None
         scales = dict(descale or {})
         value_dim = v.shape[-1]
         rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=storage, device=q.device)  # (packed: [total_q, H, Dv])
@@ -337,6 +348,8 @@ class EmulatedKernel(Kernel):
                 ptrs.update(paged.buffers())
                 call["page_size"] = paged.page_size
                 strides = PagedKeys.strides({"k": ks, "v": vs, **scales})
+            if appends is not None:  # written by the library before its forward (`append_new_keys`)
+                ptrs.update(append_rows=appends[0].rows, k_new=new_rows[0], v_new=new_rows[1])  # type: ignore[index]
             dtype = library_dtype(storage, k.dtype)
             token_dims = (0,) if packed is not None else (0, 1) if paged is not None else (2,)
             if kern.takes_fp8_products(k, (descale or {}).get("v_descale"), token_dims, plan):

@@ -55,10 +55,12 @@ from attncc.runtime.fp8 import (
     library_dtype,
 )
 from attncc.runtime.ragged import (
+    Appends,
     CallOptions,
     CheckedPagedCall,
     PagedPlan,
     VarlenPlan,
+    append_to_caches,
     offsets_plan,
     paged_attention,
     paged_forward,
@@ -299,6 +301,9 @@ class Kernel:
 
     device_type = "cpu"  # where q, k, v and runtime tensors must live
     cuda_abi = False  # the kernels' ABI has the CUDA kernels' slots (see KernelAbi.cuda)
+    #: Whether the forward's library writes a paged call's appended keys into the caches (the
+    #: CUDA kernels' `append_new_keys`, launched before the forward); else torch writes them.
+    appends_in_library = False
     #: "auto" (see `backward_passes`), "fused" or "two-pass".
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
@@ -1124,6 +1129,7 @@ class Kernel:
         sink: torch.Tensor | None = None,
         packed: PackedSequences | None = None,
         descale: Mapping[str, torch.Tensor] | None = None,
+        appends: Appends | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of one padded call; `offset` is the dropout counters' fourth word
         (0 for plain calls, the sequence's index for packed and paged calls). With `paged`, k
@@ -1133,7 +1139,10 @@ class Kernel:
         `packed`, q, k, v are a packed batch [total, heads, D], out and lse
         [total_q, H, D] and [total_q, H] (sink too), all sequences in one launch. With fp8 k and v,
         `descale` holds their descale factors by ABI name, shaped as k and v with a head dim of 1
-        (runtime/fp8.py `descale_rows`: whatever layout k and v have, the factors have too)."""
+        (runtime/fp8.py `descale_rows`: whatever layout k and v have, the factors have too).
+        `appends`: a paged call's new keys, written into the caches k and v before they are read."""
+        if appends is not None:
+            append_to_caches(k, v, appends)
         dtype = library_dtype(q.dtype, k.dtype)
         strides: dict[str, tuple[int, ...]] = {}
         scales = dict(descale or {})
@@ -1591,6 +1600,7 @@ class Kernel:
         )
         threads = call.get("threads", max(1, torch.get_num_threads()))
         ints.update(seed=seed & (2**63 - 1), offset=call.get("offset", 0), threads=threads, splits=plan.kv_splits)
+        ints.update(appended_rows=ptrs["append_rows"].numel() if "append_rows" in ptrs else 0)
         ints.update(by_rows=call.get("by_rows", 0), key_tiles_per_sweep=call.get("key_tiles_per_sweep", 1))
         ints.update(key_chunks=call.get("key_chunks", 1))
         for ident, stride_names in names.tensor_strides:
@@ -1620,7 +1630,7 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
 
 
 #: The forward's operands whose addresses change from call to call (`KeptLaunch`).
-CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial")
+CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial", "k_new", "v_new")
 #: The backward's (`BackwardLaunch`; delta: the rows' rowsum(dO * O), its first pass's result).
 BACKWARD_OPERANDS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "delta")
 
@@ -1725,7 +1735,13 @@ class KeptLaunch:
         list took 2 us)."""
         return (ctypes.c_void_p * len(self.pointers))(*self.pointers)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """out and lse of the launch with these operands; a launch kept from a call whose library
+        appended keys (`Kernel.appends_in_library`) takes each call's k_new and v_new
+        [B, appended, Hkv, D] contiguous (never the kept call's: they would be written again)."""
         # (sizes unpacked: torch.empty of a tuple took ~0.4 us more per allocation)
         out = torch.empty(*self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(*self.lse_shape, dtype=self.lse_dtype, device=q.device)
@@ -1736,6 +1752,9 @@ class KeptLaunch:
         pointers[slots["v"]] = v.data_ptr()
         pointers[slots["out"]] = out.data_ptr()
         pointers[slots["lse"]] = lse.data_ptr()
+        if "k_new" in slots:
+            pointers[slots["k_new"]] = k_new.data_ptr()  # type: ignore[union-attr]
+            pointers[slots["v_new"]] = v_new.data_ptr()  # type: ignore[union-attr]
         if self.partial_shapes is not None:  # (alive until the launch returns)
             partials = [torch.empty(*shape, device=q.device) for shape in self.partial_shapes]
             pointers[slots["o_partial"]] = partials[0].data_ptr()

@@ -206,6 +206,10 @@ def compile_cuda(source: str, arch: str, keep_dir: Path | None = None) -> PtxasR
     return report
 
 
+#: The generated kernels' names in ptxas's report (mangled there); _dq before its prefix.
+KERNEL_NAMES = ("attention_forward", "combine_splits", "append_new_keys", "attention_backward_dq", "attention_backward")
+
+
 def parse_ptxas(report: str, arch: str, ptx: str = "") -> PtxasReport:
     """The resources of every kernel entry in a `-v` report."""
     kernels = []
@@ -215,14 +219,7 @@ def parse_ptxas(report: str, arch: str, ptx: str = "") -> PtxasReport:
         spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", section)
         if not (name and registers and spills):
             raise BuildError(f"unexpected ptxas report:\n{report[-2000:]}")
-        short = next(
-            (
-                k
-                for k in ("attention_forward", "combine_splits", "attention_backward_dq", "attention_backward")
-                if k in name.group(1)
-            ),
-            name.group(1),
-        )
+        short = next((k for k in KERNEL_NAMES if k in name.group(1)), name.group(1))
         kernels.append(
             KernelResources(
                 short, int(registers.group(1)), int(spills.group(2)), int(spills.group(3)), int(spills.group(1))

@@ -480,7 +480,7 @@ class PagedPlan:
     device: torch.device  # the cache's
     keys: PagedKeys  # the table on the device, key counts and offsets, the kernels' prepared calls
     lengths_on_device: torch.Tensor  # int64 [B]
-    append_rows: tuple[torch.Tensor, torch.Tensor] | None  # (pages, slots) [B, appended] on the device
+    append_rows: AppendRows | None
     key: str  # the op `attncc::paged_attention` finds the plan by it (`_PAGED_PLANS`)
 
     @property
@@ -511,7 +511,7 @@ def plan_paged(
         )
     totals = _checked_totals(table, lengths, new_tokens, num_pages, page_size)
     device = k_cache.device
-    append_rows = _append_rows(table, lengths, new_tokens, page_size, device) if new_tokens else None
+    append_rows = AppendRows.of(table, lengths, new_tokens, page_size, device) if new_tokens else None
     keys = PagedKeys.of(table, page_size, totals, device, prepared={})
     plan = PagedPlan(
         num_pages, page_size, new_tokens, table, lengths, tuple(totals), device, keys, lengths.to(device),
@@ -531,12 +531,37 @@ def planned(key: str) -> PagedPlan | None:
     return _PAGED_PLANS[key] if key else None
 
 
-def _append_rows(
-    table: torch.Tensor, lengths: torch.Tensor, appended: int, page_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pages, slots) [B, appended] on `device`: where rows cache_seqlens[b] .. + appended go."""
-    positions = lengths.view(-1, 1) + torch.arange(appended).view(1, -1)
-    return table.gather(1, positions // page_size).to(device), (positions % page_size).to(device)
+@dataclass(frozen=True)
+class AppendRows:
+    """Where a paged call's appended keys go, on the cache's device: pages and slots [B,
+    appended] (torch's indexed writes: `append_to_caches`) and the same as cache rows
+    page * page_size + slot, int64 [B * appended] in k_new's order (the CUDA library's
+    `append_new_keys`)."""
+
+    pages: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor
+
+    @staticmethod
+    def of(
+        table: torch.Tensor, lengths: torch.Tensor, appended: int, page_size: int, device: torch.device
+    ) -> AppendRows:
+        """Where keys cache_seqlens[b] .. + appended go."""
+        positions = lengths.view(-1, 1) + torch.arange(appended).view(1, -1)
+        pages, slots = table.gather(1, positions // page_size), positions % page_size
+        return AppendRows(pages.to(device), slots.to(device), (pages * page_size + slots).view(-1).to(device))
+
+
+#: A paged call's appended keys: where they go, k_new and v_new [B, appended, Hkv, D].
+Appends = tuple[AppendRows, torch.Tensor, torch.Tensor]
+
+
+def append_to_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, appends: Appends) -> None:
+    """k_new and v_new written in place into the caches [num_pages, page_size, Hkv, D] by torch
+    (the CUDA kernels write them in their library: `Kernel.appends_in_library`)."""
+    where, k_new, v_new = appends
+    k_cache[where.pages, where.slots] = k_new
+    v_cache[where.pages, where.slots] = v_new
 
 
 def paged_forward(
@@ -570,19 +595,17 @@ def paged_forward(
     else:
         table, lengths, totals = plan.table, plan.lengths, list(plan.totals)
         _validate_runtime(kern, q, (B, H, k_cache.shape[2], N, table.shape[1] * page_size, D), runtime)
+    appends = None
     if appended:
-        pages, slots = (
-            _append_rows(table, lengths, appended, page_size, k_cache.device) if plan is None else plan.append_rows
-        )
-        k_cache[pages, slots] = k_new
-        v_cache[pages, slots] = v_new
-    if max(totals, default=0) > 0:
+        where = AppendRows.of(table, lengths, appended, page_size, k_cache.device) if plan is None else plan.append_rows
+        appends = (where, k_new, v_new)
+    if max(totals, default=0) > 0:  # (so with every append)
         # one launch reads every sequence's keys through the block table, each sequence to its
-        # own key count (k_starts), the call's M the longest
+        # own key count (k_starts), the call's M the longest; the kernel appends first
         paged = PagedKeys.of(table, page_size, totals, q.device) if plan is None else plan.keys
         return kern.forward_impl(
             q, k_cache, v_cache, tensors, options.scalars, options.scale, 0.0, 0, sink=sink, descale=descale,
-            paged=paged,
+            paged=paged, appends=appends,
         )  # fmt: skip
     out = q.new_zeros((B, H, N, v_cache.shape[3]))  # no sequence has a key
     lse = torch.full((B, H, N), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
@@ -671,11 +694,14 @@ class CheckedPagedCall:
         launch = self.launch(kern, plan, q, k_cache, v_cache, layout)
         if launch is None:
             return None
-        if plan.append_rows is not None:
-            pages, slots = plan.append_rows
-            k_cache[pages, slots] = k_new
-            v_cache[pages, slots] = v_new
-        out, lse = launch(q.transpose(1, 2) if layout == "bnhd" else q, k_cache, v_cache)
+        q_bhnd = q.transpose(1, 2) if layout == "bnhd" else q
+        if plan.append_rows is None:
+            out, lse = launch(q_bhnd, k_cache, v_cache)
+        elif kern.appends_in_library:  # (rows as the library reads them: contiguous)
+            out, lse = launch(q_bhnd, k_cache, v_cache, k_new.contiguous(), v_new.contiguous())  # type: ignore[union-attr]
+        else:
+            append_to_caches(k_cache, v_cache, (plan.append_rows, k_new, v_new))  # type: ignore[arg-type]
+            out, lse = launch(q_bhnd, k_cache, v_cache)
         return _in_layout(out, lse, layout, return_lse)
 
     def launch(
