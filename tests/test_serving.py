@@ -1366,3 +1366,35 @@ def test_a_kept_launch_follows_the_kernels_settings(monkeypatch: pytest.MonkeyPa
         fresh.kv_splits = splits
         assert torch.equal(kern(q, k, v), fresh(q, k, v)), splits
     assert used == [True, False, True]  # second of each run of equal settings: kept (split, unsplit, split)
+
+
+def test_a_planned_paged_call_follows_the_kernels_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planned paged call repeating a checked one takes the launch it found then while the
+    kernel's settings are those it was found under (`CheckedPagedCall.found`); `kern.kv_splits
+    = 1` launches unsplit, back to None the kept split launch again. Outputs and the caches
+    (one key appended by each call) as a fresh kernel's unplanned calls with the same setting."""
+    from attncc.runtime.kernel import KeptLaunch
+
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm80", emulate=True)
+    gen = torch.Generator().manual_seed(8)
+    page_size, pages, held = 16, 200, 2999
+    caches = [torch.randn(pages, page_size, 8, 32, generator=gen).bfloat16() for _ in range(2)]
+    fresh_caches = [c.clone() for c in caches]
+    table = torch.randperm(pages, generator=gen)[: (held + page_size) // page_size].view(1, -1).int()
+    plan = attncc.plan_paged(caches[0], table, torch.tensor([held]), new_tokens=1)
+    used: list[bool] = []  # whether each kept launch taken was a split one
+    call = KeptLaunch.__call__
+    monkeypatch.setattr(
+        KeptLaunch, "__call__", lambda self, *a: (used.append(self.partial_shapes is not None), call(self, *a))[1]
+    )
+    for splits in (None, None, 1, 1, None):
+        q = torch.randn(1, 1, 8, 32, generator=gen).bfloat16()
+        k_new, v_new = (torch.randn(1, 1, 8, 32, generator=gen).bfloat16() for _ in range(2))
+        kern.kv_splits = splits
+        fresh = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm80", emulate=True)
+        fresh.kv_splits = splits
+        got = kern.paged(q, *caches, plan=plan, k_new=k_new, v_new=v_new)
+        want = fresh.paged(q, *fresh_caches, table, torch.tensor([held]), k_new=k_new, v_new=v_new)
+        assert torch.equal(got, want), splits
+        assert all(torch.equal(a, b) for a, b in zip(caches, fresh_caches))
+    assert used == [True, False, True]  # second of each run of equal settings: kept (split, unsplit, split)

@@ -461,7 +461,7 @@ class EmulatedKernel(Kernel):
             return None
         return (
             "forward", self.call_key, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-            q.device, scale, tuple(scalars), self.kv_splits,
+            q.device, scale, tuple(scalars), self.launch_settings(),
         )  # fmt: skip
 
     def query_head_group(

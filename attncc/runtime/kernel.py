@@ -608,9 +608,13 @@ class Kernel:
         `scalars` its scalar inputs' (name, value) pairs."""
         return (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, scale, scalars, torch.get_num_threads(),
-            tuple(getattr(self, name, None) for name in ROW_VARIANT_SETTINGS),
+            q.device, k.device, v.device, scale, scalars, self.launch_settings(),
         )  # fmt: skip
+
+    def launch_settings(self) -> tuple:
+        """What a kept launch follows besides its operands, the scale and the scalar inputs: the
+        kernel's settings now (ROW_VARIANT_SETTINGS) and the thread count."""
+        return torch.get_num_threads(), tuple(getattr(self, name, None) for name in ROW_VARIANT_SETTINGS)
 
     def op_repeat_key(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: list[float], scale: float | None

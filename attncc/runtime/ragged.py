@@ -25,7 +25,7 @@ import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -677,6 +677,9 @@ class CheckedPagedCall:
 
     scale: float | None  # as checked
     scalars: list[float]
+    #: the launch found for this call's key and the kernel's `launch_settings` then: a call
+    #: under the same settings takes it without the kernel's lookup (the plan's memo keeps it)
+    found: list[tuple[tuple, KeptLaunch]] = field(default_factory=list, compare=False)
 
     def __call__(
         self,
@@ -708,8 +711,14 @@ class CheckedPagedCall:
         self, kern: Kernel, plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str
     ) -> KeptLaunch | None:
         """The forward launch `kern` kept in the plan's memo for this call's operands, if any."""
+        settings = kern.launch_settings()
+        if self.found and self.found[0][0] == settings:
+            return self.found[0][1]
         q_bhnd = q.transpose(1, 2) if layout == "bnhd" else q
-        return kern.kept_launch(q_bhnd, k_cache, v_cache, self.scalars, self.scale, plan.keys)
+        launch = kern.kept_launch(q_bhnd, k_cache, v_cache, self.scalars, self.scale, plan.keys)
+        if launch is not None:
+            self.found[:] = [(settings, launch)]
+        return launch
 
 
 def paged_attention(
