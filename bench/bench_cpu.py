@@ -565,12 +565,19 @@ def fp16_cases(results: list, args) -> None:
                     row(results, f"{name} fwd+bwd", ours, {"sdpa": anchor})
 
 
+def on_jagged(call: Callable, offsets: torch.Tensor, q, k, v) -> torch.Tensor:
+    """`call` on jagged nested views [B, H, j, D] of packed q, k, v [total, H, D]; out's values."""
+    nested = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v))
+    return call(*nested).transpose(1, 2).values()
+
+
 def serving_cases(results: list, args) -> None:
     """Issue 11's targets: packed (varlen) batches against SDPA on the padded batch with its
     padding mask, at 25% and 50% padding (8 sequences up to --serving-n, and 64 short ones up to
     256: one launch for all, where a call per sequence would cost its host work 64 times), fwd
-    and fwd+bwd; paged decoding against SDPA on contiguous K/V, pages in order and shuffled, all
-    sequences of M keys or of lengths spread over M/2..M."""
+    and fwd+bwd, and the vanilla batches as jagged nested tensors against SDPA's nested path;
+    paged decoding against SDPA on contiguous K/V, pages in order and shuffled, all sequences of
+    M keys or of lengths spread over M/2..M."""
     gen = torch.Generator().manual_seed(3)
     H, D = 8, 64
     for program, causal in (("vanilla", False), ("causal", True)):
@@ -605,6 +612,17 @@ def serving_cases(results: list, args) -> None:
             leaves = [t.requires_grad_() for t in (q, k, v)]
             anchors = {"sdpa_padded": median_s(fwd_bwd(sdpa, *grads), args.repeats)}
             row(results, f"{name} fwd+bwd", median_s(fwd_bwd(ours, *leaves), args.repeats), anchors, note)
+            if not causal:  # jagged nested tensors, SDPA's [B, H, j, D], against SDPA's nested path
+                sdpa_nested, ours_nested = (
+                    partial(on_jagged, call, cu.long()) for call in (F.scaled_dot_product_attention, kern)
+                )
+                with torch.no_grad():
+                    anchors = {"sdpa_nested": median_s(partial(sdpa_nested, q, k, v), args.repeats)}
+                    seconds = median_s(partial(ours_nested, q, k, v), args.repeats)
+                row(results, f"{name.replace('varlen', 'nested')} fwd", seconds, anchors, note)
+                anchors = {"sdpa_nested": median_s(fwd_bwd(sdpa_nested, *leaves), args.repeats)}
+                seconds = median_s(fwd_bwd(ours_nested, *leaves), args.repeats)
+                row(results, f"{name.replace('varlen', 'nested')} fwd+bwd", seconds, anchors, note)
     decode = attncc.compile(EX / "vanilla.attn")  # the new query is the last position: every key visible
     B, H, Hkv, M, D = 8, 32, 8, 4096, 128
     for dtype, page_size in itertools.product((torch.float32, torch.bfloat16), (16, 256)):

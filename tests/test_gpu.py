@@ -34,11 +34,10 @@ from tests.test_serving import (
     BOTTOM_RIGHT_CAUSAL,
     four_sequences,
     grads_of,
-    leaf64,
     offsets,
     packed_leaves,
     packed_lengths,
-    per_sequence_reference,
+    packed_reference,
 )
 from tests.test_value_head_dim import EMULATED_SHAPES as VALUE_DIM_SHAPES
 
@@ -191,11 +190,7 @@ def test_gpu_varlen_matches_hand_written_reference_per_sequence(name: str) -> No
     out, lse = kern.varlen(*leaves, cu_q, cu_k, return_lse=True, **case.call, **on_gpu)
     got = grads_of(out, lse, [*leaves, *(on_gpu[n] for n in learnable(inputs))], names, dout.cuda())
     got = {n: t.cpu() if t is not None else None for n, t in got.items()}
-    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
-    exact = [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))]
-    ref = grads_of(ref_out, ref_lse, exact, names, dout.double())
+    ref = packed_reference(case.reference, q, k, v, inputs, names, dout, lens_q, lens_k)
     assert_within(got, ref, {n: 2e-2 if n in ("out", "lse") else 6e-2 for n in ref})
 
 

@@ -95,6 +95,16 @@ def leaf64(t: torch.Tensor | int) -> torch.Tensor | int:
     return t
 
 
+def packed_reference(reference, q, k, v, inputs: Inputs, names: list[str], dout, lens_q, lens_k) -> dict:
+    """out, lse and the gradients `names` of out . dout (w.r.t. q, k, v, then the learnable
+    inputs) of `reference` on each sequence alone, in float64 on copies of the packed leaves."""
+    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = per_sequence_reference(reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
+    leaves = [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))]
+    return grads_of(ref_out, ref_lse, leaves, names, dout.double())
+
+
 # ----------------------------------------------------------------------- packed
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_varlen_matches_hand_written_reference_per_sequence(name: str, sweep: bool = False) -> None:
@@ -112,11 +122,7 @@ def test_varlen_matches_hand_written_reference_per_sequence(name: str, sweep: bo
         got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
     finally:
         kern.backward = "auto"
-    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
-    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
-    ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
-    leaves = [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))]
-    ref = grads_of(ref_out, ref_lse, leaves, names, dout.double())
+    ref = packed_reference(case.reference, q, k, v, inputs, names, dout, lens_q, lens_k)
     assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
 
 
@@ -332,10 +338,7 @@ def test_varlen_is_one_launch_with_each_sequences_own_n_and_m(monkeypatch: pytes
         else [["attncc_emulated_backward"]]
     )
     assert launches[1:] in backward
-    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
-    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
-    ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
-    ref = grads_of(ref_out, ref_lse, [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))], names, dout.double())
+    ref = packed_reference(case.reference, q, k, v, inputs, names, dout, lens_q, lens_k)
     tolerances = (FWD_TOL, BWD_TOL) if cpu else (2e-2, 6e-2)
     assert_within(got, ref, {n: tolerances[0] if n in ("out", "lse") else tolerances[1] for n in ref})
 
@@ -626,10 +629,7 @@ def test_varlen_on_the_cuda_emulator(name: str) -> None:
     names = ["dq", "dk", "dv"] + [f"d{n}" for n in learnable(inputs)]
     out, lse = emulated(name).varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True, **inputs)
     got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
-    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
-    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
-    ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
-    ref = grads_of(ref_out, ref_lse, [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))], names, dout.double())
+    ref = packed_reference(case.reference, q, k, v, inputs, names, dout, lens_q, lens_k)
     assert_within(got, ref, {n: 2e-2 if n in ("out", "lse") else 6e-2 for n in ref})
 
 

@@ -404,3 +404,37 @@ def test_kernels_pickle_deepcopy_and_are_freed() -> None:
     del out
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("call", ["padded", "varlen"])
+def test_autocast_runs_q_k_v_in_its_dtype_as_sdpa_does(call: str) -> None:
+    """Under torch.autocast a call casts float32 / float16 / bfloat16 q, k, v to the autocast
+    dtype (as SDPA, a lower-precision op there), whatever mix they come in, and runs as the
+    call on the cast tensors would: the same out and lse, gradients back in each leaf's dtype,
+    learnable inputs' included. float64 operands stay float64, as autocast leaves them."""
+    kern = kernel("alibi")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 37, 32, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 45, 32, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, 45, 32, generator=gen).bfloat16().requires_grad_()
+    slopes = torch.rand(4, generator=gen, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 37, 74]), torch.tensor([0, 45, 90])
+
+    def run(a, b, c):
+        if call == "varlen":
+            flat = [t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (a, b, c)]
+            return kern.varlen(*flat, cu_q, cu_k, return_lse=True, slopes=slopes)
+        return kern(a, b, c, return_lse=True, slopes=slopes)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = run(q, k, v)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    got = torch.autograd.grad((out.float().square().sum() + lse.sum()), [q, k, v, slopes])
+    expected_out, expected_lse = run(q.bfloat16(), k.bfloat16(), v)
+    expected = torch.autograd.grad((expected_out.float().square().sum() + expected_lse.sum()), [q, k, v, slopes])
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    for a, b, leaf in zip(got, expected, (q, k, v, slopes)):
+        assert a.dtype == leaf.dtype and torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+        assert run(q64, k64, v64)[0].dtype == torch.float64

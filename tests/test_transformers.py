@@ -297,3 +297,22 @@ def test_the_training_example_runs_and_learns() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     losses = [float(line.split()[3]) for line in run.stdout.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < 0.9 * losses[0], run.stdout
+
+
+def test_training_under_autocast_matches_sdpa() -> None:
+    """The AMP recipe (fp32 weights, `torch.autocast("cpu", torch.bfloat16)` around the
+    forward): Llama's rotary embedding hands attention float32 q and k beside a bfloat16 v,
+    which SDPA casts to bfloat16 as autocast's lower-precision op; attncc's call does the same."""
+    reference, ours = (m.train() for m in models("llama"))
+    ids, mask = batch()
+    losses = []
+    for model in (reference, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = model(ids, attention_mask=mask, labels=ids)
+        assert result.logits.dtype == torch.bfloat16
+        result.loss.backward()
+        losses.append(result.loss.item())
+    assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[0]), losses
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    got = torch.cat([p.grad.flatten() for p in ours.parameters()])
+    assert (got - expected).norm() / expected.norm() < 3e-2

@@ -38,11 +38,10 @@ from tests.test_serving import (
     BOTTOM_RIGHT_CAUSAL,
     four_sequences,
     grads_of,
-    leaf64,
     offsets,
     packed_leaves,
     packed_lengths,
-    per_sequence_reference,
+    packed_reference,
 )
 
 #: v's head dim from the case's D: narrower (not a multiple of 16 or of the case's D) and wider.
@@ -125,10 +124,7 @@ def test_varlen_with_its_own_value_head_dim(backend: str, name: str) -> None:
     out, lse = kern.varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True, **inputs)
     assert out.shape == (sum(lens_q), shape.H, 56)
     got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
-    ref_inputs = {n: leaf64(t) for n, t in inputs.items()}
-    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
-    ref_out, ref_lse = per_sequence_reference(case.reference, q64, k64, v64, ref_inputs, lens_q, lens_k)
-    ref = grads_of(ref_out, ref_lse, [q64, k64, v64, *(ref_inputs[n] for n in learnable(inputs))], names, dout.double())
+    ref = packed_reference(case.reference, q, k, v, inputs, names, dout, lens_q, lens_k)
     if backend == "cpu":
         # a learnable input's gradient sums every score of its heads: alibi's per-head slope
         # gradients here are -205, 435, 1.6 and -1037, each with ~4e-4 of fp32 rounding (the

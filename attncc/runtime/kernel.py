@@ -44,6 +44,7 @@ from attncc.passes.sparsity import (
     visible_keys,
 )
 from attncc.passes.tiling import CPU_AMX_KEY_STEP, CPU_FEW_KEYS_STEP, TilePlan, TilingTable
+from attncc.runtime.amp import autocast_dtype, cast_operands
 from attncc.runtime.build import build_library, load_library
 from attncc.runtime.fp8 import (
     FP8_DTYPES,
@@ -54,6 +55,7 @@ from attncc.runtime.fp8 import (
     kv_descales,
     library_dtype,
 )
+from attncc.runtime.nested import any_nested, nested_attention
 from attncc.runtime.ragged import (
     Appends,
     CallOptions,
@@ -424,8 +426,17 @@ class Kernel:
         q.k factor and every score expression using `scale` follow it; train=False disables dropout; seed fixes the
         dropout bits (default: drawn from torch's generator, so torch.manual_seed applies);
         runtime inputs are passed by their declared names. Returns out (and lse [B, H, N] in
-        float32, float64 for float64 inputs, when return_lse).
+        float32, float64 for float64 inputs, when return_lse). q, k and v may be jagged nested
+        tensors ([B, H, j, D] as scaled_dot_product_attention takes them, or [B, j, H, D]): one
+        packed call, out nested like q (runtime/nested.py).
         """
+        if any_nested(q, k, v) or autocast_dtype(q) is not None:
+            options = {"scale": scale, "train": train, "seed": seed, "k_descale": k_descale, "v_descale": v_descale}
+            if any_nested(q, k, v):  # (jagged: one packed call, runtime/nested.py)
+                return nested_attention(self, q, k, v, return_lse, options, runtime)
+            operands = cast_operands(autocast_dtype(q), q, k, v)  # type: ignore[arg-type]
+            with torch.autocast(q.device.type, enabled=False):  # (as SDPA under torch.autocast: runtime/amp.py)
+                return self(*operands, return_lse=return_lse, **options, **runtime)  # type: ignore[arg-type]
         # (descale factors: fp8 K/V's, which never repeat; given with other K/V, the full path's error)
         repeat_key = None
         if k_descale is None and v_descale is None:
@@ -735,6 +746,14 @@ class Kernel:
         checked one's sizes, strides, dtypes, scalars and threads launch what it packed, forward
         and backward (`KeptLaunch`, kept in the plan). See attncc/runtime/ragged.py.
         """
+        lower = autocast_dtype(q)
+        if lower is not None:  # (as SDPA under torch.autocast: runtime/amp.py)
+            with torch.autocast(q.device.type, enabled=False):
+                return self.varlen(
+                    *cast_operands(lower, q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan=plan,
+                    return_lse=return_lse, scale=scale, train=train, seed=seed, k_descale=k_descale,
+                    v_descale=v_descale, **runtime,
+                )  # fmt: skip
         if plan is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not _is_compiling():
             if all(type(t) is torch.Tensor for t in (q, k, v)) and not _untransformed(q, k, v):
                 # (the clear error, before the offsets are read)
