@@ -31,10 +31,18 @@ def include_dir() -> str:
 
 
 def read_program(path_or_source: str | Path) -> tuple[str, str]:
-    """(source text, display path): a path to an existing file, or DSL text itself."""
+    """(source text, display path): a path to an existing file, or DSL text itself. A program is
+    several lines (`attention NAME`, the statements, `output`), so a one-line string is a path,
+    whatever its suffix (`causal.txt` was parsed as a program whose first word is `causal`)."""
+    if not isinstance(path_or_source, (str, Path)):
+        raise AttnccError(
+            f"expected a program's path or DSL text (str or pathlib.Path), got {type(path_or_source).__name__}"
+        )
     text = str(path_or_source)
-    if "\n" not in text and (text.endswith(".attn") or isinstance(path_or_source, Path)):
+    if "\n" not in text:
         path = Path(text)
+        if path.is_dir():
+            raise AttnccError(f"{text}: a directory, not a program file")
         if not path.is_file():
             raise AttnccError(f"{text}: no such program file")
         return decode_source(path.read_bytes(), text), text

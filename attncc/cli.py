@@ -34,11 +34,25 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 def _shape(text: str) -> Shape:
     try:
         values = [int(x) for x in text.split(",")]
-        return Shape(*values)
+        shape = Shape(*values)
     except (ValueError, TypeError):
         raise argparse.ArgumentTypeError(
             "expected B,H,Hkv,N,M,D[,Dv] such as 1,8,8,2048,2048,64 (Dv: v's head dim, default D)"
         ) from None
+    if min(values) < 0 or shape.H < 1 or shape.Hkv < 1 or shape.D < 1 or shape.H % shape.Hkv:
+        raise argparse.ArgumentTypeError(f"expected sizes >= 0, H, Hkv and D >= 1 and H a multiple of Hkv, got {text}")
+    return shape
+
+
+def _positive(text: str) -> int:
+    """An argument that counts something (head dims, ranks): an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    return value
 
 
 def _fused(kern_or_stages: attncc.Kernel | list) -> FusedAttention:
@@ -266,6 +280,8 @@ def _median_ms(fn, repeats: int = 5) -> float:  # noqa: ANN001 - a thunk
 
 def cmd_examples(args: argparse.Namespace) -> int:
     """Compile every example for the CPU, check it against eager PyTorch, print plan and timing."""
+    if not Path(args.directory).is_dir():
+        raise AttnccError(f"{args.directory}: no such directory")
     files = sorted(Path(args.directory).glob("*.attn"))
     if not files:
         raise AttnccError(f"{args.directory}: no .attn programs")
@@ -365,14 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write the generated sources here")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=list(DTYPES))
     p.add_argument("--shape", type=_shape, default=default_shape, help="B,H,Hkv,N,M,D[,Dv] for the traffic estimate")
-    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="head dims to emit for GPU targets")
+    p.add_argument("--head-dim", type=_positive, nargs="+", default=[64, 128], help="head dims to emit for GPU targets")
     p.set_defaults(fn=cmd_compile)
 
     p = sub.add_parser("explain", help="IR after each pass, tile classes, IO report")
     p.add_argument("file")
     p.add_argument("--target", default="cpu")
     p.add_argument("--shape", type=_shape, default=Shape(1, 1, 1, 1024, 1024, 64))
-    p.add_argument("--context-parallel", type=int, metavar="P", help="chunk pairs and ring traffic over P ranks")
+    p.add_argument("--context-parallel", type=_positive, metavar="P", help="chunk pairs and ring traffic over P ranks")
     p.add_argument(
         "--no-key-split-warps",
         action="store_true",
@@ -394,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", nargs="+", default=["cpu"], choices=["cpu", *GPUS])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--kv-dtypes", nargs="+", default=[], choices=list(KV_FORMATS), help="fp8 K/V: their forwards too")
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="head dims for GPU targets")
+    p.add_argument("--head-dims", type=_positive, nargs="+", default=[64, 128], help="head dims for GPU targets")
     p.add_argument("--paged", action="store_true", help="GPU targets: the forwards of paged calls (Kernel.paged) too")
     p.add_argument("-o", "--output", required=True, help="the directory to fill")
     p.set_defaults(fn=cmd_prebuild)
@@ -429,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except AttnccError as exc:
         print(str(exc), file=sys.stderr)
+        return 1
+    except OSError as exc:  # (an output directory that cannot be made or written)
+        print(f"attncc {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

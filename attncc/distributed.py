@@ -80,6 +80,10 @@ def _chunk_length(length: int, world_size: int, layout: str, name: str) -> int:
 
 def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
     """Rank `rank`'s slice of the whole-sequence tensor `x` (sequence along `dim`)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"world_size: expected an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InputError(f"rank: expected an int in [0, {world_size}) (world_size {world_size}), got {rank!r}")
     n = _chunk_length(x.shape[dim], world_size, layout, "x")
     return torch.cat([x.narrow(dim, c * n, n) for c in rank_chunks(layout, rank, world_size)], dim=dim)
 

@@ -352,6 +352,11 @@ def test_shard_and_unshard_are_inverse_and_zigzag_pairs_the_ends() -> None:
     assert cp.shard(x, 1, 4, "contiguous").flatten().tolist() == [4, 5, 6, 7]
     for layout in cp.LAYOUTS:
         assert torch.equal(cp.unshard([cp.shard(x, r, 4, layout) for r in range(4)], layout), x)
+        for rank in (-1, 4):  # (zigzag gave another rank's rows, contiguous a deep RuntimeError)
+            with pytest.raises(
+                attncc.InputError, match=rf"rank: expected an int in \[0, 4\) \(world_size 4\), got {rank}"
+            ):
+                cp.shard(x, rank, 4, layout)
 
 
 @pytest.fixture

@@ -171,3 +171,81 @@ def test_infinite_literals_in_a_score_map_on_the_cpu_and_the_cuda_emulator() -> 
     assert torch.allclose(attncc.compile(text)(q, k, v), want, atol=1e-12)
     emulated = attncc.compile(text, target="sm80", emulate=True)
     assert (emulated(q.half(), k.half(), v.half()).double() - want).abs().max() < 1e-2
+
+
+FILLED_ROWS = "s = q @ k.T * scale\ns = where(j <= i - 2, s, {fill})\n"  # rows 0 and 1: all fills
+BIASED = "input bias: float[B, H, N, M]\ns = q @ k.T * scale\ns = s + bias[b, h, i, j]\n"
+
+
+def filled_reference(q, k, v, fill: float, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 eager attention of FILLED_ROWS (bias None) or of BIASED: out and lse."""
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    i, j = torch.arange(s.shape[-2]).view(-1, 1), torch.arange(s.shape[-1]).view(1, -1)
+    s = s + bias if bias is not None else torch.where(j <= i - 2, s, torch.tensor(fill, dtype=s.dtype))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_huge_finite_scores_are_softmaxed_exactly(dtype: torch.dtype) -> None:
+    """Rows whose scores are all huge finite fills (-1e30, float32's lowest, -1e12: a uniform
+    average, as eager attention gives, where the one-FMA exponent made them NaN or 0 with lse
+    -inf), a bias of +1e10 on one key (that key's value) and the scale 1e10 (each row's best
+    key): forward against float64, and the gradients of q and k."""
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    q, k, v = (t.to(dtype) for t in qkv(N=8, M=20))
+    exact = [t.double() for t in (q, k, v)]
+    for fill in (-1e30, torch.finfo(torch.float32).min, -1e12):
+        kern = attncc.compile(program(FILLED_ROWS.format(fill=f"{fill:.8e}"), "filled"))
+        leaves = [t.clone().requires_grad_() for t in (q, k)]
+        out, lse = kern(*leaves, v, return_lse=True)
+        want, want_lse = filled_reference(*exact, fill)
+        assert (out.double() - want).abs().max() < tolerance, fill
+        assert ((lse.double() - want_lse).abs() / want_lse.abs().clamp_min(1)).max() < 1e-5, fill
+        grads = torch.autograd.grad(out.double().sum(), leaves)
+        ref_leaves = [t.clone().requires_grad_() for t in exact[:2]]
+        ref = torch.autograd.grad(filled_reference(*ref_leaves, exact[2], fill)[0].sum(), ref_leaves)
+        for got, expected in zip(grads, ref):
+            assert (got.double() - expected).abs().max() < 10 * tolerance, fill
+    biased = attncc.compile(program(BIASED, "biased"))
+    for row, col, value in ((3, slice(None), torch.finfo(torch.float32).min), (3, 7, 1e10)):
+        bias = torch.zeros(1, 2, 8, 20, dtype=torch.float64)
+        bias[0, :, row, col] = value
+        out = biased(q, k, v, bias=bias.float())  # (float32: its lowest is -inf in bfloat16)
+        assert (out.double() - filled_reference(*exact, 0.0, bias)[0]).abs().max() < tolerance, value
+    # (whole key tiles: bf16 products fold the scale into the exponent there)
+    q, k, v = (t.to(dtype) for t in qkv(N=64, M=256))
+    out = attncc.compile("examples/vanilla.attn")(q, k, v, scale=1e10)
+    best = (q.double() @ k.double().transpose(-1, -2)).argmax(-1)  # [1, 2, N]
+    assert torch.equal(out.double(), torch.gather(v.double(), 2, best.unsqueeze(-1).expand(-1, -1, -1, 16)))
+
+
+def test_a_program_with_a_very_long_name_builds_and_runs() -> None:
+    """Its library's directory name is cut (the key tells libraries apart), where it exceeded
+    the file system's 255 bytes."""
+    long = "a" * 300
+    q, k, v = qkv(N=5, M=7)
+    out = attncc.compile(program("s = q @ k.T * scale\n", long))(q, k, v)
+    assert torch.allclose(out, masked_attention(q, k, v, torch.ones(5, 7, dtype=torch.bool)))
+
+
+def test_scalars_beyond_float_range_and_unknown_backward_settings_are_clear_errors() -> None:
+    """A float scalar of 2^1030 raised OverflowError from float(); `kern.backward` with a typo ran
+    the two-pass backward silently."""
+    kern = attncc.compile(program("input t: float\ninput n: int\ns = q @ k.T * scale * t\nmask j < n + i\n", "ranged"))
+    q, k, v = (t.float() for t in qkv(N=4, M=4))
+    for t, n, message in ((2**1030, 3, "t: expected a float scalar"), (0.5, 2**1030, "n: expected a int scalar")):
+        with pytest.raises(InputError, match=message):
+            kern(q, k, v, t=t, n=n)
+    kern.backward = "fast"
+    with pytest.raises(attncc.AttnccError, match="backward: expected 'auto', 'fused' or 'two-pass', got 'fast'"):
+        kern(q.requires_grad_(), k, v, t=0.5, n=3).sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((1, 0, 1, 1, -4, 4, 0.1), "N: expected an int >= 0"), ((1, 0, 1, 1, 4, 4, 1.5), "p: expected a dropout rate"),
+     ((-1, 0, 1, 1, 4, 4, 0.1), "seed: expected an int >= 0")],
+)  # fmt: skip
+def test_dropout_mask_arguments_are_checked(args: tuple, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        attncc.dropout_mask(*args)

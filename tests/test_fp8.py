@@ -506,6 +506,9 @@ def test_bad_fp8_paged_and_varlen_calls_are_named() -> None:
         )
     with pytest.raises(InputError, match=r"k_descale: expected a shape broadcastable to \[4, 16, 1\]"):
         kern.paged(q, k_cache, k_cache.clone(), table, held, k_descale=torch.ones(4, 1, 16))
+    # FlashAttention 3's per-sequence [B, Hkv] would broadcast as a factor per cache slot
+    with pytest.raises(InputError, match=r"per cache row \[num_pages, page_size, Hkv\].*got \(16, 1\)"):
+        kern.paged(q, k_cache, k_cache.clone(), table, held, k_descale=torch.ones(16, 1))
     with pytest.raises(InputError, match="q, k_cache, v_cache must have one dtype"):
         kern.paged(q, k_cache.float(), k_cache.bfloat16(), table, held)
     packed = torch.randn(7, 1, 16)

@@ -6,11 +6,12 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import attncc
-from attncc.errors import DslError
+from attncc.errors import AttnccError, DslError
 from attncc.frontend.lower import parse_program
 from attncc.ir.graph import print_graph, verify
 from tests.conftest import EXAMPLES, ROOT
@@ -235,3 +236,20 @@ def test_cli_reports_dsl_errors_without_traceback(tmp_path, capsys) -> None:
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"{bad}:2:15: error: unknown name `scael`" in proc.stderr
     assert proc.stderr.splitlines()[-1].strip() == "^"
+
+
+def test_a_one_line_string_is_a_program_path_whatever_its_suffix(tmp_path: Path) -> None:
+    """A program is several lines, so one line names a file: `causal.txt` is read (it was parsed
+    as a program whose first word is `causal`); a directory, a missing file and what is neither
+    text nor a path are clear errors."""
+    renamed = tmp_path / "causal.txt"
+    renamed.write_text((ROOT / "examples" / "causal.attn").read_text())
+    assert attncc.compile(str(renamed)).name == "causal"
+    for given, message in (
+        (str(tmp_path), "a directory, not a program file"),
+        (str(tmp_path / "gone"), "no such program file"),
+    ):
+        with pytest.raises(AttnccError, match=message):
+            attncc.compile(given)
+    with pytest.raises(AttnccError, match=r"expected a program's path or DSL text .* got NoneType"):
+        attncc.compile(None)  # type: ignore[arg-type]

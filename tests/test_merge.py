@@ -108,3 +108,8 @@ def test_merge_errors_name_the_argument() -> None:
         attncc.merge_states([], [])
     with pytest.raises(InputError, match=r"outs, lses: expected floating-point tensors"):
         attncc.merge_states(out.long(), torch.randn(2, 4))
+
+
+def test_an_empty_stack_of_parts_is_a_clear_error() -> None:
+    with pytest.raises(InputError, match="outs: expected at least one partial result, got none"):
+        attncc.merge_states(torch.zeros(0, 2, 3), torch.zeros(0, 2))

@@ -77,6 +77,10 @@ def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_directory(tmp
         assert proc.returncode == 0, proc.stderr
         error = json.loads(proc.stdout.strip().splitlines()[-1])
         assert "is not an executable" in error and PREBUILT_ENV in error, error
+        # (which kernel the directory lacks: the bfloat16 one of the program prebuilt for float32)
+        assert re.search(
+            rf"^kernel alibi-bfloat16: not among the prebuilt kernels in {re.escape(str(prebuilt))}, and", error
+        )
         assert _files(prebuilt) == before  # nothing written: no lock, no rebuild
         assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 

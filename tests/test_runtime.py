@@ -629,3 +629,29 @@ def test_build_keys_follow_the_headers_their_kernels_include(monkeypatch) -> Non
     assert cpu_edit[0] != before[0] and cpu_edit[1:] == before[1:]
     shared_edit = edited("attncc/halfbits.h")
     assert all(edit != key for edit, key in zip(shared_edit, before))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["explain", "examples/causal.attn", "--shape=-1,2,2,10,10,16"], "expected sizes >= 0"),
+        (["explain", "examples/causal.attn", "--shape=1,3,2,10,10,16"], "H a multiple of Hkv"),
+        (["explain", "examples/causal.attn", "--context-parallel", "0"], "--context-parallel: expected an int >= 1"),
+        (["compile", "examples/causal.attn", "--target", "sm80", "--head-dim", "64", "-1"], "expected an int >= 1"),
+        (["compile", "examples/causal.attn", "-o", "{file}"], "attncc compile: [Errno 17] File exists"),
+        (["examples", "{missing}"], "no such directory"),
+    ],
+)
+def test_cli_misuse_is_one_line_and_a_failing_status(argv: list[str], message: str, tmp_path: Path, capsys) -> None:
+    """Nonsense sizes are argument errors and an output path that cannot be a directory is a
+    one-line error (they were tracebacks, or accepted with status 0)."""
+    from attncc.cli import main
+
+    (tmp_path / "file").write_text("")
+    argv = [a.format(file=tmp_path / "file", missing=tmp_path / "missing") for a in argv]
+    try:
+        status = main(argv)
+    except SystemExit as exit_:  # (argparse)
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status != 0 and message in err and "Traceback" not in err, err

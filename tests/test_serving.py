@@ -972,6 +972,30 @@ def test_paged_consecutive_pages_equal_the_contiguous_call() -> None:
         assert torch.equal(out[b : b + 1].transpose(1, 2), want)
 
 
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_block_table_of_any_strides_is_read_by_its_values(planned: bool) -> None:
+    """A table whose entries are not adjacent in memory (the transpose of a transposed copy,
+    a column of a stack: strides (1, B)) gives the call on its contiguous copy, bit for bit,
+    appends included (it was read as if its columns' stride were 1: other pages, silently)."""
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache = (torch.randn(8, 16, 2, 32, generator=gen) for _ in range(2))
+    q, k_new, v_new = (torch.randn(3, 1, heads, 32, generator=gen) for heads in (4, 2, 2))
+    table = torch.tensor([[5, 2, 7], [1, 6, 0], [3, 4, 0]])
+    lengths = torch.tensor([40, 20, 17])
+    results = []
+    for given in (table, table.T.contiguous().T):
+        caches = (k_cache.clone(), v_cache.clone())
+        call = (
+            {"plan": attncc.plan_paged(caches[0], given, lengths, 1)}
+            if planned
+            else {"block_table": given, "cache_seqlens": lengths}
+        )
+        results.append((kernel("vanilla").paged(q, *caches, k_new=k_new, v_new=v_new, **call), *caches))
+    assert table.T.contiguous().T.stride() == (1, 3)
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -984,7 +1008,8 @@ def test_paged_consecutive_pages_equal_the_contiguous_call() -> None:
         ({"cache_seqlens": torch.tensor([3, -1])}, "cache_seqlens: sequence 1 holds -1 keys"),
         ({"block_table": torch.tensor([[0, 1]])}, "block_table, cache_seqlens: expected 2 sequences"),
         ({"k_new": torch.randn(2, 1, 2, 16)}, "k_new, v_new: give both or neither"),
-        ({"q": torch.randn(2, 1, 4, 16, requires_grad=True)}, "paged calls are forward only"),
+        ({"q": torch.randn(2, 1, 4, 16, requires_grad=True)}, "q: paged calls are forward only"),
+        ({"k_cache": torch.randn(4, 8, 2, 16, requires_grad=True)}, "k_cache: paged calls are forward only"),
         ({"layout": "nhd"}, "layout: expected 'bnhd'"),
         ({"v_cache": torch.randn(4, 8, 1, 16)}, "v_cache: expected shape [4, 8, 2, Dv]"),
     ],
@@ -1398,3 +1423,14 @@ def test_a_planned_paged_call_follows_the_kernels_settings(monkeypatch: pytest.M
         assert torch.equal(got, want), splits
         assert all(torch.equal(a, b) for a, b in zip(caches, fresh_caches))
     assert used == [True, False, True]  # second of each run of equal settings: kept (split, unsplit, split)
+
+
+def test_appending_into_an_expanded_cache_is_a_clear_error() -> None:
+    """A stride-0 cache (one page's rows for every page) cannot take appended keys: its rows
+    share memory (torch only warned, and wrote into the shared rows)."""
+    cache = torch.randn(1, 8, 2, 16).expand(4, 8, 2, 16)
+    q, new = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16)
+    call = {"block_table": torch.tensor([[0, 1]]), "cache_seqlens": torch.tensor([9])}
+    assert kernel("vanilla").paged(q, cache, cache, **call).shape == (1, 1, 2, 16)  # (read only: fine)
+    with pytest.raises(attncc.InputError, match=r"^k_cache: an expanded view \(a stride of 0"):
+        kernel("vanilla").paged(q, cache, cache, k_new=new, v_new=new, **call)

@@ -438,3 +438,37 @@ def test_autocast_runs_q_k_v_in_its_dtype_as_sdpa_does(call: str) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         q64, k64, v64 = (t.detach().double() for t in (q, k, v))
         assert run(q64, k64, v64)[0].dtype == torch.float64
+
+
+def negative_view(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A float32 view with the negative bit set (its values are minus the stored ones)."""
+    view = torch.randn(*shape, dtype=torch.cfloat, generator=torch.Generator().manual_seed(seed)).conj().imag
+    assert view.is_neg()
+    return view
+
+
+def test_negative_bit_views_are_read_as_their_values() -> None:
+    """x.conj().imag keeps its sign in a flag over the stored values, which kernels read: q, k,
+    v (padded, twice: the second call could repeat the first's kept launch), packed q and
+    paged q give what their resolved copies give, gradients included; a paged cache with the
+    flag (read and written in place) is a clear error."""
+    kern = kernel("causal")
+    q, k, v = negative_view((1, 2, 10, 16), 0), negative_view((1, 2, 12, 16), 1), negative_view((1, 2, 12, 16), 2)
+    for _ in range(2):
+        assert torch.equal(kern(q, k, v), kern(q.resolve_neg(), k.resolve_neg(), v.resolve_neg()))
+    leaf = torch.randn(1, 2, 10, 16, dtype=torch.cfloat, requires_grad=True)
+    (grad,) = torch.autograd.grad(kern(leaf.conj().imag, k, v).sum(), leaf)
+    resolved = leaf.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(kern(resolved.conj().imag.resolve_neg(), k, v).sum(), resolved)
+    assert torch.equal(grad, want)
+    packed = q[0].transpose(0, 1)  # [10, 2, 16], still negative
+    cu = torch.tensor([0, 4, 10])
+    got = kern.varlen(packed, packed, packed, cu, cu)
+    assert torch.equal(got, kern.varlen(*(packed.resolve_neg(),) * 3, cu, cu))
+    cache = torch.randn(2, 8, 2, 16)
+    table, lengths = torch.tensor([[0, 1]]), torch.tensor([12])
+    q_paged = negative_view((1, 1, 2, 16), 3)
+    got = kern.paged(q_paged, cache, cache, table, lengths)
+    assert torch.equal(got, kern.paged(q_paged.resolve_neg(), cache, cache, table, lengths))
+    with pytest.raises(InputError, match=r"^k_cache: a negative-bit view"):
+        kern.paged(q_paged, negative_view((2, 8, 2, 16), 4), cache, table, lengths)

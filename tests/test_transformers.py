@@ -45,6 +45,10 @@ def config(family: str) -> tuple[transformers.PretrainedConfig, str]:
         # (head_dim is the rotary part's, qk_rope_head_dim, in DeepSeek's config)
         shared = {n: v for n, v in common.items() if n != "head_dim"}
         return transformers.DeepseekV3Config(**{**shared, "num_key_value_heads": 4}, **mla), "sdpa"
+    if family == "gpt_oss":  # learned sinks (`s_aux`), sliding and full layers in turn, a mixture of experts
+        return transformers.GptOssConfig(
+            **common, sliding_window=6, num_local_experts=2, num_experts_per_tok=1
+        ), "eager"  # fmt: skip
     assert family == "gemma2"
     return transformers.Gemma2Config(
         **common, sliding_window=6, attn_logit_softcapping=4.0, final_logit_softcapping=None, query_pre_attn_scalar=24
@@ -86,7 +90,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3", "gpt_oss"])
 def test_prefill_logits_with_padding(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, ours = (m.eval() for m in models(family))
     ids, mask = batch(right_padding=4)
@@ -103,7 +107,7 @@ def test_prefill_logits_with_padding(family: str, monkeypatch: pytest.MonkeyPatc
         assert (unpadded[0] - reference(ids[:1]).logits[0]).abs().max() < 2e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3", "gpt_oss"])
 def test_greedy_generation_through_the_cache(family: str) -> None:
     """Decoding steps have N = 1 query against M cached keys (bottom-right causal); Mistral's and
     Gemma 2's sliding layers keep fewer keys than positions once the window is full."""
@@ -115,7 +119,7 @@ def test_greedy_generation_through_the_cache(family: str) -> None:
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3", "gpt_oss"])
 def test_training_gradients(family: str) -> None:
     reference, ours = (m.train() for m in models(family))
     ids, mask = batch(right_padding=3)
@@ -211,8 +215,8 @@ def test_what_cannot_be_mapped_is_a_clear_error() -> None:
     module = torch.nn.Module()
     q = torch.randn(1, 4, 3, 16)
     k = torch.randn(1, 2, 3, 16)
-    with pytest.raises(AttnccError, match=r"Module: `s_aux` \(learned attention sinks"):
-        integration.ModelAttention()(module, q, k, k, None, s_aux=torch.zeros(4))
+    with pytest.raises(AttnccError, match=r"Module: `position_bias` \(an additive position bias"):
+        integration.ModelAttention()(module, q, k, k, None, position_bias=torch.zeros(1, 4, 3, 3))
     with pytest.raises(AttnccError, match="cu_seq_lens_q and cu_seq_lens_k go together"):
         integration.ModelAttention()(module, q, k, k, None, cu_seq_lens_q=torch.tensor([0, 3]))
     module.is_causal = False

@@ -7,7 +7,8 @@
 
 transformers calls the registered function per layer with q [B, H, N, D], k, v [B, Hkv, M, D]
 (GQA heads not repeated: the kernels share each K/V head among its group), the layer's
-`scaling`, `sliding_window`, `softcap`, `dropout` and its padding mask. The mask function
+`scaling`, `sliding_window`, `softcap`, `dropout`, learned sinks (GPT-OSS's `s_aux`) and its
+padding mask. The mask function
 registered beside it is transformers' FlashAttention one, which hands over the 2-D padding mask
 [B, M] (None where nothing is padded) instead of a dense [B, 1, N, M] mask; each sequence's valid
 keys are a contiguous range [kv_start, kv_end) of it (left or right padding), passed to the
@@ -52,8 +53,6 @@ T = TypeVar("T")
 #: program receives here: a clear error instead of a silently different attention.
 UNMAPPED_KWARGS = {
     "position_bias": "an additive position bias (T5-style)",
-    "s_aux": "learned attention sinks (gpt-oss style; the DSL has no sink construct yet)",
-    "sinks": "learned attention sinks (the DSL has no sink construct yet)",
     "block_table": "a paged cache of transformers' continuous batching (call the kernel's .paged instead)",
 }
 #: Runtime inputs of a program that this integration fills (name -> what it holds).
@@ -62,7 +61,10 @@ FILLED_INPUTS = {
     "kv_end": "int[B]: one past each sequence's last valid key",
     "window": "int: the layer's sliding window (query position - key position < window)",
     "cap": "float: the layer's logit soft-cap (s = cap * tanh(s / cap))",
+    "sinks": "float[H]: the layer's learned attention sinks (gpt-oss's `s_aux`: one more logit per query row)",
 }
+#: The keyword arguments that carry a layer's learned sinks ([H], one logit per query head).
+SINK_KWARGS = ("s_aux", "sinks")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class LayerNeeds:
     softcap: bool
     padding: bool
     dropout: float
+    sinks: bool = False
 
 
 def model_program(needs: LayerNeeds) -> str:
@@ -86,6 +89,8 @@ def model_program(needs: LayerNeeds) -> str:
         lines.append("input window: int")
     if needs.softcap:
         lines.append("input cap: float")
+    if needs.sinks:
+        lines.append("input sinks: float[H]")
     lines.append("s = q @ k.T * scale")
     if needs.softcap:
         lines.append("s = cap * tanh(s / cap)")
@@ -96,7 +101,7 @@ def model_program(needs: LayerNeeds) -> str:
         terms.append("i + M - N - j < window")
     if terms:
         lines.append("mask " + " and ".join(terms))
-    lines.append("p = softmax(s)")
+    lines.append("p = softmax(s, sink=sinks[h])" if needs.sinks else "p = softmax(s)")
     if needs.dropout > 0:
         lines.append(f"p = dropout(p, {float(needs.dropout)!r})")
     lines += ["o = p @ v", "output o"]
@@ -247,6 +252,7 @@ class ModelAttention:
         for name, what in UNMAPPED_KWARGS.items():
             if kwargs.get(name) is not None:
                 raise AttnccError(f"{type(module).__name__}: `{name}` ({what}) has no attncc mapping")
+        sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         if sliding_window is not None and not causal:
             raise AttnccError(f"{type(module).__name__}: a bidirectional sliding window has no attncc mapping")
@@ -254,12 +260,21 @@ class ModelAttention:
         if attention_mask is None:  # sequences packed into rows (padding-free training): each its own
             plan = self.packed_plan(type(module).__name__, query, keys, **kwargs)
             if plan is not None:
-                return self.packed(module, query, key, value, plan, dropout, scaling, sliding_window, softcap, causal)
+                return self.packed(
+                    module, query, key, value, plan, dropout, scaling, sliding_window, softcap, causal, sinks
+                )  # fmt: skip
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
             keys = attention_mask.shape[1]  # a static cache: the slots past the mask hold no token yet
             key, value = key[:, :, :keys], value[:, :, :keys]
         ranges = self.ranges(attention_mask, batch, keys) if attention_mask is not None else None
-        needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, ranges is not None, float(dropout))
+        needs = LayerNeeds(
+            causal,
+            sliding_window is not None,
+            softcap is not None,
+            ranges is not None,
+            float(dropout),
+            sinks is not None,
+        )
 
         def key_ranges_or_all() -> tuple[torch.Tensor, torch.Tensor]:
             device = query.device
@@ -268,7 +283,7 @@ class ModelAttention:
                 torch.full((batch,), keys, dtype=torch.int64, device=device),
             )
 
-        kern, runtime = self.layer_call(module, needs, query.device, key_ranges_or_all, sliding_window, softcap)
+        kern, runtime = self.layer_call(module, needs, query.device, key_ranges_or_all, sliding_window, softcap, sinks)
         out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
         return out.transpose(1, 2).contiguous(), None
 
@@ -280,6 +295,7 @@ class ModelAttention:
         ranges: Callable[[], tuple[torch.Tensor, torch.Tensor]],
         sliding_window: int | None,
         softcap: float | None,
+        sinks: object = None,
     ) -> tuple[Kernel, dict[str, object]]:
         """The layer's kernel and runtime inputs: each sequence's key range, ranges() (kv_start,
         kv_end int[B], made only where the program reads them), the window and the cap where the
@@ -293,6 +309,8 @@ class ModelAttention:
             runtime["window"] = int(sliding_window)
         if softcap is not None:
             runtime["cap"] = float(softcap)
+        if sinks is not None:  # (a parameter: its gradient flows through the call)
+            runtime["sinks"] = sinks
         if self.program is not None:
             check_given_program(kern, declared, runtime, needs, type(module).__name__)
         return kern, runtime
@@ -309,6 +327,7 @@ class ModelAttention:
         sliding_window: int | None,
         softcap: float | None,
         causal: bool,
+        sinks: object = None,
     ) -> tuple[torch.Tensor, None]:
         """The layer over sequences packed into its rows, as FlashAttention's varlen call takes
         them (transformers' `cu_seq_lens_q`/`_k` over the flattened tokens, or offsets read from
@@ -316,10 +335,12 @@ class ModelAttention:
         attending within itself (its N and M its own, so the made programs' bottom-right causal
         mask is each sequence's)."""
         batch, heads, length, _ = query.shape
-        needs = LayerNeeds(causal, sliding_window is not None, softcap is not None, False, float(dropout))
+        needs = LayerNeeds(
+            causal, sliding_window is not None, softcap is not None, False, float(dropout), sinks is not None
+        )
         lengths = plan.packed.lengths[1]  # (on the host) each sequence's keys, all valid
         all_keys = lambda: (torch.zeros_like(lengths), lengths)  # noqa: E731
-        kern, runtime = self.layer_call(module, needs, query.device, all_keys, sliding_window, softcap)
+        kern, runtime = self.layer_call(module, needs, query.device, all_keys, sliding_window, softcap, sinks)
         # [B, H, N, D] -> the tokens row after row, [B N, H, D] (a view of the layer's projections)
         q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
         out = kern.varlen(q, k, v, plan=plan, scale=scaling, train=dropout > 0, **runtime)

@@ -71,6 +71,10 @@ EMULATOR_FLAGS = ("-Og",)
 DEBUG_BUILD_ENV = "ATTNCC_DEBUG_BUILD"
 DEBUG_FLAGS = ("-O0", "-g")
 PREBUILT_ENV = "ATTNCC_PREBUILT_DIR"
+# A library's directory is its name (the program's, its dtype, ...) and key: names are cut to
+# this many characters, so that the directory's stays within file systems' 255 bytes (a program
+# named with 255 characters failed its first call with "File name too long").
+LIBRARY_NAME_CHARS = 120
 # A generated source's preamble (codegen.PREAMBLE_END) is read from a precompiled header: parsing
 # it (<immintrin.h> and the STL, mostly) took 0.45 s of a 1.5 s CPU kernel object and 0.25 s of
 # a 1.6 s emulator object (GCC 12, -O2 / -O1, AMX machine). The shared headers live here, in the
@@ -307,6 +311,7 @@ def build_library(
     halves, which cuts the wall time of a cold build on two cores to its larger half's.
     """
     includes = includes or {}
+    name = name[:LIBRARY_NAME_CHARS]  # (the key, not the name, tells libraries apart)
     key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items())) + f"\n//--arch {cuda_arch}"
     host_flags = FLAGS + optimization_flags(optimized) + isa_flags
     key_text += "\n//--flags " + " ".join(host_flags)
@@ -320,6 +325,12 @@ def build_library(
         prebuilt = _find_prebuilt(name, portable_key(key_text, gpu=bool(cuda_arch)))
         if prebuilt is not None:
             return prebuilt
+        if not cuda_arch and prebuilt_dirs():
+            try:
+                compiler()
+            except BuildError as missing:  # (which kernel a server's prebuilt set lacks)
+                where = os.pathsep.join(map(str, prebuilt_dirs()))
+                raise BuildError(f"kernel {name}: not among the prebuilt kernels in {where}, and {missing}") from None
         if cuda_arch:
             from attncc.runtime.nvcc import nvcc_fingerprint
 

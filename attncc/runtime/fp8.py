@@ -75,10 +75,23 @@ def check_operand_dtypes(
         )
 
 
-def descale_rows(name: str, descale: object, rows: torch.Size, device: torch.device) -> torch.Tensor:
+#: The factors' forms by the operand's layout (`descale_rows`' errors name them).
+DESCALE_FORMS = {
+    "padded": "per tensor [], per kv head [Hkv, 1], per sequence and kv head [B, Hkv, 1], per token [B, Hkv, M]",
+    "packed": "per tensor [], per kv head [Hkv], per token [total_k, Hkv] or [total_k, 1]",
+    "paged": "per tensor [], per kv head [Hkv], per cache row [num_pages, page_size, Hkv] or [num_pages, page_size, 1]",
+}
+
+
+def descale_rows(
+    name: str, descale: object, rows: torch.Size, device: torch.device, layout: str = "padded"
+) -> torch.Tensor:
     """`descale` (None: 1; a number; a float tensor broadcastable to `rows`, the operand's shape
     without its head dim) as float32 of shape (*rows, 1): the operand's shape with a head dim of
-    1, so every layout's strides (packed, paged) apply to it as to the operand."""
+    1, so every layout's strides (packed, paged) apply to it as to the operand. A paged call's
+    factors of two dims are refused: FlashAttention 3's per-sequence [B, Hkv] would broadcast
+    as [page_size, Hkv], a factor per cache slot, silently (pages may be shared by sequences,
+    so a sequence's factor has no place in the cache's rows)."""
     if descale is None:
         descale = 1.0
     if isinstance(descale, bool) or not isinstance(descale, (int, float, torch.Tensor)):
@@ -95,26 +108,28 @@ def descale_rows(name: str, descale: object, rows: torch.Size, device: torch.dev
         shape = torch.broadcast_shapes(descale.shape, rows)
     except RuntimeError:
         shape = None
-    if shape != rows:
+    if shape != rows or (layout == "paged" and descale.dim() == 2):
         raise InputError(
             f"{name}: expected a shape broadcastable to {list(rows)} (the operand's without its head dim: "
-            f"per tensor [], per head and sequence [..., 1], per token [{', '.join(map(str, rows))}]), "
-            f"got {tuple(descale.shape)}"
+            f"{DESCALE_FORMS[layout]}; per sequence [B, Hkv] only in padded calls), got {tuple(descale.shape)}"
         )
     return descale.detach().to(torch.float32).expand(rows).unsqueeze(-1)
 
 
-def kv_descales(k: torch.Tensor, v: torch.Tensor, k_descale: object, v_descale: object) -> dict[str, torch.Tensor]:
-    """k's and v's descale factors as `descale_rows` gives them, by their ABI names
-    (`by_name`), or {} where k and v are not fp8 (then none may be given)."""
+def kv_descales(
+    k: torch.Tensor, v: torch.Tensor, k_descale: object, v_descale: object, layout: str = "padded"
+) -> dict[str, torch.Tensor]:
+    """k's and v's descale factors as `descale_rows` gives them (`layout`: the operands', a key
+    of DESCALE_FORMS), by their ABI names (`by_name`), or {} where k and v are not fp8 (then
+    none may be given)."""
     if not is_fp8(k):
         for name, given in (("k_descale", k_descale), ("v_descale", v_descale)):
             if given is not None:
                 raise InputError(f"{name}: descale factors go with fp8 k and v, got k of dtype {k.dtype}")
         return {}
     return by_name(
-        descale_rows("k_descale", k_descale, k.shape[:-1], k.device),
-        descale_rows("v_descale", v_descale, v.shape[:-1], v.device),
+        descale_rows("k_descale", k_descale, k.shape[:-1], k.device, layout),
+        descale_rows("v_descale", v_descale, v.shape[:-1], v.device, layout),
     )
 
 

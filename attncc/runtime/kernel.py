@@ -206,10 +206,16 @@ class PagedKeys:
     def of(
         table: torch.Tensor, page_size: int, totals: Sequence[int], device: torch.device, prepared: dict | None = None
     ) -> PagedKeys:
-        """The keys of a block table (host or device) whose sequences hold `totals` keys each."""
+        """The keys of a block table (host or device) whose sequences hold `totals` keys each.
+        The kernels step along a row of the table by 1 (its row stride is `st_pages_0`): a table
+        whose entries are not adjacent (a transposed copy's view, a column of a stack) is made
+        so, where it was read with the columns' stride taken for 1."""
         counts = None if len(set(totals)) <= 1 else torch.tensor(totals, dtype=torch.int64)
         starts = None if counts is None else torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
-        return PagedKeys(table.to(device), page_size, max(totals, default=0), counts, starts, prepared)
+        pages = table.to(device)
+        if pages.shape[1] > 1 and pages.stride(1) != 1:
+            pages = pages.contiguous()
+        return PagedKeys(pages, page_size, max(totals, default=0), counts, starts, prepared)
 
     def lengths(self, queries: int) -> Lengths | None:
         """Each sequence's query and key counts where the key counts differ (the tile classes
@@ -452,6 +458,7 @@ class Kernel:
                 out, lse = repeat(q, k, v)
             return (out, lse) if return_lse else out
         _reject_transforms({"q": q, "k": k, "v": v, **runtime})
+        q, k, v = _resolved(q, k, v)
         self.validate(q, k, v, runtime)
         tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
@@ -788,6 +795,7 @@ class Kernel:
                 out, lse = repeat(q, k, v)
             return (out, lse) if return_lse else out
         _reject_transforms({"q": q, "k": k, "v": v, **runtime})
+        q, k, v = _resolved(q, k, v)
         out, lse = varlen_attention(
             self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             return_lse=True, scale=scale, train=train, seed=seed, runtime=runtime,
@@ -852,6 +860,22 @@ class Kernel:
             if result is not None:
                 return result
         _reject_transforms({"q": q, "k_cache": k_cache, "v_cache": v_cache, **runtime})
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if (
+                k_new is not None
+                and isinstance(cache, torch.Tensor)
+                and any(stride == 0 and size > 1 for size, stride in zip(cache.shape, cache.stride()))
+            ):
+                raise InputError(
+                    f"{name}: an expanded view (a stride of 0: strides {tuple(cache.stride())}) cannot take appended "
+                    "keys, its rows share memory; pass a cache of its own (.contiguous())"
+                )
+            if not _is_compiling() and isinstance(cache, torch.Tensor) and cache.is_neg():
+                raise InputError(
+                    f"{name}: a negative-bit view (x.conj().imag, torch._neg_view) would be read and written in "
+                    "place as its stored values; pass a cache without the flag (.resolve_neg() copies it)"
+                )
+        q, k_new, v_new = _resolved(q, k_new, v_new)
         result = paged_attention(
             self, q, k_cache, v_cache, block_table, cache_seqlens, k_new=k_new, v_new=v_new,
             layout=layout, return_lse=return_lse, scale=scale, runtime=runtime,
@@ -1102,7 +1126,9 @@ class Kernel:
                         f"and read `{decl.name}[0]` to learn it"
                     )
                 value = value.item()
-            ok = isinstance(value, (bool, int, float)) and (decl.dtype == "float" or float(value).is_integer())  # type: ignore[arg-type]
+            # (|value| < 2^1024: float() of a larger int raised OverflowError; inf and NaN fail it too)
+            ok = isinstance(value, (bool, int, float)) and abs(value) < 2**1024  # type: ignore[operator]
+            ok = ok and (decl.dtype == "float" or float(value).is_integer())  # type: ignore[arg-type]
             if not ok or (decl.dtype == "float" and not math.isfinite(float(value))):  # type: ignore[arg-type]
                 raise InputError(f"{decl.name}: expected a {decl.dtype} scalar, got {value!r}")
             if decl.dtype == "int" and abs(int(value)) > 2**53:  # type: ignore[arg-type]
@@ -1334,6 +1360,8 @@ class Kernel:
         times its share of all their tiles (`packed_key_chunks`). `backward` forces either
         (fused: with the chunks auto would take, or none). `threads`: those the backward runs on
         (default: torch's); `acc_bytes`: the accumulators' element size (8 for float64 calls)."""
+        if self.backward not in ("auto", "fused", "two-pass"):  # (a typo ran two-pass silently)
+            raise AttnccError(f"backward: expected 'auto', 'fused' or 'two-pass', got {self.backward!r}")
         p, tiles = plan.problem, plan.tiles
         threads = threads or max(1, torch.get_num_threads())
         rows = (p.H // p.Hkv) * math.ceil(p.N / tiles.block_rows) * tiles.block_rows
@@ -2395,13 +2423,24 @@ def _untransformed(
     wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor,
     forward_ad: object = torch.autograd.forward_ad,
 ) -> bool:
-    """No torch.func transform or forward-mode AD tangent (`_reject_transforms` names which)."""
+    """No torch.func transform or forward-mode AD tangent (`_reject_transforms` names which), and
+    no negative-bit view (the full path resolves it: `_resolved`)."""
     if forward_ad._current_level >= 0:  # type: ignore[attr-defined]
         return False
     for t in tensors:
-        if wrapped(t):
+        if wrapped(t) or t.is_neg():
             return False
     return True
+
+
+def _resolved(*tensors: object) -> tuple:
+    """`tensors` with negative-bit views (x.conj().imag, torch._neg_view) materialised: a kernel
+    reads a tensor's stored values, and such a view keeps its sign in a flag (read unnegated
+    until session 52). Differentiable, as resolve_neg is. Not while torch.compile traces: dynamo
+    cannot trace is_neg (fullgraph calls failed on it), and its graphs read values."""
+    if _is_compiling():
+        return tensors
+    return tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors)
 
 
 def _plain_untransformed(*tensors: torch.Tensor) -> bool:

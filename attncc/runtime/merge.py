@@ -21,9 +21,9 @@ from attncc.errors import InputError
 
 
 def _stacked(parts: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.Tensor:
-    if isinstance(parts, torch.Tensor):
+    if isinstance(parts, torch.Tensor) and parts.dim() > 0 and parts.shape[0] > 0:
         return parts
-    if not parts:
+    if isinstance(parts, torch.Tensor) or not parts:
         raise InputError(f"{name}: expected at least one partial result, got none")
     if not all(isinstance(t, torch.Tensor) for t in parts):
         raise InputError(f"{name}: expected tensors, got {[type(t).__name__ for t in parts]}")
@@ -42,6 +42,9 @@ def merge_states(
     (the matching log-sum-exp, e.g. `kern(q, k_s, v_s, return_lse=True)[1]`). Returns
     (out [..., D] in the dtype of outs, lse [...] in float32, or float64 where either is).
     Differentiable in outs and lses; rows whose parts are all empty get zero gradients, not NaN.
+    A program with a softmax sink counts the sink in every part's lse: merging such parts counts
+    it S times. Compute the parts with the program without its sink and merge the sink once, as
+    one more part: out 0, lse the sink's logit (what `context_parallel` does after its ring).
     """
     out_stack, lse_stack = _stacked(outs, "outs"), _stacked(lses, "lses")
     if out_stack.dim() < 2 or lse_stack.shape != out_stack.shape[:-1]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from attncc.errors import InputError
+
 _MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
@@ -41,6 +43,11 @@ def keep_threshold(p: float) -> int:
 
 def dropout_mask(seed: int, offset: int, B: int, H: int, N: int, M: int, p: float) -> torch.Tensor:
     """The [B, H, N, M] keep mask (True = kept) that attncc kernels apply for dropout p."""
+    for name, value in (("seed", seed), ("offset", offset), ("B", B), ("H", H), ("N", N), ("M", M)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InputError(f"{name}: expected an int >= 0, got {value!r}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise InputError(f"p: expected a dropout rate in [0, 1), got {p!r}")
     b = torch.arange(B).view(-1, 1, 1, 1)
     h = torch.arange(H).view(1, -1, 1, 1)
     i = torch.arange(N).view(1, 1, -1, 1)

@@ -385,7 +385,7 @@ def varlen_attention(
     dropout = kern.op.dropout if train else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
-    descale = kv_descales(k, v, k_descale, v_descale)
+    descale = kv_descales(k, v, k_descale, v_descale, "packed")
     seed_value = seed_tensor(seed, dropout)
     sink = None
     if kern.op.sink is not None:
@@ -781,8 +781,12 @@ def paged_attention(
                     f"{name}: expected {k_cache.dtype} (as the cache) on {q.device}, got {t.dtype} on {t.device}"
                 )
         appended = k_new.shape[1]
-    if any(t.requires_grad for t in (q, k_cache, v_cache)) and torch.is_grad_enabled():
-        raise InputError("paged calls are forward only (inference); run them under torch.no_grad() or detach q")
+    tracked = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) if t.requires_grad]
+    if tracked and torch.is_grad_enabled():
+        raise InputError(
+            f"{', '.join(tracked)}: paged calls are forward only (inference), and this requires grad; run them "
+            f"under torch.no_grad() or detach {tracked[0]}"
+        )
     kern.check_input_names(runtime)
     if plan is not None:
         _check_plan(plan, block_table, cache_seqlens, k_cache, B, appended)
@@ -811,7 +815,7 @@ def paged_attention(
             row_sizes["M"] = (cache_seqlens.to(torch.int64) + appended).view(-1, 1, 1)
             sink = kern.sink_rows(padded_rows(B, H, N, q.device), row_sizes, scale, runtime, acc_dtype(q.dtype))
             sink = sink.expand(B, H, N).contiguous()
-    descale = kv_descales(k_cache, v_cache, k_descale, v_descale)
+    descale = kv_descales(k_cache, v_cache, k_descale, v_descale, "paged")
     if plain:
         out, lse = paged_forward(
             kern, q_bhnd, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new,

@@ -805,12 +805,44 @@ inline bool has_nan(const acc_t* x, int n) {
   return false;
 }
 
+// The exponent of exp(scale x - shift) is one FMA per score, x (scale log2 e) - shift log2 e,
+// whose two products are rounded apart: an error of ~3 * 2^-24 |shift log2 e| in the exponent.
+// Up to |shift| = kExactShiftAbove that is at most 2^(3 * 2^-24 * 2955) - 1 = 5e-4 of P (fp32
+// scores of that size carry more error of their own); beyond, it grows with the shift until it
+// leaves the exponential's range: rows of -1e30 fills came out NaN, a score of +1e10 took its
+// row to 0 and lse -inf (session 52). Rows past it take the exact form, (scale x - shift) log2 e,
+// whose difference is 0 at the row's max (shift is that max, computed as scale x is here).
+constexpr acc_t kExactShiftAbove = 2048;
+
+// v as rounded: GCC may not fuse the product it holds into a later FMA (-ffp-contract=fast).
+// Through memory ("+m"; a store and a load, on rows past kExactShiftAbove only): a register
+// constraint has no register class for a 64-byte vector where the source is built without
+// AVX-512 (`attncc compile` sources built standalone at the baseline ISA).
+template <typename V>
+inline V rounded(V v) {
+  asm("" : "+m"(v));
+  return v;
+}
+
+// 2^((scale x - shift) log2 e) for every vector of a row past kExactShiftAbove (exp_shift_lanes).
+template <bool ForBf16 = false, typename V>
+inline V exp_exact_shift(V x, V scale, V shift) {
+  const V t = (rounded(x * scale) - shift) * vbroadcast(kLog2e);
+  if constexpr (ForBf16) return vexp2_nonpositive<true>(t);
+  else return vexp2_nonpositive(t);
+}
+
 // x[c] = exp(scale x[c] - shift) in place for shift >= max scale x - ln 256 (the forward's lazy
 // rescaling: 2^t for t up to 8 is as exact as below 0); n a multiple of VL. (The forward folds
 // the softmax scale in here where nothing else reads it.) Returns the row sum in lanes: the
 // forward adds it to its lanes of l and reduces them once per row, not once per tile.
 inline vec_t exp_shift_lanes(acc_t* x, int n, acc_t shift, acc_t scale = 1) {
   vec_t sum{};
+  if (std::fabs(shift) > kExactShiftAbove) [[unlikely]] {
+    const vec_t m = vbroadcast(shift), a = vbroadcast(scale);
+    for (int c = 0; c < n; c += VL) { vec_t v = exp_exact_shift(vload(x + c), a, m); vstore(x + c, v); sum += v; }
+    return sum;
+  }
   const vec_t s = vbroadcast(shift * kLog2e), a = vbroadcast(scale * kLog2e);
   for (int c = 0; c < n; c += VL) { vec_t v = vexp2_nonpositive(vload(x + c) * a - s); vstore(x + c, v); sum += v; }
   return sum;
@@ -1123,6 +1155,15 @@ inline void pack_row_pairs(uint16_t* __restrict dst, const uint16_t* __restrict 
 // scores instead of exp, store, reload, convert.
 inline vec_t exp_shift_lanes_bf16(const float* __restrict x, uint16_t* __restrict p, int n, float shift, float scale) {
   vec_t sum{}, sum2{};  // two chains of adds: one would make each vector wait for the last
+  if (std::fabs(shift) > kExactShiftAbove) [[unlikely]] {
+    const vec_t m = vbroadcast(shift), a = vbroadcast(scale);
+    for (int c = 0; c < n; c += VL) {
+      const vec_t v = exp_exact_shift<true>(vload(x + c), a, m);
+      store_bf16(p + c, (__m512)v);
+      sum += v;
+    }
+    return sum;
+  }
   const vec_t s = vbroadcast(shift * kLog2e), a = vbroadcast(scale * kLog2e);
   int c = 0;
   for (; c + 2 * VL <= n; c += 2 * VL) {
