@@ -249,3 +249,25 @@ def test_scalars_beyond_float_range_and_unknown_backward_settings_are_clear_erro
 def test_dropout_mask_arguments_are_checked(args: tuple, message: str) -> None:
     with pytest.raises(InputError, match=message):
         attncc.dropout_mask(*args)
+
+
+def test_a_call_scale_for_a_program_that_reads_no_scale_is_an_error() -> None:
+    """`scale=` sets the name `scale`; where no expression reads it (`s = q @ k.T`, a literal
+    factor) it changed nothing, silently, where an SDPA user expects it applied."""
+    q, k, v = (t.float() for t in qkv(N=5, M=8))
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # [rows, 2, 16]: one sequence
+    cu_q, cu_k = torch.tensor([0, 5]), torch.tensor([0, 8])
+    cache = [t.transpose(1, 2).reshape(2, 4, 2, 16) for t in (k, v)]  # two pages of 4 keys
+    paged_q, table, held = q[:, :, :1].transpose(1, 2), torch.tensor([[0, 1]]), torch.tensor([8])
+    for body in ("s = q @ k.T\n", "s = q @ k.T * 0.5\n"):
+        kern = attncc.compile(program(body, "unscaled"))
+        error = r"^scale: program unscaled does not use the name `scale`"
+        with pytest.raises(InputError, match=error):
+            kern(q, k, v, scale=0.3)
+        with pytest.raises(InputError, match=error):
+            kern.varlen(*packed, cu_q, cu_k, scale=0.3)
+        with pytest.raises(InputError, match=error):
+            kern.paged(paged_q, *cache, table, held, scale=0.3)
+        assert torch.equal(kern(q, k, v), kern(q, k, v, scale=None))  # (none given: fine)
+    scaled = attncc.compile(program("s = q @ k.T * scale * 2\n", "scaled"))
+    assert torch.allclose(scaled(q, k, v, scale=0.15), attncc.compile("examples/vanilla.attn")(q, k, v, scale=0.3))

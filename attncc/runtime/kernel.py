@@ -30,6 +30,7 @@ import torch
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
+from attncc.ir.expr import free_vars
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
 from attncc.passes import Stage, with_rows, with_tiles
@@ -466,6 +467,7 @@ class Kernel:
         seed_value = seed_tensor(seed, dropout)
         if not torch.compiler.is_compiling():  # traced: may be symbolic
             scale = checked_scale(scale)
+            self.check_scale_is_read(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
         descale = kv_descales(k, v, k_descale, v_descale)
@@ -922,6 +924,24 @@ class Kernel:
         launch = self._forward_launch(plan, call, ptrs, out, lse, (call, paged), strides)
         with self._lock:
             paged.prepared[key] = launch  # type: ignore[index]
+
+    @cached_property
+    def reads_scale(self) -> bool:
+        """Whether any of the program's expressions reads the name `scale` (what a call's
+        `scale=` sets)."""
+        op = self.op
+        positions = [r.position for r in (op.q_rope, op.k_rope) if r is not None]
+        expressions = [e for e in (op.scale, op.score, op.mask, op.sink, *positions) if e is not None]
+        return any("scale" in free_vars(e) for e in expressions)
+
+    def check_scale_is_read(self, scale: float | None) -> None:
+        """A call's `scale=` where the program reads no name `scale` (`s = q @ k.T`, a literal
+        factor) would change nothing: a clear error, where an SDPA user's scale was ignored."""
+        if scale is not None and not self.reads_scale:
+            raise InputError(
+                f"scale: program {self.name} does not use the name `scale` (q.k is multiplied by {self.op.scale}), "
+                f"so scale={scale!r} would change nothing; write `* scale` where it applies"
+            )
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
         """The value of the name `scale` when a call gives none: the program's or 1/sqrt(D)."""

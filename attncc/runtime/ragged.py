@@ -382,6 +382,7 @@ def varlen_attention(
     # (untraced, a call given its offsets comes with the kernel's plan of them: `Kernel.varlen`)
     if not traced:
         scale = checked_scale(scale)
+        kern.check_scale_is_read(scale)
     dropout = kern.op.dropout if train else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
@@ -802,6 +803,7 @@ def paged_attention(
         if plan is None and not plain:
             paged_totals(kern, q_bhnd, k_cache, block_table, cache_seqlens, appended, runtime)
         scale = checked_scale(scale)
+        kern.check_scale_is_read(scale)
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     if kern.op.k_rope is not None:
         raise InputError(
