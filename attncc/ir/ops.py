@@ -183,9 +183,17 @@ class FusedAttention(Op):
     k_rope: Rope | None = None
     position0: tuple[Expr, Expr] | None = None
 
+    @property
+    def reads_scale(self) -> bool:
+        """Whether an expression reads the name `scale` (what a call's `scale=` sets): the q.k
+        factor, the score map, the mask, the sink or a rotary position."""
+        positions = [r.position for r in (self.q_rope, self.k_rope) if r is not None]
+        expressions = (self.scale, self.score, self.mask, self.sink, *positions)
+        return any("scale" in free_vars(e) for e in expressions if e is not None)
+
     def describe(self) -> str:
         parts = [f"scale={self.scale}", f"score={self.score}"]
-        if any("scale" in free_vars(e) for e in (self.scale, self.score, self.mask, self.sink) if e is not None):
+        if self.reads_scale:
             parts.append(f"where scale={self.default_scale} by default")
         if self.mask is not None:
             parts.append(f"mask={self.mask}")

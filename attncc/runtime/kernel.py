@@ -30,7 +30,6 @@ import torch
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
-from attncc.ir.expr import free_vars
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
 from attncc.passes import Stage, with_rows, with_tiles
@@ -437,13 +436,14 @@ class Kernel:
         tensors ([B, H, j, D] as scaled_dot_product_attention takes them, or [B, j, H, D]): one
         packed call, out nested like q (runtime/nested.py).
         """
-        if any_nested(q, k, v) or autocast_dtype(q) is not None:
-            options = {"scale": scale, "train": train, "seed": seed, "k_descale": k_descale, "v_descale": v_descale}
-            if any_nested(q, k, v):  # (jagged: one packed call, runtime/nested.py)
+        # (two detours, each asked in ~0.2 us; the options dict is made on them only)
+        nested, lower = any_nested(q, k, v), autocast_dtype(q)
+        if nested or lower is not None:
+            options = dict(scale=scale, train=train, seed=seed, k_descale=k_descale, v_descale=v_descale)
+            if nested:  # (jagged: one packed call, runtime/nested.py)
                 return nested_attention(self, q, k, v, return_lse, options, runtime)
-            operands = cast_operands(autocast_dtype(q), q, k, v)  # type: ignore[arg-type]
             with torch.autocast(q.device.type, enabled=False):  # (as SDPA under torch.autocast: runtime/amp.py)
-                return self(*operands, return_lse=return_lse, **options, **runtime)  # type: ignore[arg-type]
+                return self(*cast_operands(lower, q, k, v), return_lse=return_lse, **options, **runtime)  # type: ignore[arg-type]
         # (descale factors: fp8 K/V's, which never repeat; given with other K/V, the full path's error)
         repeat_key = None
         if k_descale is None and v_descale is None:
@@ -862,21 +862,6 @@ class Kernel:
             if result is not None:
                 return result
         _reject_transforms({"q": q, "k_cache": k_cache, "v_cache": v_cache, **runtime})
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if (
-                k_new is not None
-                and isinstance(cache, torch.Tensor)
-                and any(stride == 0 and size > 1 for size, stride in zip(cache.shape, cache.stride()))
-            ):
-                raise InputError(
-                    f"{name}: an expanded view (a stride of 0: strides {tuple(cache.stride())}) cannot take appended "
-                    "keys, its rows share memory; pass a cache of its own (.contiguous())"
-                )
-            if not _is_compiling() and isinstance(cache, torch.Tensor) and cache.is_neg():
-                raise InputError(
-                    f"{name}: a negative-bit view (x.conj().imag, torch._neg_view) would be read and written in "
-                    "place as its stored values; pass a cache without the flag (.resolve_neg() copies it)"
-                )
         q, k_new, v_new = _resolved(q, k_new, v_new)
         result = paged_attention(
             self, q, k_cache, v_cache, block_table, cache_seqlens, k_new=k_new, v_new=v_new,
@@ -927,12 +912,8 @@ class Kernel:
 
     @cached_property
     def reads_scale(self) -> bool:
-        """Whether any of the program's expressions reads the name `scale` (what a call's
-        `scale=` sets)."""
-        op = self.op
-        positions = [r.position for r in (op.q_rope, op.k_rope) if r is not None]
-        expressions = [e for e in (op.scale, op.score, op.mask, op.sink, *positions) if e is not None]
-        return any("scale" in free_vars(e) for e in expressions)
+        """`FusedAttention.reads_scale` of the program, once."""
+        return self.op.reads_scale
 
     def check_scale_is_read(self, scale: float | None) -> None:
         """A call's `scale=` where the program reads no name `scale` (`s = q @ k.T`, a literal

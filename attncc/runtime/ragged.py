@@ -782,6 +782,17 @@ def paged_attention(
                     f"{name}: expected {k_cache.dtype} (as the cache) on {q.device}, got {t.dtype} on {t.device}"
                 )
         appended = k_new.shape[1]
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if k_new is not None and any(stride == 0 and size > 1 for size, stride in zip(cache.shape, cache.stride())):
+            raise InputError(
+                f"{name}: an expanded view (a stride of 0: strides {tuple(cache.stride())}) cannot take appended "
+                "keys, its rows share memory; pass a cache of its own (.contiguous())"
+            )
+        if not torch.compiler.is_compiling() and cache.is_neg():  # (dynamo cannot trace is_neg)
+            raise InputError(
+                f"{name}: a negative-bit view (x.conj().imag, torch._neg_view) would be read and written in "
+                "place as its stored values; pass a cache without the flag (.resolve_neg() copies it)"
+            )
     tracked = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) if t.requires_grad]
     if tracked and torch.is_grad_enabled():
         raise InputError(
