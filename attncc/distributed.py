@@ -45,7 +45,7 @@ from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POS
 from attncc.passes.sparsity import EMPTY, FULL, PARTIAL, Problem, check_reads_and_divisors, classify_tiles
 from attncc.passes.sparsity import runtime_tensors as with_layout_grids
 from attncc.runtime.fp8 import is_fp8
-from attncc.runtime.kernel import Kernel, checked_scale, seed_tensor
+from attncc.runtime.kernel import Kernel, checked_scale, checked_train, seed_tensor
 from attncc.runtime.merge import merge_states
 from attncc.runtime.reference import evaluate
 
@@ -581,7 +581,7 @@ def context_parallel(
     globalized = kern.at_global_positions()
     first = {**inputs, **pair_positions(layout, world_size, problem, chunk_rows, chunk_cols, rank, 0, rank, 0)}
     globalized.validate(q.narrow(2, 0, chunk_rows), k.narrow(2, 0, chunk_cols), v.narrow(2, 0, chunk_cols), first)
-    dropout = kern.op.dropout if train else 0.0
+    dropout = kern.op.dropout if checked_train(train) else 0.0
     if dropout and chunk_cols % 4:
         raise InputError(
             f"k: with dropout, key chunks must be multiples of 4 rows (the dropout draws cover aligned quads of "

@@ -134,6 +134,24 @@ def test_programs_too_large_to_compose_are_dsl_errors() -> None:
     assert torch.isfinite(q.grad).all()
 
 
+def test_a_flat_sum_of_many_terms_is_one_expression_not_a_nesting_error() -> None:
+    """A sum of n terms parses n levels deep: a bias written as 150 bucket terms (as a
+    generated T5 bucket table would be) compiles and matches, forward and backward."""
+    weights = [((t * 37) % 11 - 5) * 0.01 for t in range(150)]
+    bias = " + ".join(f"{w} * where(abs(i - j) == {t}, 1.0, 0.0)" for t, w in enumerate(weights))
+    kern = attncc.compile(program(f"s = q @ k.T * scale\ns = s + ({bias})\n"))
+    q, k, v = (t.requires_grad_() for t in qkv(40, 170))
+    distance = (torch.arange(40)[:, None] - torch.arange(170)[None, :]).abs()
+    table = torch.tensor(weights + [0.0] * 200, dtype=torch.float64)
+    s = q @ k.transpose(-1, -2) / math.sqrt(16) + table[distance]
+    expected = torch.softmax(s, -1) @ v
+    out = kern(q, k, v)
+    assert torch.allclose(out, expected, atol=1e-12)
+    grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.pow(2).sum(), (q, k, v))):
+        assert torch.allclose(got, want, atol=1e-11)
+
+
 def test_a_call_scale_sets_the_name_scale_everywhere() -> None:
     """`kern(..., scale=x)` gives the name `scale` the value x: the q.k factor (with any
     constant the program multiplies it by) and every score expression and mask using it."""

@@ -83,6 +83,40 @@ def test_runtime_input_errors() -> None:
         kernel("document")(q, k, v, doc=torch.zeros(2, 10, dtype=torch.long))
 
 
+WINDOWED_DROPOUT = """attention windowed_dropout
+input window: int
+input tau: float
+input on: bool
+s = q @ k.T * scale
+s = s - tau * abs(i - j)
+mask (j <= i and i - j < window) or not on
+p = softmax(s)
+p = dropout(p, 0.2)
+o = p @ v
+output o
+"""
+
+
+def test_numpy_scalars_are_the_numbers_they_hold_and_train_is_a_bool() -> None:
+    """np.int64(5), np.float32(0.25), np.True_ as scalar inputs and seeds run as 5, 0.25 and
+    True (bit-equal, padded and packed); `train="no"` (truthy: dropout on) is refused."""
+    np = pytest.importorskip("numpy")
+    kern = attncc.compile(WINDOWED_DROPOUT)
+    q = torch.randn(2, 2, 33, 16, dtype=torch.float64)
+    given = dict(window=5, tau=0.25, on=True, seed=7)
+    as_numpy = dict(window=np.int64(5), tau=np.float32(0.25), on=np.True_, seed=np.int64(7))
+    assert torch.equal(kern(q, q, q, **as_numpy), kern(q, q, q, **given))
+    packed, cu = q[0].transpose(0, 1).contiguous(), torch.tensor([0, 10, 33], dtype=torch.int32)
+    assert torch.equal(
+        kern.varlen(packed, packed, packed, cu, cu, **as_numpy), kern.varlen(packed, packed, packed, cu, cu, **given)
+    )
+    for train in ("no", 1, None):
+        with pytest.raises(InputError, match=f"train: expected True or False, got {train!r}"):
+            kern(q, q, q, window=5, tau=0.25, on=True, train=train)
+        with pytest.raises(InputError, match="train: expected True or False"):
+            kern.varlen(packed, packed, packed, cu, cu, window=5, tau=0.25, on=True, train=train)
+
+
 def test_out_of_range_block_mask_is_reported() -> None:
     kern = kernel("local_blocks")
     q, k, v = qkv(N=130, M=130)

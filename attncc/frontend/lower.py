@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from attncc.errors import DslError, SourceLoc
-from attncc.frontend.parser import Ast, parse
+from attncc.frontend.parser import MAX_DEPTH, Ast, parse
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, add_op, new_graph
 from attncc.ir.ops import Dropout, Input, Layout, Mask, Output, Rope, ScoreMap, ScoreMatmul, Softmax, ValueMatmul
@@ -33,7 +33,7 @@ INT64_MAX = 2**63 - 1
 LAYOUT_PARAMETER_MAX = 2**31 - 1
 # Score maps, masks and named expressions compose into one tree per kind; the passes that fold
 # and differentiate it recurse, so its depth stays well inside Python's recursion limit.
-COMPOSED_MAX_DEPTH = 200
+COMPOSED_MAX_DEPTH = MAX_DEPTH
 COMPOSED_MAX_SIZE = 20_000
 RESERVED = set(ex.INDEX_VARS + ex.SIZE_VARS) | {"q", "k", "v", "scale", "inf", "softmax", "dropout"}
 

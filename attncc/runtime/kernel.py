@@ -463,7 +463,7 @@ class Kernel:
         self.validate(q, k, v, runtime)
         tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
-        dropout = self.op.dropout if train else 0.0
+        dropout = self.op.dropout if checked_train(train) else 0.0
         seed_value = seed_tensor(seed, dropout)
         if not torch.compiler.is_compiling():  # traced: may be symbolic
             scale = checked_scale(scale)
@@ -955,7 +955,7 @@ class Kernel:
         problem = _problem(q, k, v.shape[3])
         tensors = runtime_tensors(self.op.sparsity, problem, tensors, scalars)  # type: ignore[arg-type]
         scale_value = float(scale) if scale is not None else self.default_scale(q, k)
-        dropout = self.op.dropout if train else 0.0
+        dropout = self.op.dropout if checked_train(train) else 0.0
         return reference_attention(self.op, q, k, v, scale_value, scalars, tensors, seed, 0, dropout, dtype)  # type: ignore[arg-type]
 
     def tile_classes(self, q: torch.Tensor, k: torch.Tensor, **runtime: object) -> torch.Tensor:
@@ -1095,7 +1095,9 @@ class Kernel:
         sizes.update({size: int(runtime[name]) for size, name in GLOBAL_SIZES.items() if name in runtime})  # type: ignore[call-overload]
         bound: dict[str, int] = {}
         for decl in self.inputs:
-            self._validate_input(decl, runtime[decl.name], sizes, bound, q.device)
+            value = self._validate_input(decl, runtime[decl.name], sizes, bound, q.device)
+            if value is not runtime[decl.name] and isinstance(runtime, dict):
+                runtime[decl.name] = value  # (numpy's scalars as Python's: every later step takes those)
 
     def check_input_names(self, runtime: Mapping[str, object]) -> None:
         """Every declared runtime input given and no other (static: also while traced)."""
@@ -1111,10 +1113,12 @@ class Kernel:
 
     def _validate_input(
         self, decl: Input, value: object, sizes: dict[str, int], bound: dict[str, int], device: torch.device
-    ) -> None:
+    ) -> object:
+        """Checks one runtime input; returns it, a numpy scalar as the Python number it holds."""
         if decl.role == "scalar":
             if torch.compiler.is_compiling():
-                return  # may be symbolic: the op implementation gets (and the kernel reads) concrete values
+                return value  # may be symbolic: the op implementation gets (and the kernel reads) concrete values
+            value = python_number(value)
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise InputError(
@@ -1136,7 +1140,7 @@ class Kernel:
                 raise InputError(
                     f"{decl.name}: {value!r} is beyond 2^53 (int scalars reach the kernel as exact float64)"
                 )
-            return
+            return value
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
         host_read = decl.name in self._host_reads
@@ -1162,6 +1166,7 @@ class Kernel:
                 )
             if isinstance(dim, str):
                 bound[dim] = actual
+        return value
 
     # ------------------------------------------------------------------ op implementations
     def forward_impl(
@@ -1815,11 +1820,28 @@ class KeptLaunch:
         return out, lse
 
 
+def python_number(value: object) -> object:
+    """numpy's scalars (np.int64(4), np.float32(0.5), np.True_, 0-d arrays) as the Python
+    numbers they hold; anything else as given."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()  # type: ignore[attr-defined]
+    return value
+
+
 def checked_seed(seed: object) -> int:
     """A call's `seed=`, an int in [0, 2^63)."""
+    seed = python_number(seed)
     if isinstance(seed, bool) or not isinstance(seed, (int, torch.SymInt)) or not 0 <= seed < 2**63:
         raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
     return seed  # type: ignore[return-value]
+
+
+def checked_train(train: object) -> bool:
+    """A call's `train=`: a bool (`train="no"` would be truthy: dropout on, silently)."""
+    train = python_number(train)
+    if not isinstance(train, bool):
+        raise InputError(f"train: expected True or False, got {train!r}")
+    return train
 
 
 #: The seed a repeated call (never with dropout) saves for its backward: one tensor for all of

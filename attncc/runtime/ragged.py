@@ -355,7 +355,14 @@ def varlen_attention(
     """`Kernel.varlen`: attention of a packed batch, forward and backward, through the op
     `attncc::varlen_attention` (so torch.compile(fullgraph=True) takes it whole), or, in eager
     calls, its implementation directly; the offsets from `plan` (checked once) or given."""
-    from attncc.runtime.kernel import _eager_autograd, _EagerVarlen, _plain_call, checked_scale, seed_tensor
+    from attncc.runtime.kernel import (
+        _eager_autograd,
+        _EagerVarlen,
+        _plain_call,
+        checked_scale,
+        checked_train,
+        seed_tensor,
+    )
 
     q = _tensor("q", q, 3, "[total_q, H, D]")
     k = _tensor("k", k, 3, "[total_k, Hkv, D]")
@@ -383,7 +390,7 @@ def varlen_attention(
     if not traced:
         scale = checked_scale(scale)
         kern.check_scale_is_read(scale)
-    dropout = kern.op.dropout if train else 0.0
+    dropout = kern.op.dropout if checked_train(train) else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     descale = kv_descales(k, v, k_descale, v_descale, "packed")
