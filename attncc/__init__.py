@@ -3,13 +3,15 @@
 kern = attncc.compile("examples/causal.attn")          # or DSL source text
 out = kern(q, k, v)                                     # autograd and torch.compile work
 out, lse = kern(q, k, v, return_lse=True)
+attncc.flex_program(score_mod, mask_mod).source         # FlexAttention's functions as a program
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from attncc.errors import AttnccError, BuildError, DslError, InputError
+from attncc.errors import AttnccError, BuildError, DslError, FlexTraceError, InputError
+from attncc.frontend.flex import FlexProgram, flex_program
 from attncc.frontend.parser import decode_source
 from attncc.passes import Stage, run_pipeline
 from attncc.runtime.kernel import Kernel
@@ -19,8 +21,9 @@ from attncc.runtime.ragged import PagedPlan, VarlenPlan, plan_paged, plan_varlen
 from attncc.targets import get_target
 
 __all__ = [
-    "AttnccError", "BuildError", "DslError", "InputError", "Kernel", "PagedPlan", "VarlenPlan", "compile",
-    "dropout_mask", "include_dir", "lower", "merge_states", "plan_paged", "plan_varlen",
+    "AttnccError", "BuildError", "DslError", "FlexProgram", "FlexTraceError", "InputError", "Kernel", "PagedPlan",
+    "VarlenPlan", "compile", "dropout_mask", "flex_program", "include_dir", "lower", "merge_states", "plan_paged",
+    "plan_varlen",
 ]  # fmt: skip
 __version__ = "0.1.0"
 

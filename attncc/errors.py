@@ -45,6 +45,11 @@ class DslError(AttnccError):
         return text
 
 
+class FlexTraceError(AttnccError):
+    """A FlexAttention score or mask function computes something the DSL cannot say
+    (frontend/flex.py); names the function and the line."""
+
+
 class InputError(AttnccError, ValueError):
     """A tensor or runtime input given to a compiled kernel does not match the program."""
 

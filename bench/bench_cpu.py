@@ -20,6 +20,8 @@ subprocess.
     python bench/bench_cpu.py --models --no-flex --json bench/results/cpu-<family>-models.json
                                               # issue 12's features: MLA's D=192, Dv=128; rope in the
                                               # kernel; fp8 K/V (--fp8: those alone)
+    python bench/bench_cpu.py --flex-api --long-n 4096 --json bench/results/cpu-<family>-flex-api.json
+                                              # FlexAttention's calls (score_mod, block_mask) on attncc
     python bench/bench_cpu.py --fp16 --no-flex --max-n 4096 --max-n-backward 2048 --json bench/results/cpu-<family>-fp16.json
                                               # fp16 inputs: the forward on the bf16 unit as bf16 terms
 
@@ -207,6 +209,60 @@ def decode_cases(results: list, args) -> None:
         anchors = {"sdpa": median_s(partial(F.scaled_dot_product_attention, q, k, v), args.repeats)}
         ours = median_s(partial(vanilla, q, k, v), args.repeats)
         row(results, f"decode fwd fp32 B={B} H={H} N=1 M={M} D={D}", ours, anchors)
+
+
+def flex_api_cases(results: list, args, flex) -> None:
+    """FlexAttention's own calls on attncc (`attncc.integrations.flex.flex_attention`: the score
+    and mask functions traced into a program on every call) against torch's compiled
+    flex_attention with the same functions and a BlockMask made once, SDPA with the mask as a
+    dense bool [N, N] where there is no score function, and the traced program's kernel called
+    directly (what the tracing costs per call). B=1 H=8 D=64, forward; fp32 and bf16."""
+    docs = torch.arange(args.long_n) * 4 // args.long_n  # four documents of equal length
+    slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(8)])
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+
+    def window_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / 30) * 30
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    cases = [("softcap causal", softcap, causal), ("alibi causal", alibi, causal),
+             ("document causal", None, document_causal), ("window 256 causal", None, window_causal)]  # fmt: skip
+    for N, dtype, (label, score_mod, mask_mod) in itertools.product(
+        (2048, args.long_n), (torch.float32, torch.bfloat16), cases
+    ):
+        seconds = flex_api_times(N, dtype, score_mod, mask_mod, flex, args.repeats)
+        row(results, f"flex api {label} {str(dtype)[6:]} N={N}", seconds.pop("attncc-flex"), seconds)
+
+
+def flex_api_times(N: int, dtype: torch.dtype, score_mod, mask_mod, flex, repeats: int) -> dict[str, float]:
+    """Alternating medians of one flex_api_cases case: name -> seconds."""
+    from attncc.integrations.flex import flex_attention
+
+    q, k, v = (torch.randn(1, 8, N, 64).to(dtype) for _ in range(3))
+    program = attncc.flex_program(score_mod, mask_mod)
+    kern = attncc.compile(program.source)
+    calls = {
+        "attncc-flex": lambda: flex_attention(q, k, v, score_mod, mask_mod=mask_mod),
+        "kernel": lambda: kern(q, k, v, **program.inputs),
+    }
+    if flex is not None:
+        block_mask = flex.create_block_mask(mask_mod, 1, 1, N, N, device="cpu")
+        calls["flex"] = lambda: flex.fn(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    if score_mod is None:
+        positions = torch.arange(N)
+        keep = mask_mod(0, 0, positions[:, None], positions[None, :])
+        calls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    return dict(zip(calls, alternating_medians(list(calls.values()), repeats)))
 
 
 def sparse_cases(results: list, args, flex) -> None:
@@ -1028,6 +1084,7 @@ def main() -> None:
         "--short", action="store_true", help="many short sequences (N = M = 16 .. 128), small packed batches, only"
     )
     parser.add_argument("--kv-heads", action="store_true", help="fwd+bwd with one or two kv heads (key chunks) only")
+    parser.add_argument("--flex-api", action="store_true", help="FlexAttention's calls on attncc (flex_attention) only")
     parser.add_argument(
         "--fp16", action="store_true", help="fp16 inputs, dense and causal, N = --min-n .. --max-n, only"
     )
@@ -1069,6 +1126,8 @@ def main() -> None:
         kv_heads_cases(results, args)
     elif args.fp16:
         fp16_cases(results, args)
+    elif args.flex_api:
+        flex_api_cases(results, args, flex)
     elif args.models:
         model_cases(results, args)
     elif args.fp8:

@@ -1,0 +1,623 @@
+"""FlexAttention's score and mask functions traced into DSL programs.
+
+PyTorch's FlexAttention describes a variant by two Python functions written in torch
+operations: `score_mod(score, b, h, q_idx, kv_idx)` returns the modified score and
+`mask_mod(b, h, q_idx, kv_idx)` whether a score is kept. `flex_program` calls them once on
+symbolic values (`Traced`: each holds the DSL text of what it computes) and writes the program
+they describe, e.g. for a soft-capped causal variant
+
+    attention flex_softcap_causal
+    s = q @ k.T * scale
+    s = (tanh((s / 30.0)) * 30.0)
+    mask (i >= j)
+    p = softmax(s)
+    o = p @ v
+    output o
+
+Tensors the functions read (an ALiBi slope table, document ids, a bias) become runtime inputs,
+named after the variable that holds them where it can be found (`input slopes: float[8]`), and
+are passed to every call with their current values, so a learnable bias gets its gradient.
+The text then goes through the parser like any other program: nothing of the functions reaches
+the generated code except as the parser's validated tokens (names are checked here too).
+
+What the DSL cannot say is a `FlexTraceError` naming the function and the line: Python control
+flow on a traced value (`if score > 0`, `and`, `or`: use torch.where, &, |), operations outside
+the DSL's (`torch.sin`), bitwise integer operations, tensors used whole instead of read at an
+index.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attncc.errors import FlexTraceError
+from attncc.frontend.lower import MATH_FUNCTIONS, RESERVED
+
+#: Flex's index arguments and the DSL names they are: the sequence, the query head, the query
+#: and key positions.
+FLEX_INDICES = {"b": "b", "h": "h", "q_idx": "i", "kv_idx": "j"}
+#: Names a captured tensor cannot take (the program's own, statements, functions, operators).
+TAKEN_NAMES = RESERVED | set(MATH_FUNCTIONS) | {
+    "s", "p", "o", "attention", "input", "const", "mask", "layout", "output", "and", "or", "not",
+    "rope", "float", "int", "bool",
+}  # fmt: skip
+DSL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: The largest integer exponent `x ** n` expands into products.
+MAX_POWER = 16
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class _Captures:
+    """The tensors the traced functions read, in the order first read, with their DSL names."""
+
+    known_names: dict[int, str]  # id(tensor) -> the variable holding it, where one was found
+    names: dict[int, str] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def name_of(self, tensor: torch.Tensor) -> str:
+        if id(tensor) in self.names:
+            return self.names[id(tensor)]
+        if tensor.is_complex() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise FlexTraceError(
+                f"a captured tensor of dtype {tensor.dtype}: the DSL reads float, int and bool tensors"
+            )
+        name = self.known_names.get(id(tensor), "")
+        if not DSL_NAME.match(name) or name in TAKEN_NAMES or name.startswith("__") or name in self.tensors:
+            name = f"captured{len(self.tensors)}"
+        self.names[id(tensor)] = name
+        self.tensors[name] = tensor
+        return name
+
+    def declarations(self) -> list[str]:
+        lines = []
+        for name, t in self.tensors.items():
+            kind = "bool" if t.dtype == torch.bool else "float" if t.is_floating_point() else "int"
+            dims = ", ".join(str(d) for d in t.shape) if t.dim() else "1"
+            lines.append(f"input {name}: {kind}[{dims}]")
+        return lines
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """The runtime inputs of a call: each captured tensor (a 0-d one as [1])."""
+        return {name: t.reshape(1) if t.dim() == 0 else t for name, t in self.tensors.items()}
+
+
+def _closure_names(fn: Callable[..., Any]) -> dict[int, str]:
+    """id -> name of the tensors `fn` can see by name: its closure cells and the globals it
+    names (so `bias[h, q_idx, kv_idx]` declares `input bias`)."""
+    found: dict[int, str] = {}
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return found
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # (an empty cell)
+            continue
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), name)
+    for name in code.co_names:
+        value = getattr(fn, "__globals__", {}).get(name)
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), name)
+    return found
+
+
+class Traced:
+    """A symbolic value of a score or mask function: the DSL text of what it computes and its
+    kind (`int`, `float` or `bool`, as torch would type it)."""
+
+    __slots__ = ("captures", "kind", "text")
+    __hash__ = object.__hash__
+
+    def __init__(self, text: str, kind: str, captures: _Captures) -> None:
+        self.text, self.kind, self.captures = text, kind, captures
+
+    def __repr__(self) -> str:
+        return f"Traced({self.text!r}, {self.kind})"
+
+    # -- operands --------------------------------------------------------------------------
+    def _operand(self, x: object) -> Traced:
+        return _operand(x, self.captures)
+
+    def _number(self) -> Traced:
+        """self as an int or float operand (a bool as 1 / 0, as torch promotes it)."""
+        if self.kind == "bool":
+            return Traced(f"where({self.text}, 1, 0)", "int", self.captures)
+        return self
+
+    # -- arithmetic ------------------------------------------------------------------------
+    def _arith(self, other: object, op: str, reverse: bool = False) -> Traced:
+        a, b = self._number(), self._operand(other)._number()
+        if reverse:
+            a, b = b, a
+        if op in ("//", "%") and "float" in (a.kind, b.kind):
+            raise FlexTraceError(f"`{op}` of a float value: the DSL's `//` and `%` are integer operations")
+        kind = "float" if op == "/" or "float" in (a.kind, b.kind) else "int"
+        return Traced(f"({a.text} {op} {b.text})", kind, self.captures)
+
+    def __add__(self, o: object) -> Traced:
+        return self._arith(o, "+")
+
+    def __radd__(self, o: object) -> Traced:
+        return self._arith(o, "+", True)
+
+    def __sub__(self, o: object) -> Traced:
+        return self._arith(o, "-")
+
+    def __rsub__(self, o: object) -> Traced:
+        return self._arith(o, "-", True)
+
+    def __mul__(self, o: object) -> Traced:
+        return self._arith(o, "*")
+
+    def __rmul__(self, o: object) -> Traced:
+        return self._arith(o, "*", True)
+
+    def __truediv__(self, o: object) -> Traced:
+        return self._arith(o, "/")
+
+    def __rtruediv__(self, o: object) -> Traced:
+        return self._arith(o, "/", True)
+
+    def __floordiv__(self, o: object) -> Traced:
+        return self._arith(o, "//")
+
+    def __rfloordiv__(self, o: object) -> Traced:
+        return self._arith(o, "//", True)
+
+    def __mod__(self, o: object) -> Traced:
+        return self._arith(o, "%")
+
+    def __rmod__(self, o: object) -> Traced:
+        return self._arith(o, "%", True)
+
+    def __pow__(self, o: object) -> Traced:
+        if isinstance(o, float) and o == 0.5:
+            return self.sqrt()
+        if isinstance(o, bool) or not isinstance(o, int) or not 0 <= o <= MAX_POWER:
+            raise FlexTraceError(
+                f"`x ** {o!r}`: the DSL has no power; integer exponents 0..{MAX_POWER} and 0.5 are expanded"
+            )
+        if o == 0:
+            return self._operand(1.0 if self.kind == "float" else 1)
+        base = self._number()
+        return Traced("(" + " * ".join([base.text] * o) + ")", base.kind, self.captures)
+
+    def __rpow__(self, o: object) -> Traced:
+        base = _plain(o)
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
+            raise FlexTraceError(f"`{o!r} ** x`: only a positive constant base is expanded (as exp(x * log(base)))")
+        return self._unary_float("exp", scale=math.log(base))
+
+    def __neg__(self) -> Traced:
+        if self.kind == "bool":
+            raise FlexTraceError("negation of a bool value (torch refuses it too; use ~ for not)")
+        return Traced(f"(-{self.text})", self.kind, self.captures)
+
+    def __pos__(self) -> Traced:
+        return self
+
+    def __abs__(self) -> Traced:
+        return self.abs()
+
+    # -- comparisons and logic -------------------------------------------------------------
+    def _compare(self, other: object, op: str) -> Traced:
+        a, b = self, self._operand(other)
+        if a.kind == b.kind == "bool" and op in ("==", "!="):  # (the DSL compares numbers only)
+            return _equal_conditions(a, b) if op == "==" else _equal_conditions(a, b).__invert__()
+        if "bool" in (a.kind, b.kind):
+            a, b = a._number(), b._number()
+        return Traced(f"({a.text} {op} {b.text})", "bool", self.captures)
+
+    def __lt__(self, o: object) -> Traced:
+        return self._compare(o, "<")
+
+    def __le__(self, o: object) -> Traced:
+        return self._compare(o, "<=")
+
+    def __gt__(self, o: object) -> Traced:
+        return self._compare(o, ">")
+
+    def __ge__(self, o: object) -> Traced:
+        return self._compare(o, ">=")
+
+    def __eq__(self, o: object) -> Traced:  # type: ignore[override]
+        return self._compare(o, "==")
+
+    def __ne__(self, o: object) -> Traced:  # type: ignore[override]
+        return self._compare(o, "!=")
+
+    def _logic(self, other: object, op: str) -> Traced:
+        b = self._operand(other)
+        if self.kind != "bool" or b.kind != "bool":
+            raise FlexTraceError(
+                f"`{op}` of {self.kind} and {b.kind} values: only bool values combine (bitwise integers are not in the DSL)"
+            )
+        if op == "^":
+            return _equal_conditions(self, b).__invert__()
+        word = {"&": "and", "|": "or"}[op]
+        return Traced(f"({self.text} {word} {b.text})", "bool", self.captures)
+
+    def __and__(self, o: object) -> Traced:
+        return self._logic(o, "&")
+
+    __rand__ = __and__
+
+    def __or__(self, o: object) -> Traced:
+        return self._logic(o, "|")
+
+    __ror__ = __or__
+
+    def __xor__(self, o: object) -> Traced:
+        return self._logic(o, "^")
+
+    __rxor__ = __xor__
+
+    def __invert__(self) -> Traced:
+        if self.kind != "bool":
+            raise FlexTraceError(f"`~` of a {self.kind} value: bitwise integer operations are not in the DSL")
+        return Traced(f"(not {self.text})", "bool", self.captures)
+
+    def __bool__(self) -> bool:
+        raise FlexTraceError(
+            "Python control flow on a traced value (`if`, `and`, `or`, `not`, `bool()`): the function "
+            "runs once on symbols; use torch.where(c, a, b), &, | and ~"
+        )
+
+    def __index__(self) -> int:
+        raise FlexTraceError(
+            "a traced value used as a Python int (range, list index, int()): index tensors with it instead"
+        )
+
+    __int__ = __index__
+
+    def __float__(self) -> float:
+        raise FlexTraceError("a traced value used as a Python float (float(), math.*): use torch functions on it")
+
+    def __getitem__(self, index: object) -> Traced:
+        raise FlexTraceError("indexing a traced value: index the captured tensors with b, h, q_idx, kv_idx instead")
+
+    def __iter__(self) -> Any:
+        raise FlexTraceError("iterating over a traced value")
+
+    # -- functions -------------------------------------------------------------------------
+    def _unary_float(self, fn: str, scale: float = 1.0) -> Traced:
+        x = self._number()
+        arg = x.text if scale == 1.0 else f"({x.text} * {_float_text(scale)})"
+        return Traced(f"{fn}({arg})", "float", self.captures)
+
+    def abs(self) -> Traced:
+        x = self._number()
+        return Traced(f"abs({x.text})", x.kind, self.captures)
+
+    def exp(self) -> Traced:
+        return self._unary_float("exp")
+
+    def exp2(self) -> Traced:
+        return self._unary_float("exp", scale=math.log(2.0))
+
+    def log(self) -> Traced:
+        return self._unary_float("log")
+
+    def log2(self) -> Traced:
+        return Traced(f"({self._unary_float('log').text} * {_float_text(1 / math.log(2.0))})", "float", self.captures)
+
+    def tanh(self) -> Traced:
+        return self._unary_float("tanh")
+
+    def sqrt(self) -> Traced:
+        return self._unary_float("sqrt")
+
+    def rsqrt(self) -> Traced:
+        return Traced(f"(1.0 / {self._unary_float('sqrt').text})", "float", self.captures)
+
+    def sigmoid(self) -> Traced:
+        return Traced(f"(1.0 / (1.0 + {self.__neg__()._unary_float('exp').text}))", "float", self.captures)
+
+    def _extreme(self, other: object, fn: str) -> Traced:
+        a, b = self._number(), self._operand(other)._number()
+        kind = "float" if "float" in (a.kind, b.kind) else "int"
+        return Traced(f"{fn}({a.text}, {b.text})", kind, self.captures)
+
+    def minimum(self, other: object) -> Traced:
+        return self._extreme(other, "min")
+
+    def maximum(self, other: object) -> Traced:
+        return self._extreme(other, "max")
+
+    def clamp(self, min: object = None, max: object = None) -> Traced:
+        out = self
+        if min is not None:
+            out = out._extreme(min, "max")
+        if max is not None:
+            out = out._extreme(max, "min")
+        return out
+
+    clip = clamp
+
+    def clamp_min(self, min: object) -> Traced:
+        return self.clamp(min=min)
+
+    def clamp_max(self, max: object) -> Traced:
+        return self.clamp(max=max)
+
+    def where(self, condition: object, other: object) -> Traced:
+        """Tensor.where(condition, other): self where condition holds, else other."""
+        return _where(condition, self, other, self.captures)
+
+    def logical_and(self, other: object) -> Traced:
+        return self._logic(other, "&")
+
+    def logical_or(self, other: object) -> Traced:
+        return self._logic(other, "|")
+
+    def logical_xor(self, other: object) -> Traced:
+        return self._logic(other, "^")
+
+    def logical_not(self) -> Traced:
+        return self.__invert__()
+
+    def float(self) -> Traced:
+        return self._as_float()
+
+    double = half = bfloat16 = float
+
+    def _as_float(self) -> Traced:
+        x = self._number()
+        return x if x.kind == "float" else Traced(f"({x.text} * 1.0)", "float", self.captures)
+
+    def to(self, *args: object, **kwargs: object) -> Traced:
+        dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
+        if dtype is None:
+            return self  # (a device move: nothing to trace)
+        if dtype in _FLOAT_DTYPES:
+            return self._as_float()
+        if dtype == torch.bool:
+            return self if self.kind == "bool" else self._compare(0, "!=")
+        if self.kind == "float":
+            raise FlexTraceError(f"`.to({dtype})` of a float value: the DSL has no truncation to integers")
+        return self._number()
+
+    def type_as(self, other: object) -> Traced:
+        other_kind = _operand(other, self.captures).kind
+        return self._as_float() if other_kind == "float" else self
+
+    # -- torch functions on traced values ----------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        operands = [x for a in (*args, *kwargs.values()) for x in (a if isinstance(a, (tuple, list)) else (a,))]
+        captures = next(x.captures for x in operands if isinstance(x, Traced))
+        if name == "__getitem__":
+            return _read(args[0], args[1], captures)
+        if name == "where":
+            if len(args) == 3 or "input" in kwargs or "other" in kwargs:
+                condition = kwargs.get("condition", args[0])
+                a = kwargs.get("input", args[1] if len(args) > 1 else None)
+                b = kwargs.get("other", args[2] if len(args) > 2 else None)
+                return _where(condition, a, b, captures)
+            raise FlexTraceError("torch.where with one argument (nonzero indices) is not a score or mask expression")
+        method = _TORCH_METHODS.get(name)
+        if method is None:
+            raise FlexTraceError(
+                f"torch operation `{name}` has no DSL form; the traced functions may use arithmetic, comparisons, "
+                f"&, |, ~, torch.where, abs, exp, exp2, log, log2, tanh, sqrt, rsqrt, sigmoid, minimum, maximum, "
+                f"clamp and reads of captured tensors"
+            )
+        first, *rest = args
+        return getattr(_operand(first, captures), method)(*rest, **kwargs)
+
+
+#: torch functions and Tensor methods (by name) and the Traced method that does each.
+_TORCH_METHODS = {
+    **{n: n for n in ("abs", "exp", "exp2", "log", "log2", "tanh", "sqrt", "rsqrt", "sigmoid", "minimum", "maximum")},
+    **{n: n for n in ("clamp", "clip", "clamp_min", "clamp_max", "logical_and", "logical_or", "logical_xor")},
+    **{n: n for n in ("logical_not", "float", "double", "half", "bfloat16", "to", "type_as")},
+    "add": "__add__", "__add__": "__add__", "__radd__": "__radd__",
+    "sub": "__sub__", "subtract": "__sub__", "__sub__": "__sub__", "__rsub__": "__rsub__", "rsub": "__rsub__",
+    "mul": "__mul__", "multiply": "__mul__", "__mul__": "__mul__", "__rmul__": "__rmul__",
+    "div": "__truediv__", "divide": "__truediv__", "true_divide": "__truediv__", "__truediv__": "__truediv__",
+    "__rtruediv__": "__rtruediv__", "__rdiv__": "__rtruediv__", "__div__": "__truediv__",
+    "floor_divide": "__floordiv__", "__floordiv__": "__floordiv__", "__rfloordiv__": "__rfloordiv__",
+    "remainder": "__mod__", "fmod": "__mod__", "__mod__": "__mod__", "__rmod__": "__rmod__",
+    "pow": "__pow__", "__pow__": "__pow__", "__rpow__": "__rpow__",
+    "neg": "__neg__", "negative": "__neg__", "__neg__": "__neg__", "__abs__": "abs", "absolute": "abs",
+    "eq": "__eq__", "__eq__": "__eq__", "ne": "__ne__", "not_equal": "__ne__", "__ne__": "__ne__",
+    "lt": "__lt__", "less": "__lt__", "__lt__": "__lt__", "le": "__le__", "less_equal": "__le__", "__le__": "__le__",
+    "gt": "__gt__", "greater": "__gt__", "__gt__": "__gt__", "ge": "__ge__", "greater_equal": "__ge__",
+    "__ge__": "__ge__",
+    "__and__": "__and__", "__rand__": "__and__", "bitwise_and": "__and__",
+    "__or__": "__or__", "__ror__": "__or__", "bitwise_or": "__or__",
+    "__xor__": "__xor__", "__rxor__": "__xor__", "bitwise_xor": "__xor__",
+    "__invert__": "__invert__", "bitwise_not": "__invert__",
+}  # fmt: skip
+
+
+def _plain(x: object) -> object:
+    """A numpy scalar as the Python number it holds."""
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0:
+        return x.item()  # type: ignore[attr-defined]
+    return x
+
+
+def _float_text(value: float) -> str:
+    if math.isnan(value):
+        raise FlexTraceError("a NaN constant in a score or mask function")
+    if math.isinf(value):
+        return "inf" if value > 0 else "(-inf)"
+    text = repr(float(value))
+    return f"({text})" if text.startswith("-") else text
+
+
+def _operand(x: object, captures: _Captures) -> Traced:
+    """Any operand of a traced operation as a Traced value: constants inline, a captured
+    one-element tensor as a read of its only element."""
+    x = _plain(x)
+    if isinstance(x, Traced):
+        return x
+    if isinstance(x, bool):
+        return Traced("(0 == 0)" if x else "(0 != 0)", "bool", captures)
+    if isinstance(x, int):
+        return Traced(f"({x})" if x < 0 else str(x), "int", captures)
+    if isinstance(x, float):
+        return Traced(_float_text(x), "float", captures)
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise FlexTraceError(
+                f"a captured tensor of shape {tuple(x.shape)} used whole: read one element of it, "
+                "indexed by b, h, q_idx, kv_idx (e.g. bias[h, q_idx, kv_idx])"
+            )
+        name = captures.name_of(x.reshape(()) if x.dim() else x)
+        return _read_element(name, x, "0", captures)
+    raise FlexTraceError(f"an operand of type {type(x).__name__} in a score or mask function")
+
+
+def _read_element(name: str, tensor: torch.Tensor, index_text: str, captures: _Captures) -> Traced:
+    kind = "bool" if tensor.dtype == torch.bool else "float" if tensor.is_floating_point() else "int"
+    return Traced(f"{name}[{index_text}]", kind, captures)
+
+
+class _Partial:
+    """A captured tensor indexed by fewer indices than it has dims (`bias[h][q_idx]`)."""
+
+    def __init__(self, tensor: torch.Tensor, indices: tuple[object, ...], captures: _Captures) -> None:
+        self.tensor, self.indices, self.captures = tensor, indices, captures
+
+    def __getitem__(self, index: object) -> Traced | _Partial:
+        more = index if isinstance(index, tuple) else (index,)
+        return _read(self.tensor, self.indices + more, self.captures)
+
+
+def _read(tensor: object, index: object, captures: _Captures) -> Traced | _Partial:
+    """`tensor[index]` for a captured tensor and integer (traced or constant) indices."""
+    if not isinstance(tensor, torch.Tensor):
+        raise FlexTraceError("indexing a traced value: index the captured tensors with b, h, q_idx, kv_idx instead")
+    indices = index if isinstance(index, tuple) else (index,)
+    if len(indices) > tensor.dim():
+        raise FlexTraceError(f"a captured tensor of shape {tuple(tensor.shape)} indexed by {len(indices)} indices")
+    texts = []
+    for axis, item in enumerate(indices):
+        item = _plain(item)
+        if isinstance(item, int) and not isinstance(item, bool):
+            size = tensor.shape[axis]
+            if not -size <= item < size:
+                raise FlexTraceError(
+                    f"index {item} is out of range for dimension {axis} of size {size} of a captured tensor"
+                )
+            texts.append(str(item % size))
+            continue
+        if not isinstance(item, Traced) or item.kind != "int":
+            what = f"a {item.kind} value" if isinstance(item, Traced) else type(item).__name__
+            raise FlexTraceError(
+                f"a captured tensor indexed by {what} (dimension {axis}): indices are integers (b, h, q_idx, "
+                "kv_idx and integer arithmetic on them); slices, masks and None are not reads of one element"
+            )
+        texts.append(item.text)
+    if len(indices) < tensor.dim():
+        return _Partial(tensor, indices, captures)
+    return _read_element(captures.name_of(tensor), tensor, ", ".join(texts), captures)
+
+
+def _equal_conditions(a: Traced, b: Traced) -> Traced:
+    return Traced(f"(({a.text} and {b.text}) or ((not {a.text}) and (not {b.text})))", "bool", a.captures)
+
+
+def _where(condition: object, a: object, b: object, captures: _Captures) -> Traced:
+    cond = _operand(condition, captures)
+    if cond.kind != "bool":
+        cond = cond._compare(0, "!=")
+    x, y = _operand(a, captures), _operand(b, captures)
+    if x.kind == "bool" and y.kind == "bool":
+        return Traced(f"(({cond.text} and {x.text}) or ((not {cond.text}) and {y.text}))", "bool", captures)
+    x, y = x._number(), y._number()
+    kind = "float" if "float" in (x.kind, y.kind) else "int"
+    return Traced(f"where({cond.text}, {x.text}, {y.text})", kind, captures)
+
+
+def _user_frame(error: BaseException, fn: Callable[..., Any]) -> str:
+    """`file:line` of the innermost frame of the traced function's own code in error's traceback."""
+    here = Path(__file__).resolve().parent.parent
+    place = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = Path(frame.filename).resolve()
+        if here not in path.parents and "torch" not in path.parts:
+            place = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
+    if not place and getattr(fn, "__code__", None) is not None:
+        place = f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}"
+    return place
+
+
+def _traced_call(role: str, fn: Callable[..., Any], args: tuple[object, ...]) -> object:
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        return fn(*args)
+    except FlexTraceError as error:
+        raise FlexTraceError(f"{role} `{name}` ({_user_frame(error, fn)}): {error}") from None
+    except Exception as error:  # (torch refusing a Traced operand, a TypeError in the function)
+        raise FlexTraceError(
+            f"{role} `{name}` ({_user_frame(error, fn)}) failed on traced values: {type(error).__name__}: {error}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class FlexProgram:
+    """A traced variant: the DSL program and the tensors its runtime inputs name."""
+
+    source: str
+    inputs: dict[str, torch.Tensor]
+
+
+def flex_program(
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    name: str | None = None,
+) -> FlexProgram:
+    """The DSL program of FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)` and
+    `mask_mod(b, h, q_idx, kv_idx)` (either may be None), with the tensors they read.
+
+    Traced once on symbols; the same functions give the same text while the tensors they read
+    keep their shapes, so the kernel built for it is reused (`attncc.compile` caches by text)."""
+    known: dict[int, str] = {}
+    for fn in (mask_mod, score_mod):
+        if fn is not None:
+            known.update(_closure_names(fn))
+    captures = _Captures(known)
+    indices = [Traced(dsl, "int", captures) for dsl in FLEX_INDICES.values()]
+    score_text = mask_text = None
+    if score_mod is not None:
+        score = _operand(_traced_call("score_mod", score_mod, (Traced("s", "float", captures), *indices)), captures)
+        if score.kind == "bool":
+            raise FlexTraceError("score_mod returned a bool value: it returns the new score (a mask is mask_mod's)")
+        score_text = None if score.text == "s" else score.text
+    if mask_mod is not None:
+        keep = _operand(_traced_call("mask_mod", mask_mod, tuple(indices)), captures)
+        if keep.kind != "bool":
+            raise FlexTraceError(f"mask_mod returned a {keep.kind} value: it returns whether a score is kept")
+        mask_text = None if keep.text == "(0 == 0)" else keep.text
+    lines = [f"attention {_program_name(name, score_mod, mask_mod)}", *captures.declarations(), "s = q @ k.T * scale"]
+    if score_text is not None:
+        lines.append(f"s = {score_text}")
+    if mask_text is not None:
+        lines.append(f"mask {mask_text}")
+    lines += ["p = softmax(s)", "o = p @ v", "output o"]
+    return FlexProgram("\n".join(lines) + "\n", captures.values())
+
+
+def _program_name(name: str | None, *fns: Callable[..., Any] | None) -> str:
+    if name is not None:
+        if not DSL_NAME.match(name):
+            raise FlexTraceError(f"name: expected an identifier ([A-Za-z_][A-Za-z0-9_]*), got {name!r}")
+        return name
+    parts = [getattr(fn, "__name__", "") for fn in fns if fn is not None]
+    words = [re.sub(r"[^A-Za-z0-9_]", "", p) for p in parts]
+    return "_".join(["flex", *(w for w in words if w)])[:80]

@@ -1,0 +1,106 @@
+"""A drop-in for PyTorch's `flex_attention` on attncc kernels.
+
+    from attncc.integrations.flex import flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / 30) * 30
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mask = create_block_mask(causal, B=None, H=None, Q_LEN=N, KV_LEN=N, device="cpu")
+    out = flex_attention(q, k, v, score_mod=softcap, block_mask=mask)
+
+The score and mask functions are traced into a DSL program (`attncc.frontend.flex`), compiled
+once per program text and target and run with the tensors they read as runtime inputs, so
+`attncc.flex_program(score_mod, mask_mod).source` is the program a `.attn` file would hold.
+The block structure is attncc's own, derived from the mask function by its sparsity analysis:
+a BlockMask is read for its `mask_mod` (and its sequence lengths, which must be the call's),
+as `create_block_mask` makes it from that function; a BlockMask of block lists with no mask
+function (`BlockMask.from_kv_blocks`) is an error. `kernel_options` (Triton tile choices) are
+accepted and have no effect: the tiles are the target's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import attncc
+from attncc.errors import InputError
+from attncc.frontend.flex import flex_program
+from attncc.runtime.kernel import Kernel
+
+_KERNELS: dict[tuple[str, str], Kernel] = {}
+_LOCK = threading.Lock()
+
+
+def _kernel(source: str, device: torch.device) -> Kernel:
+    target = "cuda" if device.type == "cuda" else "cpu"
+    with _LOCK:
+        if (source, target) not in _KERNELS:
+            _KERNELS[source, target] = attncc.compile(source, target=target)
+        return _KERNELS[source, target]
+
+
+def _mask_function(block_mask: object, queries: int, keys: int) -> Callable[..., Any] | None:
+    """The mask function of a BlockMask (None where it masks nothing), checked against the call."""
+    if block_mask is None:
+        return None
+    from torch.nn.attention.flex_attention import BlockMask, noop_mask
+
+    if not isinstance(block_mask, BlockMask):
+        raise InputError(
+            f"block_mask: expected a BlockMask (create_block_mask) or None, got {type(block_mask).__name__}"
+        )
+    lengths = tuple(int(n) for n in block_mask.seq_lengths)
+    if lengths != (queries, keys):
+        raise InputError(
+            f"block_mask: made for (Q_LEN, KV_LEN) = {lengths}, called with query length {queries} and key length {keys}"
+        )
+    if block_mask.mask_mod is noop_mask:
+        if not bool(block_mask.to_dense().all()):
+            raise InputError(
+                "block_mask: block lists with no mask function (BlockMask.from_kv_blocks); attncc derives the "
+                "blocks from a mask function: make it with create_block_mask(mask_mod, ...)"
+            )
+        return None
+    return block_mask.mask_mod
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: object = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict[str, Any] | None = None,
+    *,
+    mask_mod: Callable[..., Any] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """torch.nn.attention.flex_attention.flex_attention's call on attncc: query [B, H, L, E],
+    key [B, Hkv, S, E], value [B, Hkv, S, Ev]; out [B, H, L, Ev] (and the natural-log lse
+    [B, H, L] with return_lse). Fully masked rows give 0 and an lse of -inf, as Flex does.
+    `mask_mod=` may be given instead of a BlockMask (attncc needs no block lists)."""
+    del kernel_options  # (Triton tile choices: the target's tiles are attncc's)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"{name}: expected a 4-dimensional tensor [B, heads, length, head dim], got {shape}")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise InputError(
+            f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for grouped-query attention"
+        )
+    if mask_mod is not None and block_mask is not None:
+        raise InputError("mask_mod and block_mask: give one (a BlockMask carries its mask_mod)")
+    mask = mask_mod if mask_mod is not None else _mask_function(block_mask, query.shape[2], key.shape[2])
+    program = flex_program(score_mod, mask)
+    kern = _kernel(program.source, query.device)
+    return kern(query, key, value, scale=scale, return_lse=return_lse, **program.inputs)

@@ -1,0 +1,231 @@
+"""FlexAttention's score and mask functions on attncc (`attncc.integrations.flex`).
+
+The references call the same Python functions at every (b, h, q_idx, kv_idx) under torch.vmap
+in float64, as Flex's own eager path evaluates them, so they do not go through the tracer under
+test; one case is also checked against torch's
+`flex_attention` itself."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import FlexTraceError, InputError
+from attncc.frontend.flex import flex_program
+from attncc.integrations import flex as flex_integration
+from attncc.integrations.flex import flex_attention
+
+B, H, HKV, N, M, D = 2, 4, 2, 37, 53, 17
+GEN = torch.Generator().manual_seed(3)
+SLOPES = torch.rand(H, generator=GEN, dtype=torch.float64)
+BIAS = torch.randn(H, N, M, generator=GEN, dtype=torch.float64) * 0.5
+TEMPERATURE = torch.tensor(0.7, dtype=torch.float64)
+DOC = torch.randint(0, 3, (B, 64), generator=GEN).sort(-1).values
+LENGTHS = torch.tensor([0, 41])  # the first sequence has no keys: every row fully masked
+LEARNED = {"slopes": SLOPES, "bias": BIAS, "temperature": TEMPERATURE}
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return torch.tanh(score / 2.5) * 2.5
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - slopes[h] * (q_idx - kv_idx).abs()
+
+
+def geometric_alibi(score, b, h, q_idx, kv_idx):
+    return score + torch.exp2(-((h + 1) * 8.0 / H)) * (kv_idx - q_idx)
+
+
+def relative_bias(score, b, h, q_idx, kv_idx):
+    return score + bias[h][q_idx, kv_idx]
+
+
+def reversed_temperature(score, b, h, q_idx, kv_idx):
+    # (a 0-d tensor and constants on the left: Tensor.__sub__, Traced.__rtruediv__, __rsub__, __rpow__)
+    return temperature - score * temperature + 1.0 / (2.0 + (q_idx - kv_idx).abs()) - 2.0 ** (-(h + 1.0))
+
+
+def clamped_distance(score, b, h, q_idx, kv_idx):
+    return torch.where(q_idx % 3 == 0, score, torch.clamp(score, min=-0.5, max=0.5)) + (q_idx - kv_idx) // 4 * 0.01
+
+
+def bottom_right_causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx + (M - N)
+
+
+def document_causal(b, h, q_idx, kv_idx):
+    return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx) | (kv_idx == 0)
+
+
+def key_padding(b, h, q_idx, kv_idx):
+    return kv_idx < lengths[b]
+
+
+def window_or_not_sink(b, h, q_idx, kv_idx):
+    return ~((q_idx - kv_idx).abs() > 6) ^ (kv_idx == 1)
+
+
+slopes, bias, temperature, doc, lengths = SLOPES, BIAS, TEMPERATURE, DOC, LENGTHS
+
+VARIANTS = [
+    (softcap, None),
+    (alibi, bottom_right_causal),
+    (geometric_alibi, document_causal),
+    (relative_bias, key_padding),
+    (reversed_temperature, window_or_not_sink),
+    (clamped_distance, None),
+    (None, document_causal),
+]
+
+
+def over_every_score(fn, leading: int):
+    """fn evaluated at every (b, h, q_idx, kv_idx), each a 0-d tensor as Flex hands them over
+    (torch.vmap over the four indices, the score's too where `leading` is 1)."""
+    for axis in reversed(range(4)):
+        fn = torch.vmap(fn, in_dims=(0,) * leading + tuple(0 if d == axis else None for d in range(4)))
+    return fn
+
+
+def reference(q, k, v, score_mod, mask_mod, scale=None):
+    """float64 attention with the functions evaluated at every score."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    indices = [torch.arange(n) for n in s.shape]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # (float constants times integer indices: float64, as attncc's)
+    try:
+        if score_mod is not None:
+            s = over_every_score(score_mod, 1)(s, *indices)
+        if mask_mod is not None:
+            s = s.masked_fill(~over_every_score(mask_mod, 0)(*indices), -math.inf)
+    finally:
+        torch.set_default_dtype(default)
+    lse = torch.logsumexp(s, -1)
+    return torch.exp(s - lse[..., None]).nan_to_num(0.0) @ v, lse
+
+
+def loss(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    return (out * weights).sum() + lse.masked_fill(torch.isinf(lse), 0).sin().sum()
+
+
+def leaves(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(11)
+    return tuple(
+        torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_()
+        for shape in ((B, H, N, D), (B, HKV, M, D), (B, HKV, M, D))
+    )
+
+
+@pytest.mark.parametrize("score_mod, mask_mod", VARIANTS, ids=lambda f: getattr(f, "__name__", "none"))
+def test_flex_functions_run_as_torch_evaluates_them(score_mod, mask_mod, monkeypatch) -> None:
+    """Forward, lse and gradients of q, k, v and of every float tensor the functions read,
+    at GQA 4/2, N = 37 against M = 53 keys, an odd head dim and fully masked rows."""
+    for name, t in (("slopes", SLOPES), ("bias", BIAS), ("temperature", TEMPERATURE)):
+        monkeypatch.setitem(globals(), name, t.clone().requires_grad_())
+    q, k, v = leaves(torch.float64)
+    out, lse = flex_attention(q, k, v, score_mod, mask_mod=mask_mod, enable_gqa=True, return_lse=True)
+    read = [globals()[name] for name in ("slopes", "bias", "temperature")]
+    got = torch.autograd.grad(loss(out, lse), (q, k, v, *read), allow_unused=True)
+    want_out, want_lse = reference(q, k, v, score_mod, mask_mod)
+    want = torch.autograd.grad(loss(want_out, want_lse), (q, k, v, *read), allow_unused=True)
+    assert torch.allclose(out, want_out, atol=1e-12)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    assert torch.allclose(lse.masked_fill(torch.isinf(lse), 0), want_lse.masked_fill(torch.isinf(want_lse), 0))
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert torch.allclose(g, w, atol=1e-10)
+    if mask_mod is key_padding:
+        assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+
+
+def test_the_same_call_as_torch_flex_attention_with_a_block_mask() -> None:
+    """fp32, a BlockMask from create_block_mask, scale given: torch's own flex_attention (its
+    eager path) and attncc's agree."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = (t.detach().float() for t in leaves(torch.float32))
+    q = q[:, :, :, :16].contiguous()
+    k, v = (t[:, :, :37, :16].contiguous() for t in (k, v))
+    mask = flex.create_block_mask(document_causal, B, None, 37, 37, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's eager path warns that it is not compiled)
+        want, want_lse = flex.flex_attention(
+            q, k, v, softcap, block_mask=mask, scale=0.3, enable_gqa=True, return_lse=True
+        )
+    out, lse = flex_attention(q, k, v, softcap, block_mask=mask, scale=0.3, enable_gqa=True, return_lse=True)
+    assert torch.allclose(out, want, atol=2e-6)
+    assert torch.allclose(lse, want_lse, atol=2e-6)
+
+
+def test_the_program_names_what_the_functions_read_and_is_compiled_once(monkeypatch) -> None:
+    program = flex_program(relative_bias, document_causal)
+    assert "input bias: float[4, 37, 53]" in program.source and "input doc: int[2, 64]" in program.source
+    assert "s = (s + bias[h, i, j])" in program.source
+    assert "mask (((doc[b, i] == doc[b, j]) and (i >= j)) or (j == 0))" in program.source
+    assert set(program.inputs) == {"bias", "doc"} and program.inputs["bias"] is BIAS
+    q, k, v = (t.detach() for t in leaves(torch.float64))
+    first = flex_attention(q, k, v, relative_bias, mask_mod=document_causal, enable_gqa=True)
+    kernels = dict(flex_integration._KERNELS)
+    monkeypatch.setitem(globals(), "bias", BIAS * 3)  # the same shape: the same program, new values
+    again = flex_attention(q, k, v, relative_bias, mask_mod=document_causal, enable_gqa=True)
+    assert flex_integration._KERNELS == kernels and not torch.allclose(first, again)
+    assert torch.allclose(again, reference(q, k, v, relative_bias, document_causal)[0], atol=1e-12)
+
+
+def test_captured_names_that_could_meet_the_programs_become_placeholders() -> None:
+    s = torch.ones(3)
+    mask = torch.zeros(2)
+    program = flex_program(lambda score, b, h, i, j: score * s[h] + mask[b], name="shadowing")
+    assert "input captured0: float[3]" in program.source and "input captured1: float[2]" in program.source
+    assert program.source.startswith("attention shadowing\n")
+
+
+@pytest.mark.parametrize(
+    "score_mod, message",
+    [
+        (lambda score, b, h, i, j: score if score > 0 else -score, "Python control flow on a traced value"),
+        (lambda score, b, h, i, j: torch.sin(score), "torch operation `sin` has no DSL form"),
+        (lambda score, b, h, i, j: score + BIAS, "captured tensor of shape (4, 37, 53) used whole"),
+        (lambda score, b, h, i, j: score + BIAS[h, i, 0:4], "indexed by slice"),
+        (lambda score, b, h, i, j: score // 2, "`//` of a float value"),
+        (lambda score, b, h, i, j: score + (i & j), "only bool values combine"),
+        (lambda score, b, h, i, j: score**2.5, "the DSL has no power"),
+        (lambda score, b, h, i, j: i > j, "score_mod returned a bool value"),
+    ],
+)
+def test_what_the_dsl_cannot_say_is_an_error_at_the_functions_line(score_mod, message: str) -> None:
+    with pytest.raises(FlexTraceError, match=r"score_mod|returned") as info:
+        flex_program(score_mod)
+    assert message in str(info.value)
+    if "returned" not in message:
+        assert f"{__file__}:" in str(info.value) and "lambda score" in str(info.value)
+
+
+def test_call_errors_name_the_argument() -> None:
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = (t.detach() for t in leaves(torch.float64))
+    with pytest.raises(InputError, match="pass enable_gqa=True"):
+        flex_attention(q, k, v)
+    mask = flex.create_block_mask(document_causal, B, None, 40, 53, device="cpu")
+    with pytest.raises(
+        InputError, match=r"block_mask: made for \(Q_LEN, KV_LEN\) = \(40, 53\), called with query length 37"
+    ):
+        flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    blocks = flex.BlockMask.from_kv_blocks(
+        torch.ones(1, 1, 3, dtype=torch.int32),
+        torch.zeros(1, 1, 3, 4, dtype=torch.int32),
+        BLOCK_SIZE=16,
+        seq_lengths=(N, M),
+    )  # each query block sees key block 0 only
+    with pytest.raises(InputError, match="block lists with no mask function"):
+        flex_attention(q, k, v, block_mask=blocks, enable_gqa=True)
+    with pytest.raises(FlexTraceError, match="mask_mod returned a int value"):
+        flex_attention(q, k, v, mask_mod=lambda b, h, i, j: i - j, enable_gqa=True)
+    assert isinstance(FlexTraceError("x"), attncc.AttnccError)
