@@ -42,6 +42,8 @@ def read_program(path_or_source: str | Path) -> tuple[str, str]:
             f"expected a program's path or DSL text (str or pathlib.Path), got {type(path_or_source).__name__}"
         )
     text = str(path_or_source)
+    if not text:
+        raise AttnccError("expected a program's path or DSL text, got an empty string")
     if "\n" not in text:
         path = Path(text)
         if path.is_dir():

@@ -7,6 +7,7 @@ and exits with status 1; no traceback.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -160,8 +161,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         attncc.Kernel(stages, "cpu") if args.target == "cpu" else attncc.Kernel(attncc.lower(args.file, "cpu"), "cpu")
     )
     shape = adapt(shape, kern)
-    q, k, _, runtime = make_inputs(kern, shape, requires_grad=False)
-    tiles, classes = kern.forward_classes(q, k, **runtime)
+    try:
+        q, k, _, runtime = make_inputs(kern, shape, requires_grad=False, operands=False)
+        tiles, classes = kern.forward_classes(q, k, **runtime)
+    except (RuntimeError, MemoryError) as error:  # (the map of tile classes at b=0, h=0 did not fit)
+        raise AttnccError(
+            f"--shape {shape}: too large to map its tile classes ({str(error).splitlines()[0]})"
+        ) from None
     counts = {name: int((classes == value).sum()) for name, value in (("empty", 0), ("partial", 1), ("full", 2))}
     print(
         f"// tile classes at {shape} with Br={tiles.block_rows} Bc={tiles.block_cols} (b=0, h=0; # full, + partial, . empty)"
@@ -280,6 +286,8 @@ def _median_ms(fn, repeats: int = 5) -> float:  # noqa: ANN001 - a thunk
 
 def cmd_examples(args: argparse.Namespace) -> int:
     """Compile every example for the CPU, check it against eager PyTorch, print plan and timing."""
+    if Path(args.directory).is_file():
+        raise AttnccError(f"{args.directory}: a file; `attncc examples` takes a directory of .attn programs")
     if not Path(args.directory).is_dir():
         raise AttnccError(f"{args.directory}: no such directory")
     files = sorted(Path(args.directory).glob("*.attn"))
@@ -315,7 +323,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     output.mkdir(parents=True, exist_ok=True)
     dtypes = [DTYPES[d] for d in args.dtypes]
     kv_dtypes = [getattr(torch, d) for d in args.kv_dtypes]
-    total = 0
+    every: set[Path] = set()  # (a program named twice builds its libraries once)
     with prebuilding_into(output):
         for program in args.programs:
             for target in args.targets:
@@ -330,13 +338,39 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
                         for forward in kern.decoding_forwards(d):
                             paths += forward.prebuild(dtypes, [d], kv_dtypes, paged=args.paged)
                     paths = list(dict.fromkeys(paths))  # (head dims of one plan share libraries)
-                total += len(paths)
+                every.update(paths)
                 what = "head dims " + ",".join(map(str, args.head_dims)) if target != "cpu" else "any head dim"
                 print(
                     f"{program}: {target}, {len(paths)} "
                     f"{'library' if len(paths) == 1 else 'libraries'} ({what}) in {time.perf_counter() - start:.1f} s"
                 )
-    print(f"{total} libraries in {output}/; where the kernels run, set {PREBUILT_ENV}={output.resolve()}")
+    print(f"{len(every)} libraries in {output}/; where the kernels run, set {PREBUILT_ENV}={output.resolve()}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """What the kernel cache holds (libraries, their objects, precompiled preambles), or clear it."""
+    from attncc.runtime.build import PRECOMPILED_DIR, cache_dir
+
+    root = cache_dir()
+    if args.clear:
+        # (safe beside running processes: a loaded library stays mapped; the next call rebuilds)
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"cleared {root}")
+        return 0
+    sizes: dict[str, list[int]] = {"libraries": [], "objects": [], "precompiled preambles": []}
+    for path in root.rglob("*") if root.is_dir() else ():
+        if path.is_file() and not path.is_symlink():
+            kind = (
+                "precompiled preambles" if PRECOMPILED_DIR in path.parts and path.suffix == ".gch"
+                else "libraries" if path.name == "kernel.so" else "objects" if path.suffix == ".o" else ""
+            )  # fmt: skip
+            if kind:
+                sizes[kind].append(path.stat().st_size)
+    print(f"{root}:")
+    for kind, found in sizes.items():
+        print(f"  {len(found):6d} {kind:22s} {sum(found) / 1e6:10.1f} MB")
+    print("`attncc cache --clear` removes it all (kernels rebuild on their next call)")
     return 0
 
 
@@ -428,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--lines", type=int, default=8, help="costliest source lines to show per kernel")
     p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("cache", help="what the kernel cache holds, or clear it")
+    p.add_argument("--clear", action="store_true", help="remove the whole cache")
+    p.set_defaults(fn=cmd_cache)
 
     p = sub.add_parser("examples", help="compile, check and time every example")
     p.add_argument("directory", nargs="?", default=str(EXAMPLES_DIR))

@@ -507,8 +507,9 @@ torch.save(attncc.compile(program)(q, q, q), sys.argv[1])
 
 
 def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> None:
-    """Truncated and foreign (no attncc entry points) libraries in the cache: a new
-    process rebuilds each once with a one-line warning, and the kernel's answer is unchanged.
+    """Truncated and foreign (no attncc entry points) libraries in the cache, and a truncated
+    one beside a truncated object: a new process rebuilds each once with a one-line warning,
+    and the kernel's answer is unchanged.
     (Processes of their own: overwriting a library this process has mapped would fault.)"""
     # debug builds (-O0, seconds less each): the cache's recovery is under test, not the code
     env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), ATTNCC_DEBUG_BUILD="1")
@@ -525,8 +526,11 @@ def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> 
     (library,) = (tmp_path / "cache").glob("*/kernel.so")
     good = library.read_bytes()
     foreign = build_library('extern "C" int other() { return 1; }', "foreign").read_bytes()
-    for damaged in (good[:1000], foreign):
+    for damaged, with_an_object in ((good[:1000], False), (foreign, False), (good[:1000], True)):
         library.write_bytes(damaged)
+        if with_an_object:  # (was relinked as it was: "file too short", in every later process)
+            part = library.parent / "part1.o"
+            part.write_bytes(part.read_bytes()[:1000])
         got, stderr = run("got.pt")
         warned = [line for line in stderr.splitlines() if "failed to load" in line]
         assert len(warned) == 1 and "rebuilding it" in warned[0], stderr

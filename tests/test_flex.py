@@ -229,3 +229,27 @@ def test_call_errors_name_the_argument() -> None:
     with pytest.raises(FlexTraceError, match="mask_mod returned a int value"):
         flex_attention(q, k, v, mask_mod=lambda b, h, i, j: i - j, enable_gqa=True)
     assert isinstance(FlexTraceError("x"), attncc.AttnccError)
+
+
+def test_under_torch_compile() -> None:
+    """The tracing runs eagerly under torch.compile (a graph break; dynamo failed inside on a
+    closure's tensor reads); fullgraph takes the program's kernel itself."""
+    torch._dynamo.reset()
+    learned = BIAS.clone().requires_grad_()
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + learned[h, q_idx, kv_idx]
+
+    def with_bias(q):
+        return flex_attention(q, q, q, biased, mask_mod=key_padding)[:, :, :, :3]
+
+    q = torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True)
+    want, got = with_bias(q), torch.compile(with_bias)(q)
+    assert torch.equal(got, want)
+    grads = torch.autograd.grad(got.square().sum(), (q, learned))
+    for g, w in zip(grads, torch.autograd.grad(want.square().sum(), (q, learned))):
+        assert torch.equal(g, w)
+    program = flex_program(biased, key_padding)
+    kern = attncc.compile(program.source)
+    whole = torch.compile(lambda q: kern(q, q, q, **program.inputs)[:, :, :, :3], fullgraph=True)
+    assert torch.equal(whole(q), want)

@@ -75,3 +75,19 @@ for name in {TEMPLATES!r}:
     env = {**os.environ, "PYTHONPATH": str(site)}
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_install_under_a_path_with_spaces_and_dollars_builds_its_kernels(wheel: Path, tmp_path: Path) -> None:
+    """The build commands quote the include directory: `-I/home/me/my projects/...` was split
+    in two by the shell that ninja runs (every kernel build failed)."""
+    site = tmp_path / "my site $HOME ü"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = """
+import torch, torch.nn.functional as F, attncc
+q = torch.randn(1, 2, 20, 16, dtype=torch.float64)
+kern = attncc.compile("attention v\\ns = q @ k.T * scale\\np = softmax(s)\\no = p @ v\\noutput o\\n")
+assert torch.allclose(kern(q, q, q), F.scaled_dot_product_attention(q, q, q))
+"""
+    env = {**os.environ, "PYTHONPATH": str(site), "ATTNCC_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

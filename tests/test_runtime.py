@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 import attncc
 from attncc import targets
-from attncc.errors import InputError
+from attncc.errors import BuildError, InputError
 from attncc.runtime.build import (
     DEBUG_BUILD_ENV,
     OPTIMIZED_FLAGS,
@@ -131,6 +132,11 @@ def test_empty_problems() -> None:
     q, k, v = qkv(M=0)
     out, lse = kern(q, k, v, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    q, k, v = (t.requires_grad_() for t in qkv(B=0, N=12))  # a mask reading a runtime tensor at b
+    out, lse = kernel("document")(q, k, v, doc=torch.zeros(0, 12, dtype=torch.long), return_lse=True)
+    assert out.shape == (0, 4, 12, 16) and lse.shape == (0, 4, 12)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
 
 
 def test_include_dir_has_the_headers() -> None:
@@ -566,6 +572,29 @@ def test_a_shared_preamble_is_precompiled_from_its_second_kernel_on(tmp_path, mo
     with pytest.warns(UserWarning, match="rebuilding it"):
         load_library(library)
     assert _text_disassembly(second / "part2.o") == _text_disassembly(alone / "part2.o")
+    header = precompiled / "preamble.h.gch"  # damaged: every later build of the preamble failed on it
+    header.write_bytes(header.read_bytes()[:5000])
+    with pytest.warns(UserWarning, match="precompiled preamble .* is unreadable; deleting it"):
+        fourth = build("alibi", shared)
+    assert (fourth / "kernel.so").exists() and not header.exists()
+    assert "-include preamble.h" not in (fourth / "build.ninja").read_text()
+
+
+def test_an_unwritable_kernel_cache_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    """A read-only cache (root's bind mount in the review; simulated here: root may write
+    anywhere) was a bare OSError from pathlib; now it says which setting to change."""
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def read_only(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
+    q = torch.randn(1, 1, 8, 8)
+    with pytest.raises(
+        BuildError, match=r"cannot write to the kernel cache .*\(Read-only file system\): set ATTNCC_CACHE_DIR"
+    ):
+        kern(q, q, q)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -674,6 +703,7 @@ def test_build_keys_follow_the_headers_their_kernels_include(monkeypatch) -> Non
         (["compile", "examples/causal.attn", "--target", "sm80", "--head-dim", "64", "-1"], "expected an int >= 1"),
         (["compile", "examples/causal.attn", "-o", "{file}"], "attncc compile: [Errno 17] File exists"),
         (["examples", "{missing}"], "no such directory"),
+        (["examples", "{file}"], "a file; `attncc examples` takes a directory of .attn programs"),
     ],
 )
 def test_cli_misuse_is_one_line_and_a_failing_status(argv: list[str], message: str, tmp_path: Path, capsys) -> None:
@@ -689,3 +719,26 @@ def test_cli_misuse_is_one_line_and_a_failing_status(argv: list[str], message: s
         status = exit_.code
     err = capsys.readouterr().err
     assert status != 0 and message in err and "Traceback" not in err, err
+
+
+def test_cli_explain_at_empty_and_production_shapes(capsys) -> None:
+    """N = 0 or B = 0 divided by zero in the traffic report; 4 x 32 heads x 128K tokens made
+    12.9 GB of random q, k, v for a report that needs only their sizes."""
+    from attncc.cli import main
+
+    for shape in ("1,1,1,0,5,1", "0,1,1,5,5,1", "4,32,8,131072,131072,128"):
+        assert main(["explain", str(ROOT / "examples" / "causal.attn"), "--shape", shape]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_cache_reports_and_clears_the_kernel_cache(tmp_path, monkeypatch, capsys) -> None:
+    from attncc.cli import main
+
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path / "cache"))
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
+    kern.library("float64")
+    assert main(["cache"]) == 0
+    report = capsys.readouterr().out
+    assert f"{tmp_path / 'cache'}:" in report and "     1 libraries" in report, report
+    assert main(["cache", "--clear"]) == 0
+    assert not (tmp_path / "cache").exists()

@@ -1031,6 +1031,32 @@ def test_paged_bad_input_is_a_clear_error(change: dict, message: str | None) -> 
     assert message in str(err.value)
 
 
+def test_a_packed_reads_bounds_error_names_the_sequence() -> None:
+    """It quoted the padded sizes (N = M = the longest), under which its range cannot occur."""
+    kern = attncc.compile(
+        "attention forget\ninput F: float[B, H, T]\ns = q @ k.T * scale\ns = s + F[b, h, i + M - N]\n"
+        "mask j <= i + M - N\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    q, k = torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 4, 12]), torch.tensor([0, 8, 12])  # (4, 8) and (8, 4) queries, keys
+    with pytest.raises(attncc.InputError, match=r"ranges over \[-4, 3\] for sequence b=1 of N=8, M=4 \(H=2\).*clamp"):
+        kern.varlen(q, k, k, cu_q, cu_k, F=torch.zeros(2, 2, 8))
+
+
+def test_paged_calls_take_train_and_apply_no_dropout() -> None:
+    """`train=False` was "unknown runtime input(s) train"; a paged call of a program with
+    dropout is the program without it, and train=True with one is an error."""
+    args = dict(block_table=torch.tensor([[0, 1], [2, 3]]), cache_seqlens=torch.tensor([3, 9]))
+    q, k_cache, v_cache = torch.randn(2, 1, 4, 16), torch.randn(4, 8, 2, 16), torch.randn(4, 8, 2, 16)
+    want = kernel("causal").paged(q, k_cache, v_cache, **args)
+    assert torch.equal(kernel("gpt2").paged(q, k_cache, v_cache, train=False, **args), want)
+    assert torch.equal(kernel("gpt2").paged(q, k_cache, v_cache, **args), want)
+    with pytest.raises(attncc.InputError, match="paged calls are inference and apply no dropout; pass train=False"):
+        kernel("gpt2").paged(q, k_cache, v_cache, train=True, **args)
+    with pytest.raises(attncc.InputError, match="train: expected True or False"):
+        kernel("vanilla").paged(q, k_cache, v_cache, train="no", **args)
+
+
 def test_paged_cache_must_hold_the_appended_keys() -> None:
     x = torch.randn(1, 2, 2, 16)
     with pytest.raises(attncc.InputError, match=r"sequence 0 holds 15 keys \+ 2 appended, beyond 0..16"):

@@ -40,6 +40,31 @@ def test_compile_fullgraph_with_changing_shapes_scalars_and_scale() -> None:
         assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(grad, ref_grad, atol=1e-5)
 
 
+def test_compile_fullgraph_as_a_fresh_kernels_first_use_with_runtime_tensors() -> None:
+    """A model compiled from the start: the kernel's first call is traced (its per-program
+    properties were cached_propertys, whose lock dynamo cannot trace)."""
+    alibi = attncc.compile(ROOT / "examples" / "alibi.attn")
+    compiled = torch.compile(lambda q, slopes: alibi(q, q, q, slopes=slopes), fullgraph=True)
+    q, slopes = torch.randn(2, 4, 9, 16), torch.rand(4)
+    assert torch.allclose(compiled(q, slopes), attncc.compile(ROOT / "examples" / "alibi.attn")(q, q, q, slopes=slopes))
+
+
+def test_a_scale_tensor_asking_a_gradient_or_traced_is_a_clear_error() -> None:
+    """A learnable temperature as `scale=` got no gradient silently; a tensor scale or scalar
+    input under torch.compile failed deep inside the op's schema check."""
+    kern = attncc.compile(TEMPERED)
+    q = torch.randn(1, 2, 9, 8)
+    temperature = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(InputError, match="scale: this tensor requires grad, but a call's scale gets no gradient"):
+        kern(q, q, q, n=3, t=1.0, scale=temperature)
+    assert torch.equal(kern(q, q, q, n=3, t=1.0, scale=temperature.detach()), kern(q, q, q, n=3, t=1.0, scale=0.5))
+    with torch.no_grad():
+        kern(q, q, q, n=3, t=1.0, scale=temperature)
+    for call in (lambda q, x: kern(q, q, q, n=3, t=1.0, scale=x), lambda q, x: kern(q, q, q, n=3, t=x)):
+        with pytest.raises(Exception, match=r"a tensor under torch\.compile; pass a Python number"):
+            torch.compile(call, fullgraph=True)(q, torch.tensor(0.5))
+
+
 @pytest.mark.usefixtures("two_threads")
 def test_compiled_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a torch.compile'd graph the ops' implementations repeat the launches a checked call

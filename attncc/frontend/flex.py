@@ -477,8 +477,8 @@ def _operand(x: object, captures: _Captures) -> Traced:
                 f"a captured tensor of shape {tuple(x.shape)} used whole: read one element of it, "
                 "indexed by b, h, q_idx, kv_idx (e.g. bias[h, q_idx, kv_idx])"
             )
-        name = captures.name_of(x.reshape(()) if x.dim() else x)
-        return _read_element(name, x, "0", captures)
+        # (its only element: a 0-d tensor is declared and passed as [1])
+        return _read_element(captures.name_of(x), x, ", ".join(["0"] * max(x.dim(), 1)), captures)
     raise FlexTraceError(f"an operand of type {type(x).__name__} in a score or mask function")
 
 

@@ -63,6 +63,8 @@ class _Context:
     path: str
     names: dict[str, Value] = field(default_factory=dict)
     scale: ex.Expr | None = None
+    scale_set_at: SourceLoc | None = None
+    scale_read_at: SourceLoc | None = None  # (the first statement reading the name `scale`)
     output: str | None = None
     # what the passes will compose, kept to bound its size: the score map ending at each score
     # node (in terms of the matmul's scores) and the conjunction of the masks so far
@@ -149,6 +151,16 @@ def _const(ctx: _Context, stmt: Ast) -> None:
 def _assign(ctx: _Context, stmt: Ast) -> None:
     name, value_ast = stmt.children
     if name.value == "scale":
+        # (the scale is one number for the whole program, so it is set once, before any use:
+        # a second `scale =`, or one after `s = q @ k.T * scale`, took effect everywhere)
+        if ctx.scale_set_at is not None:
+            raise DslError(f"the scale is set once (first at line {ctx.scale_set_at.line})", name.loc)
+        if ctx.scale_read_at is not None:
+            raise DslError(
+                f"`scale = ...` after a statement that reads scale (line {ctx.scale_read_at.line}): set it first",
+                name.loc,
+            )
+        ctx.scale_set_at = name.loc
         value = _scalar(ctx, value_ast, "the scale")
         if ex.free_vars(value) - set(ex.SIZE_VARS) or ex.reads(value):
             raise DslError("the scale may depend only on numbers and the sizes B, H, Hkv, N, M, D", value_ast.start)
@@ -353,6 +365,7 @@ def _name(ctx: _Context, a: Ast) -> Value:
     if n in ex.INDEX_VARS or n in ex.SIZE_VARS:
         return ex.var(n)
     if n == "scale":
+        ctx.scale_read_at = ctx.scale_read_at or a.loc
         return ex.var("scale", ex.FLOAT)
     if n == "inf":
         return ex.const(math.inf)
@@ -586,7 +599,8 @@ def _typed(a: Ast, op: str, args: list[ex.Expr]) -> ex.Expr:
     if any(t not in numeric for t in tys):
         raise DslError(f"`{a.value}` needs numbers, got a condition", a.loc)
     if op in ("floordiv", "mod") and tys != [ex.INT, ex.INT]:
-        raise DslError(f"`{a.value}` is integer division; both sides must be integers", a.loc)
+        what = "integer division" if op == "floordiv" else "the integer remainder"
+        raise DslError(f"`{a.value}` is {what}; both sides must be integers", a.loc)
     if op in ex.UNARY_OPS:
         return ex.Unary(op, args[0])
     return ex.Binary(op, *args)

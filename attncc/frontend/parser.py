@@ -23,6 +23,12 @@ from attncc.errors import DslError, SourceLoc
 #: flat sum of n terms is n levels deep (generated bucket tables, polynomial biases), so the
 #: limit is the lowering's bound on a composed expression, which the passes recurse through.
 MAX_DEPTH = 200
+#: Python's and torch's spellings of operators the DSL writes as words (the parser's hint).
+PYTHON_OPERATORS = {
+    "&": " (the DSL writes `and`)", "|": " (the DSL writes `or`)", "~": " (the DSL writes `not`)",
+    "!": " (the DSL writes `not`)", "**": " (the DSL has no power: multiply, or exp(y * log(x)))",
+    "&&": " (the DSL writes `and`)", "||": " (the DSL writes `or`)",
+}  # fmt: skip
 #: Largest program accepted, in characters.
 MAX_SOURCE_CHARS = 1_000_000
 
@@ -182,11 +188,17 @@ def parse(text: str, path: str = "<string>") -> Ast:
     except UnexpectedCharacters as exc:
         char = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
         shown = repr(char) if char.isprintable() else f"character U+{ord(char):04X}" if char else "end"
-        raise DslError(f"unexpected {shown}", src.loc(exc.line, exc.column)) from None
+        hint = PYTHON_OPERATORS.get(text[exc.pos_in_stream : exc.pos_in_stream + 2].strip(), "")
+        hint = hint or PYTHON_OPERATORS.get(char, "")
+        raise DslError(f"unexpected {shown}{hint}", src.loc(exc.line, exc.column)) from None
     except UnexpectedToken as exc:
         tok = exc.token
         what = "end of line" if tok.type == "_NL" else "end of file" if tok.type == "$END" else f"`{tok}`"
-        raise DslError(f"unexpected {what}{_expected(exc.expected)}", src.loc(tok.line, tok.column)) from None
+        chained = tok.type == "CMP" and "CMP" not in exc.expected  # (`0 <= i - j < 4`)
+        power = str(tok) == "*" and text[max(tok.start_pos - 1, 0)] == "*"  # (`x ** 2`)
+        hint = " (comparisons do not chain: write `a <= b and b < c`)" if chained else _expected(exc.expected)
+        hint = PYTHON_OPERATORS["**"] if power else hint
+        raise DslError(f"unexpected {what}{hint}", src.loc(tok.line, tok.column)) from None
     except UnexpectedEOF as exc:
         last = len(src.lines)
         raise DslError(

@@ -19,7 +19,10 @@ The block structure is attncc's own, derived from the mask function by its spars
 a BlockMask is read for its `mask_mod` (and its sequence lengths, which must be the call's),
 as `create_block_mask` makes it from that function; a BlockMask of block lists with no mask
 function (`BlockMask.from_kv_blocks`) is an error. `kernel_options` (Triton tile choices) are
-accepted and have no effect: the tiles are the target's.
+accepted and have no effect: the tiles are the target's. Under torch.compile the tracing runs
+eagerly (a graph break before the kernel's call); `torch.compile(fullgraph=True)` takes the
+program's kernel, `attncc.compile(attncc.flex_program(score_mod, mask_mod).source)`, called
+with the program's `inputs`.
 """
 
 from __future__ import annotations
@@ -32,11 +35,18 @@ import torch
 
 import attncc
 from attncc.errors import InputError
-from attncc.frontend.flex import flex_program
+from attncc.frontend.flex import FlexProgram, flex_program
 from attncc.runtime.kernel import Kernel
 
 _KERNELS: dict[tuple[str, str], Kernel] = {}
 _LOCK = threading.Lock()
+
+
+@torch.compiler.disable
+def _traced(score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None) -> FlexProgram:
+    """flex_program, run eagerly under torch.compile (a graph break): dynamo cannot trace the
+    tracer's symbols through a closure's tensor reads (an internal error, not a graph break)."""
+    return flex_program(score_mod, mask_mod)
 
 
 def _kernel(source: str, device: torch.device) -> Kernel:
@@ -101,6 +111,6 @@ def flex_attention(
     if mask_mod is not None and block_mask is not None:
         raise InputError("mask_mod and block_mask: give one (a BlockMask carries its mask_mod)")
     mask = mask_mod if mask_mod is not None else _mask_function(block_mask, query.shape[2], key.shape[2])
-    program = flex_program(score_mod, mask)
+    program = _traced(score_mod, mask)
     kern = _kernel(program.source, query.device)
     return kern(query, key, value, scale=scale, return_lse=return_lse, **program.inputs)

@@ -28,7 +28,8 @@ class IOReport:
         rope = f"; in-kernel rope saves {self.rope_saved_bytes / mb:.1f} MB" if self.rope_saved_bytes else ""
         return (
             f"forward: fused {self.fused_fwd_bytes / mb:.1f} MB vs unfused {self.unfused_fwd_bytes / mb:.1f} MB "
-            f"({self.unfused_fwd_bytes / self.fused_fwd_bytes:.1f}x less traffic), {self.fused_fwd_flops / 1e9:.2f} GFLOP "
+            f"({self.unfused_fwd_bytes / self.fused_fwd_bytes if self.fused_fwd_bytes else 1.0:.1f}x less traffic), "
+            f"{self.fused_fwd_flops / 1e9:.2f} GFLOP "
             f"(fp8 K/V: {self.fp8_fwd_bytes / mb:.1f} MB); "
             f"backward: fused {self.fused_bwd_bytes / mb:.1f} MB vs unfused {self.unfused_bwd_bytes / mb:.1f} MB, "
             f"{self.fused_bwd_flops / 1e9:.2f} GFLOP{rope}"

@@ -449,6 +449,8 @@ def classify_tiles(
         last_row, last_col = n - 1, m - 1
     if info.predicate is None:
         cls = torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8)
+    elif 0 in shape:  # (an empty batch or no heads: no tile, and no row of the tensors to read)
+        return torch.empty(shape, dtype=torch.uint8)
     else:
         env = problem.size_env()
         if lengths is not None:
@@ -554,8 +556,15 @@ def check_reads_and_divisors(
             lo, hi = float(iv.lo.min()), float(iv.hi.max())
             if lo < 0 or hi > t.shape[dim] - 1:
                 shown = r.tensor if not r.tensor.startswith("__layout") else "a layout grid"
+                sizes = f"N={problem.N}, M={problem.M}, B={problem.B}, H={problem.H}"
+                if lengths is not None:  # (a packed batch: the first sequence whose sizes reach past it)
+                    outside = ((iv.lo < 0) | (iv.hi > t.shape[dim] - 1)).expand(n.shape).nonzero()
+                    k = int(outside[0, 0]) if outside.numel() else 0
+                    lo, hi = float(iv.lo.expand(n.shape)[k]), float(iv.hi.expand(n.shape)[k])
+                    sizes = f"sequence b={int(live[k])} of N={int(n[k])}, M={int(m[k])} (H={problem.H})"
                 raise InputError(
                     f"{shown}[{', '.join(map(str, r.index))}]: index {dim} ({index}) ranges over "
-                    f"[{lo:.0f}, {hi:.0f}] for N={problem.N}, M={problem.M}, B={problem.B}, H={problem.H}, "
-                    f"but {shown} has size {t.shape[dim]} in dimension {dim}"
+                    f"[{lo:.0f}, {hi:.0f}] for {sizes}, but {shown} has size {t.shape[dim]} in dimension {dim} "
+                    "(a read is checked wherever the masks may keep its score, both branches of a `where` "
+                    "included: clamp the index, e.g. with min and max)"
                 )

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import _ctypes
 import ctypes
+import errno
 import fcntl
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import threading
@@ -339,52 +341,107 @@ def build_library(
     library = directory / "kernel.so"
     if _digest_path(library).exists():  # written after the library: the build is complete
         return library
-    directory.mkdir(parents=True, exist_ok=True)
-    with _file_lock(directory / ".lock"):
-        if _digest_path(library).exists():
-            return library
-        source_name = "kernel.cu" if cuda_arch else "kernel.cpp"
-        _write_if_changed(directory / source_name, source)
-        for file_name, text in includes.items():
-            _write_if_changed(directory / file_name, text)
-        if cuda_arch:
-            from attncc.runtime.nvcc import NVCC_FLAGS, find_nvcc
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with _file_lock(directory / ".lock"):
+            if _digest_path(library).exists():
+                return library
+            _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
+    except OSError as error:  # (a read-only or full cache: `mkdir`, the lock, the sources)
+        if error.errno not in UNWRITABLE:
+            raise
+        raise _unwritable(directory, name, error) from None
+    return library
 
-            sm = "sm_" + cuda_arch.removeprefix("sm")
-            command = f"{find_nvcc()} -arch={sm} {' '.join(NVCC_FLAGS)} -shared -Xcompiler -fPIC -I{INCLUDE_DIR} -I. $in -o $out.tmp"
-        else:
-            object_flags = " ".join(f for f in host_flags if f != "-shared") + f" -I{INCLUDE_DIR} -I."
-            preamble_flag = _preamble_flag(directory, source, object_flags)
-            command = f"{compiler()} {' '.join(host_flags)} {preamble_flag}-I{INCLUDE_DIR} -I. $in -o $out.tmp"
-        ninja_file = "ninja_required_version = 1.3\n"
+
+#: What writing into a cache that is not ours to write fails with: read-only, not permitted, full.
+UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
+
+
+def _unwritable(directory: Path, name: str, error: OSError) -> BuildError:
+    return BuildError(
+        f"kernel {name}: cannot write to the kernel cache {directory.parent} ({error.strerror or error}): set "
+        f"ATTNCC_CACHE_DIR to a writable directory, or ship the kernels prebuilt ({PREBUILT_ENV}, `attncc prebuild`)"
+    )
+
+
+def _build_in(
+    directory: Path,
+    name: str,
+    source: str,
+    includes: dict[str, str],
+    cuda_arch: str | None,
+    host_flags: tuple[str, ...],
+    parts: int,
+    before_build: Callable[[], None] | None,
+) -> None:
+    """Write the sources and build.ninja into `directory` (its lock held) and build kernel.so.
+    A precompiled preamble that GCC cannot read (truncated, from another compiler) is deleted
+    and the kernel built without it, with a one-line warning: every later build of its dtype
+    and ISA failed on it before."""
+    source_name = "kernel.cu" if cuda_arch else "kernel.cpp"
+    _write_if_changed(directory / source_name, source)
+    for file_name, text in includes.items():
+        _write_if_changed(directory / file_name, text)
+    include = _command_word(INCLUDE_DIR)
+    cxx = object_flags = preamble_flag = ""
+    if cuda_arch:
+        from attncc.runtime.nvcc import NVCC_FLAGS, find_nvcc
+
+        sm = "sm_" + cuda_arch.removeprefix("sm")
+        command = f"{_command_word(find_nvcc())} -arch={sm} {' '.join(NVCC_FLAGS)} -shared -Xcompiler -fPIC -I{include} -I. $in -o $out.tmp"
+    else:
+        cxx = _command_word(compiler())
+        object_flags = " ".join(f for f in host_flags if f != "-shared") + f" -I{include} -I."
+        preamble_flag = _preamble_flag(directory, source, object_flags)
+
+    def ninja_file(preamble: str) -> str:
+        text = "ninja_required_version = 1.3\n"
         if parts > 1 and not cuda_arch:
             objects = " ".join(f"part{n}.o" for n in range(1, parts + 1))
-            ninja_file += (
+            text += (
                 "rule compile_part\n"
-                f"  command = {compiler()} {object_flags} {preamble_flag}-DATTNCC_PART=$part -c $in -o $out\n"
+                f"  command = {cxx} {object_flags} {preamble}-DATTNCC_PART=$part -c $in -o $out\n"
                 "  description = attncc: compiling $out\n"
                 "rule link_shared\n"
-                f"  command = {compiler()} {' '.join(host_flags)} $in -o $out.tmp && mv $out.tmp $out\n"
+                f"  command = {cxx} {' '.join(host_flags)} $in -o $out.tmp && mv $out.tmp $out\n"
                 "  description = attncc: linking $out\n"
                 + "".join(f"build part{n}.o: compile_part {source_name}\n  part = {n}\n" for n in range(1, parts + 1))
                 + f"build kernel.so: link_shared {objects}\n"
             )
         else:
-            ninja_file += (
+            shared = command if cuda_arch else f"{cxx} {' '.join(host_flags)} {preamble}-I{include} -I. $in -o $out.tmp"
+            text += (
                 "rule compile_shared\n"
-                f"  command = {command} && mv $out.tmp $out\n"
+                f"  command = {shared} && mv $out.tmp $out\n"
                 "  description = attncc: compiling $out\n"
                 f"build kernel.so: compile_shared {source_name}\n"
             )
-        ninja_file += "default kernel.so\n"
-        _write_if_changed(directory / "build.ninja", ninja_file)
-        if before_build is not None:
-            before_build()
-        try:
-            _run_ninja(directory, name)
-        finally:  # no link into the cache stays (prebuilt directories are shipped)
-            (directory / "preamble.h.gch").unlink(missing_ok=True)
-    return library
+        return text + "default kernel.so\n"
+
+    _write_if_changed(directory / "build.ninja", ninja_file(preamble_flag))
+    if before_build is not None:
+        before_build()
+    link = directory / "preamble.h.gch"
+    try:
+        _run_ninja(directory, name)
+    except BuildError as error:
+        if not preamble_flag or "precompiled header" not in str(error):
+            raise
+        shared_header = link.resolve()
+        warnings.warn(f"attncc: precompiled preamble {shared_header} is unreadable; deleting it", stacklevel=4)
+        shared_header.unlink(missing_ok=True)
+        link.unlink(missing_ok=True)
+        _write_if_changed(directory / "build.ninja", ninja_file(""))
+        _run_ninja(directory, name)
+    finally:  # no link into the cache stays (prebuilt directories are shipped)
+        link.unlink(missing_ok=True)
+
+
+def _command_word(path: object) -> str:
+    """A path as one word of a ninja command line: quoted for the shell that runs it (an
+    install under `/home/me/my projects` split its -I flag in two) and `$` escaped for ninja."""
+    return shlex.quote(str(path)).replace("$", "$$")
 
 
 def _digest_path(library: Path) -> Path:
@@ -438,10 +495,16 @@ def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
                     ) from None
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 warnings.warn(f"attncc: cached kernel {path} failed to load ({reason}); rebuilding it", stacklevel=2)
-                with _file_lock(directory / ".lock"):
-                    _digest_path(path).unlink(missing_ok=True)
-                    path.unlink(missing_ok=True)
-                    _run_ninja(directory, directory.name)
+                try:
+                    with _file_lock(directory / ".lock"):
+                        # (its objects too: a damaged part*.o beside it was relinked as it was)
+                        for built in (path, _digest_path(path), *directory.glob("part*.o")):
+                            built.unlink(missing_ok=True)
+                        _run_ninja(directory, directory.name)
+                except OSError as error:
+                    if error.errno not in UNWRITABLE:
+                        raise
+                    raise _unwritable(directory, directory.name, error) from None
                 try:
                     _LOADED[path] = _open(path, required_symbol)
                 except OSError as again:

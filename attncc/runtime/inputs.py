@@ -38,13 +38,22 @@ def adapt(shape: Shape, kern: Kernel) -> Shape:
 
 
 def make_inputs(
-    kern: Kernel, shape: Shape, dtype: torch.dtype = torch.float32, seed: int = 0, requires_grad: bool = True
+    kern: Kernel,
+    shape: Shape,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    requires_grad: bool = True,
+    operands: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, object]]:
-    """q, k, v and runtime inputs. Length-like ints include 0 so some rows are fully masked."""
+    """q, k, v and runtime inputs. Length-like ints include 0 so some rows are fully masked.
+    operands=False: q, k, v are zeros of the shapes with no storage to speak of (a plan's
+    sizes, `attncc explain` at 128K tokens, without gigabytes of random numbers)."""
     gen = torch.Generator().manual_seed(seed)
     s = shape
 
     def randn(*size: int) -> torch.Tensor:
+        if not operands:
+            return torch.zeros((), dtype=dtype).expand(*size)
         return torch.randn(*size, generator=gen).to(dtype).requires_grad_(requires_grad)
 
     q, k, v = randn(s.B, s.H, s.N, s.D), randn(s.B, s.Hkv, s.M, s.D), randn(s.B, s.Hkv, s.M, s.Dv)

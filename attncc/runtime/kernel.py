@@ -332,6 +332,10 @@ class Kernel:
         self.name: str = self.graph.graph["name"]
         self.abi: KernelAbi = kernel_abi(self.graph, cuda=self.cuda_abi)
         self.inputs: list[Input] = runtime_inputs(self.graph)
+        # (properties of the program read by every call's checks, also while torch.compile
+        # traces one: attributes, where a cached_property takes a lock dynamo cannot trace)
+        self.reads_scale: bool = self.op.reads_scale
+        self._host_reads: frozenset[str] = host_read_tensors(self.op.mask, self.op.score)
         text = print_graph(self.graph) + repr(self.op) + self.target
         self.key = f"{self.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
@@ -468,6 +472,8 @@ class Kernel:
         if not torch.compiler.is_compiling():  # traced: may be symbolic
             scale = checked_scale(scale)
             self.check_scale_is_read(scale)
+        elif isinstance(scale, torch.Tensor):
+            raise traced_tensor_number("scale")
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
         descale = kv_descales(k, v, k_descale, v_descale)
@@ -823,6 +829,7 @@ class Kernel:
         layout: str = "bnhd",
         return_lse: bool = False,
         scale: float | None = None,
+        train: bool = False,
         k_descale: object = None,
         v_descale: object = None,
         **runtime: object,
@@ -846,7 +853,15 @@ class Kernel:
         block_table and cache_seqlens: the table and lengths read and checked once for every
         call that shares them (each layer of a decoding step), so the call reads nothing back
         from the device and its tile classes are prepared once per kernel and plan.
+
+        Paged calls are inference: a program's dropout is not applied (train=True with one is
+        an error; `train` is taken, as the other calls take it, for code that passes it through).
         """
+        if checked_train(train) and self.op.dropout > 0:
+            raise InputError(
+                f"{self.name}: paged calls are inference and apply no dropout; pass train=False (a program's "
+                f"dropout p = {self.op.dropout} runs in padded and packed calls)"
+            )
         key = planned_call_key(
             self, plan, q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, layout, scale, runtime,
             k_descale, v_descale,
@@ -909,11 +924,6 @@ class Kernel:
         launch = self._forward_launch(plan, call, ptrs, out, lse, (call, paged), strides)
         with self._lock:
             paged.prepared[key] = launch  # type: ignore[index]
-
-    @cached_property
-    def reads_scale(self) -> bool:
-        """`FusedAttention.reads_scale` of the program, once."""
-        return self.op.reads_scale
 
     def check_scale_is_read(self, scale: float | None) -> None:
         """A call's `scale=` where the program reads no name `scale` (`s = q @ k.T`, a literal
@@ -1117,6 +1127,8 @@ class Kernel:
         """Checks one runtime input; returns it, a numpy scalar as the Python number it holds."""
         if decl.role == "scalar":
             if torch.compiler.is_compiling():
+                if isinstance(value, torch.Tensor):
+                    raise traced_tensor_number(decl.name)
                 return value  # may be symbolic: the op implementation gets (and the kernel reads) concrete values
             value = python_number(value)
             if isinstance(value, torch.Tensor):
@@ -1522,12 +1534,6 @@ class Kernel:
             grad_slices=[(abi.ident_of(n), f"grad_slice_{abi.ident_of(n)}") for n in abi.grads],
         )
 
-    @cached_property
-    def _host_reads(self) -> frozenset[str]:
-        """The runtime tensors whose values the host reads at call time (a property of the
-        program: computed once, not per call)."""
-        return host_read_tensors(self.op.mask, self.op.score)
-
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
         """`t` where the host can read its values (CPU kernels' tensors already are)."""
         return t
@@ -1857,10 +1863,25 @@ def seed_tensor(seed: int | None, dropout: float) -> torch.Tensor:
     return torch.tensor([checked_seed(seed)], dtype=torch.int64)
 
 
+def traced_tensor_number(name: str) -> InputError:
+    """A tensor given for a number while torch.compile traces the call: its value would reach
+    the kernel only through a graph break (and failed deep inside the op's schema check)."""
+    return InputError(
+        f"{name}: a tensor under torch.compile; pass a Python number (a compiled graph recompiles for a new "
+        "value, or treats it as symbolic with dynamic=True)"
+    )
+
+
 def checked_scale(scale: object) -> float | None:
-    """A call's `scale=`: None (the program's default) or a finite number."""
+    """A call's `scale=`: None (the program's default) or a finite number (a one-element tensor's
+    value, where no gradient is asked of it: the kernels take the scale as a number)."""
     if scale is None:
         return None
+    if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+        raise InputError(
+            "scale: this tensor requires grad, but a call's scale gets no gradient; pass it detached, or "
+            "declare `input temperature: float[1]` and write `s = q @ k.T * scale * temperature[0]` to learn it"
+        )
     value = float(scale)  # type: ignore[arg-type]
     if not math.isfinite(value):
         raise InputError(f"scale: expected a finite number, got {scale!r}")

@@ -46,6 +46,8 @@ def dropout_mask(seed: int, offset: int, B: int, H: int, N: int, M: int, p: floa
     for name, value in (("seed", seed), ("offset", offset), ("B", B), ("H", H), ("N", N), ("M", M)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InputError(f"{name}: expected an int >= 0, got {value!r}")
+    if seed >= 2**63:  # (a call's seed is an int64: kern(seed=) refuses these too)
+        raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
         raise InputError(f"p: expected a dropout rate in [0, 1), got {p!r}")
     b = torch.arange(B).view(-1, 1, 1, 1)

@@ -362,6 +362,7 @@ def varlen_attention(
         checked_scale,
         checked_train,
         seed_tensor,
+        traced_tensor_number,
     )
 
     q = _tensor("q", q, 3, "[total_q, H, D]")
@@ -390,6 +391,8 @@ def varlen_attention(
     if not traced:
         scale = checked_scale(scale)
         kern.check_scale_is_read(scale)
+    elif isinstance(scale, torch.Tensor):
+        raise traced_tensor_number("scale")
     dropout = kern.op.dropout if checked_train(train) else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
@@ -751,7 +754,7 @@ def paged_attention(
     the op `attncc::paged_attention` (so torch.compile(fullgraph=True) takes it whole); with
     `plan` (`plan_paged`), its checked table and lengths instead of block_table and
     cache_seqlens."""
-    from attncc.runtime.kernel import _plain_call, acc_dtype, checked_scale
+    from attncc.runtime.kernel import _plain_call, acc_dtype, checked_scale, traced_tensor_number
 
     if layout not in ("bnhd", "bhnd"):
         raise InputError(f"layout: expected 'bnhd' (q [B, N, H, D]) or 'bhnd' (q [B, H, N, D]), got {layout!r}")
@@ -822,6 +825,8 @@ def paged_attention(
             paged_totals(kern, q_bhnd, k_cache, block_table, cache_seqlens, appended, runtime)
         scale = checked_scale(scale)
         kern.check_scale_is_read(scale)
+    elif isinstance(scale, torch.Tensor):
+        raise traced_tensor_number("scale")
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     if kern.op.k_rope is not None:
         raise InputError(
