@@ -70,7 +70,14 @@ def window_or_not_sink(b, h, q_idx, kv_idx):
     return ~((q_idx - kv_idx).abs() > 6) ^ (kv_idx == 1)
 
 
+def first_key(b, h, q_idx, kv_idx):
+    return kv_idx == 0
+
+
 slopes, bias, temperature, doc, lengths = SLOPES, BIAS, TEMPERATURE, DOC, LENGTHS
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+# torch's combinators (b.new_ones((), dtype=torch.bool) & ...) and its no-op mask
+COMPOSED = flex.or_masks(flex.and_masks(document_causal, key_padding), first_key)
 
 VARIANTS = [
     (softcap, None),
@@ -80,6 +87,8 @@ VARIANTS = [
     (reversed_temperature, window_or_not_sink),
     (clamped_distance, None),
     (None, document_causal),
+    (alibi, COMPOSED),
+    (softcap, flex.noop_mask),
 ]
 
 
@@ -144,12 +153,13 @@ def test_flex_functions_run_as_torch_evaluates_them(score_mod, mask_mod, monkeyp
             assert torch.allclose(g, w, atol=1e-10)
     if mask_mod is key_padding:
         assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    if mask_mod is flex.noop_mask:
+        assert "\nmask " not in flex_program(score_mod, mask_mod).source
 
 
 def test_the_same_call_as_torch_flex_attention_with_a_block_mask() -> None:
     """fp32, a BlockMask from create_block_mask, scale given: torch's own flex_attention (its
     eager path) and attncc's agree."""
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
     q, k, v = (t.detach().float() for t in leaves(torch.float32))
     q = q[:, :, :, :16].contiguous()
     k, v = (t[:, :, :37, :16].contiguous() for t in (k, v))
@@ -209,7 +219,6 @@ def test_what_the_dsl_cannot_say_is_an_error_at_the_functions_line(score_mod, me
 
 
 def test_call_errors_name_the_argument() -> None:
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
     q, k, v = (t.detach() for t in leaves(torch.float64))
     with pytest.raises(InputError, match="pass enable_gqa=True"):
         flex_attention(q, k, v)

@@ -289,6 +289,41 @@ class Traced:
     def __iter__(self) -> Any:
         raise FlexTraceError("iterating over a traced value")
 
+    # -- what torch.Tensor's attributes say of a 0-d index or score (Flex's and_masks, noop_mask)
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"int": torch.int32, "float": torch.float32, "bool": torch.bool}[self.kind]
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    shape = torch.Size([])
+    ndim = 0
+
+    def dim(self) -> int:
+        return 0
+
+    def _new(self, value: float, size: object, dtype: object) -> Traced:
+        if tuple(size) not in ((), (1,)):  # type: ignore[call-overload]
+            raise FlexTraceError(f"a new tensor of size {size!r} in a score or mask function: only scalars")
+        kind = (
+            self.kind
+            if dtype is None
+            else {torch.bool: "bool"}.get(dtype, "float" if dtype in _FLOAT_DTYPES else "int")
+        )  # type: ignore[call-overload]
+        constant: object = bool(value) if kind == "bool" else float(value) if kind == "float" else int(value)
+        return _operand(constant, self.captures)
+
+    def new_ones(self, size: object = (), dtype: object = None, **kwargs: object) -> Traced:
+        return self._new(1, size, dtype)
+
+    def new_zeros(self, size: object = (), dtype: object = None, **kwargs: object) -> Traced:
+        return self._new(0, size, dtype)
+
+    def new_full(self, size: object, fill_value: float, dtype: object = None, **kwargs: object) -> Traced:
+        return self._new(fill_value, size, dtype)
+
     # -- functions -------------------------------------------------------------------------
     def _unary_float(self, fn: str, scale: float = 1.0) -> Traced:
         x = self._number()
