@@ -50,6 +50,13 @@ def reversed_temperature(score, b, h, q_idx, kv_idx):
     return temperature - score * temperature + 1.0 / (2.0 + (q_idx - kv_idx).abs()) - 2.0 ** (-(h + 1.0))
 
 
+def integer_idioms(score, b, h, q_idx, kv_idx):
+    # (C's remainder and division toward zero, method spellings, float powers, torch.max of two)
+    distance = q_idx.sub(kv_idx)
+    bias = torch.fmod(distance, 5) * 0.1 + torch.div(distance, 4, rounding_mode="trunc").to(score.dtype).mul(0.05)
+    return torch.max(score, torch.full_like(score, -0.5)) + bias + torch.sign(score) * score**2.0 * 0.01
+
+
 def clamped_distance(score, b, h, q_idx, kv_idx):
     return torch.where(q_idx % 3 == 0, score, torch.clamp(score, min=-0.5, max=0.5)) + (q_idx - kv_idx) // 4 * 0.01
 
@@ -89,6 +96,7 @@ VARIANTS = [
     (None, document_causal),
     (alibi, COMPOSED),
     (softcap, flex.noop_mask),
+    (integer_idioms, None),
 ]
 
 
@@ -172,6 +180,12 @@ def test_the_same_call_as_torch_flex_attention_with_a_block_mask() -> None:
     out, lse = flex_attention(q, k, v, softcap, block_mask=mask, scale=0.3, enable_gqa=True, return_lse=True)
     assert torch.allclose(out, want, atol=2e-6)
     assert torch.allclose(lse, want_lse, atol=2e-6)
+    again, aux = flex_attention(
+        q, k, v, softcap, block_mask=mask, scale=0.3, enable_gqa=True, return_aux=flex.AuxRequest(lse=True)
+    )
+    assert torch.equal(again, out) and torch.equal(aux.lse, lse)
+    with pytest.raises(InputError, match="max_scores is not kept"):
+        flex_attention(q, k, v, softcap, block_mask=mask, enable_gqa=True, return_aux=flex.AuxRequest(max_scores=True))
 
 
 def test_the_program_names_what_the_functions_read_and_is_compiled_once(monkeypatch) -> None:
@@ -235,7 +249,7 @@ def test_call_errors_name_the_argument() -> None:
     )  # each query block sees key block 0 only
     with pytest.raises(InputError, match="block lists with no mask function"):
         flex_attention(q, k, v, block_mask=blocks, enable_gqa=True)
-    with pytest.raises(FlexTraceError, match="mask_mod returned a int value"):
+    with pytest.raises(FlexTraceError, match="mask_mod returned an int value"):
         flex_attention(q, k, v, mask_mod=lambda b, h, i, j: i - j, enable_gqa=True)
     assert isinstance(FlexTraceError("x"), attncc.AttnccError)
 

@@ -181,8 +181,11 @@ class Traced:
         return self._arith(o, "%", True)
 
     def __pow__(self, o: object) -> Traced:
+        o = _plain(o)
         if isinstance(o, float) and o == 0.5:
             return self.sqrt()
+        if isinstance(o, float) and o.is_integer():  # (`score ** 2.0`: a float result)
+            return self._as_float().__pow__(int(o))
         if isinstance(o, bool) or not isinstance(o, int) or not 0 <= o <= MAX_POWER:
             raise FlexTraceError(
                 f"`x ** {o!r}`: the DSL has no power; integer exponents 0..{MAX_POWER} and 0.5 are expanded"
@@ -269,8 +272,8 @@ class Traced:
 
     def __bool__(self) -> bool:
         raise FlexTraceError(
-            "Python control flow on a traced value (`if`, `and`, `or`, `not`, `bool()`): the function "
-            "runs once on symbols; use torch.where(c, a, b), &, | and ~"
+            "Python control flow on a traced value (`if`, `and`, `or`, `not`, `bool()`, Python's `min` / `max`): "
+            "the function runs once on symbols; use torch.where(c, a, b), &, |, ~, torch.minimum / maximum"
         )
 
     def __index__(self) -> int:
@@ -422,6 +425,59 @@ class Traced:
             raise FlexTraceError(f"`.to({dtype})` of a float value: the DSL has no truncation to integers")
         return self._number()
 
+    def long(self) -> Traced:
+        return self.to(torch.int64)
+
+    def int(self) -> Traced:
+        return self.to(torch.int32)
+
+    def bool(self) -> Traced:
+        return self.to(torch.bool)
+
+    def item(self) -> Traced:
+        raise FlexTraceError("`.item()` of a traced value (Flex refuses it too): use the value as a tensor")
+
+    def div(self, other: object, rounding_mode: str | None = None) -> Traced:
+        """torch.div: true division, or integer division rounded down (`//`) or toward zero."""
+        if rounding_mode is None:
+            return self.__truediv__(other)
+        if rounding_mode == "floor":
+            return self.__floordiv__(other)
+        if rounding_mode != "trunc":
+            raise FlexTraceError(f"torch.div(rounding_mode={rounding_mode!r})")
+        floor, rest = self.__floordiv__(other), self.fmod(other)
+        # (toward zero: the floor quotient plus one where the remainder's signs part them)
+        parted = (rest != 0) & ((self < 0) ^ (self._operand(other) < 0))
+        return _where(parted, floor + 1, floor, self.captures)
+
+    def fmod(self, other: object) -> Traced:
+        """C's remainder (the sign of the dividend), where `%` has the divisor's."""
+        remainder, divisor = self.__mod__(other), self._operand(other)
+        parted = (remainder != 0) & ((self < 0) ^ (divisor < 0))
+        return _where(parted, remainder - divisor, remainder, self.captures)
+
+    def square(self) -> Traced:
+        return self.__mul__(self)
+
+    def sign(self) -> Traced:
+        x = self._number()
+        zero = 0.0 if x.kind == "float" else 0
+        return _where(x > zero, 1, _where(x < zero, -1, 0, self.captures), self.captures)._kind_of(x)
+
+    def relu(self) -> Traced:
+        return self._extreme(0.0 if self.kind == "float" else 0, "max")
+
+    def softplus(self, beta: float = 1.0, threshold: float = 20.0) -> Traced:
+        """torch's softplus: log(1 + exp(beta x)) / beta, x itself where beta x > threshold."""
+        scaled = self.__mul__(float(beta))
+        return _where(scaled > float(threshold), self, (scaled.exp() + 1.0).log() / float(beta), self.captures)
+
+    def log1p(self) -> Traced:
+        return (self._number() + 1.0).log()
+
+    def _kind_of(self, like: Traced) -> Traced:
+        return self._as_float() if like.kind == "float" else self
+
     def type_as(self, other: object) -> Traced:
         other_kind = _operand(other, self.captures).kind
         return self._as_float() if other_kind == "float" else self
@@ -442,12 +498,19 @@ class Traced:
                 b = kwargs.get("other", args[2] if len(args) > 2 else None)
                 return _where(condition, a, b, captures)
             raise FlexTraceError("torch.where with one argument (nonzero indices) is not a score or mask expression")
+        if name in ("max", "min", "amax", "amin") and len(args) == 2 and not kwargs:  # (torch.max(a, b))
+            return _operand(args[0], captures)._extreme(args[1], name[-3:])
+        if name in ("zeros_like", "ones_like", "full_like"):  # (a constant of x's kind: its shape is ())
+            fill = {"zeros_like": 0, "ones_like": 1}.get(
+                name, kwargs.get("fill_value", args[1] if len(args) > 1 else 0)
+            )
+            return _operand(args[0], captures)._new(fill, (), kwargs.get("dtype"))  # type: ignore[arg-type]
         method = _TORCH_METHODS.get(name)
         if method is None:
             raise FlexTraceError(
                 f"torch operation `{name}` has no DSL form; the traced functions may use arithmetic, comparisons, "
-                f"&, |, ~, torch.where, abs, exp, exp2, log, log2, tanh, sqrt, rsqrt, sigmoid, minimum, maximum, "
-                f"clamp and reads of captured tensors"
+                f"&, |, ~, torch.where, abs, exp, exp2, log, log2, log1p, tanh, sqrt, rsqrt, sigmoid, relu, "
+                f"softplus, square, sign, minimum, maximum, clamp, fmod and reads of captured tensors"
             )
         first, *rest = args
         return getattr(_operand(first, captures), method)(*rest, **kwargs)
@@ -457,14 +520,15 @@ class Traced:
 _TORCH_METHODS = {
     **{n: n for n in ("abs", "exp", "exp2", "log", "log2", "tanh", "sqrt", "rsqrt", "sigmoid", "minimum", "maximum")},
     **{n: n for n in ("clamp", "clip", "clamp_min", "clamp_max", "logical_and", "logical_or", "logical_xor")},
-    **{n: n for n in ("logical_not", "float", "double", "half", "bfloat16", "to", "type_as")},
+    **{n: n for n in ("logical_not", "float", "double", "half", "bfloat16", "to", "type_as", "long", "int")},
+    **{n: n for n in ("bool", "square", "sign", "relu", "softplus", "log1p", "fmod", "item")},
     "add": "__add__", "__add__": "__add__", "__radd__": "__radd__",
     "sub": "__sub__", "subtract": "__sub__", "__sub__": "__sub__", "__rsub__": "__rsub__", "rsub": "__rsub__",
     "mul": "__mul__", "multiply": "__mul__", "__mul__": "__mul__", "__rmul__": "__rmul__",
-    "div": "__truediv__", "divide": "__truediv__", "true_divide": "__truediv__", "__truediv__": "__truediv__",
+    "div": "div", "divide": "div", "true_divide": "__truediv__", "__truediv__": "__truediv__",
     "__rtruediv__": "__rtruediv__", "__rdiv__": "__rtruediv__", "__div__": "__truediv__",
     "floor_divide": "__floordiv__", "__floordiv__": "__floordiv__", "__rfloordiv__": "__rfloordiv__",
-    "remainder": "__mod__", "fmod": "__mod__", "__mod__": "__mod__", "__rmod__": "__rmod__",
+    "remainder": "__mod__", "__mod__": "__mod__", "__rmod__": "__rmod__",
     "pow": "__pow__", "__pow__": "__pow__", "__rpow__": "__rpow__",
     "neg": "__neg__", "negative": "__neg__", "__neg__": "__neg__", "__abs__": "abs", "absolute": "abs",
     "eq": "__eq__", "__eq__": "__eq__", "ne": "__ne__", "not_equal": "__ne__", "__ne__": "__ne__",
@@ -476,6 +540,21 @@ _TORCH_METHODS = {
     "__xor__": "__xor__", "__rxor__": "__xor__", "bitwise_xor": "__xor__",
     "__invert__": "__invert__", "bitwise_not": "__invert__",
 }  # fmt: skip
+
+
+def _method_spellings() -> None:
+    """Tensor-method spellings of the torch functions (`q_idx.ge(kv_idx)`, `score.mul(0.5)`),
+    called on a Traced value directly rather than through __torch_function__."""
+    for name, method in _TORCH_METHODS.items():
+        if not name.startswith("__") and not hasattr(Traced, name):
+            setattr(Traced, name, lambda self, *args, _method=method, **kwargs: getattr(self, _method)(*args, **kwargs))
+
+
+_method_spellings()
+
+
+def _a(kind: str) -> str:
+    return "an int" if kind == "int" else f"a {kind}"
 
 
 def _plain(x: object) -> object:
@@ -637,7 +716,7 @@ def flex_program(
     if mask_mod is not None:
         keep = _operand(_traced_call("mask_mod", mask_mod, tuple(indices)), captures)
         if keep.kind != "bool":
-            raise FlexTraceError(f"mask_mod returned a {keep.kind} value: it returns whether a score is kept")
+            raise FlexTraceError(f"mask_mod returned {_a(keep.kind)} value: it returns whether a score is kept")
         mask_text = None if keep.text == "(0 == 0)" else keep.text
     lines = [f"attention {_program_name(name, score_mod, mask_mod)}", *captures.declarations(), "s = q @ k.T * scale"]
     if score_text is not None:

@@ -93,12 +93,15 @@ def flex_attention(
     return_lse: bool = False,
     kernel_options: dict[str, Any] | None = None,
     *,
+    return_aux: object = None,
     mask_mod: Callable[..., Any] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, object]:
     """torch.nn.attention.flex_attention.flex_attention's call on attncc: query [B, H, L, E],
     key [B, Hkv, S, E], value [B, Hkv, S, Ev]; out [B, H, L, Ev] (and the natural-log lse
     [B, H, L] with return_lse). Fully masked rows give 0 and an lse of -inf, as Flex does.
-    `mask_mod=` may be given instead of a BlockMask (attncc needs no block lists)."""
+    `mask_mod=` may be given instead of a BlockMask (attncc needs no block lists).
+    `return_aux=AuxRequest(lse=True)` returns (out, AuxOutput(lse=...)), as torch's does
+    (`max_scores` is not kept by the kernels: an error)."""
     del kernel_options  # (Triton tile choices: the target's tiles are attncc's)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -113,4 +116,13 @@ def flex_attention(
     mask = mask_mod if mask_mod is not None else _mask_function(block_mask, query.shape[2], key.shape[2])
     program = _traced(score_mod, mask)
     kern = _kernel(program.source, query.device)
-    return kern(query, key, value, scale=scale, return_lse=return_lse, **program.inputs)
+    if return_aux is None:
+        return kern(query, key, value, scale=scale, return_lse=return_lse, **program.inputs)
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    if getattr(return_aux, "max_scores", False):
+        raise InputError("return_aux: max_scores is not kept by attncc's kernels (lse is)")
+    if not getattr(return_aux, "lse", False):
+        return kern(query, key, value, scale=scale, **program.inputs), AuxOutput()
+    out, lse = kern(query, key, value, scale=scale, return_lse=True, **program.inputs)
+    return out, AuxOutput(lse=lse)
