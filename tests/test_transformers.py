@@ -224,6 +224,51 @@ def test_what_cannot_be_mapped_is_a_clear_error() -> None:
         integration.ModelAttention()(module, q, k, k, None, sliding_window=4)
 
 
+def test_masks_the_programs_cannot_make_are_clear_errors() -> None:
+    """The mask function hands the layers the 2-D padding mask alone: Llama 4's chunks, Gemma 3's
+    bidirectional image tokens (a union of masks) and PhiMoE's window (in its mask only, not
+    passed to the layer's call) ran as plain causal attention, silently (logits off by ~10)."""
+    from transformers import masking_utils as masks
+
+    assert integration.mask_pattern_window(masks.sliding_window_causal_mask_function(6)) == 6
+    padded = masks.and_masks(
+        masks.causal_mask_function, masks.padding_mask_function(torch.ones(1, 4, dtype=torch.bool))
+    )
+    assert integration.mask_pattern_window(padded) is None
+    with pytest.raises(AttnccError, match=r"chunked attention \(Llama 4's attention_chunk_size\): no attncc mapping"):
+        integration.mask_pattern_window(masks.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.int64)))
+    with pytest.raises(AttnccError, match="a union of masks"):
+        integration.mask_pattern_window(masks.or_masks(masks.causal_mask_function, lambda b, h, i, j: j < 2))
+    chunked = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, intermediate_size_mlp=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=6, num_local_experts=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(chunked, attn_implementation=NAME)
+    ids, mask = batch()
+    with pytest.raises(AttnccError, match="chunked attention"):
+        model(ids, attention_mask=mask)
+    phimoe = transformers.PhimoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=6, num_local_experts=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(phimoe, attn_implementation=NAME)
+    with pytest.raises(AttnccError, match="the config's sliding_window=6 is not passed to the attention call"):
+        model(ids, attention_mask=mask)
+
+
+def test_a_given_mask_of_ones_rules_out_packed_sequences() -> None:
+    """With an attention mask given, transformers reads no packed sequences from the position
+    ids; FlashAttention's mask function turned an all-ones mask into None, and the layers then
+    split a row at a jump of its positions (logits off by 12)."""
+    reference, ours = (m.eval() for m in models("llama"))
+    ids = torch.randint(0, VOCAB, (1, 21), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(10), torch.arange(20, 31)]).view(1, 21)
+    with torch.no_grad():
+        want = reference(ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False).logits
+        got = ours(ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False).logits
+    assert (got - want).abs().max() < 2e-4
+
+
 def test_packed_offsets_follow_the_position_ids_row_after_row() -> None:
     """A sequence starts at each row's start and wherever a position does not follow its
     predecessor; rows of one sequence each are no packing."""

@@ -9,8 +9,10 @@ transformers calls the registered function per layer with q [B, H, N, D], k, v [
 (GQA heads not repeated: the kernels share each K/V head among its group), the layer's
 `scaling`, `sliding_window`, `softcap`, `dropout`, learned sinks (GPT-OSS's `s_aux`) and its
 padding mask. The mask function
-registered beside it is transformers' FlashAttention one, which hands over the 2-D padding mask
-[B, M] (None where nothing is padded) instead of a dense [B, 1, N, M] mask; each sequence's valid
+registered beside it (`attncc_attention_mask`) is transformers' FlashAttention one with the
+mask's pattern checked: it hands over the 2-D padding mask [B, M] (None where the model was
+given none) instead of a dense [B, 1, N, M] mask, and refuses patterns the programs here do not
+make (Llama 4's chunks, Gemma 3's image blocks: they ran as plain causal); each sequence's valid
 keys are a contiguous range [kv_start, kv_end) of it (left or right padding), passed to the
 kernel as two int[B] tensors, so padding costs no N x M mask and its tiles are skipped.
 
@@ -108,6 +110,79 @@ def model_program(needs: LayerNeeds) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: A layer's call without a `sliding_window=` keyword (PhiMoE's: its window is in the mask only).
+NOT_PASSED = object()
+
+
+def layer_window(module: torch.nn.Module, sliding_window: object) -> int | None:
+    """The layer's sliding window: as passed; where the layer passes none but its config has a
+    window in force (PhiMoE), the window is in transformers' mask alone, which the 2-D padding
+    mask handed over here does not carry, and the layer may or may not slide: a clear error
+    (it ran without the window, silently)."""
+    if sliding_window is not NOT_PASSED:
+        return sliding_window  # type: ignore[return-value]
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) is not False:
+        raise AttnccError(
+            f"{type(module).__name__}: the config's sliding_window={window} is not passed to the attention call "
+            "(it is in the model's mask only), so attncc cannot tell whether this layer slides: no attncc mapping"
+        )
+    return None
+
+
+def mask_pattern_window(mask_function: Callable) -> int | None:
+    """The sliding window of a transformers mask function, checked to be a pattern the
+    programs here make: causal or bidirectional, a sliding window, the padding and packed
+    sequences (which reach the layers as the 2-D mask and the position ids). Anything else
+    (Llama 4's chunks, Gemma 3's bidirectional image blocks, a custom mask) is a clear error:
+    the FlashAttention mask function hands over the 2-D padding mask alone, so those ran as
+    plain causal attention, silently."""
+    from transformers import masking_utils as masks
+
+    if mask_function in (masks.causal_mask_function, masks.bidirectional_mask_function):
+        return None
+    made_by = getattr(mask_function, "__qualname__", type(mask_function).__name__).split(".<locals>")[0]
+    cells = (
+        dict(zip(mask_function.__code__.co_freevars, mask_function.__closure__ or ()))
+        if hasattr(mask_function, "__code__")
+        else {}
+    )
+    if made_by == "and_masks" and "mask_functions" in cells:
+        windows = [mask_pattern_window(part) for part in cells["mask_functions"].cell_contents]
+        return min((w for w in windows if w is not None), default=None)
+    if made_by in ("sliding_window_overlay", "sliding_window_bidirectional_overlay") and "sliding_window" in cells:
+        return int(cells["sliding_window"].cell_contents)
+    if made_by in ("remap_positions_for_packed_sequence", "add_offsets_to_mask_function") and "mask_function" in cells:
+        # (positions within packed sequences, a cache's offsets: the layers get them as they are)
+        return mask_pattern_window(cells["mask_function"].cell_contents)
+    if made_by in ("padding_mask_function", "packed_sequence_mask_function"):
+        return None
+    what = {"chunked_overlay": "chunked attention (Llama 4's attention_chunk_size)", "or_masks": "a union of masks "
+            "(Gemma 3's bidirectional image tokens, say)"}.get(made_by, f"the mask function `{made_by}`")  # fmt: skip
+    raise AttnccError(f"the model's attention mask is {what}: no attncc mapping")
+
+
+def attncc_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: object,
+) -> torch.Tensor | None:
+    """The mask function registered beside the attention: transformers' FlashAttention one (the
+    2-D padding mask, sliced to the layer's keys) with the mask's pattern checked
+    (`mask_pattern_window`), and an all-ones mask handed over as given (FlashAttention's turns
+    it into None, where the layers then read packed sequences from the position ids that a
+    given mask rules out)."""
+    if mask_function is not None:
+        mask_pattern_window(mask_function)
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
+
+
 def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv_start, kv_end) int64 [B] on the CPU from a 2-D padding mask [B, L] (1 or True: a real
     token) over the call's `keys` key columns (L > keys: the last `keys` columns, a
@@ -194,11 +269,15 @@ class ModelAttention:
             )
         return result
 
-    def ranges(self, padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`key_ranges`, once per model forward."""
-        return self.once_per_forward(
-            "ranges", (padding_mask,), (batch, keys), lambda: key_ranges(padding_mask, batch, keys)
-        )
+    def ranges(self, padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`key_ranges`, once per model forward; None where every key is a token (the mask was
+        given, so the rows are not packed sequences, whatever their position ids)."""
+
+        def make() -> tuple[torch.Tensor, torch.Tensor] | None:
+            start, end = key_ranges(padding_mask, batch, keys)
+            return None if bool((start == 0).all() and (end == keys).all()) else (start, end)
+
+        return self.once_per_forward("ranges", (padding_mask,), (batch, keys), make)
 
     def packed_plan(self, layer: str, query: torch.Tensor, keys: int, **kwargs: object) -> VarlenPlan | None:
         """The packed sequences of a layer without a padding mask, as a `VarlenPlan` on q's
@@ -244,7 +323,7 @@ class ModelAttention:
         attention_mask: torch.Tensor | None,
         dropout: float = 0.0,
         scaling: float | None = None,
-        sliding_window: int | None = None,
+        sliding_window: object = NOT_PASSED,
         softcap: float | None = None,
         is_causal: bool | None = None,
         **kwargs: object,
@@ -252,6 +331,7 @@ class ModelAttention:
         for name, what in UNMAPPED_KWARGS.items():
             if kwargs.get(name) is not None:
                 raise AttnccError(f"{type(module).__name__}: `{name}` ({what}) has no attncc mapping")
+        sliding_window = layer_window(module, sliding_window)
         sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         if sliding_window is not None and not causal:
@@ -266,7 +346,7 @@ class ModelAttention:
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
             keys = attention_mask.shape[1]  # a static cache: the slots past the mask hold no token yet
             key, value = key[:, :, :keys], value[:, :, :keys]
-        ranges = self.ranges(attention_mask, batch, keys) if attention_mask is not None else None
+        ranges = self.ranges(attention_mask, batch, keys) if attention_mask is not None else None  # type: ignore[arg-type]
         needs = LayerNeeds(
             causal,
             sliding_window is not None,
@@ -377,12 +457,12 @@ def register(name: str = "attncc", program: str | Path | None = None) -> ModelAt
     made from its needs (causal, sliding window, softcap, padding, dropout)."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as err:
         raise AttnccError(
             "attncc.integrations.transformers needs transformers: pip install 'attncc[transformers]'"
         ) from err
     attention = ModelAttention(program)
     AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, attncc_attention_mask)
     return attention
