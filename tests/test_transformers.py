@@ -254,6 +254,10 @@ def test_masks_the_programs_cannot_make_are_clear_errors() -> None:
     model = transformers.AutoModelForCausalLM.from_config(phimoe, attn_implementation=NAME)
     with pytest.raises(AttnccError, match="the config's sliding_window=6 is not passed to the attention call"):
         model(ids, attention_mask=mask)
+    bloom = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    model = transformers.AutoModelForCausalLM.from_config(bloom, attn_implementation=NAME)
+    with pytest.raises(AttnccError, match="bloom models compute attention in their own code"):
+        model(ids[:1])  # (no padding: it ran without a causal mask, silently)
 
 
 def test_a_given_mask_of_ones_rules_out_packed_sequences() -> None:

@@ -110,6 +110,9 @@ def model_program(needs: LayerNeeds) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Model types that accept any registered attention name but never call the attention function
+#: (their masks, made by the registered mask function, ran without attncc: Bloom silently wrong).
+NO_ATTENTION_INTERFACE = {"bloom", "mpt"}
 #: A layer's call without a `sliding_window=` keyword (PhiMoE's: its window is in the mask only).
 NOT_PASSED = object()
 
@@ -178,6 +181,12 @@ def attncc_attention_mask(
     (`mask_pattern_window`), and an all-ones mask handed over as given (FlashAttention's turns
     it into None, where the layers then read packed sequences from the position ids that a
     given mask rules out)."""
+    model_type = getattr(kwargs.get("config"), "model_type", None)
+    if model_type in NO_ATTENTION_INTERFACE:
+        raise AttnccError(
+            f"{model_type} models compute attention in their own code, not through transformers' attention "
+            "interface: attncc cannot run it (and the mask they would get from this name is not theirs)"
+        )
     if mask_function is not None:
         mask_pattern_window(mask_function)
     return None if attention_mask is None else attention_mask[:, -kv_length:]
