@@ -217,6 +217,8 @@ def test_what_cannot_be_mapped_is_a_clear_error() -> None:
     k = torch.randn(1, 2, 3, 16)
     with pytest.raises(AttnccError, match=r"Module: `position_bias` \(an additive position bias"):
         integration.ModelAttention()(module, q, k, k, None, position_bias=torch.zeros(1, 4, 3, 3))
+    with pytest.raises(AttnccError, match=r"`indices` \(the keys each query attends to"):
+        integration.ModelAttention()(module, q, k, k, None, indices=torch.zeros(1, 3, 2, dtype=torch.long))
     with pytest.raises(AttnccError, match="cu_seq_lens_q and cu_seq_lens_k go together"):
         integration.ModelAttention()(module, q, k, k, None, cu_seq_lens_q=torch.tensor([0, 3]))
     module.is_causal = False

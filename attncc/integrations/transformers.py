@@ -56,6 +56,8 @@ T = TypeVar("T")
 UNMAPPED_KWARGS = {
     "position_bias": "an additive position bias (T5-style)",
     "block_table": "a paged cache of transformers' continuous batching (call the kernel's .paged instead)",
+    "indices": "the keys each query attends to (DeepSeek-V3.2's sparse top-k attention)",
+    "block_indices": "the key blocks each query attends to (block-sparse attention)",
 }
 #: Runtime inputs of a program that this integration fills (name -> what it holds).
 FILLED_INPUTS = {
