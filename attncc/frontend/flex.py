@@ -40,6 +40,7 @@ import torch
 
 from attncc.errors import FlexTraceError
 from attncc.frontend.lower import MATH_FUNCTIONS, RESERVED
+from attncc.ir.expr import python_number
 
 #: Flex's index arguments and the DSL names they are: the sequence, the query head, the query
 #: and key positions.
@@ -181,7 +182,7 @@ class Traced:
         return self._arith(o, "%", True)
 
     def __pow__(self, o: object) -> Traced:
-        o = _plain(o)
+        o = python_number(o)
         if isinstance(o, float) and o == 0.5:
             return self.sqrt()
         if isinstance(o, float) and o.is_integer():  # (`score ** 2.0`: a float result)
@@ -196,7 +197,7 @@ class Traced:
         return Traced("(" + " * ".join([base.text] * o) + ")", base.kind, self.captures)
 
     def __rpow__(self, o: object) -> Traced:
-        base = _plain(o)
+        base = python_number(o)
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
             raise FlexTraceError(f"`{o!r} ** x`: only a positive constant base is expanded (as exp(x * log(base)))")
         return self._unary_float("exp", scale=math.log(base))
@@ -479,8 +480,7 @@ class Traced:
         return self._as_float() if like.kind == "float" else self
 
     def type_as(self, other: object) -> Traced:
-        other_kind = _operand(other, self.captures).kind
-        return self._as_float() if other_kind == "float" else self
+        return self._kind_of(_operand(other, self.captures))
 
     # -- torch functions on traced values ----------------------------------------------------
     @classmethod
@@ -557,13 +557,6 @@ def _a(kind: str) -> str:
     return "an int" if kind == "int" else f"a {kind}"
 
 
-def _plain(x: object) -> object:
-    """A numpy scalar as the Python number it holds."""
-    if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0:
-        return x.item()  # type: ignore[attr-defined]
-    return x
-
-
 def _float_text(value: float) -> str:
     if math.isnan(value):
         raise FlexTraceError("a NaN constant in a score or mask function")
@@ -576,7 +569,7 @@ def _float_text(value: float) -> str:
 def _operand(x: object, captures: _Captures) -> Traced:
     """Any operand of a traced operation as a Traced value: constants inline, a captured
     one-element tensor as a read of its only element."""
-    x = _plain(x)
+    x = python_number(x)
     if isinstance(x, Traced):
         return x
     if isinstance(x, bool):
@@ -621,7 +614,7 @@ def _read(tensor: object, index: object, captures: _Captures) -> Traced | _Parti
         raise FlexTraceError(f"a captured tensor of shape {tuple(tensor.shape)} indexed by {len(indices)} indices")
     texts = []
     for axis, item in enumerate(indices):
-        item = _plain(item)
+        item = python_number(item)
         if isinstance(item, int) and not isinstance(item, bool):
             size = tensor.shape[axis]
             if not -size <= item < size:

@@ -235,6 +235,14 @@ _PY_UNARY: dict[str, Callable[[float], float | bool]] = {
 }
 
 
+def python_number(value: object) -> object:
+    """numpy's scalars (np.int64(4), np.float32(0.5), np.True_, 0-d arrays) as the Python
+    numbers they hold, for a constant or a name's value; anything else as given."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()  # type: ignore[attr-defined]
+    return value
+
+
 def _typed_const(value: float | int | bool, ty: str) -> Const:
     if ty == BOOL:
         return Const(bool(value), BOOL)

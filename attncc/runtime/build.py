@@ -341,16 +341,12 @@ def build_library(
     library = directory / "kernel.so"
     if _digest_path(library).exists():  # written after the library: the build is complete
         return library
-    try:
+    with _writing_into_cache(directory, name):  # (`mkdir`, the lock, the sources)
         directory.mkdir(parents=True, exist_ok=True)
         with _file_lock(directory / ".lock"):
             if _digest_path(library).exists():
                 return library
             _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
-    except OSError as error:  # (a read-only or full cache: `mkdir`, the lock, the sources)
-        if error.errno not in UNWRITABLE:
-            raise
-        raise _unwritable(directory, name, error) from None
     return library
 
 
@@ -358,11 +354,20 @@ def build_library(
 UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
 
 
-def _unwritable(directory: Path, name: str, error: OSError) -> BuildError:
-    return BuildError(
-        f"kernel {name}: cannot write to the kernel cache {directory.parent} ({error.strerror or error}): set "
-        f"ATTNCC_CACHE_DIR to a writable directory, or ship the kernels prebuilt ({PREBUILT_ENV}, `attncc prebuild`)"
-    )
+@contextmanager
+def _writing_into_cache(directory: Path, name: str):  # noqa: ANN202 - context manager
+    """Writes into a kernel's cache directory: a read-only, full or forbidden cache is a
+    BuildError naming the settings to change (it was a bare OSError from pathlib)."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in UNWRITABLE:
+            raise
+        raise BuildError(
+            f"kernel {name}: cannot write to the kernel cache {directory.parent} ({error.strerror or error}): set "
+            f"ATTNCC_CACHE_DIR to a writable directory, or ship the kernels prebuilt ({PREBUILT_ENV}, "
+            "`attncc prebuild`)"
+        ) from None
 
 
 def _build_in(
@@ -495,16 +500,11 @@ def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
                     ) from None
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 warnings.warn(f"attncc: cached kernel {path} failed to load ({reason}); rebuilding it", stacklevel=2)
-                try:
-                    with _file_lock(directory / ".lock"):
-                        # (its objects too: a damaged part*.o beside it was relinked as it was)
-                        for built in (path, _digest_path(path), *directory.glob("part*.o")):
-                            built.unlink(missing_ok=True)
-                        _run_ninja(directory, directory.name)
-                except OSError as error:
-                    if error.errno not in UNWRITABLE:
-                        raise
-                    raise _unwritable(directory, directory.name, error) from None
+                with _writing_into_cache(directory, directory.name), _file_lock(directory / ".lock"):
+                    # (its objects too: a damaged part*.o beside it was relinked as it was)
+                    for built in (path, _digest_path(path), *directory.glob("part*.o")):
+                        built.unlink(missing_ok=True)
+                    _run_ninja(directory, directory.name)
                 try:
                     _LOADED[path] = _open(path, required_symbol)
                 except OSError as again:

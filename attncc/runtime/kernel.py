@@ -30,6 +30,7 @@ import torch
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
+from attncc.ir.expr import python_number
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
 from attncc.passes import Stage, with_rows, with_tiles
@@ -469,11 +470,7 @@ class Kernel:
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
         dropout = self.op.dropout if checked_train(train) else 0.0
         seed_value = seed_tensor(seed, dropout)
-        if not torch.compiler.is_compiling():  # traced: may be symbolic
-            scale = checked_scale(scale)
-            self.check_scale_is_read(scale)
-        elif isinstance(scale, torch.Tensor):
-            raise traced_tensor_number("scale")
+        scale = self.call_scale(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
         # torch.compile with dynamic shapes, so not here)
         descale = kv_descales(k, v, k_descale, v_descale)
@@ -924,6 +921,18 @@ class Kernel:
         launch = self._forward_launch(plan, call, ptrs, out, lse, (call, paged), strides)
         with self._lock:
             paged.prepared[key] = launch  # type: ignore[index]
+
+    def call_scale(self, scale: object) -> float | None:
+        """A call's `scale=` (padded, packed, paged): a finite number that the program reads
+        (`checked_scale`, `check_scale_is_read`); while torch.compile traces, as given (it may
+        be symbolic), a tensor refused (`traced_tensor_number`)."""
+        if torch.compiler.is_compiling():
+            if isinstance(scale, torch.Tensor):
+                raise traced_tensor_number("scale")
+            return scale  # type: ignore[return-value]
+        checked = checked_scale(scale)
+        self.check_scale_is_read(checked)
+        return checked
 
     def check_scale_is_read(self, scale: float | None) -> None:
         """A call's `scale=` where the program reads no name `scale` (`s = q @ k.T`, a literal
@@ -1824,14 +1833,6 @@ class KeptLaunch:
             pointers[slots["lse_partial"]] = partials[1].data_ptr()
         self.kernel._launch(self.library, self.entry, (pointers, self.ints, self.reals), q.device)
         return out, lse
-
-
-def python_number(value: object) -> object:
-    """numpy's scalars (np.int64(4), np.float32(0.5), np.True_, 0-d arrays) as the Python
-    numbers they hold; anything else as given."""
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return value.item()  # type: ignore[attr-defined]
-    return value
 
 
 def checked_seed(seed: object) -> int:

@@ -359,10 +359,8 @@ def varlen_attention(
         _eager_autograd,
         _EagerVarlen,
         _plain_call,
-        checked_scale,
         checked_train,
         seed_tensor,
-        traced_tensor_number,
     )
 
     q = _tensor("q", q, 3, "[total_q, H, D]")
@@ -388,11 +386,7 @@ def varlen_attention(
             "cu_seqlens_q, cu_seqlens_k: a packed call needs both offsets (or plan=attncc.plan_varlen(...))"
         )
     # (untraced, a call given its offsets comes with the kernel's plan of them: `Kernel.varlen`)
-    if not traced:
-        scale = checked_scale(scale)
-        kern.check_scale_is_read(scale)
-    elif isinstance(scale, torch.Tensor):
-        raise traced_tensor_number("scale")
+    scale = kern.call_scale(scale)
     dropout = kern.op.dropout if checked_train(train) else 0.0
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
@@ -754,7 +748,7 @@ def paged_attention(
     the op `attncc::paged_attention` (so torch.compile(fullgraph=True) takes it whole); with
     `plan` (`plan_paged`), its checked table and lengths instead of block_table and
     cache_seqlens."""
-    from attncc.runtime.kernel import _plain_call, acc_dtype, checked_scale, traced_tensor_number
+    from attncc.runtime.kernel import _plain_call, acc_dtype
 
     if layout not in ("bnhd", "bhnd"):
         raise InputError(f"layout: expected 'bnhd' (q [B, N, H, D]) or 'bhnd' (q [B, H, N, D]), got {layout!r}")
@@ -823,10 +817,7 @@ def paged_attention(
     if not torch.compiler.is_compiling():  # the table's values: only the op reads them when traced
         if plan is None and not plain:
             paged_totals(kern, q_bhnd, k_cache, block_table, cache_seqlens, appended, runtime)
-        scale = checked_scale(scale)
-        kern.check_scale_is_read(scale)
-    elif isinstance(scale, torch.Tensor):
-        raise traced_tensor_number("scale")
+    scale = kern.call_scale(scale)
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     if kern.op.k_rope is not None:
         raise InputError(
