@@ -45,6 +45,10 @@ def config(family: str) -> tuple[transformers.PretrainedConfig, str]:
         # (head_dim is the rotary part's, qk_rope_head_dim, in DeepSeek's config)
         shared = {n: v for n, v in common.items() if n != "head_dim"}
         return transformers.DeepseekV3Config(**{**shared, "num_key_value_heads": 4}, **mla), "sdpa"
+    if family == "llama4":  # chunked attention (3 of 4 layers, chunks of 6 tokens), the fourth layer full
+        return transformers.Llama4TextConfig(
+            **{**common, "num_hidden_layers": 4}, intermediate_size_mlp=96, attention_chunk_size=6, num_local_experts=2
+        ), "sdpa"  # fmt: skip
     if family == "gpt_oss":  # learned sinks (`s_aux`), sliding and full layers in turn, a mixture of experts
         return transformers.GptOssConfig(
             **common, sliding_window=6, num_local_experts=2, num_experts_per_tok=1
@@ -90,7 +94,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3", "gpt_oss", "llama4"])
 def test_prefill_logits_with_padding(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, ours = (m.eval() for m in models(family))
     ids, mask = batch(right_padding=4)
@@ -107,7 +111,7 @@ def test_prefill_logits_with_padding(family: str, monkeypatch: pytest.MonkeyPatc
         assert (unpadded[0] - reference(ids[:1]).logits[0]).abs().max() < 2e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3", "gpt_oss", "llama4"])
 def test_greedy_generation_through_the_cache(family: str) -> None:
     """Decoding steps have N = 1 query against M cached keys (bottom-right causal); Mistral's and
     Gemma 2's sliding layers keep fewer keys than positions once the window is full."""
@@ -119,7 +123,7 @@ def test_greedy_generation_through_the_cache(family: str) -> None:
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3", "gpt_oss", "llama4"])
 def test_training_gradients(family: str) -> None:
     reference, ours = (m.train() for m in models(family))
     ids, mask = batch(right_padding=3)
@@ -146,7 +150,7 @@ def packed_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, positions, offsets
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "deepseek_v3", "llama4"])
 def test_packed_sequences_attend_each_within_itself(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sequences packed into a row, told apart by their position ids (sdpa's and eager's
     packed-sequence masks; FlashAttention's path reads them the same way) or by the
@@ -211,6 +215,50 @@ def test_a_given_program_runs_every_layer_and_must_declare_what_layers_need(monk
         windowed(ids, attention_mask=mask)
 
 
+@pytest.mark.parametrize("pattern", ["chunks", "blocks", "blocks in a window"])
+def test_read_masks_agree_with_the_mask_functions_at_a_cache_offset(pattern: str) -> None:
+    """A layer's call through the mask function's `ModelMask` (3 queries after 11 positions,
+    against 9 keys from position 5 of a cache that dropped the first 5, left padding of 3 in the
+    second sequence) against float64 attention under the dense mask that transformers' own mask
+    function gives at those absolute positions."""
+    from transformers import masking_utils as masks
+
+    batch, heads, queries, keys, first, dim = 2, 4, 3, 9, 5, 16
+    padding = torch.ones(batch, first + keys, dtype=torch.bool)
+    padding[1, :3] = False
+    groups = torch.full((batch, first + keys), -1)
+    groups[0, 6:10], groups[1, 8:13] = 0, 1  # an image across the cache's queries and keys
+    function = {
+        "chunks": masks.chunked_causal_mask_function(4, torch.tensor([0, 3])),
+        "blocks": masks.or_masks(masks.causal_mask_function, masks.blockwise_overlay(groups)),
+        "blocks in a window": masks.and_masks(
+            masks.or_masks(masks.causal_mask_function, masks.blockwise_overlay(groups)),
+            masks.sliding_window_overlay(4),
+        ),
+    }[pattern]
+    given = integration.attncc_attention_mask(
+        batch, queries, keys, first + keys - queries, first, mask_function=function, attention_mask=padding
+    )
+    assert isinstance(given, integration.ModelMask)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, queries, dim, generator=generator)
+    k, v = (torch.randn(batch, 2, keys, dim, generator=generator) for _ in range(2))
+    module = torch.nn.Module()
+    out, _ = integration.ModelAttention()(module, q, k, v, given)
+    keep = torch.tensor(
+        [
+            [[bool(function(*map(torch.tensor, (b, 0, first + keys - queries + i, first + j)))) and bool(padding[b, first + j])
+              for j in range(keys)] for i in range(queries)]
+            for b in range(batch)
+        ]
+    )  # fmt: skip
+    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / dim**0.5
+    weights = scores.masked_fill(~keep[:, None], -torch.inf).softmax(-1).nan_to_num()
+    expected = (weights @ v.double().repeat_interleave(2, 1)).transpose(1, 2)
+    assert keep.any(-1).all() and not keep.all()
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
 def test_what_cannot_be_mapped_is_a_clear_error() -> None:
     module = torch.nn.Module()
     q = torch.randn(1, 4, 3, 16)
@@ -226,29 +274,38 @@ def test_what_cannot_be_mapped_is_a_clear_error() -> None:
         integration.ModelAttention()(module, q, k, k, None, sliding_window=4)
 
 
-def test_masks_the_programs_cannot_make_are_clear_errors() -> None:
-    """The mask function hands the layers the 2-D padding mask alone: Llama 4's chunks, Gemma 3's
-    bidirectional image tokens (a union of masks) and PhiMoE's window (in its mask only, not
-    passed to the layer's call) ran as plain causal attention, silently (logits off by ~10)."""
+def test_mask_functions_are_read_as_dsl_predicates_and_the_rest_is_a_clear_error() -> None:
+    """The mask function hands the layers the 2-D padding mask where the pattern is causal or a
+    window (the layers know those) and reads the rest from the makers' closures: Llama 4's
+    chunks (counted from each sequence's first token, after left padding and the cache's
+    offset), Gemma 3's image blocks (the key columns' slice of the groups). A custom function,
+    and PhiMoE's window (in its mask only, not passed to the layer's call), ran as plain causal
+    attention, silently (logits off by ~10): clear errors."""
     from transformers import masking_utils as masks
 
-    assert integration.mask_pattern_window(masks.sliding_window_causal_mask_function(6)) == 6
+    window = integration.mask_term(masks.sliding_window_causal_mask_function(6))
+    assert (window.text, window.inputs, window.pattern) == ("(i + M - N - j < window) and (j <= i + M - N)", {"window": ("int", 6)}, False)  # fmt: skip
     padded = masks.and_masks(
         masks.causal_mask_function, masks.padding_mask_function(torch.ones(1, 4, dtype=torch.bool))
     )
-    assert integration.mask_pattern_window(padded) is None
-    with pytest.raises(AttnccError, match=r"chunked attention \(Llama 4's attention_chunk_size\): no attncc mapping"):
-        integration.mask_pattern_window(masks.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.int64)))
-    with pytest.raises(AttnccError, match="a union of masks"):
-        integration.mask_pattern_window(masks.or_masks(masks.causal_mask_function, lambda b, h, i, j: j < 2))
-    chunked = transformers.Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, intermediate_size_mlp=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=6, num_local_experts=2,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(chunked, attn_implementation=NAME)
+    assert integration.mask_term(padded).text == "j <= i + M - N"
+    left_padding = torch.tensor([0, 3])
+    chunked = integration.mask_term(masks.chunked_causal_mask_function(4, left_padding), key_offset=5, keys=9)
+    assert chunked.pattern and chunked.text == f"({integration.CHUNK_TERM}) and (j <= i + M - N)"
+    assert chunked.inputs["chunk"] == ("int", 4) and chunked.inputs["first_key"][1].tolist() == [5, 2]
+    groups = torch.tensor([[-1, 0, 0, -1, 1, 1, -1]])
+    blocks = integration.mask_term(masks.or_masks(masks.causal_mask_function, masks.blockwise_overlay(groups)), 2, 7)
+    assert blocks.text == f"(j <= i + M - N) or ({integration.BLOCK_TERM})"
+    assert blocks.inputs["blocks"][1].tolist() == [[0, -1, 1, 1, -1, -1, -1]]  # (padded with text, -1)
+    packed = integration.mask_term(
+        masks.packed_sequence_mask_function(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]))
+    )
+    assert integration.sequence_offsets(packed.packed).tolist() == [0, 2, 5, 6, 10]
+    with pytest.raises(
+        AttnccError, match=r"the mask function `.*<lambda>` \(test_transformers.py:\d+\): no attncc mapping"
+    ):
+        integration.mask_term(masks.or_masks(masks.causal_mask_function, lambda b, h, i, j: j < 2))
     ids, mask = batch()
-    with pytest.raises(AttnccError, match="chunked attention"):
-        model(ids, attention_mask=mask)
     phimoe = transformers.PhimoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=6, num_local_experts=2,
@@ -260,6 +317,61 @@ def test_masks_the_programs_cannot_make_are_clear_errors() -> None:
     model = transformers.AutoModelForCausalLM.from_config(bloom, attn_implementation=NAME)
     with pytest.raises(AttnccError, match="bloom models compute attention in their own code"):
         model(ids[:1])  # (no padding: it ran without a causal mask, silently)
+
+
+def gemma3_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny Gemma 3 with a SigLIP vision tower (4 image tokens per image), a window of 3 on its
+    sliding layers and a full layer between them; the eager reference and attncc's."""
+    text = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=3, initializer_range=0.3, max_position_embeddings=128,
+        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+    )  # fmt: skip
+    cfg = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95, boi_token_index=93,
+        eoi_token_index=94,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    made = [
+        transformers.Gemma3ForConditionalGeneration._from_config(copy.deepcopy(cfg), attn_implementation=name)
+        for name in ("eager", NAME)
+    ]
+    with torch.no_grad():  # (initialised to zeros: image tokens would reach the text model as zeros)
+        made[0].model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+    made[1].load_state_dict(made[0].state_dict())
+    return made[0], made[1]
+
+
+def test_gemma3_image_tokens_attend_bidirectionally_within_their_image() -> None:
+    """Gemma 3's image tokens see their whole image (or_masks of causal and the blocks; on the
+    sliding layers within the window): prefill logits with left padding, greedy generation
+    through the cache and training gradients as eager's; without the blocks the logits differ."""
+    reference, ours = (m.eval() for m in gemma3_models())
+    ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(1))
+    ids[0, 6:10] = ids[1, 11:15] = 95  # one image of 4 tokens per row
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    images = dict(pixel_values=torch.randn(2, 3, 16, 16), token_type_ids=(ids == 95).long(), attention_mask=mask)
+    with torch.no_grad():
+        expected = reference(ids, **images).logits
+        got = ours(ids, **images).logits
+        causal_only = reference(ids, **{**images, "token_type_ids": None}).logits
+    real = mask.bool()
+    assert (got - expected)[real].abs().max() < 2e-4
+    assert (causal_only - expected)[real].abs().max() > 0.5  # (the blocks change the logits)
+    kwargs = dict(**images, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:][mask[:, :-1] == 0] = -100  # (a padding row's output is each implementation's own)
+    for model in (reference.train(), ours.train()):
+        model(ids, **images, labels=labels).loss.backward()
+    for (name, want), got in zip(reference.named_parameters(), ours.parameters()):
+        if want.grad is not None:  # (a key bias's gradient is zero but for rounding: 1e-9)
+            scale = want.grad.abs().max().clamp_min(1e-4)
+            assert (got.grad - want.grad).abs().max() / scale < 1e-3, name
 
 
 def test_a_given_mask_of_ones_rules_out_packed_sequences() -> None:

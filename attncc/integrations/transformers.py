@@ -9,10 +9,12 @@ transformers calls the registered function per layer with q [B, H, N, D], k, v [
 (GQA heads not repeated: the kernels share each K/V head among its group), the layer's
 `scaling`, `sliding_window`, `softcap`, `dropout`, learned sinks (GPT-OSS's `s_aux`) and its
 padding mask. The mask function
-registered beside it (`attncc_attention_mask`) is transformers' FlashAttention one with the
-mask's pattern checked: it hands over the 2-D padding mask [B, M] (None where the model was
-given none) instead of a dense [B, 1, N, M] mask, and refuses patterns the programs here do not
-make (Llama 4's chunks, Gemma 3's image blocks: they ran as plain causal); each sequence's valid
+registered beside it (`attncc_attention_mask`) reads transformers' mask function (`mask_term`)
+instead of evaluating it: it hands over the 2-D padding mask [B, M] (None where the model was
+given none) instead of a dense [B, 1, N, M] mask where the pattern is causal, bidirectional or
+a sliding window, and a `ModelMask` (the padding mask, the pattern as a DSL predicate and the
+runtime inputs it reads) where it says more: Llama 4's attention chunks, Gemma 3's
+bidirectional image blocks; anything else is a clear error. Each sequence's valid
 keys are a contiguous range [kv_start, kv_end) of it (left or right padding), passed to the
 kernel as two int[B] tensors, so padding costs no N x M mask and its tiles are skipped.
 
@@ -66,6 +68,11 @@ FILLED_INPUTS = {
     "window": "int: the layer's sliding window (query position - key position < window)",
     "cap": "float: the layer's logit soft-cap (s = cap * tanh(s / cap))",
     "sinks": "float[H]: the layer's learned attention sinks (gpt-oss's `s_aux`: one more logit per query row)",
+    "chunk": "int: the layer's attention chunk (Llama 4's attention_chunk_size)",
+    "first_key": "int[B]: each sequence's position of the call's first key column, counted from its first "
+    "token (chunks start there, after left padding)",
+    "blocks": "int[B, M]: each key column's image block (Gemma 3's token groups, -1 for text; queries are the "
+    "last N columns)",
 }
 #: The keyword arguments that carry a layer's learned sinks ([H], one logit per query head).
 SINK_KWARGS = ("s_aux", "sinks")
@@ -81,12 +88,24 @@ class LayerNeeds:
     padding: bool
     dropout: float
     sinks: bool = False
+    #: a mask pattern beyond causal and window (`ModelMask`): its predicate and inputs' declarations
+    pattern: tuple[str, tuple[tuple[str, str], ...]] | None = None
+
+
+#: The DSL predicates of transformers' mask functions over the call's i, j (query i is key column
+#: i + M - N), with the runtime inputs (`FILLED_INPUTS`) they read.
+CAUSAL_TERM = "j <= i + M - N"
+WINDOW_TERM = "i + M - N - j < window"
+CHUNK_TERM = "(j + first_key[b]) // chunk == (i + M - N + first_key[b]) // chunk"
+BLOCK_TERM = "blocks[b, i + M - N] >= 0 and blocks[b, i + M - N] == blocks[b, j]"
 
 
 def model_program(needs: LayerNeeds) -> str:
     """The DSL program for a layer with these needs (every number in it is formatted here from
-    validated Python values; the parser checks the text like any program)."""
-    lines = [f"attention hf_{'causal' if needs.causal else 'bidirectional'}"]
+    validated Python values, the pattern's predicate is made of the fixed terms above; the
+    parser checks the text like any program)."""
+    kind = "masked" if needs.pattern else "causal" if needs.causal else "bidirectional"
+    lines = [f"attention hf_{kind}"]
     if needs.padding:
         lines += ["input kv_start: int[B]", "input kv_end: int[B]"]
     if needs.window:
@@ -95,14 +114,18 @@ def model_program(needs: LayerNeeds) -> str:
         lines.append("input cap: float")
     if needs.sinks:
         lines.append("input sinks: float[H]")
+    if needs.pattern:
+        lines += [f"input {name}: {kind}" for name, kind in needs.pattern[1]]
     lines.append("s = q @ k.T * scale")
     if needs.softcap:
         lines.append("s = cap * tanh(s / cap)")
     terms = ["j >= kv_start[b]", "j < kv_end[b]"] if needs.padding else []
-    if needs.causal:
-        terms.append("j <= i + M - N")  # query i is key column i + M - N
+    if needs.pattern:
+        terms.append(f"({needs.pattern[0]})")  # (the pattern says whether the layer is causal)
+    elif needs.causal:
+        terms.append(CAUSAL_TERM)
     if needs.window:
-        terms.append("i + M - N - j < window")
+        terms.append(WINDOW_TERM)
     if terms:
         lines.append("mask " + " and ".join(terms))
     lines.append("p = softmax(s, sink=sinks[h])" if needs.sinks else "p = softmax(s)")
@@ -136,36 +159,115 @@ def layer_window(module: torch.nn.Module, sliding_window: object) -> int | None:
     return None
 
 
-def mask_pattern_window(mask_function: Callable) -> int | None:
-    """The sliding window of a transformers mask function, checked to be a pattern the
-    programs here make: causal or bidirectional, a sliding window, the padding and packed
-    sequences (which reach the layers as the 2-D mask and the position ids). Anything else
-    (Llama 4's chunks, Gemma 3's bidirectional image blocks, a custom mask) is a clear error:
-    the FlashAttention mask function hands over the 2-D padding mask alone, so those ran as
-    plain causal attention, silently."""
+@dataclass(frozen=True)
+class MaskTerm:
+    """A transformers mask function read as a DSL predicate over one call's i, j."""
+
+    text: str | None  # None: every score kept (padding and packing reach the layer otherwise)
+    inputs: dict[str, tuple[str, object]]  # name -> (DSL type, value), names from FILLED_INPUTS
+    pattern: bool  # says more than causal, bidirectional and a window: the layer needs a `ModelMask`
+    packed: torch.Tensor | None = None  # [B, L]: each token's sequence among those packed into its row
+
+
+@dataclass(frozen=True)
+class ModelMask:
+    """What the mask function hands a layer whose mask the 2-D padding mask does not say: the
+    padding mask [B, M] (None where the model was given none); the pattern's predicate (Llama
+    4's chunks, Gemma 3's image blocks; None: the layer's own causal / window) and the runtime
+    inputs it reads (on the host); the offsets of sequences packed into the rows (cu_seqlens over
+    the flattened tokens, on the host), which not every model passes its layers as position ids."""
+
+    padding: torch.Tensor | None
+    predicate: str | None
+    inputs: dict[str, tuple[str, object]]
+    packed_offsets: torch.Tensor | None = None
+
+
+def same_value(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+    return a == b
+
+
+def combined(how: str, parts: list[MaskTerm]) -> MaskTerm:
+    """and_masks / or_masks of read terms (a term that keeps every score drops out of an `and`
+    and makes an `or` keep every score); one input name read with two values is an error."""
+    inputs: dict[str, tuple[str, object]] = {}
+    for part in parts:
+        for name, (kind, value) in part.inputs.items():
+            if name in inputs and not same_value(inputs[name][1], value):
+                raise AttnccError(f"the model's attention mask combines two values of {name}: no attncc mapping")
+            inputs[name] = (kind, value)
+    texts = [part.text for part in parts]
+    pattern = any(part.pattern for part in parts)
+    packed = next((part.packed for part in parts if part.packed is not None), None)
+    if how == "or" and None in texts:
+        return MaskTerm(None, {}, pattern, packed)
+    kept = [f"({text})" for text in texts if text is not None]
+    text = f" {how} ".join(kept) if len(kept) > 1 else kept[0][1:-1] if kept else None
+    return MaskTerm(text, inputs, pattern, packed)
+
+
+def sequence_offsets(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (int64 [S + 1], on the host) of the sequences packed into rows, from each
+    token's sequence index [B, L] (transformers' packed-sequence mask): one starts wherever the
+    index changes and at every row's start, the rows flattened one after another."""
+    ids = sequence_ids.to("cpu")
+    starts = torch.ones(ids.shape, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return torch.cat([starts.reshape(-1).nonzero().flatten(), torch.tensor([ids.numel()])])
+
+
+def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> MaskTerm:
+    """transformers' mask function, read from its makers' closures, as a DSL predicate over a
+    call's keys: `keys` key columns from position `key_offset` of the sequence on (the cache's
+    offset; queries are the last columns). Causal, bidirectional, sliding windows, Llama 4's
+    chunks and Gemma 3's image blocks, combined by and_masks / or_masks; padding and packed
+    sequences keep every score here (they reach the layers as the 2-D mask and position ids).
+    Anything else (a custom function) is a clear error: the FlashAttention mask function hands
+    over the 2-D padding mask alone, so it ran as plain causal attention, silently."""
     from transformers import masking_utils as masks
 
-    if mask_function in (masks.causal_mask_function, masks.bidirectional_mask_function):
-        return None
+    if mask_function is masks.causal_mask_function:
+        return MaskTerm(CAUSAL_TERM, {}, False)
+    if mask_function is masks.bidirectional_mask_function:
+        return MaskTerm(None, {}, False)
     made_by = getattr(mask_function, "__qualname__", type(mask_function).__name__).split(".<locals>")[0]
     cells = (
-        dict(zip(mask_function.__code__.co_freevars, mask_function.__closure__ or ()))
+        {
+            name: cell.cell_contents
+            for name, cell in zip(mask_function.__code__.co_freevars, mask_function.__closure__ or ())
+        }
         if hasattr(mask_function, "__code__")
         else {}
     )
-    if made_by == "and_masks" and "mask_functions" in cells:
-        windows = [mask_pattern_window(part) for part in cells["mask_functions"].cell_contents]
-        return min((w for w in windows if w is not None), default=None)
-    if made_by in ("sliding_window_overlay", "sliding_window_bidirectional_overlay") and "sliding_window" in cells:
-        return int(cells["sliding_window"].cell_contents)
+    if made_by in ("and_masks", "or_masks") and "mask_functions" in cells:
+        parts = [mask_term(part, key_offset, keys) for part in cells["mask_functions"]]
+        return combined(made_by[:-6], parts)
+    if made_by == "sliding_window_overlay" and "sliding_window" in cells:
+        return MaskTerm(WINDOW_TERM, {"window": ("int", int(cells["sliding_window"]))}, False)
+    if made_by == "sliding_window_bidirectional_overlay" and "sliding_window" in cells:
+        return MaskTerm("abs(i + M - N - j) <= window", {"window": ("int", int(cells["sliding_window"]))}, False)
     if made_by in ("remap_positions_for_packed_sequence", "add_offsets_to_mask_function") and "mask_function" in cells:
         # (positions within packed sequences, a cache's offsets: the layers get them as they are)
-        return mask_pattern_window(cells["mask_function"].cell_contents)
-    if made_by in ("padding_mask_function", "packed_sequence_mask_function"):
-        return None
-    what = {"chunked_overlay": "chunked attention (Llama 4's attention_chunk_size)", "or_masks": "a union of masks "
-            "(Gemma 3's bidirectional image tokens, say)"}.get(made_by, f"the mask function `{made_by}`")  # fmt: skip
-    raise AttnccError(f"the model's attention mask is {what}: no attncc mapping")
+        return mask_term(cells["mask_function"], key_offset, keys)
+    if made_by == "padding_mask_function":
+        return MaskTerm(None, {}, False)
+    if made_by == "packed_sequence_mask_function" and "packed_sequence_mask" in cells:
+        return MaskTerm(None, {}, False, torch.as_tensor(cells["packed_sequence_mask"]))
+    if made_by == "chunked_overlay" and {"chunk_size", "left_padding"} <= cells.keys():
+        # chunks count from each sequence's first token: key column j is position j + first_key[b] there
+        first_key = key_offset - torch.as_tensor(cells["left_padding"]).to("cpu", torch.int64)
+        chunk = int(cells["chunk_size"])
+        return MaskTerm(CHUNK_TERM, {"chunk": ("int", chunk), "first_key": ("int[B]", first_key)}, True)
+    if made_by == "blockwise_overlay" and "block_sequence_ids" in cells:
+        ids = torch.as_tensor(cells["block_sequence_ids"]).to("cpu", torch.int64)
+        ids = torch.nn.functional.pad(ids, (0, max(key_offset + keys - ids.shape[-1], 0)), value=-1)
+        return MaskTerm(BLOCK_TERM, {"blocks": ("int[B, M]", ids[:, key_offset : key_offset + keys])}, True)
+    code = getattr(mask_function, "__code__", None)
+    where = f" ({Path(code.co_filename).name}:{code.co_firstlineno})" if code is not None else ""
+    name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+    raise AttnccError(f"the model's attention mask is the mask function `{name}`{where}: no attncc mapping")
 
 
 def attncc_attention_mask(
@@ -177,21 +279,27 @@ def attncc_attention_mask(
     mask_function: Callable | None = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
-) -> torch.Tensor | None:
+) -> torch.Tensor | ModelMask | None:
     """The mask function registered beside the attention: transformers' FlashAttention one (the
-    2-D padding mask, sliced to the layer's keys) with the mask's pattern checked
-    (`mask_pattern_window`), and an all-ones mask handed over as given (FlashAttention's turns
-    it into None, where the layers then read packed sequences from the position ids that a
-    given mask rules out)."""
+    2-D padding mask, sliced to the layer's keys) where the pattern is causal, bidirectional or
+    a window (the layers know those), a `ModelMask` where it says more (`mask_term`), and an
+    all-ones mask handed over as given (FlashAttention's turns it into None, where the layers
+    then read packed sequences from the position ids that a given mask rules out)."""
     model_type = getattr(kwargs.get("config"), "model_type", None)
     if model_type in NO_ATTENTION_INTERFACE:
         raise AttnccError(
             f"{model_type} models compute attention in their own code, not through transformers' attention "
             "interface: attncc cannot run it (and the mask they would get from this name is not theirs)"
         )
-    if mask_function is not None:
-        mask_pattern_window(mask_function)
-    return None if attention_mask is None else attention_mask[:, -kv_length:]
+    padding = None if attention_mask is None else attention_mask[:, -kv_length:]
+    if mask_function is None:
+        return padding
+    term = mask_term(mask_function, kv_offset, kv_length)
+    if not term.pattern and term.packed is None:
+        return padding
+    predicate = (term.text or "j >= 0") if term.pattern else None  # ("j >= 0": every key column)
+    offsets = None if term.packed is None else sequence_offsets(term.packed)
+    return ModelMask(padding, predicate, term.inputs if term.pattern else {}, offsets)
 
 
 def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,6 +352,30 @@ def packed_offsets(position_ids: torch.Tensor, batch: int, length: int) -> torch
     return torch.cat([flat.nonzero().flatten(), torch.tensor([batch * length])])
 
 
+def layer_needs(
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    padding: bool,
+    dropout: float,
+    sinks: object,
+    pattern: ModelMask | None,
+) -> LayerNeeds:
+    """What a layer's call asks of its program; a mask's pattern declares its own inputs (its
+    window among them: the layer's `window` term is then the pattern's)."""
+    pattern = pattern if pattern is not None and pattern.predicate is not None else None
+    declared = tuple((name, kind) for name, (kind, _) in sorted(pattern.inputs.items())) if pattern else ()
+    return LayerNeeds(
+        causal,
+        sliding_window is not None and "window" not in dict(declared),
+        softcap is not None,
+        padding,
+        float(dropout),
+        sinks is not None,
+        (pattern.predicate, declared) if pattern else None,  # type: ignore[arg-type]
+    )
+
+
 class ModelAttention:
     """The function registered with transformers' AttentionInterface: one call per layer."""
 
@@ -290,11 +422,14 @@ class ModelAttention:
 
         return self.once_per_forward("ranges", (padding_mask,), (batch, keys), make)
 
-    def packed_plan(self, layer: str, query: torch.Tensor, keys: int, **kwargs: object) -> VarlenPlan | None:
+    def packed_plan(
+        self, layer: str, query: torch.Tensor, keys: int, mask_offsets: torch.Tensor | None, **kwargs: object
+    ) -> VarlenPlan | None:
         """The packed sequences of a layer without a padding mask, as a `VarlenPlan` on q's
         device (once per model forward): from `cu_seq_lens_q` / `_k` (and `max_length_*`) where
-        the model was given them, else from plain position ids (`packed_offsets`) where a row
-        holds several sequences and no cache precedes its queries; None otherwise."""
+        the model was given them, else from the offsets its mask read (`ModelMask`), else from
+        plain position ids (`packed_offsets`) where a row holds several sequences and no cache
+        precedes its queries; None otherwise."""
         cu_q, cu_k, position_ids = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids")
         if (cu_q is None) != (cu_k is None):
             raise AttnccError(f"{layer}: cu_seq_lens_q and cu_seq_lens_k go together, got one")
@@ -305,6 +440,10 @@ class ModelAttention:
             )
             make = lambda: attncc.plan_varlen(cu_q.to(device), cu_k.to(device), *longest)  # noqa: E731
             return self.once_per_forward("plan", (cu_q, cu_k), (device, *longest), make)
+        if mask_offsets is not None and length == keys and int(mask_offsets[-1]) == batch * length:
+            # (each mask type makes its own offsets tensor: keyed by their values, planned once)
+            plan = lambda: attncc.plan_varlen(*2 * [mask_offsets.to(device)])  # noqa: E731
+            return self.once_per_forward("plan", (), (device, tuple(mask_offsets.tolist())), plan)
         if not (plain_positions(position_ids, batch, keys) and length == keys > 1):
             return None
 
@@ -347,25 +486,22 @@ class ModelAttention:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         if sliding_window is not None and not causal:
             raise AttnccError(f"{type(module).__name__}: a bidirectional sliding window has no attncc mapping")
+        pattern = attention_mask if isinstance(attention_mask, ModelMask) else None
+        if pattern is not None:
+            attention_mask = pattern.padding
         batch, keys = query.shape[0], key.shape[2]
         if attention_mask is None:  # sequences packed into rows (padding-free training): each its own
-            plan = self.packed_plan(type(module).__name__, query, keys, **kwargs)
+            offsets = pattern.packed_offsets if pattern is not None else None
+            plan = self.packed_plan(type(module).__name__, query, keys, offsets, **kwargs)
             if plan is not None:
                 return self.packed(
-                    module, query, key, value, plan, dropout, scaling, sliding_window, softcap, causal, sinks
+                    module, query, key, value, plan, dropout, scaling, sliding_window, softcap, causal, sinks, pattern
                 )  # fmt: skip
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
             keys = attention_mask.shape[1]  # a static cache: the slots past the mask hold no token yet
             key, value = key[:, :, :keys], value[:, :, :keys]
         ranges = self.ranges(attention_mask, batch, keys) if attention_mask is not None else None  # type: ignore[arg-type]
-        needs = LayerNeeds(
-            causal,
-            sliding_window is not None,
-            softcap is not None,
-            ranges is not None,
-            float(dropout),
-            sinks is not None,
-        )
+        needs = layer_needs(causal, sliding_window, softcap, ranges is not None, dropout, sinks, pattern)
 
         def key_ranges_or_all() -> tuple[torch.Tensor, torch.Tensor]:
             device = query.device
@@ -374,7 +510,11 @@ class ModelAttention:
                 torch.full((batch,), keys, dtype=torch.int64, device=device),
             )
 
-        kern, runtime = self.layer_call(module, needs, query.device, key_ranges_or_all, sliding_window, softcap, sinks)
+        kern, runtime = self.layer_call(
+            module, needs, query.device, key_ranges_or_all, sliding_window, softcap, sinks, pattern
+        )  # fmt: skip
+        if "blocks" in runtime:  # (a static cache's slots past the mask cut off above)
+            runtime["blocks"] = runtime["blocks"][:, :keys]  # type: ignore[index]
         out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
         return out.transpose(1, 2).contiguous(), None
 
@@ -387,17 +527,23 @@ class ModelAttention:
         sliding_window: int | None,
         softcap: float | None,
         sinks: object = None,
+        pattern: ModelMask | None = None,
     ) -> tuple[Kernel, dict[str, object]]:
         """The layer's kernel and runtime inputs: each sequence's key range, ranges() (kv_start,
         kv_end int[B], made only where the program reads them), the window and the cap where the
-        layer has them; a given program is checked against what the layer needs."""
+        layer has them, the inputs of its mask's pattern; a given program is checked against
+        what the layer needs."""
         kern = self.kernel(needs, device)
         declared = {d.name for d in kern.inputs}
-        runtime: dict[str, object] = {}
+        runtime: dict[str, object] = {name: value for name, (_, value) in (pattern.inputs if pattern else {}).items()}
         if needs.padding or {"kv_start", "kv_end"} & declared:  # (a given program's: all keys valid where no padding)
             runtime.update(zip(("kv_start", "kv_end"), ranges()))
         if sliding_window is not None:
-            runtime["window"] = int(sliding_window)
+            if runtime.setdefault("window", int(sliding_window)) != int(sliding_window):
+                raise AttnccError(
+                    f"{type(module).__name__}: the layer's sliding_window={sliding_window} is not its mask's "
+                    f"window {runtime['window']}: no attncc mapping"
+                )
         if softcap is not None:
             runtime["cap"] = float(softcap)
         if sinks is not None:  # (a parameter: its gradient flows through the call)
@@ -419,19 +565,30 @@ class ModelAttention:
         softcap: float | None,
         causal: bool,
         sinks: object = None,
+        pattern: ModelMask | None = None,
     ) -> tuple[torch.Tensor, None]:
         """The layer over sequences packed into its rows, as FlashAttention's varlen call takes
         them (transformers' `cu_seq_lens_q`/`_k` over the flattened tokens, or offsets read from
         the position ids, planned once per forward): one `kern.varlen` call, each sequence
         attending within itself (its N and M its own, so the made programs' bottom-right causal
-        mask is each sequence's)."""
+        mask is each sequence's, and its chunks count from its first token)."""
         batch, heads, length, _ = query.shape
-        needs = LayerNeeds(
-            causal, sliding_window is not None, softcap is not None, False, float(dropout), sinks is not None
-        )
         lengths = plan.packed.lengths[1]  # (on the host) each sequence's keys, all valid
+        if pattern is not None:
+            if "blocks" in pattern.inputs:
+                raise AttnccError(
+                    f"{type(module).__name__}: image blocks (Gemma 3's token groups) of packed sequences have no "
+                    "attncc mapping: pass one sequence per row with a padding mask"
+                )
+            inputs = dict(pattern.inputs)
+            if "first_key" in inputs:  # (per packed sequence, each from its own first token)
+                inputs["first_key"] = ("int[B]", torch.zeros_like(lengths))
+            pattern = ModelMask(None, pattern.predicate, inputs, pattern.packed_offsets)
+        needs = layer_needs(causal, sliding_window, softcap, False, dropout, sinks, pattern)
         all_keys = lambda: (torch.zeros_like(lengths), lengths)  # noqa: E731
-        kern, runtime = self.layer_call(module, needs, query.device, all_keys, sliding_window, softcap, sinks)
+        kern, runtime = self.layer_call(
+            module, needs, query.device, all_keys, sliding_window, softcap, sinks, pattern
+        )  # fmt: skip
         # [B, H, N, D] -> the tokens row after row, [B N, H, D] (a view of the layer's projections)
         q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
         out = kern.varlen(q, k, v, plan=plan, scale=scaling, train=dropout > 0, **runtime)
