@@ -45,7 +45,7 @@ from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POS
 from attncc.passes.sparsity import EMPTY, FULL, PARTIAL, Problem, check_reads_and_divisors, classify_tiles
 from attncc.passes.sparsity import runtime_tensors as with_layout_grids
 from attncc.runtime.fp8 import is_fp8
-from attncc.runtime.kernel import Kernel, checked_scale, checked_train, seed_tensor
+from attncc.runtime.kernel import Kernel, checked_train, seed_tensor
 from attncc.runtime.merge import merge_states
 from attncc.runtime.reference import evaluate
 
@@ -277,7 +277,7 @@ def _program_values(
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: expected a tensor, got {type(t).__name__}")
     sizes = {name: getattr(problem, name) for name in ex.SIZE_VARS}
-    checked = checked_scale(scale)
+    checked = kern.call_scale(scale)
     value = checked if checked is not None else float(evaluate(kern.op.default_scale, sizes, {}))
     return scalars, tensors, value  # type: ignore[return-value]
 
@@ -567,11 +567,7 @@ def context_parallel(
             raise InputError(f"{name}: expected this rank's slice [B, heads, rows, D], got {shape}")
         if is_fp8(t):
             raise InputError(f"{name}: fp8 K/V are forward-only serving inputs; context_parallel takes float q, k, v")
-    if any(size in ex.free_vars(kern.op.scale) for size in ("N", "M")):
-        raise InputError(
-            f"{kern.name}: its scale ({kern.op.scale}) depends on the sequence length; not context-parallel"
-        )
-    _check_same_call(group, world_size, rank, layout, q, k, v)
+    _check_same_call(group, world_size, rank, layout, (q, k, v), scale, inputs)
     per_rank = chunks_per_rank(layout)
     B, H, N_local, D = q.shape
     problem = Problem(B, H, k.shape[1], N_local * world_size, k.shape[2] * world_size, D, v.shape[3])
@@ -626,17 +622,41 @@ def _merge_sink(
     return merge_states([out, torch.zeros_like(out)], [lse, sink])
 
 
+def _input_summary(value: object) -> object:
+    """What ranks compare of a runtime input: a number as it is, a tensor's shape, dtype and two
+    sums (of its values, and weighted by position) in float64 on the host."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    # (infinities and NaN as numbers: a -inf bias's sum is -inf on every rank, NaN would differ from itself)
+    flat = value.detach().reshape(-1).to("cpu", torch.float64).nan_to_num(nan=0.5, posinf=1.5, neginf=-2.5)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+    return (tuple(value.shape), str(value.dtype), float(flat.sum()), float((flat * weights).sum()))
+
+
 def _check_same_call(
-    group: dist.ProcessGroup | None, world_size: int, rank: int, layout: str, *operands: torch.Tensor
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    rank: int,
+    layout: str,
+    operands: tuple[torch.Tensor, ...],
+    scale: object,
+    inputs: Mapping[str, object],
 ) -> None:
-    """Every rank calls with the same layout, slice shapes and dtypes (else an error on every
-    rank naming the first that differs, rather than a hang in a transfer of the wrong size)."""
+    """Every rank calls with the same layout, slice shapes and dtypes, scale and runtime inputs
+    (else an error on every rank naming the first that differs, rather than a hang in a transfer
+    of the wrong size, or each rank's rows of a different attention, silently)."""
     mine = (layout, *((tuple(t.shape), str(t.dtype)) for t in operands))
+    given = (scale, sorted((name, _input_summary(value)) for name, value in inputs.items()))
     everyone: list[object] = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=group)
-    for other, theirs in enumerate(everyone):
+    dist.all_gather_object(everyone, (mine, given), group=group)
+    for other, (theirs, their_given) in enumerate(everyone):  # type: ignore[misc]
         if theirs != mine:
             raise InputError(
                 f"context_parallel: rank {rank} calls with (layout, (q, k, v) shapes and dtypes) {mine}, "
                 f"but rank {other} with {theirs}; every rank must call with the same"
+            )
+        if their_given != given:
+            raise InputError(
+                f"context_parallel: rank {rank} calls with (scale, runtime inputs) {given}, but rank {other} with "
+                f"{their_given}; every rank passes the same, over the whole sequence"
             )

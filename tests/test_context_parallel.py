@@ -398,6 +398,36 @@ def test_bad_calls_are_named(one_rank: None) -> None:
         )
 
 
+def test_scale_and_runtime_inputs_are_checked_as_in_the_plain_call(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program reading no name `scale` refuses scale= (the ring took it and ignored it,
+    silently); a scale of the sequence length is the whole sequence's; a rank whose scale or
+    runtime inputs differ from another's is an error on every rank (each rank computed its rows
+    of another attention, silently)."""
+    q = torch.randn(1, 2, 8, 16)
+    unscaled = attncc.compile("attention unscaled\ns = q @ k.T\nmask j <= i\np = softmax(s)\no = p @ v\noutput o\n")
+    with pytest.raises(attncc.InputError, match="scale: program unscaled does not use the name `scale`"):
+        cp.context_parallel(unscaled, q, q, q, scale=0.5)
+    by_length = attncc.compile(
+        "attention by_length\nscale = 1 / sqrt(N)\ns = q @ k.T * scale\nmask j <= i\np = softmax(s)\no = p @ v\n"
+        "output o\n"
+    )
+    torch.testing.assert_close(cp.context_parallel(by_length, q, q, q), by_length(q, q, q), atol=1e-6, rtol=1e-6)
+    kern = attncc.compile(ROOT / "examples" / "document.attn")
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
+    gather = cp.dist.all_gather_object
+
+    def another_ranks(everyone: list, mine: object, group: object = None) -> None:
+        gather(everyone, mine, group=group)
+        (layout, (scale, inputs)) = everyone[0]
+        everyone.append((layout, (scale, [(name, cp._input_summary(doc.flip(1))) for name, _ in inputs])))
+
+    monkeypatch.setattr(cp.dist, "all_gather_object", another_ranks)
+    with pytest.raises(attncc.InputError, match=r"rank 0 calls with \(scale, runtime inputs\).*but rank 1 with"):
+        cp.context_parallel(kern, q, q, q, doc=doc)
+
+
 def test_without_a_process_group_the_error_says_so() -> None:
     kern = attncc.compile(ROOT / "examples" / "causal.attn")
     q = torch.randn(1, 2, 8, 16)

@@ -495,6 +495,26 @@ def test_bad_fp8_calls_are_named(change, message: str) -> None:
     assert message in str(error.value)
 
 
+def test_a_padded_calls_factor_of_one_or_two_dims_never_broadcasts_over_the_keys() -> None:
+    """[Hkv] (packed and paged calls' per kv head) and FlashAttention 3's per-sequence [B, Hkv]
+    broadcast right-aligned over a padded call's [B, Hkv, M]: where M equalled Hkv they were
+    taken as a factor per token, silently (an error at every other M). Refused at every M;
+    [B, Hkv, 1] is the per-sequence form and matches the dequantised operands."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 3, 16, generator=generator)
+    k, v = (torch.randn(2, 4, 4, 16, generator=generator).to(torch.float8_e4m3fn) for _ in range(2))
+    factors = torch.tensor([0.1, 1.0, 2.0, 4.0])
+    kern = kernel("causal")
+    with pytest.raises(InputError, match=r"k_descale: expected a shape broadcastable to \[2, 4, 4\].*got \(4,\)"):
+        kern(q, k, v, k_descale=factors)
+    with pytest.raises(InputError, match=r"per sequence \[B, Hkv\] is \[B, Hkv, 1\] in padded calls.*got \(2, 4\)"):
+        kern(q, k, v, v_descale=factors.expand(2, 4))
+    per_sequence = factors.expand(2, 4).unsqueeze(-1)
+    got = kern(q, k, v, k_descale=per_sequence, v_descale=per_sequence)
+    scaled = [t.float() * per_sequence.unsqueeze(-1) for t in (k, v)]
+    torch.testing.assert_close(got, kern(q, *scaled), atol=2e-6, rtol=2e-6)
+
+
 def test_bad_fp8_paged_and_varlen_calls_are_named() -> None:
     kern = attncc.compile(BOTTOM_RIGHT_CAUSAL)
     k_cache = torch.randn(4, 16, 1, 16).to(torch.float8_e4m3fn)

@@ -106,8 +106,22 @@ def test_merge_errors_name_the_argument() -> None:
         attncc.merge_states([out[0], out[0, :3]], [torch.randn(4), torch.randn(3)])
     with pytest.raises(InputError, match=r"outs: expected at least one partial result"):
         attncc.merge_states([], [])
-    with pytest.raises(InputError, match=r"outs, lses: expected floating-point tensors"):
+    with pytest.raises(InputError, match=r"outs, lses: expected float64, float32, bfloat16 or float16 tensors"):
         attncc.merge_states(out.long(), torch.randn(2, 4))
+    with pytest.raises(InputError, match=r"got torch.float8_e4m3fn and torch.float32"):
+        attncc.merge_states(out.to(torch.float8_e4m3fn), torch.randn(2, 4))
+    with pytest.raises(InputError, match=r"lses: expected one per partial result, 2, got 1"):
+        attncc.merge_states([out[0], out[1]], [torch.randn(4)])
+
+
+def test_a_part_that_weighs_nothing_adds_nothing_even_nan() -> None:
+    """A part whose row has lse -inf (no visible key) weighs nothing, whatever its output row
+    holds: NaN from another producer (FlashAttention's empty rows, say) left the merge NaN."""
+    out, lse = torch.randn(2, 3, 4), torch.randn(2, 3)
+    out[1, 1], lse[1, 1] = torch.nan, -torch.inf
+    merged, total = attncc.merge_states(out, lse)
+    assert torch.equal(merged[1], out[0, 1]) and total[1] == lse[0, 1]
+    assert not merged.isnan().any()
 
 
 def test_an_empty_stack_of_parts_is_a_clear_error() -> None:

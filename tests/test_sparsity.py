@@ -233,3 +233,80 @@ output o
     assert host_read_tensors(op.mask, op.score) == {"idx", "stride", "lengths"}
     alibi = fused_node(attncc.lower(ROOT / "examples" / "alibi.attn", "cpu")[-1].graph)[1]
     assert host_read_tensors(alibi.mask, alibi.score) == frozenset()
+
+
+def _program(name: str, inputs: str, score: str, mask: str = "", layout: str = "") -> attncc.Kernel:
+    lines = [f"attention {name}", *inputs.splitlines(), f"s = q @ k.T * scale{score}"]
+    lines += [f"mask {mask}"] * bool(mask) + [f"layout {layout}"] * bool(layout)
+    return attncc.compile("\n".join([*lines, "p = softmax(s)", "o = p @ v", "output o", ""]))
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, bias: float | torch.Tensor = 0):
+    """float64 attention of q [B, H, N, D] over k, v [B, Hkv, M, D] (GQA heads repeated) where
+    `keep` [B, H, N, M] holds; fully masked rows 0."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + bias
+    return (scores.masked_fill(~keep, -torch.inf).softmax(-1).nan_to_num() @ v).to(q.dtype)
+
+
+@pytest.mark.parametrize("dims", ["B, NB, MB", "H, B, NB, MB", "Hkv, NB, MB", "B, Hkv, NB, MB"])
+def test_a_block_masks_leading_dims_are_read_by_their_declared_names(dims: str) -> None:
+    """`layout blocks(bm)` read bm as [H, NB, MB] or [B, H, NB, MB] by its rank alone: a
+    per-sequence [B, NB, MB] mask gave every sequence sequence 0's blocks (error 0.8), [H, B, ...]
+    swapped b and h, and a per-kv-head mask under GQA was an out-of-range error on h."""
+    B, H, Hkv, N, block = 2, 4, 2, 12, 4
+    kern = _program("blocks_by_name", f"input bm: bool[{dims}]", "", layout="blocks(bm, block=4)")
+    generator = torch.Generator().manual_seed(0)
+    names = [d.strip() for d in dims.split(",")][:-2]
+    sizes = {"B": B, "H": H, "Hkv": Hkv}
+    bm = torch.rand(*(sizes[n] for n in names), N // block, N // block, generator=generator) < 0.5
+    q = torch.randn(B, H, N, 16, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, N, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    # the mask per (b, h) from the names: b for B, h for H, h's kv head for Hkv
+    index = {"B": torch.arange(B).view(B, 1), "H": torch.arange(H).view(1, H), "Hkv": torch.arange(H).view(1, H) // 2}
+    per_head = bm[tuple(index[n] for n in names)] if names else bm.expand(B, H, -1, -1)
+    keep = per_head.expand(B, H, -1, -1).repeat_interleave(block, -2).repeat_interleave(block, -1)
+    assert not (torch.equal(keep, keep[:1].expand_as(keep)) and torch.equal(keep, keep[:, :1].expand_as(keep)))
+    torch.testing.assert_close(kern(q, k, v, bm=bm), _attention(q, k, v, keep), atol=1e-12, rtol=1e-12)
+
+
+def test_block_masks_with_other_leading_dims_are_dsl_errors() -> None:
+    with pytest.raises(attncc.DslError, match=r"leading dims among B, H or Hkv, each once.*declared bool\[N, NB, MB\]"):
+        _program("bad_lead", "input bm: bool[N, NB, MB]", "", layout="blocks(bm, block=4)")
+    with pytest.raises(attncc.DslError, match=r"each once.*declared bool\[B, B, NB, MB\]"):
+        _program("bad_lead", "input bm: bool[B, B, NB, MB]", "", layout="blocks(bm, block=4)")
+    with pytest.raises(attncc.DslError, match=r"per query head \(H\) or per kv head \(Hkv\), not both"):
+        _program("bad_lead", "input bm: bool[H, Hkv, NB, MB]", "", layout="blocks(bm, block=4)")
+    with pytest.raises(attncc.DslError, match=r"`fixed`: summary=5 is more than stride=2"):
+        _program("bad_fixed", "", "", layout="fixed(block=4, stride=2, summary=5)")
+
+
+@pytest.mark.parametrize("bound", [4.8, 5.6])
+def test_float_mask_ties_are_decided_by_the_kernels_own_precision(bound: float) -> None:
+    """`mask i * 0.1 <= bound` at a tie: float32 keeps row 48 (48 * 0.1f <= 4.8f), float64 does
+    not (4.800000000000001). The tile classes, evaluated in float64, made the tile of rows 48..63
+    EMPTY at 4.8 (row 48 dropped) while at 5.6 the tie fell inside a partial tile, where the
+    kernel's float32 test decided: the same tie two ways by where tiles fall. Now float values
+    are widened so such tiles are partial and the kernel's precision decides every row."""
+    kern = _program("float_tie", "", "", mask=f"i * 0.1 <= {bound}")
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 64, 16, generator=generator) for _ in range(3))
+    _, lse = kern(q, k, v, return_lse=True)
+    rows = torch.arange(64, dtype=torch.float32) * torch.tensor(0.1, dtype=torch.float32)
+    assert torch.equal(lse[0, 0].isfinite(), rows <= torch.tensor(bound, dtype=torch.float32))
+
+
+def test_a_remainder_by_a_positive_variable_stays_within_it() -> None:
+    """`tbl[i % (j + 1)]` reads 0..j: the bounds check took i % (j + 1) as [-50, 50] and refused
+    the program."""
+    kern = _program("mod_read", "input tbl: float[60]", " + tbl[i % (j + 1)]")
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 40, 16, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 50, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    tbl = torch.randn(60, generator=generator, dtype=torch.float64)
+    i, j = torch.arange(40).view(-1, 1), torch.arange(50).view(1, -1)
+    keep = torch.ones(1, 2, 40, 50, dtype=torch.bool)
+    torch.testing.assert_close(
+        kern(q, k, v, tbl=tbl), _attention(q, k, v, keep, tbl[i % (j + 1)]), atol=1e-12, rtol=1e-12
+    )

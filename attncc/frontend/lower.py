@@ -215,9 +215,21 @@ def _layout(ctx: _Context, stmt: Ast) -> None:
         if not (isinstance(ref, TensorRef) and ref.kind == "tensor"):
             raise DslError(f"`{tensor}` is not a declared tensor input", positional[0].loc)
         decl = ctx.g.nodes[ref.node]["op"]
-        if decl.dtype == "float" or len(decl.dims) not in (2, 3, 4):
+        lead = [str(dim) for dim in decl.dims[:-2]]
+        if (
+            decl.dtype == "float"
+            or len(decl.dims) < 2
+            or not set(lead) <= {"B", "H", "Hkv"}
+            or len(set(lead)) < len(lead)
+        ):
             raise DslError(
-                f"`{tensor}` must be a bool or int tensor of rank 2 ([NB, MB]) to 4 ([B, H, NB, MB])", positional[0].loc
+                f"`{tensor}` must be a bool or int tensor [NB, MB] with leading dims among B, H or Hkv, each once "
+                f"([B, H, NB, MB], [Hkv, NB, MB], ...); declared {decl.dtype}[{', '.join(map(str, decl.dims))}]",
+                positional[0].loc,
+            )
+        if {"H", "Hkv"} <= set(lead):
+            raise DslError(
+                f"`{tensor}`: a block mask is per query head (H) or per kv head (Hkv), not both", positional[0].loc
             )
     elif positional:
         raise DslError(f"`{name.value}` takes keyword arguments only", positional[0].loc)
@@ -230,6 +242,12 @@ def _layout(ctx: _Context, stmt: Ast) -> None:
         if key not in keywords:
             raise DslError(f"`{name.value}` needs the parameter `{key}=`", name.loc)
         values[key] = _positive_int(ctx, keywords[key].children[0], key)
+    if name.value == "fixed" and values["summary"] > values["stride"]:
+        raise DslError(
+            f"`fixed`: summary={values['summary']} is more than stride={values['stride']} (the last `summary` "
+            "blocks of each stride are its summary)",
+            keywords["summary"].loc,
+        )
     params = tuple((k, values[k]) for k in LAYOUTS[name.value])
     reads = {tensor} if tensor else set()
     _apply_to_scores(ctx, Layout(name.value, values["block"], params, tensor, loc=stmt.loc), stmt.loc, reads)

@@ -109,7 +109,10 @@ def _layout_term(k: int, layout: Layout, declared: Mapping, grids: list[tuple[st
     if layout.kind == "blocks":
         assert layout.tensor is not None
         decl = declared[layout.tensor]
-        lead = {2: (), 3: (ex.var("h"),), 4: (ex.var("b"), ex.var("h"))}[len(decl.dims)]
+        # the leading dims by their declared names (the frontend admits B, H and Hkv, once each)
+        kv_head = ex.Binary("floordiv", ex.var("h"), ex.Binary("floordiv", ex.var("H"), ex.var("Hkv")))
+        index = {"B": ex.var("b"), "H": ex.var("h"), "Hkv": kv_head}
+        lead = tuple(index[str(dim)] for dim in decl.dims[:-2])
         read = ex.Read(layout.tensor, (*lead, ib, jb), ex.BOOL if decl.dtype == "bool" else ex.INT)
         return read if read.ty == ex.BOOL else ex.Binary("ne", read, ex.const(0))
     name = f"__layout{k}"
@@ -211,7 +214,8 @@ def _div(a: Interval, b: Interval, floor: bool) -> Interval:
 
 
 def _mod(a: Interval, b: Interval) -> Interval:
-    """Python modulo; exact when b is a positive constant and a stays within one period."""
+    """Python modulo; exact when b is a positive constant and a stays within one period; within
+    [0, b - 1] for any positive b, [b + 1, 0] for any negative one (the divisor's sign)."""
     const_pos = (b.lo == b.hi) & (b.lo > 0)
     c = torch.where(const_pos, b.lo, torch.ones_like(b.lo))
     same_period = torch.floor(a.lo / c) == torch.floor(a.hi / c)
@@ -221,9 +225,26 @@ def _mod(a: Interval, b: Interval) -> Interval:
     hi = torch.where(exact, torch.remainder(torch.nan_to_num(a.hi), c), c - 1)
     inf = torch.tensor(math.inf, dtype=torch.float64)
     bound = torch.maximum(b.lo.abs(), b.hi.abs())
+    bound = torch.where(torch.isfinite(bound), bound, inf)
+    positive, negative = b.lo > 0, b.hi < 0
     return Interval(
-        torch.where(const_pos, lo, -bound), torch.where(const_pos, hi, torch.where(torch.isfinite(bound), bound, inf))
+        torch.where(const_pos, lo, torch.where(positive, 0.0, torch.where(negative, b.lo + 1, -bound))),
+        torch.where(const_pos, hi, torch.where(positive, b.hi - 1, torch.where(negative, 0.0, bound))),
     )
+
+
+#: Relative margin of a float value's interval: the kernels evaluate float masks in the
+#: accumulator's precision (float32 for fp32, bf16 and fp16 operands), a few ulps (2^-23) from
+#: this float64 evaluation per operation.
+FLOAT_MARGIN = 2.0**-16
+
+
+def _float32_rounded(x: Interval) -> Interval:
+    """A float expression's interval widened by FLOAT_MARGIN of its magnitude, so a comparison
+    that float32 may decide otherwise than float64 (`i * 0.1 <= 4.8` at i = 48: true in float32,
+    false in float64) classes its tile PARTIAL and the kernel's own per-score test decides, as it
+    does inside every partial tile (a tile EMPTY here dropped a row that float32 keeps)."""
+    return _clean(x.lo - x.lo.abs() * FLOAT_MARGIN, x.hi + x.hi.abs() * FLOAT_MARGIN)
 
 
 def _compare(op: str, a: Interval, b: Interval) -> Truth:
@@ -258,6 +279,8 @@ class IntervalEvaluator:
             value = self._eval(e)
             if e.ty == ex.INT and isinstance(value, Interval):
                 value = _int64_safe(value)
+            if e.ty == ex.FLOAT and isinstance(value, Interval):
+                value = _float32_rounded(value)
             self.memo[e] = value
         return self.memo[e]
 

@@ -108,10 +108,15 @@ def descale_rows(
         shape = torch.broadcast_shapes(descale.shape, rows)
     except RuntimeError:
         shape = None
-    if shape != rows or (layout == "paged" and descale.dim() == 2):
+    # a padded call's factor of one or two dims ending in more than 1 would broadcast over the
+    # keys: [Hkv] (packed and paged calls' per kv head) and FlashAttention 3's per-sequence
+    # [B, Hkv] as a factor per token wherever M happened to equal Hkv, silently
+    ambiguous = layout == "padded" and 0 < descale.dim() < 3 and descale.shape[-1] > 1
+    if shape != rows or (layout == "paged" and descale.dim() == 2) or ambiguous:
         raise InputError(
             f"{name}: expected a shape broadcastable to {list(rows)} (the operand's without its head dim: "
-            f"{DESCALE_FORMS[layout]}; per sequence [B, Hkv] only in padded calls), got {tuple(descale.shape)}"
+            f"{DESCALE_FORMS[layout]}; FlashAttention 3's per sequence [B, Hkv] is [B, Hkv, 1] in padded calls, "
+            f"has no place in a paged cache's rows), got {tuple(descale.shape)}"
         )
     return descale.detach().to(torch.float32).expand(rows).unsqueeze(-1)
 

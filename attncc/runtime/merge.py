@@ -7,7 +7,8 @@ part's output O_s and log-sum-exp L_s:
 
 which is how split-KV decoding (the CUDA kernels' `combine_splits`), cascade / shared-prefix
 attention and context parallelism combine their pieces. A part with no visible key has
-L_s = -inf and O_s = 0 (what every attncc kernel returns for such a row) and weighs 0; a row
+L_s = -inf and O_s = 0 (what every attncc kernel returns for such a row) and weighs 0, whatever
+its O_s holds (NaN from another producer); a row
 with no visible key in any part gets L = -inf and O = 0.
 """
 
@@ -47,6 +48,8 @@ def merge_states(
     one more part: out 0, lse the sink's logit (what `context_parallel` does after its ring).
     """
     out_stack, lse_stack = _stacked(outs, "outs"), _stacked(lses, "lses")
+    if lse_stack.shape[0] != out_stack.shape[0]:
+        raise InputError(f"lses: expected one per partial result, {out_stack.shape[0]}, got {lse_stack.shape[0]}")
     if out_stack.dim() < 2 or lse_stack.shape != out_stack.shape[:-1]:
         raise InputError(
             f"lses: expected shape {tuple(out_stack.shape[:-1])} (outs' shape without the head dim), "
@@ -54,8 +57,11 @@ def merge_states(
         )
     if out_stack.device != lse_stack.device:
         raise InputError(f"lses: expected device {out_stack.device} (as outs), got {lse_stack.device}")
-    if not (out_stack.is_floating_point() and lse_stack.is_floating_point()):
-        raise InputError(f"outs, lses: expected floating-point tensors, got {out_stack.dtype} and {lse_stack.dtype}")
+    if not all(t.is_floating_point() and t.element_size() > 1 for t in (out_stack, lse_stack)):
+        raise InputError(
+            f"outs, lses: expected float64, float32, bfloat16 or float16 tensors, got {out_stack.dtype} and "
+            f"{lse_stack.dtype}"
+        )
     acc = torch.promote_types(torch.float32, torch.promote_types(lse_stack.dtype, out_stack.dtype))
     lse_parts = lse_stack.to(acc)
     top = lse_parts.amax(dim=0)
@@ -66,5 +72,7 @@ def merge_states(
     empty = total == 0
     safe_total = torch.where(empty, torch.ones_like(total), total)
     lse = torch.where(empty, torch.full_like(total, -torch.inf), shift + torch.log(safe_total))
-    out = ((weights / safe_total).unsqueeze(-1) * out_stack.to(acc)).sum(dim=0)
+    # a part that weighs nothing adds nothing, whatever its rows hold (NaN from another producer)
+    parts = torch.where((weights == 0).unsqueeze(-1), 0, out_stack.to(acc))
+    out = ((weights / safe_total).unsqueeze(-1) * parts).sum(dim=0)
     return out.to(out_stack.dtype), lse
