@@ -646,7 +646,7 @@ def _check_same_call(
     (else an error on every rank naming the first that differs, rather than a hang in a transfer
     of the wrong size, or each rank's rows of a different attention, silently)."""
     mine = (layout, *((tuple(t.shape), str(t.dtype)) for t in operands))
-    given = (scale, sorted((name, _input_summary(value)) for name, value in inputs.items()))
+    given = (_input_summary(scale), sorted((name, _input_summary(value)) for name, value in inputs.items()))
     everyone: list[object] = [None] * world_size
     dist.all_gather_object(everyone, (mine, given), group=group)
     for other, (theirs, their_given) in enumerate(everyone):  # type: ignore[misc]

@@ -21,6 +21,7 @@ subprocess.
                                               # issue 12's features: MLA's D=192, Dv=128; rope in the
                                               # kernel; fp8 K/V (--fp8: those alone)
     python bench/bench_cpu.py --flex-api --long-n 4096 --json bench/results/cpu-<family>-flex-api.json
+    python bench/bench_cpu.py --flash-api --long-n 4096 --json bench/results/cpu-<family>-flash-api.json
                                               # FlexAttention's calls (score_mod, block_mask) on attncc
     python bench/bench_cpu.py --fp16 --no-flex --max-n 4096 --max-n-backward 2048 --json bench/results/cpu-<family>-fp16.json
                                               # fp16 inputs: the forward on the bf16 unit as bf16 terms
@@ -263,6 +264,35 @@ def flex_api_times(N: int, dtype: torch.dtype, score_mod, mask_mod, flex, repeat
         keep = mask_mod(0, 0, positions[:, None], positions[None, :])
         calls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     return dict(zip(calls, alternating_medians(list(calls.values()), repeats)))
+
+
+def flash_api_cases(results: list, args) -> None:
+    """FlashAttention's calls on attncc (`attncc.integrations.flash_attn`: q, k, v [B, N, H, D],
+    the program made from the call's options) against the program's kernel called directly on
+    [B, H, N, D] views (what the wrapper costs: its checks and the output's copy to [B, N, H, D])
+    and SDPA on the same views with the mask as a dense bool where it is not plain causal.
+    B=1 H=8 Hkv=8 D=64, forward; fp32 and bf16; N = 2048 and --long-n."""
+    from attncc.integrations.flash_attn import _kernel, _options_and_inputs, flash_attn_func
+
+    cases = [("causal", {"causal": True}), ("window 256 causal", {"causal": True, "window_size": (255, 0)}),
+             ("softcap 30 causal", {"causal": True, "softcap": 30.0})]  # fmt: skip
+    for N, dtype, (label, options) in itertools.product((2048, args.long_n), (torch.float32, torch.bfloat16), cases):
+        q, k, v = (torch.randn(1, N, 8, 64).to(dtype) for _ in range(3))
+        made, inputs = _options_and_inputs(
+            q, 1, 8, 0.0, True, options.get("window_size", (-1, -1)), options.get("softcap", 0.0), None
+        )  # fmt: skip
+        kern = _kernel(made, q.device)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        calls = {
+            "attncc-flash": partial(flash_attn_func, q, k, v, **options),
+            "kernel": partial(kern, qt, kt, vt, **inputs),
+        }
+        if "softcap" not in options:
+            i, j = torch.arange(N).view(-1, 1), torch.arange(N).view(1, -1)
+            keep = (j <= i) & (i - j <= options.get("window_size", (N, 0))[0])
+            calls["sdpa"] = partial(F.scaled_dot_product_attention, qt, kt, vt, attn_mask=keep)
+        seconds = dict(zip(calls, alternating_medians(list(calls.values()), args.repeats)))
+        row(results, f"flash api {label} {str(dtype)[6:]} N={N}", seconds.pop("attncc-flash"), seconds)
 
 
 def sparse_cases(results: list, args, flex) -> None:
@@ -1086,6 +1116,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", action="store_true", help="fwd+bwd with one or two kv heads (key chunks) only")
     parser.add_argument("--flex-api", action="store_true", help="FlexAttention's calls on attncc (flex_attention) only")
     parser.add_argument(
+        "--flash-api", action="store_true", help="FlashAttention's calls on attncc (flash_attn_func) only"
+    )
+    parser.add_argument(
         "--fp16", action="store_true", help="fp16 inputs, dense and causal, N = --min-n .. --max-n, only"
     )
     args = parser.parse_args()
@@ -1128,6 +1161,8 @@ def main() -> None:
         fp16_cases(results, args)
     elif args.flex_api:
         flex_api_cases(results, args, flex)
+    elif args.flash_api:
+        flash_api_cases(results, args)
     elif args.models:
         model_cases(results, args)
     elif args.fp8:

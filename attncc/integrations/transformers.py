@@ -184,6 +184,7 @@ class ModelMask:
 
 
 def same_value(a: object, b: object) -> bool:
+    """Whether two read values of one input agree (tensors by their values)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
     return a == b
@@ -213,17 +214,23 @@ def sequence_offsets(sequence_ids: torch.Tensor) -> torch.Tensor:
     token's sequence index [B, L] (transformers' packed-sequence mask): one starts wherever the
     index changes and at every row's start, the rows flattened one after another."""
     ids = sequence_ids.to("cpu")
-    starts = torch.ones(ids.shape, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    return torch.cat([starts.reshape(-1).nonzero().flatten(), torch.tensor([ids.numel()])])
+    return offsets_from_starts(torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool), ids[:, 1:] != ids[:, :-1]], 1))
+
+
+def offsets_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (int64 [S + 1], on the host) of the rows' tokens flattened one row after another,
+    from where sequences start [B, L] (bool, True at every row's first token)."""
+    flat = starts.reshape(-1).cpu()
+    return torch.cat([flat.nonzero().flatten(), torch.tensor([flat.numel()])])
 
 
 def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> MaskTerm:
     """transformers' mask function, read from its makers' closures, as a DSL predicate over a
     call's keys: `keys` key columns from position `key_offset` of the sequence on (the cache's
     offset; queries are the last columns). Causal, bidirectional, sliding windows, Llama 4's
-    chunks and Gemma 3's image blocks, combined by and_masks / or_masks; padding and packed
-    sequences keep every score here (they reach the layers as the 2-D mask and position ids).
+    chunks and Gemma 3's image blocks, combined by and_masks / or_masks; padding keeps every
+    score here (it reaches the layers as the 2-D mask), and so do packed sequences, whose
+    sequence ids the term carries (`packed`) for the layers' varlen calls.
     Anything else (a custom function) is a clear error: the FlashAttention mask function hands
     over the 2-D padding mask alone, so it ran as plain causal attention, silently."""
     from transformers import masking_utils as masks
@@ -346,10 +353,8 @@ def packed_offsets(position_ids: torch.Tensor, batch: int, length: int) -> torch
     positions = position_ids.reshape(-1, position_ids.shape[-1]).expand(batch, length)
     starts = torch.ones(batch, length, dtype=torch.bool, device=positions.device)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    flat = starts.reshape(-1).cpu()
-    if int(flat.sum()) == batch:
-        return None
-    return torch.cat([flat.nonzero().flatten(), torch.tensor([batch * length])])
+    offsets = offsets_from_starts(starts)
+    return None if len(offsets) == batch + 1 else offsets
 
 
 def layer_needs(

@@ -1,0 +1,349 @@
+"""FlashAttention's Python API (`flash_attn` 2.x) on attncc kernels.
+
+    from attncc.integrations.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+(and the packed forms `flash_attn_qkvpacked_func`, `flash_attn_kvpacked_func`,
+`flash_attn_varlen_qkvpacked_func`, `flash_attn_varlen_kvpacked_func`)
+
+take FlashAttention's arguments and layouts (q [B, N, H, D], k, v [B, M, Hkv, D]; packed
+[total, H, D] with cu_seqlens; a KV cache [B, M_max, Hkv, D] or pages [num_pages, page_size,
+Hkv, D] with a block table) and run them on attncc kernels made from the call's options, one
+DSL program per combination (compiled once per process and target, cached on disk):
+
+    s = q @ k.T * scale
+    s = softcap * tanh(s / softcap)                       # softcap > 0
+    s = s - alibi_slopes[h] * abs(i + M - N - j)          # alibi_slopes [H] (or [b, h] for [B, H])
+    mask j <= i + M - N                                   # causal: bottom-right, as FlashAttention >= 2.1
+    mask i + M - N - j <= window_left                     # window_size[0] >= 0
+    mask j - (i + M - N) <= window_right                  # window_size[1] >= 0 (not causal)
+    p = dropout(softmax(s), dropout_p)
+
+FlashAttention's semantics, checked against float64 references written from its documentation
+(`tests/test_flash_attn.py`). Differences, by design: rows that see no key return lse -inf
+(FlashAttention's kernels return +inf there), the attention probabilities of
+`return_attn_probs` are None, `deterministic` and `num_splits` are accepted and ignored, and
+what attncc cannot do here is an InputError naming the argument: `rotary_cos` / `rotary_sin`
+(rotate q and k before the call, or write `rope(...)` in a program), `cache_leftpad`, a
+`block_table` in the varlen call. Gradients flow through `flash_attn_func` and
+`flash_attn_varlen_func` (q, k, v and `alibi_slopes`); `flash_attn_with_kvcache` is forward
+only, as FlashAttention's.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+import attncc
+from attncc.errors import InputError
+from attncc.runtime.kernel import Kernel
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What one call asks of its program."""
+
+    causal: bool
+    window_left: bool
+    window_right: bool
+    softcap: bool
+    alibi: str | None  # the slopes' dims: "H" or "B, H"
+    dropout: float
+
+
+def flash_program(options: CallOptions) -> str:
+    """The DSL program for a call with these options (numbers formatted here from validated
+    Python values; the parser checks the text like any program)."""
+    lines = ["attention flash_attn"]
+    if options.window_left:
+        lines.append("input window_left: int")
+    if options.window_right:
+        lines.append("input window_right: int")
+    if options.softcap:
+        lines.append("input softcap: float")
+    if options.alibi:
+        lines.append(f"input alibi_slopes: float[{options.alibi}]")
+    lines.append("s = q @ k.T * scale")
+    if options.softcap:
+        lines.append("s = softcap * tanh(s / softcap)")
+    if options.alibi:
+        slope = "alibi_slopes[h]" if options.alibi == "H" else "alibi_slopes[b, h]"
+        lines.append(f"s = s - {slope} * abs(i + M - N - j)")  # (query i is key column i + M - N)
+    terms = ["j <= i + M - N"] if options.causal else []
+    if options.window_left:
+        terms.append("i + M - N - j <= window_left")
+    if options.window_right:
+        terms.append("j - (i + M - N) <= window_right")
+    if terms:
+        lines.append("mask " + " and ".join(terms))
+    lines.append("p = softmax(s)")
+    if options.dropout > 0:
+        lines.append(f"p = dropout(p, {float(options.dropout)!r})")
+    lines += ["o = p @ v", "output o"]
+    return "\n".join(lines) + "\n"
+
+
+_kernels: dict[tuple[CallOptions, str], Kernel] = {}
+_lock = threading.Lock()
+
+
+def _kernel(options: CallOptions, device: torch.device) -> Kernel:
+    target = "cuda" if device.type == "cuda" else "cpu"
+    with _lock:
+        if (options, target) not in _kernels:
+            _kernels[options, target] = attncc.compile(flash_program(options), target=target)
+        return _kernels[options, target]
+
+
+def _checked_window(window_size: object) -> tuple[int, int]:
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    ):
+        raise InputError(f"window_size: expected (left, right), two ints >= -1 (-1: unbounded), got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _options_and_inputs(
+    q: torch.Tensor,
+    batch: int,
+    heads: int,
+    dropout_p: object,
+    causal: object,
+    window_size: object,
+    softcap: object,
+    alibi_slopes: object,
+) -> tuple[CallOptions, dict[str, object]]:
+    """The call's options and the runtime inputs they take, checked (each error names its argument)."""
+    if not isinstance(causal, bool):
+        raise InputError(f"causal: expected a bool, got {causal!r}")
+    left, right = _checked_window(window_size)
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
+        raise InputError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    if (
+        not isinstance(softcap, (int, float))
+        or isinstance(softcap, bool)
+        or not (math.isfinite(softcap) and softcap >= 0)
+    ):
+        raise InputError(f"softcap: expected a finite number >= 0 (0: none), got {softcap!r}")
+    inputs: dict[str, object] = {}
+    alibi = None
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+            raise InputError(
+                f"alibi_slopes: expected a float tensor [H={heads}] or [B={batch}, H={heads}], got {shape}"
+            )
+        if not alibi_slopes.is_floating_point() or alibi_slopes.device != q.device:
+            raise InputError(
+                f"alibi_slopes: expected a float tensor on {q.device} (as q), got {alibi_slopes.dtype} on "
+                f"{alibi_slopes.device}"
+            )
+        alibi = "H" if alibi_slopes.dim() == 1 else "B, H"
+        inputs["alibi_slopes"] = alibi_slopes
+    if left >= 0:
+        inputs["window_left"] = left
+    if right >= 0 and not causal:
+        inputs["window_right"] = right
+    if softcap > 0:
+        inputs["softcap"] = float(softcap)
+    options = CallOptions(causal, left >= 0, right >= 0 and not causal, softcap > 0, alibi, float(dropout_p))
+    return options, inputs
+
+
+def _checked_operands(names: tuple[str, ...], tensors: tuple[object, ...], dims: int, layout: str) -> None:
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"{name}: expected a {dims}-d tensor {layout}, got {shape}")
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+    """FlashAttention's `flash_attn_func`: q [B, N, H, D], k [B, M, Hkv, D], v [B, M, Hkv, Dv]
+    (H a multiple of Hkv); out [B, N, H, Dv], with `return_attn_probs` (out, softmax_lse
+    [B, H, N] float32, None). Dropout applies wherever dropout_p > 0 (pass 0 to evaluate)."""
+    _checked_operands(("q", "k", "v"), (q, k, v), 4, "[B, N, H, D] / [B, M, Hkv, D]")
+    options, inputs = _options_and_inputs(
+        q, q.shape[0], q.shape[2], dropout_p, causal, window_size, softcap, alibi_slopes
+    )
+    kern = _kernel(options, q.device)
+    out, lse = kern(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_lse=True, scale=softmax_scale, **inputs
+    )  # fmt: skip
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+    """FlashAttention's `flash_attn_varlen_func`: q [total_q, H, D], k [total_k, Hkv, D],
+    v [total_k, Hkv, Dv], sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1]; out
+    [total_q, H, Dv], with `return_attn_probs` (out, softmax_lse [H, total_q] float32, None).
+    Each sequence's causal mask is bottom-right in its own lengths."""
+    if block_table is not None:
+        raise InputError(
+            "block_table: a paged cache in the varlen call has no attncc mapping; use flash_attn_with_kvcache "
+            "(or a kernel's .paged) for paged K/V"
+        )
+    _checked_operands(("q", "k", "v"), (q, k, v), 3, "[total, heads, D]")
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
+        raise InputError(f"cu_seqlens_q: expected a 1-d int tensor [B + 1], got {cu_seqlens_q!r}")
+    batch = cu_seqlens_q.shape[0] - 1
+    options, inputs = _options_and_inputs(q, batch, q.shape[1], dropout_p, causal, window_size, softcap, alibi_slopes)
+    kern = _kernel(options, q.device)
+    out, lse = kern.varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=softmax_scale, **inputs
+    )  # fmt: skip
+    return (out, lse.t(), None) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's `flash_attn_with_kvcache` (forward only): q [B, N, H, D] against a cache
+    k_cache [B_cache, M_max, Hkv, D] (rows of sequence b at cache_batch_idx[b], default b) or,
+    with block_table [B, max_pages], pages [num_pages, page_size, Hkv, D]; cache_seqlens (an int
+    or int [B]; default: the whole cache) keys held per sequence. New k, v [B, N_new, Hkv, D],
+    if given, are written into the cache at cache_seqlens first (in place) and attended. Returns
+    out [B, N, H, Dv] (and softmax_lse [B, H, N] with return_softmax_lse)."""
+    for name, given in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad)):
+        if given is not None:
+            what = (
+                "rotate q and k before the call, or write `q = rope(q, ...)` / `k = rope(k, ...)` in a program"
+                if name != "cache_leftpad"
+                else "left padding inside the cache"
+            )
+            raise InputError(f"{name}: has no attncc mapping here ({what})")
+    _checked_operands(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), 4, "[B, N, H, D] / cache rows")
+    batch = q.shape[0]
+    if block_table is None:
+        # a contiguous cache is pages of M_max rows, sequence b's one page at cache_batch_idx[b]
+        if cache_batch_idx is None:
+            rows = torch.arange(batch, device=k_cache.device)
+        elif not isinstance(cache_batch_idx, torch.Tensor) or tuple(cache_batch_idx.shape) != (batch,):
+            raise InputError(f"cache_batch_idx: expected an int tensor [B={batch}], got {cache_batch_idx!r}")
+        else:
+            rows = cache_batch_idx
+        block_table = rows.view(batch, 1).to(torch.int32)
+    elif cache_batch_idx is not None:
+        raise InputError("cache_batch_idx: goes with a contiguous cache, not with block_table")
+    if cache_seqlens is None:  # (the whole cache: every page of the table full)
+        if k is not None:
+            raise InputError("cache_seqlens: needed to append k and v (they are written at cache_seqlens[b])")
+        cache_seqlens = block_table.shape[1] * k_cache.shape[1]
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
+    options, inputs = _options_and_inputs(q, batch, q.shape[2], 0.0, causal, window_size, softcap, alibi_slopes)
+    kern = _kernel(options, q.device)
+    out, lse = kern.paged(
+        q, k_cache, v_cache, block_table, cache_seqlens, k_new=k, v_new=v, return_lse=True, scale=softmax_scale,
+        **inputs,
+    )  # fmt: skip
+    return (out, lse.transpose(1, 2)) if return_softmax_lse else out
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False, return_attn_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
+    """`flash_attn_func` of qkv [B, N, 3, H, D] (q, k and v stacked; gradients flow back into it)."""
+    _checked_operands(("qkv",), (qkv,), 5, "[B, N, 3, H, D]")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, return_attn_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
+    """`flash_attn_func` of q [B, N, H, D] and kv [B, M, 2, Hkv, D]."""
+    _checked_operands(("kv",), (kv,), 5, "[B, M, 2, Hkv, D]")
+    k, v = kv.unbind(2)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )  # fmt: skip
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, dropout_p: float = 0.0,
+    softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
+    """`flash_attn_varlen_func` of qkv [total, 3, H, D], one cu_seqlens for queries and keys."""
+    _checked_operands(("qkv",), (qkv,), 4, "[total, 3, H, D]")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, dropout_p: float = 0.0,
+    softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
+    """`flash_attn_varlen_func` of q [total_q, H, D] and kv [total_k, 2, Hkv, D]."""
+    _checked_operands(("kv",), (kv,), 4, "[total_k, 2, Hkv, D]")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip

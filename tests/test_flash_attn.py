@@ -1,0 +1,260 @@
+"""FlashAttention's API on attncc (`attncc.integrations.flash_attn`) against float64 attention
+written from FlashAttention's documented semantics (its `attention_ref`: scores scaled, soft-
+capped, ALiBi -slope * |i + M - N - j| added, the local window row + M - N - left <= col <= row +
+M - N + right, causal the window (left, 0)), forward, log-sum-exp and gradients, on shapes that
+break naive tilings: N != M both ways (bottom-right causal, fully masked rows), GQA, odd head
+dims, packed lengths 0 and 1, a KV cache with appends, shuffled pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attncc.errors import InputError
+from attncc.integrations.flash_attn import (
+    CallOptions,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+    flash_program,
+)
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, N, H, Dv] and lse [B, H, N] in float64 of q [B, N, H, D], k, v [B, M, Hkv, *];
+    rows without a key: out 0, lse -inf."""
+    _, n, heads, dim = q.shape
+    m, group = k.shape[1], heads // k.shape[2]
+    qd = q.double().transpose(1, 2)
+    kd, vd = (t.double().repeat_interleave(group, 2).transpose(1, 2) for t in (k, v))
+    scores = qd @ kd.transpose(-1, -2) * (dim**-0.5 if scale is None else scale)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    row = torch.arange(n).view(-1, 1) + m - n
+    col = torch.arange(m).view(1, -1)
+    if alibi is not None:
+        slopes = alibi.double().view(-1 if alibi.dim() == 2 else 1, heads, 1, 1)
+        scores = scores - slopes * (row - col).abs()
+    keep = torch.ones(n, m, dtype=torch.bool)
+    left, right = window[0], 0 if causal else window[1]
+    if left >= 0:
+        keep &= col >= row - left
+    if right >= 0:
+        keep &= col <= row + right
+    scores = scores.masked_fill(~keep, -torch.inf)
+    lse = scores.logsumexp(-1)
+    out = scores.softmax(-1).nan_to_num() @ vd
+    return out.transpose(1, 2), lse
+
+
+CASES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"causal": True, "window_size": (5, -1)},
+    "two-sided window": {"window_size": (4, 3)},
+    "softcap and alibi": {"causal": True, "softcap": 2.0, "alibi": "H"},
+    "alibi per sequence": {"alibi": "B, H", "softmax_scale": 0.3},
+}
+
+
+def call_args(case: dict, batch: int, heads: int) -> dict:
+    args = {key: value for key, value in case.items() if key != "alibi"}
+    if "alibi" in case:
+        shape = (heads,) if case["alibi"] == "H" else (batch, heads)
+        args["alibi_slopes"] = (
+            torch.rand(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64) + 0.1
+        ).requires_grad_()
+    return args
+
+
+def reference_args(args: dict) -> dict:
+    names = {"softmax_scale": "scale", "window_size": "window", "alibi_slopes": "alibi"}
+    return {names.get(key, key): value for key, value in args.items()}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("n", "m"), [(37, 53), (53, 37), (1, 20)])
+def test_flash_attn_func_forward_lse_and_gradients(case: str, n: int, m: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim = 2, 4, 2, 17
+    q = torch.randn(batch, n, heads, dim, generator=generator, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(batch, m, kv_heads, dim, generator=generator, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
+    args = call_args(CASES[case], batch, heads)
+    out, lse, probs = flash_attn_func(q, k, v, return_attn_probs=True, **args)
+    want, want_lse = reference(q, k, v, **reference_args(args))
+    assert probs is None and out.shape == (batch, n, heads, dim) and out.is_contiguous()
+    torch.testing.assert_close(out, want, atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(lse, want_lse, atol=1e-11, rtol=1e-11)
+    leaves = [q, k, v] + ([args["alibi_slopes"]] if "alibi_slopes" in args else [])
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, grad)
+    expected = torch.autograd.grad(want, leaves, grad)
+    for name, a, b in zip(("q", "k", "v", "alibi_slopes"), got, expected):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("case", ["causal", "two-sided window", "softcap and alibi", "alibi per sequence"])
+def test_flash_attn_varlen_func_is_each_sequence_alone(case: str) -> None:
+    """Packed sequences of 3 / 0 / 1 / 20 queries against 5 / 4 / 0 / 20 keys: each sequence's
+    rows equal the padded call on that sequence alone (its own N and M: bottom-right causal)."""
+    generator = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim = 4, 2, 16
+    lengths_q, lengths_k = [3, 0, 1, 20], [5, 4, 0, 20]
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (lengths_q, lengths_k)
+    )
+    q = torch.randn(sum(lengths_q), heads, dim, generator=generator, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(sum(lengths_k), kv_heads, dim, generator=generator, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
+    args = call_args(CASES[case], len(lengths_q), heads)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, return_attn_probs=True, **args)
+    assert lse.shape == (heads, sum(lengths_q))
+    wants, want_lses = [], []
+    for b in range(len(lengths_q)):
+        rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        alibi = reference_args(args).get("alibi")
+        alibi = alibi[b] if alibi is not None and alibi.dim() == 2 else alibi
+        want, want_lse = reference(
+            q[None, rows], k[None, cols], v[None, cols], **{**reference_args(args), "alibi": alibi}
+        )  # fmt: skip
+        wants.append(want[0])
+        want_lses.append(want_lse[0])
+    want, want_lse = torch.cat(wants), torch.cat(want_lses, 1)
+    torch.testing.assert_close(out, want, atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(lse, want_lse, atol=1e-11, rtol=1e-11)
+    leaves = [q, k, v] + ([args["alibi_slopes"]] if "alibi_slopes" in args else [])
+    got = torch.autograd.grad(out.sum(), leaves)
+    expected = torch.autograd.grad(want.sum(), leaves)
+    for name, a, b in zip(("q", "k", "v", "alibi_slopes"), got, expected):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_attn_with_kvcache_appends_and_attends(paged: bool) -> None:
+    """Two new tokens per sequence appended into a cache holding 5 / 0 / 17 tokens (rows of the
+    contiguous cache picked by cache_batch_idx, or shuffled pages of 8), then two queries per
+    sequence attend causally over what is held: the cache holds the new rows afterwards, and
+    out and lse equal float64 attention over each sequence's keys."""
+    generator = torch.Generator().manual_seed(2)
+    batch, heads, kv_heads, dim, capacity, new = 3, 4, 2, 16, 24, 2
+    held = torch.tensor([5, 0, 17], dtype=torch.int32)
+    q = torch.randn(batch, new, heads, dim, generator=generator, dtype=torch.float64)
+    k_new, v_new = (torch.randn(batch, new, kv_heads, dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    if paged:
+        pages = torch.randperm(batch * capacity // 8, generator=generator)
+        table = pages.view(batch, capacity // 8).to(torch.int32)
+        k_cache, v_cache = (
+            torch.randn(len(pages), 8, kv_heads, dim, generator=generator, dtype=torch.float64) for _ in range(2)
+        )
+        rows_of = lambda cache, b: cache[table[b].long()].reshape(-1, kv_heads, dim)  # noqa: E731
+        placement = {"block_table": table}
+    else:
+        order = torch.tensor([2, 0, 1])
+        k_cache, v_cache = (
+            torch.randn(batch, capacity, kv_heads, dim, generator=generator, dtype=torch.float64) for _ in range(2)
+        )
+        rows_of = lambda cache, b: cache[order[b]]  # noqa: E731
+        placement = {"cache_batch_idx": order}
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=held, causal=True, return_softmax_lse=True, **placement
+    )  # fmt: skip
+    for b in range(batch):
+        keys = int(held[b]) + new
+        torch.testing.assert_close(rows_of(k_cache, b)[int(held[b]) : keys], k_new[b])
+        want, want_lse = reference(
+            q[b : b + 1], rows_of(k_cache, b)[None, :keys], rows_of(v_cache, b)[None, :keys], causal=True
+        )  # fmt: skip
+        torch.testing.assert_close(out[b], want[0], atol=1e-11, rtol=1e-11)
+        torch.testing.assert_close(lse[b], want_lse[0], atol=1e-11, rtol=1e-11)
+
+
+def test_decoding_against_a_full_cache_with_a_window_and_softcap() -> None:
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 8, 32, generator=generator)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 32, generator=generator) for _ in range(2))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, window_size=(7, 0), softcap=3.0, cache_seqlens=33)
+    want, _ = reference(q, k_cache[:, :33], v_cache[:, :33], causal=True, window=(7, 0), softcap=3.0)
+    torch.testing.assert_close(out, want.float(), atol=2e-6, rtol=2e-6)
+    whole = flash_attn_with_kvcache(q, k_cache, v_cache)
+    torch.testing.assert_close(whole, reference(q, k_cache, v_cache)[0].float(), atol=2e-6, rtol=2e-6)
+
+
+def test_packed_operand_forms_are_the_unpacked_calls_with_gradients_into_the_pack() -> None:
+    generator = torch.Generator().manual_seed(6)
+    qkv = torch.randn(2, 9, 3, 4, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    out = flash_attn_qkvpacked_func(qkv, causal=True)
+    q, k, v = qkv.unbind(2)
+    want = reference(q, k, v, causal=True)[0]
+    torch.testing.assert_close(out, want, atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), qkv)[0], torch.autograd.grad(want.sum(), qkv)[0])
+    kv = torch.randn(2, 11, 2, 2, 16, generator=generator, dtype=torch.float64)
+    torch.testing.assert_close(
+        flash_attn_kvpacked_func(q, kv, window_size=(3, 2)), reference(q, *kv.unbind(2), window=(3, 2))[0]
+    )
+    offsets = torch.tensor([0, 4, 9], dtype=torch.int32)
+    flat = qkv.detach()[0]
+    packed = flash_attn_varlen_qkvpacked_func(flat, offsets, 5, causal=True)
+    for b in range(2):
+        rows = slice(offsets[b], offsets[b + 1])
+        torch.testing.assert_close(packed[rows], reference(*(flat[None, rows, n] for n in range(3)), causal=True)[0][0])
+    kv_packed = flash_attn_varlen_kvpacked_func(flat[:, 0], flat[:, 1:], offsets, offsets, causal=True)
+    torch.testing.assert_close(kv_packed, packed)
+
+
+def test_dropout_is_the_made_programs_under_torch_seed() -> None:
+    """dropout_p > 0 runs the program with `dropout(p, dropout_p)` (golden-tested with its keep
+    mask elsewhere), its bits from torch's generator: the same seed, the same output."""
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 32, 2, 16, generator=generator) for _ in range(3))
+    torch.manual_seed(7)
+    first = flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+    torch.manual_seed(7)
+    again = flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+    assert torch.equal(first, again)
+    assert (first - flash_attn_func(q, k, v, causal=True)).abs().max() > 0.05
+    text = flash_program(CallOptions(True, False, False, False, None, 0.3))
+    assert "p = dropout(p, 0.3)" in text and "mask j <= i + M - N" in text
+
+
+def test_bad_calls_name_the_argument() -> None:
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(InputError, match=r"window_size: expected \(left, right\), two ints >= -1"):
+        flash_attn_func(q, q, q, window_size=(3,))
+    with pytest.raises(InputError, match="softcap: expected a finite number >= 0"):
+        flash_attn_func(q, q, q, softcap=-1.0)
+    with pytest.raises(InputError, match="dropout_p: expected a number in"):
+        flash_attn_func(q, q, q, dropout_p=1.0)
+    with pytest.raises(InputError, match=r"alibi_slopes: expected a float tensor \[H=2\] or \[B=1, H=2\], got \(3,\)"):
+        flash_attn_func(q, q, q, alibi_slopes=torch.ones(3))
+    with pytest.raises(InputError, match=r"q: expected a 4-d tensor \[B, N, H, D\]"):
+        flash_attn_func(q[0], q, q)
+    with pytest.raises(InputError, match="block_table: a paged cache in the varlen call has no attncc mapping"):
+        flash_attn_varlen_func(
+            q[0], q[0], q[0], torch.tensor([0, 4]), torch.tensor([0, 4]), block_table=torch.zeros(1, 1)
+        )
+    with pytest.raises(InputError, match="rotary_cos: has no attncc mapping here"):
+        flash_attn_with_kvcache(q, q, q, rotary_cos=torch.ones(4, 8))
+    with pytest.raises(InputError, match="cache_seqlens: needed to append k and v"):
+        flash_attn_with_kvcache(q, q, q, q[:, :1], q[:, :1])
+    with pytest.raises(InputError, match="cache_batch_idx: goes with a contiguous cache"):
+        flash_attn_with_kvcache(
+            q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), cache_batch_idx=torch.zeros(1)
+        )
