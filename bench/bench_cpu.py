@@ -270,7 +270,7 @@ def flash_api_cases(results: list, args) -> None:
     """FlashAttention's calls on attncc (`attncc.integrations.flash_attn`: q, k, v [B, N, H, D],
     the program made from the call's options) against the program's kernel called directly on
     [B, H, N, D] views (what the wrapper costs: its checks and the output's copy to [B, N, H, D])
-    and SDPA on the same views with the mask as a dense bool where it is not plain causal.
+    and SDPA on the same views (is_causal; a window as a dense bool mask; none for softcap).
     B=1 H=8 Hkv=8 D=64, forward; fp32 and bf16; N = 2048 and --long-n."""
     from attncc.integrations.flash_attn import _kernel, _options_and_inputs, flash_attn_func
 
@@ -287,10 +287,12 @@ def flash_api_cases(results: list, args) -> None:
             "attncc-flash": partial(flash_attn_func, q, k, v, **options),
             "kernel": partial(kern, qt, kt, vt, **inputs),
         }
-        if "softcap" not in options:
+        if "window_size" in options:  # (SDPA with the window as a dense bool mask)
             i, j = torch.arange(N).view(-1, 1), torch.arange(N).view(1, -1)
-            keep = (j <= i) & (i - j <= options.get("window_size", (N, 0))[0])
+            keep = (j <= i) & (i - j <= options["window_size"][0])
             calls["sdpa"] = partial(F.scaled_dot_product_attention, qt, kt, vt, attn_mask=keep)
+        elif "softcap" not in options:
+            calls["sdpa"] = partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=True)
         seconds = dict(zip(calls, alternating_medians(list(calls.values()), args.repeats)))
         row(results, f"flash api {label} {str(dtype)[6:]} N={N}", seconds.pop("attncc-flash"), seconds)
 

@@ -126,6 +126,39 @@ def test_varlen_matches_hand_written_reference_per_sequence(name: str, sweep: bo
     assert_within(got, ref, {n: FWD_TOL if n in ("out", "lse") else BWD_TOL for n in ref})
 
 
+@pytest.mark.parametrize("name", [n for n in EXAMPLES if n != "document"])  # (document ids cover N = M)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_of_short_query_sequences_reads_keys_by_rows(
+    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed sequences of 1, 3, 0 and 2 queries (decoding and short chunks in one batch, as
+    FlashAttention's varlen calls take them) against long and short keys run the by-rows forward
+    of decoding (before session 54 such a batch packed every kv head's K and V into panels for
+    its few rows: 2.9x the padded call's time); forward and backward against float64."""
+    case = CASES[name]
+    lens_q, lens_k = [1, 3, 0, 2], [case.shape.M, 1, 3, case.shape.M - 41]
+    shape = replace(case.shape, N=max(lens_q))
+    q, k, v, dout = packed_leaves(shape, lens_q, lens_k)
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    inputs = four_sequences(case.inputs(torch.Generator().manual_seed(1000), replace(shape, B=4)))
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n in learnable(inputs)]
+    kern = kernel(name)
+    by_rows = []
+    forward_call = attncc.Kernel._forward_call
+    monkeypatch.setattr(
+        attncc.Kernel,
+        "_forward_call",
+        lambda *a, **kw: (made := forward_call(*a, **kw), by_rows.append(made[1]["by_rows"]))[0],
+    )
+    out, lse = kern.varlen(q, k, v, offsets(lens_q), offsets(lens_k), return_lse=True, **case.call, **inputs)
+    got = grads_of(out, lse, [q, k, v, *(inputs[n] for n in learnable(inputs))], names, dout)
+    ref = packed_reference(case.reference, q, k, v, inputs, names, dout, lens_q, lens_k)
+    # (bf16: out rounded to bf16, 2^-8 relative; the gradients from bf16 products)
+    limits = (FWD_TOL, FWD_TOL, BWD_TOL) if dtype == torch.float32 else (8e-3, 1e-4, 4e-2)
+    assert_within(got, ref, {n: limits[0] if n == "out" else limits[1] if n == "lse" else limits[2] for n in ref})
+    assert by_rows and all(by_rows)  # (the forward's plan, and the backward's forward plan)
+
+
 @pytest.mark.parametrize("name", ["vanilla", "causal", "relative_bias", "document"])
 def test_varlen_backward_sweeping_two_key_tiles_at_a_time(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused backward with two key tiles per sweep over the query tiles (long sequences'

@@ -12,9 +12,9 @@ padding mask. The mask function
 registered beside it (`attncc_attention_mask`) reads transformers' mask function (`mask_term`)
 instead of evaluating it: it hands over the 2-D padding mask [B, M] (None where the model was
 given none) instead of a dense [B, 1, N, M] mask where the pattern is causal, bidirectional or
-a sliding window, and a `ModelMask` (the padding mask, the pattern as a DSL predicate and the
-runtime inputs it reads) where it says more: Llama 4's attention chunks, Gemma 3's
-bidirectional image blocks; anything else is a clear error. Each sequence's valid
+a sliding window, and beside it (a `ModelMask`, kept by the mask tensor) the pattern as a DSL
+predicate and the runtime inputs it reads where it says more: Llama 4's attention chunks, Gemma
+3's bidirectional image blocks, bidirectional windows; anything else is a clear error. Each sequence's valid
 keys are a contiguous range [kv_start, kv_end) of it (left or right padding), passed to the
 kernel as two int[B] tensors, so padding costs no N x M mask and its tiles are skipped.
 
@@ -171,16 +171,38 @@ class MaskTerm:
 
 @dataclass(frozen=True)
 class ModelMask:
-    """What the mask function hands a layer whose mask the 2-D padding mask does not say: the
-    padding mask [B, M] (None where the model was given none); the pattern's predicate (Llama
-    4's chunks, Gemma 3's image blocks; None: the layer's own causal / window) and the runtime
-    inputs it reads (on the host); the offsets of sequences packed into the rows (cu_seqlens over
-    the flattened tokens, on the host), which not every model passes its layers as position ids."""
+    """What a layer's mask says beyond its 2-D padding mask: the pattern's predicate (Llama 4's
+    chunks, Gemma 3's image blocks, bidirectional windows; None: the layer's own causal /
+    window) and the runtime inputs it reads (on the host); the offsets of sequences packed into
+    the rows (cu_seqlens over the flattened tokens, on the host), which not every model passes
+    its layers as position ids. The mask function hands the layers a plain bool tensor [B, keys]
+    (`carried`) and keeps this beside it (`mask_pattern`): transformers passes masks it made
+    back into its mask functions (generate, with a static cache) and copies them
+    (`.contiguous()`), where it takes tensors only."""
 
-    padding: torch.Tensor | None
     predicate: str | None
     inputs: dict[str, tuple[str, object]]
     packed_offsets: torch.Tensor | None = None
+
+
+#: The patterns of the masks the mask function handed out, by the mask tensor's id, with a weak
+#: reference to it (a WeakKeyDictionary compares keys with ==, elementwise for tensors).
+_MASK_PATTERNS: dict[int, tuple[weakref.ref, ModelMask]] = {}
+
+
+def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
+    """`mask` (contiguous, so transformers' `.contiguous()` returns this very tensor) with
+    `pattern` recorded beside it for the layers (`mask_pattern`), as long as the tensor lives."""
+    mask = mask.contiguous()
+    key = id(mask)
+    _MASK_PATTERNS[key] = (weakref.ref(mask, lambda _: _MASK_PATTERNS.pop(key, None)), pattern)
+    return mask
+
+
+def mask_pattern(mask: object) -> ModelMask | None:
+    """The pattern recorded beside a mask the mask function handed out (`carried`), else None."""
+    entry = _MASK_PATTERNS.get(id(mask))
+    return entry[1] if entry is not None and entry[0]() is mask else None
 
 
 def same_value(a: object, b: object) -> bool:
@@ -253,8 +275,15 @@ def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> Ma
         return combined(made_by[:-6], parts)
     if made_by == "sliding_window_overlay" and "sliding_window" in cells:
         return MaskTerm(WINDOW_TERM, {"window": ("int", int(cells["sliding_window"]))}, False)
-    if made_by == "sliding_window_bidirectional_overlay" and "sliding_window" in cells:
-        return MaskTerm("abs(i + M - N - j) <= window", {"window": ("int", int(cells["sliding_window"]))}, False)
+    if (
+        made_by in ("sliding_window_bidirectional_overlay", "_bidirectional_window_overlay")
+        and "sliding_window" in cells
+    ):
+        # (the layers pass their flash window, not this one: the pattern carries it; Gemma 3's own
+        # overlay, for use_bidirectional_attention, excludes the window's edge)
+        within = "<=" if made_by == "sliding_window_bidirectional_overlay" else "<"
+        window = {"window": ("int", int(cells["sliding_window"]))}
+        return MaskTerm(f"abs(i + M - N - j) {within} window", window, True)
     if made_by in ("remap_positions_for_packed_sequence", "add_offsets_to_mask_function") and "mask_function" in cells:
         # (positions within packed sequences, a cache's offsets: the layers get them as they are)
         return mask_term(cells["mask_function"], key_offset, keys)
@@ -286,12 +315,14 @@ def attncc_attention_mask(
     mask_function: Callable | None = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
-) -> torch.Tensor | ModelMask | None:
+) -> torch.Tensor | None:
     """The mask function registered beside the attention: transformers' FlashAttention one (the
     2-D padding mask, sliced to the layer's keys) where the pattern is causal, bidirectional or
-    a window (the layers know those), a `ModelMask` where it says more (`mask_term`), and an
-    all-ones mask handed over as given (FlashAttention's turns it into None, where the layers
-    then read packed sequences from the position ids that a given mask rules out)."""
+    a window (the layers know those), with its `ModelMask` beside it (`carried`) where it says
+    more (`mask_term`); ones over the filled key columns where a static cache has empty slots
+    and no padding mask was given (`filled_keys`); an all-ones mask handed over as given
+    (FlashAttention's turns it into None, where the layers then read packed sequences from the
+    position ids that a given mask rules out)."""
     model_type = getattr(kwargs.get("config"), "model_type", None)
     if model_type in NO_ATTENTION_INTERFACE:
         raise AttnccError(
@@ -299,14 +330,31 @@ def attncc_attention_mask(
             "interface: attncc cannot run it (and the mask they would get from this name is not theirs)"
         )
     padding = None if attention_mask is None else attention_mask[:, -kv_length:]
-    if mask_function is None:
-        return padding
-    term = mask_term(mask_function, kv_offset, kv_length)
+    term = mask_term(mask_function, kv_offset, kv_length) if mask_function is not None else MaskTerm(None, {}, False)
+    if padding is None and CAUSAL_TERM in (term.text or ""):
+        # (keys past the last query's position are empty slots in a causal decoder; a cross-
+        # attention's keys are no positions, and its masks are bidirectional)
+        keys = filled_keys(q_offset, q_length, kv_offset, kv_length)
+        if keys is not None:  # a mask of ones over the filled columns: the layer cuts the rest off
+            padding = torch.ones(batch_size, keys, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
     if not term.pattern and term.packed is None:
         return padding
     predicate = (term.text or "j >= 0") if term.pattern else None  # ("j >= 0": every key column)
     offsets = None if term.packed is None else sequence_offsets(term.packed)
-    return ModelMask(padding, predicate, term.inputs if term.pattern else {}, offsets)
+    if padding is None:  # (packed sequences, or a pattern without padding: a carrier of ones)
+        padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
+    return carried(padding, ModelMask(predicate, term.inputs if term.pattern else {}, offsets))
+
+
+def filled_keys(q_offset: object, queries: int, kv_offset: int, keys: int) -> int | None:
+    """The key columns that hold tokens, where fewer than the call's `keys`: a static cache's
+    slots past the last query's position are empty (transformers' masks keep them out by
+    causality, at the queries' absolute positions from `q_offset`); None otherwise. With a
+    padding mask the layer cuts them by its columns; without one (generate drops an all-ones
+    mask), every layer got the whole buffer, and the queries, taken as the last columns,
+    attended the empty slots (logits off by ~10)."""
+    filled = int(q_offset) + queries - kv_offset  # type: ignore[call-overload]
+    return filled if 0 < filled < keys else None
 
 
 def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,11 +537,15 @@ class ModelAttention:
         sliding_window = layer_window(module, sliding_window)
         sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-        if sliding_window is not None and not causal:
-            raise AttnccError(f"{type(module).__name__}: a bidirectional sliding window has no attncc mapping")
-        pattern = attention_mask if isinstance(attention_mask, ModelMask) else None
-        if pattern is not None:
-            attention_mask = pattern.padding
+        pattern = mask_pattern(attention_mask)
+        windowed = pattern is not None and "window" in pattern.inputs
+        if sliding_window is not None and not causal and not windowed:
+            raise AttnccError(
+                f"{type(module).__name__}: a bidirectional sliding window passed to the call, not in its mask, has no "
+                "attncc mapping"
+            )
+        if pattern is not None and pattern.packed_offsets is not None:
+            attention_mask = None  # (the carrier's ones: the packed sequences are in the offsets)
         batch, keys = query.shape[0], key.shape[2]
         if attention_mask is None:  # sequences packed into rows (padding-free training): each its own
             offsets = pattern.packed_offsets if pattern is not None else None
@@ -543,12 +595,8 @@ class ModelAttention:
         runtime: dict[str, object] = {name: value for name, (_, value) in (pattern.inputs if pattern else {}).items()}
         if needs.padding or {"kv_start", "kv_end"} & declared:  # (a given program's: all keys valid where no padding)
             runtime.update(zip(("kv_start", "kv_end"), ranges()))
-        if sliding_window is not None:
-            if runtime.setdefault("window", int(sliding_window)) != int(sliding_window):
-                raise AttnccError(
-                    f"{type(module).__name__}: the layer's sliding_window={sliding_window} is not its mask's "
-                    f"window {runtime['window']}: no attncc mapping"
-                )
+        if sliding_window is not None:  # (where the mask's pattern has a window, the mask's: what sdpa applies)
+            runtime.setdefault("window", int(sliding_window))
         if softcap is not None:
             runtime["cap"] = float(softcap)
         if sinks is not None:  # (a parameter: its gradient flows through the call)
@@ -588,7 +636,7 @@ class ModelAttention:
             inputs = dict(pattern.inputs)
             if "first_key" in inputs:  # (per packed sequence, each from its own first token)
                 inputs["first_key"] = ("int[B]", torch.zeros_like(lengths))
-            pattern = ModelMask(None, pattern.predicate, inputs, pattern.packed_offsets)
+            pattern = ModelMask(pattern.predicate, inputs, pattern.packed_offsets)
         needs = layer_needs(causal, sliding_window, softcap, False, dropout, sinks, pattern)
         all_keys = lambda: (torch.zeros_like(lengths), lengths)  # noqa: E731
         kern, runtime = self.layer_call(

@@ -1432,9 +1432,8 @@ class Kernel:
         Zen 4). `value_dim`: v's head dim (default k's)."""
         plan = self.plan(q, k, scale, value_dim=value_dim)
         problem = plan.problem
-        packed_rows = lengths is not None and page_size is None  # (a packed batch's queries: query tiles)
         group = problem.H // max(problem.Hkv, 1)
-        by_rows = not packed_rows and plan.tiles.reads_by_rows(problem.N, group)
+        by_rows = plan.tiles.reads_by_rows(problem.N, group)  # (a packed batch's: by its longest sequence)
         dot_products = by_rows and not plan.tiles.transposes_keys(problem.N, group)
         if page_size is not None:
             plan = replace(plan, tiles=plan.tiles.for_pages(page_size, dot_products))
