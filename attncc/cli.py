@@ -349,10 +349,17 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    """What the kernel cache holds (libraries, their objects, precompiled preambles), or clear it."""
-    from attncc.runtime.build import PRECOMPILED_DIR, cache_dir
+    """What the kernel cache holds (libraries, their objects, precompiled preambles), or clear
+    or trim it."""
+    from attncc.runtime.build import CACHE_LIMIT_ENV, PRECOMPILED_DIR, cache_dir, trim_cache
 
     root = cache_dir()
+    if args.trim is not None:
+        if not args.trim >= 0:
+            raise AttnccError(f"--trim: expected megabytes >= 0, got {args.trim}")
+        removed, freed = trim_cache(int(args.trim * 1e6))
+        print(f"removed {removed} least recently used entries ({freed / 1e6:.1f} MB) from {root}")
+        return 0
     if args.clear:
         # (safe beside running processes: a loaded library stays mapped; the next call rebuilds)
         shutil.rmtree(root, ignore_errors=True)
@@ -370,7 +377,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
     print(f"{root}:")
     for kind, found in sizes.items():
         print(f"  {len(found):6d} {kind:22s} {sum(found) / 1e6:10.1f} MB")
-    print("`attncc cache --clear` removes it all (kernels rebuild on their next call)")
+    print(
+        "`attncc cache --clear` removes it all, `--trim MB` the least recently used entries down to MB (kernels "
+        f"rebuild on their next call); {CACHE_LIMIT_ENV}=MB trims after every build"
+    )
     return 0
 
 
@@ -465,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="what the kernel cache holds, or clear it")
     p.add_argument("--clear", action="store_true", help="remove the whole cache")
+    p.add_argument(
+        "--trim", type=float, default=None, metavar="MB", help="remove the least recently used entries down to MB"
+    )
     p.set_defaults(fn=cmd_cache)
 
     p = sub.add_parser("examples", help="compile, check and time every example")

@@ -742,3 +742,48 @@ def test_cli_cache_reports_and_clears_the_kernel_cache(tmp_path, monkeypatch, ca
     assert f"{tmp_path / 'cache'}:" in report and "     1 libraries" in report, report
     assert main(["cache", "--clear"]) == 0
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, capsys) -> None:
+    """ATTNCC_CACHE_LIMIT_MB / `attncc cache --trim`: entries (kernel directories, precompiled
+    preambles; a link to a preamble not counted) go oldest use first until the cache fits,
+    those used in the last TRIM_SPARES_SECONDS stay; loading a library marks it used."""
+    import os
+    import time
+
+    from attncc.cli import main
+    from attncc.runtime import build
+
+    root = tmp_path / "cache"
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(root))
+
+    def entry(path, size: int, age: float):
+        path.mkdir(parents=True)
+        (path / "kernel.so").write_bytes(b"x" * size)
+        os.utime(path, (time.time() - age, time.time() - age))
+        return path
+
+    oldest = entry(root / "alibi-1", 3000, 5000)
+    preamble = entry(root / build.PRECOMPILED_DIR / "p1", 2000, 4000)
+    newer = entry(root / "causal-2", 1000, 3000)
+    (newer / "preamble.h.gch").symlink_to(preamble / "kernel.so")
+    os.utime(newer, (time.time() - 3000, time.time() - 3000))  # (the link's creation touched it)
+    recent = entry(root / "vanilla-3", 4000, 10)
+    assert [size for _, size, _ in build.cache_entries()] == [3000, 2000, 1000, 4000]
+    assert build.trim_cache(6000) == (2, 5000)  # the oldest two; 5000 bytes left
+    assert not oldest.exists() and not preamble.exists() and newer.exists()
+    assert build.trim_cache(0) == (1, 1000) and recent.exists()  # (used 10 s ago: spared)
+    assert main(["cache", "--trim", "0"]) == 0 and "removed 0 least recently used entries" in capsys.readouterr().out
+
+    # a build with the limit set trims the cache; the kernel it built is marked used and stays
+    stale = entry(root / "stale-4", 5000, 9000)
+    monkeypatch.setenv(build.CACHE_LIMIT_ENV, "0.001")
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
+    q = torch.randn(1, 1, 5, 8, dtype=torch.float64)
+    torch.testing.assert_close(kern(q, q, q), kern.reference(q, q, q)[0])
+    assert not stale.exists() and any(d.name.startswith("vanilla") and d != recent for d in root.iterdir())
+    monkeypatch.setenv(build.CACHE_LIMIT_ENV, "lots")
+    with pytest.raises(
+        attncc.BuildError, match="ATTNCC_CACHE_LIMIT_MB: expected a number of megabytes >= 0, got 'lots'"
+    ):
+        build.cache_limit_bytes()

@@ -29,11 +29,13 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import threading
+import time
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import cache
 from pathlib import Path
 
@@ -91,6 +93,75 @@ _LOAD_LOCK = threading.Lock()
 def cache_dir() -> Path:
     root = os.environ.get("ATTNCC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "attncc")
     return Path(root)
+
+
+# ATTNCC_CACHE_LIMIT_MB=N: after each build the cache is trimmed to N MB, least recently used
+# entries first (`trim_cache`; unset: no limit, as torch's and Triton's caches). A kernel's
+# directory is marked used when a process loads its library, a precompiled preamble's when a
+# build reads it.
+CACHE_LIMIT_ENV = "ATTNCC_CACHE_LIMIT_MB"
+#: Entries used this recently are kept whatever the limit: a build in progress (its directory is
+#: written as it goes), a library another process has just built and is about to load.
+TRIM_SPARES_SECONDS = 120.0
+
+
+def _mark_used(directory: Path) -> None:
+    try:
+        os.utime(directory)
+    except OSError:  # (a read-only cache, a directory trimmed by another process)
+        pass
+
+
+def cache_entries(root: Path | None = None) -> list[tuple[float, int, Path]]:
+    """(last use, bytes, directory) of each entry of the cache: a kernel's directory (library,
+    objects, sources) or a precompiled preamble's, oldest first."""
+    root = root or cache_dir()
+    if not root.is_dir():
+        return []
+    entries = []
+    directories = [d for d in root.iterdir() if d.is_dir() and d.name != PRECOMPILED_DIR]
+    if (root / PRECOMPILED_DIR).is_dir():
+        directories += [d for d in (root / PRECOMPILED_DIR).iterdir() if d.is_dir()]
+    for directory in directories:
+        size = 0
+        for folder, _, files in os.walk(directory):
+            for file in files:
+                with suppress(OSError):  # (removed meanwhile by another process)
+                    found = os.lstat(os.path.join(folder, file))
+                    size += 0 if stat.S_ISLNK(found.st_mode) else found.st_size  # (a preamble's link)
+        with suppress(OSError):
+            entries.append((directory.stat().st_mtime, size, directory))
+    return sorted(entries, key=lambda entry: entry[0])
+
+
+def trim_cache(limit_bytes: int, root: Path | None = None) -> tuple[int, int]:
+    """Remove the least recently used entries of the cache (`cache_entries`) until it holds at
+    most `limit_bytes`, keeping those used in the last TRIM_SPARES_SECONDS. Returns (entries
+    removed, bytes freed). Safe beside running processes: a loaded library stays mapped, and a
+    removed kernel is rebuilt on its next call."""
+    entries = cache_entries(root)
+    total, removed, freed = sum(size for _, size, _ in entries), 0, 0
+    spared_from = time.time() - TRIM_SPARES_SECONDS
+    for last_use, size, directory in entries:
+        if total - freed <= limit_bytes or last_use >= spared_from:
+            break
+        shutil.rmtree(directory, ignore_errors=True)
+        removed, freed = removed + 1, freed + size
+    return removed, freed
+
+
+def cache_limit_bytes() -> int | None:
+    """ATTNCC_CACHE_LIMIT_MB in bytes, or None where it is unset."""
+    given = os.environ.get(CACHE_LIMIT_ENV, "").strip()
+    if not given:
+        return None
+    try:
+        limit = float(given)
+    except ValueError:
+        limit = -1.0
+    if not limit >= 0 or limit == float("inf"):
+        raise BuildError(f"{CACHE_LIMIT_ENV}: expected a number of megabytes >= 0, got {given!r}")
+    return int(limit * 1e6)
 
 
 def optimization_flags(optimized: tuple[str, ...] = OPTIMIZED_FLAGS) -> tuple[str, ...]:
@@ -175,6 +246,7 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
     directory = cache_dir() / PRECOMPILED_DIR / cache_key(f"{preamble}\n//--flags {flags}\n//--include {INCLUDE_DIR}")
     header, precompiled = directory / "preamble.h", directory / "preamble.h.gch"
     if precompiled.exists():
+        _mark_used(directory)
         return precompiled
     directory.mkdir(parents=True, exist_ok=True)
     with _file_lock(directory / ".lock"):
@@ -347,6 +419,9 @@ def build_library(
             if _digest_path(library).exists():
                 return library
             _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
+    limit = cache_limit_bytes()
+    if limit is not None and not _PREBUILDING_INTO:
+        trim_cache(limit)
     return library
 
 
@@ -488,6 +563,7 @@ def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
     warning; a second failure is a BuildError."""
     with _LOAD_LOCK:
         if path not in _LOADED:
+            _mark_used(path.parent)  # (the cache's trimming keeps what is used)
             try:
                 _LOADED[path] = _open(path, required_symbol)
             except OSError as exc:
