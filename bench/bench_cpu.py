@@ -22,6 +22,7 @@ subprocess.
                                               # kernel; fp8 K/V (--fp8: those alone)
     python bench/bench_cpu.py --flex-api --long-n 4096 --json bench/results/cpu-<family>-flex-api.json
     python bench/bench_cpu.py --flash-api --long-n 4096 --json bench/results/cpu-<family>-flash-api.json
+    python bench/bench_cpu.py --sdpa-api --long-n 4096 --json bench/results/cpu-<family>-sdpa-api.json
                                               # FlexAttention's calls (score_mod, block_mask) on attncc
     python bench/bench_cpu.py --fp16 --no-flex --max-n 4096 --max-n-backward 2048 --json bench/results/cpu-<family>-fp16.json
                                               # fp16 inputs: the forward on the bf16 unit as bf16 terms
@@ -295,6 +296,26 @@ def flash_api_cases(results: list, args) -> None:
             calls["sdpa"] = partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=True)
         seconds = dict(zip(calls, alternating_medians(list(calls.values()), args.repeats)))
         row(results, f"flash api {label} {str(dtype)[6:]} N={N}", seconds.pop("attncc-flash"), seconds)
+
+
+def sdpa_api_cases(results: list, args) -> None:
+    """torch's SDPA call on attncc (`attncc.integrations.sdpa.scaled_dot_product_attention`, the
+    same arguments) against torch's SDPA: is_causal, a bool mask (a 256-key causal window as a
+    dense [N, N] bool) and a float mask ([N, N] ALiBi-like bias). B=1 H=8 D=64, forward; fp32
+    and bf16; N = 2048 and --long-n."""
+    from attncc.integrations.sdpa import scaled_dot_product_attention
+
+    for N, dtype in itertools.product((2048, args.long_n), (torch.float32, torch.bfloat16)):
+        q, k, v = (torch.randn(1, 8, N, 64).to(dtype) for _ in range(3))
+        i, j = torch.arange(N).view(-1, 1), torch.arange(N).view(1, -1)
+        window = (j <= i) & (i - j < 256)
+        bias = (-(i - j).abs() * 0.01).to(dtype)
+        for label, options in (("is_causal", {"is_causal": True}), ("bool window 256", {"attn_mask": window}),
+                               ("float bias", {"attn_mask": bias})):  # fmt: skip
+            calls = [partial(scaled_dot_product_attention, q, k, v, **options),
+                     partial(F.scaled_dot_product_attention, q, k, v, **options)]  # fmt: skip
+            ours, sdpa = alternating_medians(calls, args.repeats)
+            row(results, f"sdpa api {label} {str(dtype)[6:]} N={N}", ours, {"sdpa": sdpa})
 
 
 def sparse_cases(results: list, args, flex) -> None:
@@ -1120,6 +1141,7 @@ def main() -> None:
     parser.add_argument(
         "--flash-api", action="store_true", help="FlashAttention's calls on attncc (flash_attn_func) only"
     )
+    parser.add_argument("--sdpa-api", action="store_true", help="torch's SDPA call on attncc (integrations.sdpa) only")
     parser.add_argument(
         "--fp16", action="store_true", help="fp16 inputs, dense and causal, N = --min-n .. --max-n, only"
     )
@@ -1165,6 +1187,8 @@ def main() -> None:
         flex_api_cases(results, args, flex)
     elif args.flash_api:
         flash_api_cases(results, args)
+    elif args.sdpa_api:
+        sdpa_api_cases(results, args)
     elif args.models:
         model_cases(results, args)
     elif args.fp8:

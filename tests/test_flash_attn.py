@@ -254,7 +254,28 @@ def test_bad_calls_name_the_argument() -> None:
         flash_attn_with_kvcache(q, q, q, rotary_cos=torch.ones(4, 8))
     with pytest.raises(InputError, match="cache_seqlens: needed to append k and v"):
         flash_attn_with_kvcache(q, q, q, q[:, :1], q[:, :1])
+    cache = torch.randn(3, 24, 2, 16)
+    with pytest.raises(InputError, match=r"cache_batch_idx: rows \[0, 7\] of a cache of 3 sequences"):
+        flash_attn_with_kvcache(
+            q.expand(2, -1, -1, -1), cache, cache, cache_seqlens=4, cache_batch_idx=torch.tensor([0, 7])
+        )
+    with pytest.raises(
+        InputError, match=r"cache_seqlens: a sequence holds 24 keys \+ 1 appended, beyond the cache's 24"
+    ):
+        flash_attn_with_kvcache(q[:, :1], cache, cache, q[:, :1, :1], q[:, :1, :1], cache_seqlens=torch.tensor([24]))
+    with pytest.raises(InputError, match=r"k, v: expected \[B, M, Hkv, D\] with the same leading sizes"):
+        flash_attn_func(q, q, q[:, :3])
     with pytest.raises(InputError, match="cache_batch_idx: goes with a contiguous cache"):
         flash_attn_with_kvcache(
             q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), cache_batch_idx=torch.zeros(1)
         )
+
+
+def test_flash_attn_func_under_torch_compile_fullgraph() -> None:
+    """A made kernel is looked up without the lock on a hit (dynamo refused the lock's context
+    manager: fullgraph failed for every call)."""
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 16, 2, 16, generator=generator) for _ in range(3))
+    want = flash_attn_func(q, k, v, causal=True, softcap=2.0)
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True, softcap=2.0), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), want, atol=1e-6, rtol=1e-6)

@@ -32,14 +32,13 @@ only, as FlashAttention's.
 from __future__ import annotations
 
 import math
-import threading
+import operator
 from dataclasses import dataclass
 
 import torch
 
-import attncc
 from attncc.errors import InputError
-from attncc.runtime.kernel import Kernel
+from attncc.integrations.made import MadeKernels, masked_softmax_output
 
 
 @dataclass(frozen=True)
@@ -77,35 +76,32 @@ def flash_program(options: CallOptions) -> str:
         terms.append("i + M - N - j <= window_left")
     if options.window_right:
         terms.append("j - (i + M - N) <= window_right")
-    if terms:
-        lines.append("mask " + " and ".join(terms))
-    lines.append("p = softmax(s)")
-    if options.dropout > 0:
-        lines.append(f"p = dropout(p, {float(options.dropout)!r})")
-    lines += ["o = p @ v", "output o"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + masked_softmax_output(terms, options.dropout)) + "\n"
 
 
-_kernels: dict[tuple[CallOptions, str], Kernel] = {}
-_lock = threading.Lock()
+_kernel = MadeKernels(flash_program)
 
 
-def _kernel(options: CallOptions, device: torch.device) -> Kernel:
-    target = "cuda" if device.type == "cuda" else "cpu"
-    with _lock:
-        if (options, target) not in _kernels:
-            _kernels[options, target] = attncc.compile(flash_program(options), target=target)
-        return _kernels[options, target]
+#: Window sizes at or past this many keys are unbounded (-1): no sequence is that long, and the
+#: kernels' integer inputs are exact up to 2^53.
+UNBOUNDED_WINDOW = 2**40
+
+
+def _integer(value: object) -> int | None:
+    """An int (numpy's too; not a bool), or None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _checked_window(window_size: object) -> tuple[int, int]:
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
-    ):
+    sizes = [_integer(w) for w in window_size] if isinstance(window_size, (tuple, list)) else []
+    if len(sizes) != 2 or any(w is None or w < -1 for w in sizes):
         raise InputError(f"window_size: expected (left, right), two ints >= -1 (-1: unbounded), got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
+    return tuple(-1 if w >= UNBOUNDED_WINDOW else w for w in sizes)  # type: ignore[return-value]
 
 
 def _options_and_inputs(
@@ -119,8 +115,9 @@ def _options_and_inputs(
     alibi_slopes: object,
 ) -> tuple[CallOptions, dict[str, object]]:
     """The call's options and the runtime inputs they take, checked (each error names its argument)."""
-    if not isinstance(causal, bool):
+    if causal not in (True, False) or isinstance(causal, float):  # (numpy's bools and 0 / 1 too)
         raise InputError(f"causal: expected a bool, got {causal!r}")
+    causal = bool(causal)
     left, right = _checked_window(window_size)
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
         raise InputError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
@@ -162,6 +159,25 @@ def _checked_operands(names: tuple[str, ...], tensors: tuple[object, ...], dims:
             raise InputError(f"{name}: expected a {dims}-d tensor {layout}, got {shape}")
 
 
+def _checked_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_layout: str, kv_layout: str, leading: int
+) -> None:
+    """q, k and v agree as FlashAttention's layouts say (errors in them, not in the kernels' [B, H,
+    N, D]): k and v the same rows and heads, q's batch (padded) and head dim k's, its heads a
+    multiple of theirs."""
+    kv_rows = k.shape[:leading]
+    if v.shape[: leading + 1] != k.shape[: leading + 1] or q.shape[: leading - 1] != k.shape[: leading - 1]:
+        raise InputError(
+            f"k, v: expected {kv_layout} with the same leading sizes, and q {q_layout} of the same batch; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1] or q.shape[-2] % max(k.shape[-2], 1):
+        raise InputError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected the same head dim and q's heads a multiple of k's "
+            f"(rows {tuple(kv_rows)})"
+        )
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -179,6 +195,7 @@ def flash_attn_func(
     (H a multiple of Hkv); out [B, N, H, Dv], with `return_attn_probs` (out, softmax_lse
     [B, H, N] float32, None). Dropout applies wherever dropout_p > 0 (pass 0 to evaluate)."""
     _checked_operands(("q", "k", "v"), (q, k, v), 4, "[B, N, H, D] / [B, M, Hkv, D]")
+    _checked_heads(q, k, v, "[B, N, H, D]", "[B, M, Hkv, D]", leading=2)
     options, inputs = _options_and_inputs(
         q, q.shape[0], q.shape[2], dropout_p, causal, window_size, softcap, alibi_slopes
     )
@@ -218,6 +235,7 @@ def flash_attn_varlen_func(
             "(or a kernel's .paged) for paged K/V"
         )
     _checked_operands(("q", "k", "v"), (q, k, v), 3, "[total, heads, D]")
+    _checked_heads(q, k, v, "[total_q, H, D]", "[total_k, Hkv, D]", leading=1)
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
         raise InputError(f"cu_seqlens_q: expected a 1-d int tensor [B + 1], got {cu_seqlens_q!r}")
     batch = cu_seqlens_q.shape[0] - 1
@@ -226,7 +244,7 @@ def flash_attn_varlen_func(
     out, lse = kern.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=softmax_scale, **inputs
     )  # fmt: skip
-    return (out, lse.t(), None) if return_attn_probs else out
+    return (out, lse.t().contiguous(), None) if return_attn_probs else out
 
 
 def flash_attn_with_kvcache(
@@ -266,14 +284,25 @@ def flash_attn_with_kvcache(
             raise InputError(f"{name}: has no attncc mapping here ({what})")
     _checked_operands(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), 4, "[B, N, H, D] / cache rows")
     batch = q.shape[0]
+    contiguous = block_table is None
     if block_table is None:
         # a contiguous cache is pages of M_max rows, sequence b's one page at cache_batch_idx[b]
         if cache_batch_idx is None:
             rows = torch.arange(batch, device=k_cache.device)
-        elif not isinstance(cache_batch_idx, torch.Tensor) or tuple(cache_batch_idx.shape) != (batch,):
+        elif (
+            not isinstance(cache_batch_idx, torch.Tensor)
+            or tuple(cache_batch_idx.shape) != (batch,)
+            or cache_batch_idx.is_floating_point()
+            or cache_batch_idx.dtype == torch.bool
+        ):
             raise InputError(f"cache_batch_idx: expected an int tensor [B={batch}], got {cache_batch_idx!r}")
         else:
             rows = cache_batch_idx
+        if batch and not 0 <= int(rows.min()) <= int(rows.max()) < k_cache.shape[0]:
+            raise InputError(
+                f"cache_batch_idx: rows {rows.tolist()} of a cache of {k_cache.shape[0]} sequences [B_cache, M_max, "
+                f"Hkv, D]" + ("" if cache_batch_idx is not None else f": {batch} queries' sequences for it")
+            )
         block_table = rows.view(batch, 1).to(torch.int32)
     elif cache_batch_idx is not None:
         raise InputError("cache_batch_idx: goes with a contiguous cache, not with block_table")
@@ -281,14 +310,23 @@ def flash_attn_with_kvcache(
         if k is not None:
             raise InputError("cache_seqlens: needed to append k and v (they are written at cache_seqlens[b])")
         cache_seqlens = block_table.shape[1] * k_cache.shape[1]
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
+    if _integer(cache_seqlens) is not None:
+        cache_seqlens = torch.full((batch,), _integer(cache_seqlens), dtype=torch.int32, device=k_cache.device)
+    if contiguous and isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.numel() == batch and batch:
+        appended = 0 if k is None else k.shape[1]
+        held = int(cache_seqlens.max())
+        if held + appended > k_cache.shape[1]:
+            raise InputError(
+                f"cache_seqlens: a sequence holds {held} keys{f' + {appended} appended' if appended else ''}, beyond the "
+                f"cache's {k_cache.shape[1]} rows per sequence (k_cache [B_cache, M_max, Hkv, D])"
+            )
     options, inputs = _options_and_inputs(q, batch, q.shape[2], 0.0, causal, window_size, softcap, alibi_slopes)
     kern = _kernel(options, q.device)
-    out, lse = kern.paged(
-        q, k_cache, v_cache, block_table, cache_seqlens, k_new=k, v_new=v, return_lse=True, scale=softmax_scale,
-        **inputs,
-    )  # fmt: skip
+    with torch.no_grad():  # (forward only, as FlashAttention's: no graph, whatever requires grad)
+        out, lse = kern.paged(
+            q, k_cache, v_cache, block_table, cache_seqlens, k_new=k, v_new=v, return_lse=True, scale=softmax_scale,
+            **inputs,
+        )  # fmt: skip
     return (out, lse.transpose(1, 2)) if return_softmax_lse else out
 
 

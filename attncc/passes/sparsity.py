@@ -359,9 +359,35 @@ def _range_extreme(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, largest:
     """min (or max) of x[g..., lo:hi+1, rest...] per grid point g, by a sparse table.
 
     x: [g0, g1, g2, g3, L, *rest] (grid axes may be 1); lo, hi: integer tensors broadcastable
-    to the grid [G0, G1, G2, G3]. Returns [G0, G1, G2, G3, *rest]. Cost O(|x| log L).
+    to the grid [G0, G1, G2, G3]. Returns [G0, G1, G2, G3, *rest]. Cost O(|x| log L); O(|x|)
+    where every range is one point (a read at b or h) or the ranges are aligned blocks of one
+    size (a read at i or j over the tiles: a dense [N, M] mask's classes, 13.8 s -> 0.1 s at
+    N = M = 2048, B x H = 8, session 54).
     """
     length = x.shape[4]
+    lo = lo.clamp(0, length - 1)
+    hi = torch.maximum(hi.clamp(0, length - 1), lo)
+    grid = torch.broadcast_shapes(x.shape[:4], lo.shape)
+    idx = [
+        torch.arange(s).view([-1 if a == d else 1 for a in range(4)])
+        if x.shape[d] > 1
+        else torch.zeros(1, dtype=torch.long).view(1, 1, 1, 1)
+        for d, s in enumerate(grid)
+    ]
+    if bool((lo == hi).all()):
+        return x[(*idx, lo)]
+    size = int((hi - lo).max()) + 1
+    if bool(((lo % size) == 0).all() and (hi == (lo + size - 1).clamp(max=length - 1)).all()):
+        blocks = -(-length // size)
+        if blocks * size > length:  # (the last block's missing rows: neutral for the reduction)
+            limits = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
+            tail = x.new_full(
+                (*x.shape[:4], blocks * size - length, *x.shape[5:]), limits.min if largest else limits.max
+            )
+            x = torch.cat([x, tail], 4)
+        shaped = x.reshape(*x.shape[:4], blocks, size, *x.shape[5:])
+        reduced = shaped.amax(5) if largest else shaped.amin(5)
+        return reduced[(*idx, lo // size)]
     levels = [x]
     span = 1
     while span * 2 <= length:
@@ -375,28 +401,26 @@ def _range_extreme(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, largest:
         levels.append(merged)
         span *= 2
     table = torch.stack([torch.nn.functional.pad(t, [0, 0] * (t.dim() - 5) + [0, length - t.shape[4]]) for t in levels])
-    lo = lo.clamp(0, length - 1)
-    hi = torch.maximum(hi.clamp(0, length - 1), lo)
     count = hi - lo + 1
     level = torch.floor(torch.log2(count.double())).long().clamp(max=len(levels) - 1)
-    grid = torch.broadcast_shapes(x.shape[:4], lo.shape)
-    idx = [
-        torch.arange(s).view([-1 if a == d else 1 for a in range(4)])
-        if x.shape[d] > 1
-        else torch.zeros(1, dtype=torch.long).view(1, 1, 1, 1)
-        for d, s in enumerate(grid)
-    ]
     first = table[(level, *idx, lo)]
     second = table[(level, *idx, hi - (1 << level) + 1)]
     return torch.maximum(first, second) if largest else torch.minimum(first, second)
 
 
 def _read_tensor_interval(t: torch.Tensor, index: list[Interval]) -> Interval:
-    """Bounds of t over the index box given per grid point."""
-    x = t.double().reshape((1, 1, 1, 1, *t.shape))
+    """Bounds of t over the index box given per grid point. A dim of stride 0 (an expanded
+    tensor: an [N, M] mask read as [B, H, N, M]) is read as one row: its values are that row's."""
+    t = t[tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None) for stride, size in zip(t.stride(), t.shape))]
+    # (bool and int tensors reduced as they are, in float64 after: a dense mask's 16 M bools
+    # were 128 MB of float64 before)
+    x = (t.view(torch.uint8) if t.dtype == torch.bool else t.double() if t.is_floating_point() else t).reshape(
+        (1, 1, 1, 1, *t.shape)
+    )
     lo_x, hi_x = (
-        x.nan_to_num(-math.inf, math.inf, -math.inf),
-        x.nan_to_num(math.inf, math.inf, -math.inf),
+        (x.nan_to_num(-math.inf, math.inf, -math.inf), x.nan_to_num(math.inf, math.inf, -math.inf))
+        if t.is_floating_point()
+        else (x, x)
     )  # NaN: anything
     for iv in index:
         lo_i, hi_i = iv.lo.long(), iv.hi.long()
@@ -405,7 +429,7 @@ def _read_tensor_interval(t: torch.Tensor, index: list[Interval]) -> Interval:
             hi_i = hi_i.reshape((1,) * (4 - hi_i.dim()) + tuple(hi_i.shape))
         lo_x = _range_extreme(lo_x, lo_i, hi_i, largest=False)
         hi_x = _range_extreme(hi_x, lo_i, hi_i, largest=True)
-    return Interval(lo_x, hi_x)
+    return Interval(lo_x.double(), hi_x.double())
 
 
 # ----------------------------------------------------------------------------- call time

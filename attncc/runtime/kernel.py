@@ -1594,6 +1594,8 @@ class Kernel:
                 if slot.ctype == "acc_t"
                 else t.to(torch.int64)
                 if slot.ctype == "int64_t"
+                else t.contiguous().view(torch.uint8)  # (bool's bytes are 0 and 1: no pass over it)
+                if t.dtype == torch.bool
                 else (t != 0).to(torch.uint8)  # bool: any nonzero is true (256 must not wrap to 0)
             )
             converted[slot.ident] = t.contiguous()

@@ -1,0 +1,159 @@
+"""`torch.nn.functional.scaled_dot_product_attention` on attncc kernels.
+
+    from attncc.integrations.sdpa import scaled_dot_product_attention, patched
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=None, enable_gqa=True)
+    with patched():          # F.scaled_dot_product_attention is attncc's inside the block
+        logits = model(ids)
+
+take SDPA's arguments and run one DSL program per combination of options (compiled once per
+process and target, cached on disk):
+
+    s = q @ k.T * scale
+    s = s + attn_bias[b, h, i, j]        # a float attn_mask (added)
+    mask attn_mask[b, h, i, j]           # a bool attn_mask (True: takes part)
+    mask j <= i                          # is_causal: top-left, as SDPA's tril(ones(L, S))
+    p = dropout(softmax(s), dropout_p)   # applied whenever dropout_p > 0, as SDPA does
+
+q [..., L, E], k [..., S, E], v [..., S, Ev]: the leading dims are (batch..., heads) (three-dim
+inputs have one head), the same for q, k and v but the heads with `enable_gqa`; a mask
+broadcastable to [..., L, S] is read through a stride-0 view (never copied to full size), and
+a float mask that requires grad gets its gradient. Differences from torch, by design: rows that
+see no key give 0 (torch's math path gives NaN there); what is not SDPA's (nested tensors: call
+the kernel, which takes them) is an InputError naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from attncc.errors import InputError
+from attncc.integrations.made import MadeKernels, masked_softmax_output
+
+
+@dataclass(frozen=True)
+class SdpaOptions:
+    """What one call asks of its program."""
+
+    causal: bool
+    mask: str | None  # "bool" or "float"
+    dropout: float
+    mask_dims: tuple[str, ...] = ()  # the mask's dims among B, H, N, M that do not broadcast
+
+
+#: A mask's dims in [B, H, L, S] order and the index each is read at.
+MASK_DIMS = {"B": "b", "H": "h", "N": "i", "M": "j"}
+
+
+def sdpa_program(options: SdpaOptions) -> str:
+    """The DSL program for a call with these options (numbers formatted from validated values);
+    the mask declared with its own dims (an [L, S] mask `attn_mask[i, j]`, a key padding mask
+    [B, 1, 1, S] `attn_mask[b, j]`), so the kernels read and classify it as it is."""
+    lines = ["attention sdpa"]
+    name = {"bool": "attn_mask", "float": "attn_bias"}.get(options.mask or "")
+    read = f"{name}[{', '.join(MASK_DIMS[d] for d in options.mask_dims)}]"
+    if name:
+        lines.append(f"input {name}: {options.mask}[{', '.join(options.mask_dims)}]")
+    lines.append("s = q @ k.T * scale")
+    if options.mask == "float":
+        lines.append(f"s = s + {read}")
+    terms = ([read] if options.mask == "bool" else []) + (["j <= i"] if options.causal else [])
+    return "\n".join(lines + masked_softmax_output(terms, options.dropout)) + "\n"
+
+
+_kernel = MadeKernels(sdpa_program)
+
+
+def _as_four_dims(name: str, t: object) -> torch.Tensor:
+    """`t` [..., rows, E] as [batch, heads, rows, E] (a view: the batch dims flattened)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.is_nested:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) and not t.is_nested else type(t).__name__
+        raise InputError(f"{name}: expected a dense tensor [..., heads, rows, E] of 3 dims or more, got {shape}")
+    if t.dim() == 3:
+        return t.unsqueeze(1)
+    return t.reshape(-1, *t.shape[-3:]) if t.dim() > 4 else t
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention's call on attncc kernels (module
+    docstring): out [..., L, Ev] in q's leading dims."""
+    q, k, v = (_as_four_dims(name, t) for name, t in (("query", query), ("key", key), ("value", value)))
+    if (
+        k.shape[:2] != v.shape[:2]
+        or q.shape[0] != k.shape[0]
+        or query.shape[:-3] != key.shape[:-3]
+        or key.shape[:-3] != value.shape[:-3]
+    ):
+        raise InputError(
+            f"key, value: expected the leading dims of query {tuple(query.shape[:-2])} (heads may differ with "
+            f"enable_gqa), got key {tuple(key.shape[:-2])}, value {tuple(value.shape[:-2])}"
+        )
+    if q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
+        raise InputError(
+            f"key: {k.shape[1]} heads for query's {q.shape[1]}: pass enable_gqa=True where the query heads are "
+            "groups of the key heads (a multiple)"
+        )
+    if not isinstance(is_causal, bool):
+        raise InputError(f"is_causal: expected a bool, got {is_causal!r}")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
+        raise InputError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise InputError(f"scale: expected a finite number or None, got {scale!r}")
+    inputs: dict[str, torch.Tensor] = {}
+    kind = None
+    if attn_mask is not None:
+        if is_causal:
+            raise InputError("attn_mask: given with is_causal=True (SDPA takes one or the other)")
+        batch, heads, rows, cols = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        full = (*query.shape[:-1], key.shape[-2])
+        if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_floating_point() == (attn_mask.dtype == torch.bool):
+            raise InputError(
+                f"attn_mask: expected a bool or float tensor, got {getattr(attn_mask, 'dtype', attn_mask)!r}"
+            )
+        try:
+            broadcast = attn_mask.expand(full)
+        except RuntimeError:
+            raise InputError(
+                f"attn_mask: expected a shape broadcastable to {full} (query's without E, key's rows), got "
+                f"{tuple(attn_mask.shape)}"
+            ) from None
+        kind = "bool" if attn_mask.dtype == torch.bool else "float"
+        view = broadcast.reshape(batch, heads, rows, cols) if broadcast.dim() != 4 else broadcast
+        # its dims that do not broadcast (stride 0) nor have one element: the kernels take
+        # their tensors contiguous, an [L, S] mask as [B, H, L, S] was B x H copies
+        mask_dims = tuple(d for d, size, stride in zip(MASK_DIMS, view.shape, view.stride()) if size > 1 and stride)
+        mask_dims = mask_dims or ("M",)
+        inputs["attn_mask" if kind == "bool" else "attn_bias"] = view[
+            tuple(slice(None) if d in mask_dims else 0 for d in MASK_DIMS)
+        ]
+    kern = _kernel(SdpaOptions(is_causal, kind, float(dropout_p), mask_dims if kind else ()), q.device)
+    out = kern(q, k, v, scale=None if scale is None else float(scale), **inputs)
+    return out.reshape(*query.shape[:-1], v.shape[-1])
+
+
+@contextmanager
+def patched() -> Iterator[None]:
+    """`torch.nn.functional.scaled_dot_product_attention` is attncc's inside the block (code
+    that calls it through the module attribute, as `F.scaled_dot_product_attention(...)`; a name
+    imported before, `from torch.nn.functional import scaled_dot_product_attention`, keeps
+    torch's)."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original

@@ -1,0 +1,138 @@
+"""torch.nn.functional.scaled_dot_product_attention's call on attncc
+(`attncc.integrations.sdpa`) against torch's own SDPA in float64 (its math path, written apart
+from attncc): no mask, causal (top-left, L < S and L > S), bool and float masks broadcast from
+[L, S] and [B, 1, L, S], GQA, three- and five-dim inputs, a given scale; forward and gradients
+(q, k, v and a float mask that requires grad)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attncc.errors import InputError
+from attncc.integrations.sdpa import SdpaOptions, patched, scaled_dot_product_attention, sdpa_program
+
+
+def operands(lead: tuple[int, ...], rows: int, cols: int, dim: int = 17, kv_heads: int | None = None):
+    generator = torch.Generator().manual_seed(0)
+    kv_lead = (*lead[:-1], kv_heads) if kv_heads else lead
+    q = torch.randn(*lead, rows, dim, generator=generator, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(*kv_lead, cols, dim, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(2)
+    )
+    return q, k, v
+
+
+def check(args: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+    got = scaled_dot_product_attention(q, k, v, **args)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v, **args)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-11)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=got.dtype)
+    for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(37, 53), (53, 37), (1, 9)])
+@pytest.mark.parametrize(
+    "case", ["plain", "causal", "bool [L, S]", "bool [B, 1, 1, S]", "float [B, 1, L, S]", "float [H, 1, S]", "scale"]
+)
+def test_sdpa_calls_match_torch(case: str, rows: int, cols: int) -> None:
+    q, k, v = operands((2, 3), rows, cols)
+    generator = torch.Generator().manual_seed(2)
+    args: dict = {}
+    leaves = [q, k, v]
+    if case == "causal":
+        args["is_causal"] = True
+    elif case == "bool [L, S]":
+        keep = torch.rand(rows, cols, generator=generator) < 0.7
+        keep[:, 0] = True  # (no row without a key: torch's math path gives NaN there)
+        args["attn_mask"] = keep
+    elif case == "bool [B, 1, 1, S]":  # (a key padding mask: read as attn_mask[b, j])
+        keep = torch.ones(2, 1, 1, cols, dtype=torch.bool)
+        keep[1, :, :, cols // 2 :] = False
+        args["attn_mask"] = keep
+    elif case == "float [H, 1, S]":
+        bias = torch.randn(3, 1, cols, generator=generator, dtype=torch.float64, requires_grad=True)
+        args["attn_mask"] = bias
+        leaves.append(bias)
+    elif case == "float [B, 1, L, S]":
+        bias = torch.randn(2, 1, rows, cols, generator=generator, dtype=torch.float64, requires_grad=True)
+        args["attn_mask"] = bias
+        leaves.append(bias)
+    elif case == "scale":
+        args["scale"] = 0.3
+    if case == "causal" and rows > cols:
+        q = q[:, :, :cols].detach().requires_grad_()  # (rows past the keys see none: NaN in torch)
+        leaves[0] = q
+    check(args, q, k, v, leaves)
+
+
+def test_a_mask_is_declared_with_the_dims_it_does_not_broadcast() -> None:
+    """The kernels take runtime tensors contiguous: an [L, S] mask passed as [B, H, L, S] was
+    copied B x H times and its tile classes read from every copy (13.8 s for SDPA's 66 ms at
+    L = S = 2048, B x H = 8); now the program declares the mask's own dims."""
+    assert "input attn_mask: bool[N, M]" in sdpa_program(SdpaOptions(False, "bool", 0.0, ("N", "M")))
+    text = sdpa_program(SdpaOptions(True, "float", 0.0, ("B", "M")))
+    assert "input attn_bias: float[B, M]" in text and "s = s + attn_bias[b, j]" in text
+
+
+def test_gqa_three_and_five_dim_inputs() -> None:
+    q, k, v = operands((2, 4), 11, 13, kv_heads=2)
+    check({"enable_gqa": True, "is_causal": True}, q, k, v, [q, k, v])
+    q, k, v = operands((3,), 7, 9)
+    check({"attn_mask": torch.tril(torch.ones(7, 9, dtype=torch.bool))}, q, k, v, [q, k, v])
+    q, k, v = operands((2, 2, 3), 5, 6)
+    bias = torch.randn(2, 1, 1, 5, 6, dtype=torch.float64)
+    check({"attn_mask": bias}, q, k, v, [q, k, v])
+
+
+def test_rows_without_a_key_give_zero_and_dropout_follows_torch_seed() -> None:
+    q, k, v = operands((1, 2), 4, 6)
+    keep = torch.ones(4, 6, dtype=torch.bool)
+    keep[2] = False
+    out = scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2])) and not out.isnan().any()
+    torch.manual_seed(3)
+    first = scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(3)
+    assert torch.equal(first, scaled_dot_product_attention(q, k, v, dropout_p=0.3))
+    assert (first - scaled_dot_product_attention(q, k, v)).abs().max() > 0.05
+    assert "p = dropout(p, 0.3)" in sdpa_program(SdpaOptions(False, None, 0.3))
+
+
+def test_patched_replaces_the_functional_call_inside_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Code calling `F.scaled_dot_product_attention` runs attncc's inside `patched()` only."""
+    from attncc.integrations import sdpa
+
+    made = []
+    kernel = sdpa._kernel
+    monkeypatch.setattr(sdpa, "_kernel", lambda *args: made.append(args) or kernel(*args))
+    q, k, v = (t.detach().float() for t in operands((1, 2), 8, 8))
+
+    def block() -> torch.Tensor:  # (a model's attention, calling through the module attribute)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with patched():
+        inside = block()
+    outside = block()
+    assert len(made) == 1 and F.scaled_dot_product_attention is not scaled_dot_product_attention
+    torch.testing.assert_close(inside, outside, atol=2e-6, rtol=2e-6)
+
+
+def test_bad_calls_name_the_argument() -> None:
+    q, k, v = (t.detach() for t in operands((1, 2), 4, 6))
+    with pytest.raises(InputError, match=r"attn_mask: given with is_causal=True"):
+        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 6, dtype=torch.bool), is_causal=True)
+    with pytest.raises(InputError, match=r"attn_mask: expected a shape broadcastable to \(1, 2, 4, 6\)"):
+        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.bool))
+    with pytest.raises(InputError, match="attn_mask: expected a bool or float tensor"):
+        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 6, dtype=torch.int64))
+    with pytest.raises(InputError, match="pass enable_gqa=True"):
+        scaled_dot_product_attention(q, k[:, :1], v[:, :1])
+    with pytest.raises(InputError, match="dropout_p: expected a number in"):
+        scaled_dot_product_attention(q, k, v, dropout_p=1.5)
+    with pytest.raises(InputError, match=r"query: expected a dense tensor"):
+        scaled_dot_product_attention(q[0, 0], k, v)
