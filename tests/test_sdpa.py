@@ -37,7 +37,17 @@ def check(args: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves:
 
 @pytest.mark.parametrize(("rows", "cols"), [(37, 53), (53, 37), (1, 9)])
 @pytest.mark.parametrize(
-    "case", ["plain", "causal", "bool [L, S]", "bool [B, 1, 1, S]", "float [B, 1, L, S]", "float [H, 1, S]", "scale"]
+    "case",
+    [
+        "plain",
+        "causal",
+        "bool [L, S]",
+        "bool [B, 1, 1, S]",
+        "float [B, 1, L, S]",
+        "float [H, 1, S]",
+        "float -inf band",
+        "scale",
+    ],
 )
 def test_sdpa_calls_match_torch(case: str, rows: int, cols: int) -> None:
     q, k, v = operands((2, 3), rows, cols)
@@ -54,6 +64,11 @@ def test_sdpa_calls_match_torch(case: str, rows: int, cols: int) -> None:
         keep = torch.ones(2, 1, 1, cols, dtype=torch.bool)
         keep[1, :, :, cols // 2 :] = False
         args["attn_mask"] = keep
+    elif case == "float -inf band":  # (0 / -inf: the -inf entries are a mask too, its empty tiles skipped)
+        i, j = torch.arange(rows).view(-1, 1), torch.arange(cols).view(1, -1)
+        band = torch.zeros(rows, cols, dtype=torch.float64).masked_fill((i - j).abs() > 4, -torch.inf)
+        band[:, 0] = 0.0  # (every row keeps a key)
+        args["attn_mask"] = band
     elif case == "float [H, 1, S]":
         bias = torch.randn(3, 1, cols, generator=generator, dtype=torch.float64, requires_grad=True)
         args["attn_mask"] = bias
@@ -134,5 +149,29 @@ def test_bad_calls_name_the_argument() -> None:
         scaled_dot_product_attention(q, k[:, :1], v[:, :1])
     with pytest.raises(InputError, match="dropout_p: expected a number in"):
         scaled_dot_product_attention(q, k, v, dropout_p=1.5)
-    with pytest.raises(InputError, match=r"query: expected a dense tensor"):
-        scaled_dot_product_attention(q[0, 0], k, v)
+    with pytest.raises(InputError, match=r"query: expected a dense tensor \[\.\.\., rows, E\] of 2 dims or more"):
+        scaled_dot_product_attention(q[0, 0, 0], k, v)
+
+
+def test_what_sdpa_takes_beyond_the_plain_call() -> None:
+    """numpy and 0-d tensor numbers for scale and dropout_p, k and v broadcast over q's batch,
+    two-dim inputs, and empty sizes (a mask's dim of 0, no heads): as torch's SDPA does (the
+    review found each refused, or an IndexError)."""
+    import numpy as np
+
+    q, k, v = operands((2, 3), 5, 6)
+    check({"scale": np.float32(0.5)}, q, k, v, [q, k, v])
+    check({"scale": torch.tensor(0.25, dtype=torch.float64)}, q, k, v, [q, k, v])
+    check({"is_causal": True}, q, k[:1], v[:1], [q, k, v])  # (k, v with batch 1)
+    check({}, q[0, 0], k[0, 0], v[0, 0], [q, k, v])  # (two dims: [L, E])
+    empty = q[:0]
+    assert scaled_dot_product_attention(empty, k[:0], v[:0], attn_mask=torch.ones(5, 6, dtype=torch.bool)).shape == (
+        0,
+        3,
+        5,
+        17,
+    )
+    out = scaled_dot_product_attention(q[:, :0], k[:, :0], v[:, :0])
+    assert out.shape == (2, 0, 5, 17)
+    no_keys = scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0], attn_mask=torch.ones(5, 0, dtype=torch.bool))
+    assert no_keys.shape == (2, 3, 5, 17) and not no_keys.any()

@@ -25,6 +25,7 @@ the kernel, which takes them) is an InputError naming the argument.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,20 +62,30 @@ def sdpa_program(options: SdpaOptions) -> str:
     lines.append("s = q @ k.T * scale")
     if options.mask == "float":
         lines.append(f"s = s + {read}")
-    terms = ([read] if options.mask == "bool" else []) + (["j <= i"] if options.causal else [])
+    # (a float mask's -inf entries as a mask too: tiles all -inf are skipped, not computed to 0)
+    terms = [read if options.mask == "bool" else f"{read} > -inf"] if name else []
+    terms += ["j <= i"] if options.causal else []
     return "\n".join(lines + masked_softmax_output(terms, options.dropout)) + "\n"
 
 
 _kernel = MadeKernels(sdpa_program)
 
 
-def _as_four_dims(name: str, t: object) -> torch.Tensor:
-    """`t` [..., rows, E] as [batch, heads, rows, E] (a view: the batch dims flattened)."""
-    if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.is_nested:
-        shape = tuple(t.shape) if isinstance(t, torch.Tensor) and not t.is_nested else type(t).__name__
-        raise InputError(f"{name}: expected a dense tensor [..., heads, rows, E] of 3 dims or more, got {shape}")
-    if t.dim() == 3:
-        return t.unsqueeze(1)
+def _number(value: object) -> float | None:
+    """A Python, numpy or 0-d torch number (not a bool, nor a tensor that requires grad) as a
+    float, else None."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 and not value.requires_grad and not value.is_complex() else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _as_four_dims(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` [..., rows, E] as [batch, heads, rows, E] (a view: the batch dims flattened; two-
+    and three-dim inputs have one batch element and one head)."""
+    if t.dim() < 4:
+        return t.reshape(*(1,) * (4 - t.dim()), *t.shape)
     return t.reshape(-1, *t.shape[-3:]) if t.dim() > 4 else t
 
 
@@ -90,17 +101,28 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention's call on attncc kernels (module
     docstring): out [..., L, Ev] in q's leading dims."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_nested:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) and not t.is_nested else type(t).__name__
+            raise InputError(f"{name}: expected a dense tensor [..., rows, E] of 2 dims or more, got {shape}")
+    # k and v broadcast over q's batch dims as SDPA's do (stride 0: no copy); the heads, dim -3,
+    # may differ with enable_gqa
+    lead = query.shape[:-3]
+    try:
+        key, value = (t.expand(*lead, *t.shape[-3:]) if t.dim() >= 3 and lead else t for t in (key, value))
+    except RuntimeError:
+        raise InputError(
+            f"key, value: expected leading dims broadcastable to query's {tuple(query.shape[:-2])} (heads may "
+            f"differ with enable_gqa), got key {tuple(key.shape[:-2])}, value {tuple(value.shape[:-2])}"
+        ) from None
     q, k, v = (_as_four_dims(name, t) for name, t in (("query", query), ("key", key), ("value", value)))
-    if (
-        k.shape[:2] != v.shape[:2]
-        or q.shape[0] != k.shape[0]
-        or query.shape[:-3] != key.shape[:-3]
-        or key.shape[:-3] != value.shape[:-3]
-    ):
+    if k.shape[:2] != v.shape[:2] or q.shape[0] != k.shape[0] or key.shape[:-3] != value.shape[:-3]:
         raise InputError(
             f"key, value: expected the leading dims of query {tuple(query.shape[:-2])} (heads may differ with "
             f"enable_gqa), got key {tuple(key.shape[:-2])}, value {tuple(value.shape[:-2])}"
         )
+    if q.shape[1] == 0:  # (no heads: nothing to attend, as SDPA returns)
+        return query.new_zeros(*query.shape[:-1], value.shape[-1])
     if q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
         raise InputError(
             f"key: {k.shape[1]} heads for query's {q.shape[1]}: pass enable_gqa=True where the query heads are "
@@ -108,9 +130,10 @@ def scaled_dot_product_attention(
         )
     if not isinstance(is_causal, bool):
         raise InputError(f"is_causal: expected a bool, got {is_causal!r}")
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
+    dropout_p, scale = _number(dropout_p), None if scale is None else _number(scale)
+    if dropout_p is None or not 0 <= dropout_p < 1:
         raise InputError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
-    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+    if scale is not None and not math.isfinite(scale):
         raise InputError(f"scale: expected a finite number or None, got {scale!r}")
     inputs: dict[str, torch.Tensor] = {}
     kind = None
@@ -134,7 +157,9 @@ def scaled_dot_product_attention(
         view = broadcast.reshape(batch, heads, rows, cols) if broadcast.dim() != 4 else broadcast
         # its dims that do not broadcast (stride 0) nor have one element: the kernels take
         # their tensors contiguous, an [L, S] mask as [B, H, L, S] was B x H copies
-        mask_dims = tuple(d for d, size, stride in zip(MASK_DIMS, view.shape, view.stride()) if size > 1 and stride)
+        mask_dims = tuple(
+            d for d, size, stride in zip(MASK_DIMS, view.shape, view.stride()) if size == 0 or (size > 1 and stride)
+        )
         mask_dims = mask_dims or ("M",)
         inputs["attn_mask" if kind == "bool" else "attn_bias"] = view[
             tuple(slice(None) if d in mask_dims else 0 for d in MASK_DIMS)
