@@ -563,7 +563,8 @@ def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
     warning; a second failure is a BuildError."""
     with _LOAD_LOCK:
         if path not in _LOADED:
-            _mark_used(path.parent)  # (the cache's trimming keeps what is used)
+            if path.parent.parent.resolve() == cache_dir().resolve():  # (not a shipped prebuilt directory)
+                _mark_used(path.parent)  # (the cache's trimming keeps what is used)
             try:
                 _LOADED[path] = _open(path, required_symbol)
             except OSError as exc:
