@@ -71,6 +71,15 @@ def models(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return reference, ours
 
 
+def base_models(cfg: transformers.PretrainedConfig, anchor: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The reference and attncc base models (AutoModel: hidden states) of `cfg`, same weights."""
+    torch.manual_seed(0)
+    reference = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=anchor)
+    ours = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=NAME)
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
 def batch(right_padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Two sequences of 21 tokens, the second left-padded by 5 (as generation pads), the first
     right-padded by `right_padding`."""
@@ -163,10 +172,7 @@ def test_bidirectional_local_attention_reads_its_window_from_the_mask() -> None:
         initializer_range=0.3, local_attention=6, global_attn_every_n_layers=3, pad_token_id=0,
         embedding_dropout=0.0, attention_dropout=0.0, mlp_dropout=0.0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    reference = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
-    ours = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=NAME)
-    ours.load_state_dict(reference.state_dict())
+    reference, ours = base_models(cfg, "sdpa")
     ids, mask = batch(right_padding=5)
     mask[1] = 1  # (one row padded on the right only: ModernBERT unpads by the mask)
     weights = torch.randn(2, 21, 64, generator=torch.Generator().manual_seed(9))
@@ -181,6 +187,27 @@ def test_bidirectional_local_attention_reads_its_window_from_the_mask() -> None:
         if want.grad is not None:
             scale = want.grad.abs().max().clamp_min(1e-4)
             assert (got.grad - want.grad).abs().max() / scale < 1e-3, name
+
+
+def test_gemma3_with_bidirectional_attention_is_bidirectional_everywhere() -> None:
+    """EmbeddingGemma's configuration (use_bidirectional_attention): its full layers OR causal
+    with `lambda *args: torch.tensor(True)` (an error before: a function of no argument is read
+    as its constant), its sliding layers with Gemma 3's own bidirectional window overlay; the
+    last hidden states with right padding as eager's (the causal model's differ by 2.2)."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, initializer_range=0.3, max_position_embeddings=128,
+        query_pre_attn_scalar=16, use_bidirectional_attention=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )  # fmt: skip
+    reference, ours = base_models(cfg, "eager")
+    ids, mask = batch(right_padding=5)
+    mask[1] = 1
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).last_hidden_state
+        got = ours(ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert expected[real].std() > 0.3 and (got - expected)[real].abs().max() < 2e-4
 
 
 PACKED_LENGTHS = (8, 5, 9)
@@ -346,6 +373,8 @@ def test_mask_functions_are_read_as_dsl_predicates_and_the_rest_is_a_clear_error
         masks.packed_sequence_mask_function(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]))
     )
     assert integration.sequence_offsets(packed.packed).tolist() == [0, 2, 5, 6, 10]
+    everything = integration.mask_term(masks.or_masks(masks.causal_mask_function, lambda *args: torch.tensor(True)))
+    assert everything.text is None  # (a function of no argument and no closure: its constant, True)
     with pytest.raises(
         AttnccError, match=r"the mask function `.*<lambda>` \(test_transformers.py:\d+\): no attncc mapping"
     ):

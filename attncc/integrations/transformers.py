@@ -37,6 +37,7 @@ transformers is an optional dependency: `pip install 'attncc[transformers]'`.
 
 from __future__ import annotations
 
+import dis
 import threading
 import weakref
 from collections.abc import Callable
@@ -246,6 +247,19 @@ def offsets_from_starts(starts: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat.nonzero().flatten(), torch.tensor([flat.numel()])])
 
 
+def reads_nothing(function: Callable) -> bool:
+    """Whether a function reads none of its arguments and has no closure (a constant of the
+    module's globals alone: EmbeddingGemma's `lambda *args: torch.tensor(True)`)."""
+    code = getattr(function, "__code__", None)
+    if code is None or getattr(function, "__closure__", None):
+        return False
+    arguments = set(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 0x04)])
+    return not any(
+        instruction.opname.startswith("LOAD_FAST") and instruction.argval in arguments
+        for instruction in dis.get_instructions(code)
+    )
+
+
 def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> MaskTerm:
     """transformers' mask function, read from its makers' closures, as a DSL predicate over a
     call's keys: `keys` key columns from position `key_offset` of the sequence on (the cache's
@@ -300,6 +314,8 @@ def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> Ma
         ids = torch.as_tensor(cells["block_sequence_ids"]).to("cpu", torch.int64)
         ids = torch.nn.functional.pad(ids, (0, max(key_offset + keys - ids.shape[-1], 0)), value=-1)
         return MaskTerm(BLOCK_TERM, {"blocks": ("int[B, M]", ids[:, key_offset : key_offset + keys])}, True)
+    if reads_nothing(mask_function) and bool(mask_function(*map(torch.tensor, (0, 0, 0, 1)))):
+        return MaskTerm(None, {}, False)  # (Gemma 3's `lambda *args: torch.tensor(True)`: every score kept)
     code = getattr(mask_function, "__code__", None)
     where = f" ({Path(code.co_filename).name}:{code.co_firstlineno})" if code is not None else ""
     name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
