@@ -35,11 +35,12 @@ class MadeKernels(Generic[Options]):
             return self._kernels[key]
 
 
-def masked_softmax_output(terms: list[str], dropout: float) -> list[str]:
-    """A made program's last lines: its mask terms AND'ed, the softmax, dropout at `dropout`
-    (formatted from the validated float), the output."""
+def masked_softmax_output(terms: list[str], dropout: float, sink: str | None = None) -> list[str]:
+    """A made program's last lines: its mask terms AND'ed, the softmax (with `sink`, a read of a
+    declared input, as its sink logit), dropout at `dropout` (formatted from the validated
+    float), the output."""
     lines = ["mask " + " and ".join(terms)] if terms else []
-    lines.append("p = softmax(s)")
+    lines.append(f"p = softmax(s, sink={sink})" if sink else "p = softmax(s)")
     if dropout > 0:
         lines.append(f"p = dropout(p, {float(dropout)!r})")
     return [*lines, "o = p @ v", "output o"]

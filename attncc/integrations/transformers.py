@@ -49,6 +49,7 @@ import torch
 
 import attncc
 from attncc.errors import AttnccError
+from attncc.integrations.made import masked_softmax_output
 from attncc.runtime.kernel import Kernel
 from attncc.runtime.ragged import VarlenPlan
 
@@ -127,13 +128,8 @@ def model_program(needs: LayerNeeds) -> str:
         terms.append(CAUSAL_TERM)
     if needs.window:
         terms.append(WINDOW_TERM)
-    if terms:
-        lines.append("mask " + " and ".join(terms))
-    lines.append("p = softmax(s, sink=sinks[h])" if needs.sinks else "p = softmax(s)")
-    if needs.dropout > 0:
-        lines.append(f"p = dropout(p, {float(needs.dropout)!r})")
-    lines += ["o = p @ v", "output o"]
-    return "\n".join(lines) + "\n"
+    tail = masked_softmax_output(terms, needs.dropout, "sinks[h]" if needs.sinks else None)
+    return "\n".join(lines + tail) + "\n"
 
 
 #: Model types that accept any registered attention name but never call the attention function
