@@ -497,3 +497,62 @@ def test_negative_bit_views_are_read_as_their_values() -> None:
     assert torch.equal(got, kern.paged(q_paged.resolve_neg(), cache, cache, table, lengths))
     with pytest.raises(InputError, match=r"^k_cache: a negative-bit view"):
         kern.paged(q_paged, negative_view((2, 8, 2, 16), 4), cache, table, lengths)
+
+
+def offloaded(t: torch.Tensor) -> torch.Tensor:
+    """A saved-tensor hook's pack as activation offloading does it: a fresh contiguous copy."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+def lse_transposed(t: torch.Tensor) -> torch.Tensor:
+    """A pack keeping the layout of all but 3-D tensors (lse [B, H, N]), saved transposed."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() == 3 else t
+
+
+@pytest.mark.parametrize("pack", [offloaded, lse_transposed])
+def test_saved_tensors_coming_back_in_another_layout(pack) -> None:
+    """Calls repeating a kept launch whose saved q, k, v or lse a saved_tensors_hooks pair hands
+    back in another layout (offloading some layers, or from some step on): gradients as without
+    the hook, padded and packed. (The kept backward read them with the strides of the call it
+    was kept from: dq off by 8.1, or NaN.)"""
+    causal = kernel("causal")
+    B, N, H, D = 2, 17, 2, 8
+    upper = torch.ones(N, N, dtype=torch.bool).triu(1)
+    for step in range(4):
+        x = [torch.randn(B, N, H, D, requires_grad=True) for _ in range(3)]  # views [B, H, N, D] of these
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks if step >= 2 else torch.enable_grad():
+            out = causal(*(t.transpose(1, 2) for t in x))
+        got = torch.autograd.grad(out.sum(), x)
+        ref_leaves = [t.detach().double().requires_grad_() for t in x]
+        q, k, v = (t.transpose(1, 2) for t in ref_leaves)
+        s = (q @ k.transpose(-1, -2) / D**0.5).masked_fill(upper, float("-inf"))
+        want = torch.autograd.grad((torch.softmax(s, -1) @ v).sum(), ref_leaves)
+        for g, w in zip(got, want):
+            assert (g.double() - w).abs().max() < 1e-5, step
+    cu = torch.tensor([0, 7, 20, 33], dtype=torch.int32)
+    plan = attncc.plan_varlen(cu, cu)
+    for step in range(4):
+        qkv = torch.randn(33, 3, H, D, requires_grad=True)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks if step >= 2 else torch.enable_grad():
+            out = causal.varlen(*qkv.unbind(1), plan=plan)
+        (got,) = torch.autograd.grad(out.sum(), qkv)
+        ref = qkv.detach().double().requires_grad_()
+        total = 0.0
+        for b in range(3):
+            q, k, v = (t[int(cu[b]) : int(cu[b + 1])].transpose(0, 1) for t in ref.unbind(1))
+            n = q.shape[1]
+            s = (q @ k.transpose(-1, -2) / D**0.5).masked_fill(
+                torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")
+            )
+            total = total + (torch.softmax(s, -1) @ v).sum()
+        (want,) = torch.autograd.grad(total, ref)
+        assert (got.double() - want).abs().max() < 1e-5, step
+
+
+def test_batched_gradients_are_a_clear_error() -> None:
+    x = torch.randn(1, 2, 8, 8, requires_grad=True)
+    out = kernel("causal")(x, x, x)
+    with pytest.raises(InputError, match="is_grads_batched=True"):
+        torch.autograd.grad(out, x, torch.randn(3, *out.shape), is_grads_batched=True)

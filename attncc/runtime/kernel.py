@@ -1340,7 +1340,7 @@ class Kernel:
                 library, self._entry(library, "attncc_backward_delta"),
                 tuple(self._entry(library, entry) for entry in entries),
                 pointers, {name: names.index(name) for name in BACKWARD_OPERANDS}, ints, reals,
-                (threads, self.backward), out.stride(), dout.stride(), call,
+                (threads, self.backward), operand_layout(q, k, v, out, dout), call,
             )  # fmt: skip
             launch.run(self, ptrs, dlse)
             # (`call` keeps the layout grids alive; rope's tables, only in ptrs, would not be)
@@ -1708,6 +1708,13 @@ CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial", "k_new
 BACKWARD_OPERANDS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "delta")
 
 
+def operand_layout(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor
+) -> tuple[object, ...]:
+    """What a kept backward launch's packed sizes and strides assume of its operands."""
+    return q.dtype, q.stride(), k.stride(), v.stride(), out.stride(), dout.stride()
+
+
 @dataclass(frozen=True)
 class BackwardLaunch:
     """A CPU backward's packed launch: the delta pass, then `passes` (fused, or dK/dV and dQ),
@@ -1725,8 +1732,9 @@ class BackwardLaunch:
     ints: ctypes.Array
     reals: ctypes.Array
     settings: tuple[int, str]  # the threads and the kernel's `backward` setting that chose `passes`
-    out_stride: tuple[int, ...]
-    dout_stride: tuple[int, ...]
+    # q's dtype and the strides of q, k, v, out and dout packed into `ints` (`operand_layout`):
+    # the tensors autograd saved may come back in another layout (saved-tensor hooks that offload)
+    layout: tuple[object, ...]
     kept: object  # what `pointers` points into besides the operands (the prepared call)
 
     def run(self, kernel: Kernel, operands: Mapping[str, torch.Tensor], dlse: torch.Tensor | None) -> None:
@@ -1786,14 +1794,14 @@ class KeptLaunch:
         launch = self.backward_launch
         if (
             launch is None
-            or launch.dout_stride != dout.stride()
-            or launch.out_stride != out.stride()
+            or launch.layout != operand_layout(q, k, v, out, dout)
             or launch.settings != (max(1, torch.get_num_threads()), self.kernel.backward)
         ):
             return _REGISTRY[key].backward_impl(
                 q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs,
                 packed=self.packed, kept_by=self,
             )  # fmt: skip
+        lse = lse.contiguous()  # (as backward_impl packs it)
         # (empty_like: ~0.8 us each, where torch.empty of a torch.Size took ~1.6)
         dq, dk, dv, delta = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lse))
         operands = {
@@ -2060,6 +2068,7 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 -
 def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor, backward: Callable[..., tuple] | None = None) -> tuple:  # noqa: ANN001 - autograd ctx
     """The op's registered backward; `backward`: what runs the kernels (default: the backward op,
     which torch.compile traces and whose derivative raises the double-backward error)."""
+    _reject_batched_gradients(dout, dlse)
     q, k, v, out, lse, seed, sink, *tensors = ctx.saved_tensors
     dq, dk, dv, grads = (backward or torch.ops.attncc.attention_backward)(
         ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs
@@ -2336,6 +2345,7 @@ class _EagerVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:  # noqa: ANN001 - autograd ctx
+        _reject_batched_gradients(dout, dlse)
         if dout is None:  # only lse took part in the loss
             dout = torch.zeros_like(ctx.saved_tensors[3])
         if torch.is_grad_enabled():  # create_graph: through the backward op, whose derivative raises the clear error
@@ -2493,6 +2503,22 @@ def _plain_untransformed(*tensors: torch.Tensor) -> bool:
     """Whether a kept launch may serve tensors of plain type without a graph (the caller checks
     types and torch.compile first): `_untransformed` and `_unobserved`."""
     return _untransformed(*tensors) and _unobserved(*tensors)
+
+
+def _reject_batched_gradients(dout: torch.Tensor | None, dlse: torch.Tensor | None) -> None:
+    """A backward handed batched gradients (torch.autograd.grad(..., is_grads_batched=True) runs
+    the backward under vmap) would reach the kernels as tensors without storage."""
+    functorch = torch._C._functorch
+    for g in (dout, dlse):
+        if (
+            g is not None
+            and not torch.compiler.is_compiling()
+            and (functorch.is_legacy_batchedtensor(g) or functorch.is_functorch_wrapped_tensor(g))
+        ):
+            raise InputError(
+                "attncc kernels' backward takes one gradient at a time: is_grads_batched=True (and torch.func "
+                "transforms over the backward) are not supported; loop over the gradients instead"
+            )
 
 
 def _reject_transforms(values: Mapping[str, object]) -> None:
