@@ -26,7 +26,8 @@ BIAS = torch.randn(H, N, M, generator=GEN, dtype=torch.float64) * 0.5
 TEMPERATURE = torch.tensor(0.7, dtype=torch.float64)
 DOC = torch.randint(0, 3, (B, 64), generator=GEN).sort(-1).values
 LENGTHS = torch.tensor([0, 41])  # the first sequence has no keys: every row fully masked
-LEARNED = {"slopes": SLOPES, "bias": BIAS, "temperature": TEMPERATURE}
+T5_TABLE = torch.randn(32, H, generator=GEN, dtype=torch.float64)
+LEARNED = {"slopes": SLOPES, "bias": BIAS, "temperature": TEMPERATURE, "t5_table": T5_TABLE}
 
 
 def softcap(score, b, h, q_idx, kv_idx):
@@ -61,6 +62,31 @@ def clamped_distance(score, b, h, q_idx, kv_idx):
     return torch.where(q_idx % 3 == 0, score, torch.clamp(score, min=-0.5, max=0.5)) + (q_idx - kv_idx) // 4 * 0.01
 
 
+def t5_bucket(relative_position, num_buckets=32, max_distance=128):
+    # transformers' T5Attention._relative_position_bucket (bidirectional), verbatim: a float
+    # log truncated to an integer by .to(torch.long), a torch.where between its two branches
+    relative_buckets = 0
+    num_buckets //= 2
+    relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+    relative_position = torch.abs(relative_position)
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    relative_position_if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    relative_position_if_large = torch.min(
+        relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1)
+    )
+    relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
+    return relative_buckets
+
+
+def t5_bias(score, b, h, q_idx, kv_idx):
+    return score + t5_table[t5_bucket(kv_idx - q_idx, max_distance=24), h]
+
+
 def bottom_right_causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx + (M - N)
 
@@ -81,7 +107,7 @@ def first_key(b, h, q_idx, kv_idx):
     return kv_idx == 0
 
 
-slopes, bias, temperature, doc, lengths = SLOPES, BIAS, TEMPERATURE, DOC, LENGTHS
+slopes, bias, temperature, doc, lengths, t5_table = SLOPES, BIAS, TEMPERATURE, DOC, LENGTHS, T5_TABLE
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 # torch's combinators (b.new_ones((), dtype=torch.bool) & ...) and its no-op mask
 COMPOSED = flex.or_masks(flex.and_masks(document_causal, key_padding), first_key)
@@ -97,6 +123,7 @@ VARIANTS = [
     (alibi, COMPOSED),
     (softcap, flex.noop_mask),
     (integer_idioms, None),
+    (t5_bias, key_padding),
 ]
 
 
@@ -144,11 +171,11 @@ def leaves(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 def test_flex_functions_run_as_torch_evaluates_them(score_mod, mask_mod, monkeypatch) -> None:
     """Forward, lse and gradients of q, k, v and of every float tensor the functions read,
     at GQA 4/2, N = 37 against M = 53 keys, an odd head dim and fully masked rows."""
-    for name, t in (("slopes", SLOPES), ("bias", BIAS), ("temperature", TEMPERATURE)):
+    for name, t in LEARNED.items():
         monkeypatch.setitem(globals(), name, t.clone().requires_grad_())
     q, k, v = leaves(torch.float64)
     out, lse = flex_attention(q, k, v, score_mod, mask_mod=mask_mod, enable_gqa=True, return_lse=True)
-    read = [globals()[name] for name in ("slopes", "bias", "temperature")]
+    read = [globals()[name] for name in LEARNED]
     got = torch.autograd.grad(loss(out, lse), (q, k, v, *read), allow_unused=True)
     want_out, want_lse = reference(q, k, v, score_mod, mask_mod)
     want = torch.autograd.grad(loss(want_out, want_lse), (q, k, v, *read), allow_unused=True)

@@ -85,6 +85,8 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
             return f"(!{x})"
         if e.op == "abs":
             return f"attncc::math_abs({x})" if e.ty == ex.INT else f"attncc::math_abs(acc_t({x}))"
+        if e.op in ex.ROUNDING_OPS:  # (defined by the variant's hooks where used: templates/common/variant.jinja)
+            return f"rounded_{e.op}(acc_t({x}))"
         return f"{_UNARY_C[e.op]}(acc_t({x}))"
     if isinstance(e, ex.Binary):
         a, b = emit(e.a, ctx), emit(e.b, ctx)
@@ -108,6 +110,11 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
         t = c_type(e.ty)
         return f"({emit(e.cond, ctx)} ? {t}({emit(e.a, ctx)}) : {t}({emit(e.b, ctx)}))"
     raise TypeError(f"cannot emit {e!r}")
+
+
+def uses_rounding(exprs: list[ex.Expr]) -> bool:
+    """Whether any of `exprs` rounds a number to an integer (the hooks then define rounded_*)."""
+    return any(isinstance(n, ex.Unary) and n.op in ex.ROUNDING_OPS for e in exprs for n in ex.walk(e))
 
 
 def _literal(c: ex.Const) -> str:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from attncc.codegen import render, split_dtype
 from attncc.codegen.abi import KernelAbi, kernel_abi
-from attncc.codegen.cexpr import emit
+from attncc.codegen.cexpr import emit, uses_rounding
 from attncc.errors import AttnccError
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, fused_node
@@ -78,7 +78,10 @@ def hook_values(g: Graph) -> dict[str, object]:
     )
     dscore = op.backward.dscore
     query_position0, key_position0 = (emit(e) for e in op.position0) if op.position0 else ("0", "0")
+    emitted = [op.score, dscore, *(op.position0 or ()), *([op.mask] if op.mask is not None else [])]
+    emitted += [e for grad in op.backward.inputs for e in (grad.derivative, *grad.read.index)]
     return {
+        "rounding": uses_rounding(emitted),
         "has_score_map": op.score != ex.score(),
         # dS0 = dS * dscore unless dscore is the constant 1 (a constant such as `s * 2` or a
         # runtime scalar `s * temp` still scales it)

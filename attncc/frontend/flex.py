@@ -362,6 +362,28 @@ class Traced:
     def sigmoid(self) -> Traced:
         return Traced(f"(1.0 / (1.0 + {self.__neg__()._unary_float('exp').text}))", "float", self.captures)
 
+    def _rounded(self, fn: str) -> Traced:
+        """torch.floor / ceil / trunc / round: an integral value of x's kind (the DSL's rounding
+        gives an int, saturated at int64's range and 0 for NaN: a float's is that int again)."""
+        x = self._number()
+        return x if x.kind == "int" else Traced(f"({fn}({x.text}) * 1.0)", "float", self.captures)
+
+    def floor(self) -> Traced:
+        return self._rounded("floor")
+
+    def ceil(self) -> Traced:
+        return self._rounded("ceil")
+
+    def trunc(self) -> Traced:
+        return self._rounded("trunc")
+
+    fix = trunc
+
+    def round(self, decimals: int = 0) -> Traced:
+        if decimals:
+            raise FlexTraceError(f"torch.round(decimals={decimals}): round to an integer, or scale first")
+        return self._rounded("round")
+
     def _extreme(self, other: object, fn: str) -> Traced:
         a, b = self._number(), self._operand(other)._number()
         kind = "float" if "float" in (a.kind, b.kind) else "int"
@@ -422,8 +444,8 @@ class Traced:
             return self._as_float()
         if dtype == torch.bool:
             return self if self.kind == "bool" else self._compare(0, "!=")
-        if self.kind == "float":
-            raise FlexTraceError(f"`.to({dtype})` of a float value: the DSL has no truncation to integers")
+        if self.kind == "float":  # (toward zero, as torch converts: saturated and NaN 0, expr.ROUNDING_OPS)
+            return Traced(f"trunc({self.text})", "int", self.captures)
         return self._number()
 
     def long(self) -> Traced:
@@ -510,7 +532,8 @@ class Traced:
             raise FlexTraceError(
                 f"torch operation `{name}` has no DSL form; the traced functions may use arithmetic, comparisons, "
                 f"&, |, ~, torch.where, abs, exp, exp2, log, log2, log1p, tanh, sqrt, rsqrt, sigmoid, relu, "
-                f"softplus, square, sign, minimum, maximum, clamp, fmod and reads of captured tensors"
+                f"softplus, square, sign, minimum, maximum, clamp, fmod, floor, ceil, trunc, round, conversions and reads "
+                f"of captured tensors"
             )
         first, *rest = args
         return getattr(_operand(first, captures), method)(*rest, **kwargs)
@@ -522,6 +545,7 @@ _TORCH_METHODS = {
     **{n: n for n in ("clamp", "clip", "clamp_min", "clamp_max", "logical_and", "logical_or", "logical_xor")},
     **{n: n for n in ("logical_not", "float", "double", "half", "bfloat16", "to", "type_as", "long", "int")},
     **{n: n for n in ("bool", "square", "sign", "relu", "softplus", "log1p", "fmod", "item")},
+    **{n: n for n in ("floor", "ceil", "trunc", "fix", "round")},
     "add": "__add__", "__add__": "__add__", "__radd__": "__radd__",
     "sub": "__sub__", "subtract": "__sub__", "__sub__": "__sub__", "__rsub__": "__rsub__", "rsub": "__rsub__",
     "mul": "__mul__", "multiply": "__mul__", "__mul__": "__mul__", "__rmul__": "__rmul__",

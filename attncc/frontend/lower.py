@@ -19,7 +19,10 @@ from attncc.ir.graph import Graph, add_op, new_graph
 from attncc.ir.ops import Dropout, Input, Layout, Mask, Output, Rope, ScoreMap, ScoreMatmul, Softmax, ValueMatmul
 
 DTYPES = ("float", "int", "bool")
-MATH_FUNCTIONS = {"abs": 1, "exp": 1, "log": 1, "tanh": 1, "sqrt": 1, "min": 2, "max": 2, "where": 3}
+MATH_FUNCTIONS = {
+    "abs": 1, "exp": 1, "log": 1, "tanh": 1, "sqrt": 1, "min": 2, "max": 2, "where": 3,
+    **{op: 1 for op in ex.ROUNDING_OPS},
+}  # fmt: skip
 LAYOUTS: dict[str, tuple[str, ...]] = {
     # generator -> its integer parameters besides `block` (see passes/sparsity.py for meaning)
     "local": ("width",),
@@ -619,6 +622,8 @@ def _typed(a: Ast, op: str, args: list[ex.Expr]) -> ex.Expr:
     if op in ("floordiv", "mod") and tys != [ex.INT, ex.INT]:
         what = "integer division" if op == "floordiv" else "the integer remainder"
         raise DslError(f"`{a.value}` is {what}; both sides must be integers", a.loc)
+    if op in ex.ROUNDING_OPS and tys[0] == ex.INT:
+        return args[0]  # (an integer is its own floor, ceil, trunc and round)
     if op in ex.UNARY_OPS:
         return ex.Unary(op, args[0])
     return ex.Binary(op, *args)

@@ -24,7 +24,11 @@ INDEX_VARS = ("b", "h", "i", "j")
 SIZE_VARS = ("B", "H", "Hkv", "N", "M", "D")
 SCORE_VAR = "s"
 
-UNARY_OPS = ("neg", "not", "abs", "exp", "log", "tanh", "sqrt")
+#: Rounding a number to an integer (`floor`, `ceil`, `trunc` toward zero, `round` half to even):
+#: the result is an int, saturated at int64's range, 0 for NaN (as Rust's float-to-int casts), so
+#: every value, inf and NaN included, has one answer in the kernels, the reference and folding.
+ROUNDING_OPS = ("floor", "ceil", "trunc", "round")
+UNARY_OPS = ("neg", "not", "abs", "exp", "log", "tanh", "sqrt", *ROUNDING_OPS)
 ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "min", "max")
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGIC_OPS = ("and", "or")
@@ -99,7 +103,7 @@ class Unary(Expr):
             return BOOL
         if self.op in ("neg", "abs"):
             return self.x.ty
-        return FLOAT
+        return INT if self.op in ROUNDING_OPS else FLOAT
 
     def children(self) -> tuple[Expr, ...]:
         return (self.x,)
@@ -232,7 +236,26 @@ _PY_UNARY: dict[str, Callable[[float], float | bool]] = {
     "log": math.log,
     "tanh": math.tanh,
     "sqrt": math.sqrt,
+    **{op: lambda x, op=op: saturated_int(_PY_ROUNDING[op](x) if math.isfinite(x) else x) for op in ROUNDING_OPS},
 }
+
+
+_INT64_LIMIT = 2**63
+_PY_ROUNDING: dict[str, Callable[[float], float]] = {
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "trunc": math.trunc,
+    "round": round,  # (half to even, as torch.round and the kernels' rint)
+}
+
+
+def saturated_int(rounded: float) -> int:
+    """An integral float (or +-inf, NaN) as ROUNDING_OPS define it: int64's range, NaN 0."""
+    if math.isnan(rounded):
+        return 0
+    if rounded >= _INT64_LIMIT:
+        return _INT64_LIMIT - 1
+    return int(max(rounded, -_INT64_LIMIT))
 
 
 def python_number(value: object) -> object:

@@ -247,6 +247,16 @@ def _float32_rounded(x: Interval) -> Interval:
     return _clean(x.lo - x.lo.abs() * FLOAT_MARGIN, x.hi + x.hi.abs() * FLOAT_MARGIN)
 
 
+def _float32_exact(e: ex.Expr) -> bool:
+    """A float literal that float32 holds exactly (2.0, 0.5, 1.375; not 0.1): the kernels'
+    value is the literal's, so it needs no margin (a margin would keep `floor(x)` of an x known
+    to be >= 2.0 from bounding it by 2)."""
+    if not isinstance(e, ex.Const):
+        return False
+    value = float(e.value)
+    return math.isinf(value) or float(torch.tensor(value, dtype=torch.float32)) == value
+
+
 def _compare(op: str, a: Interval, b: Interval) -> Truth:
     if op == "lt":
         return Truth(a.lo < b.hi, a.hi >= b.lo)
@@ -263,7 +273,12 @@ def _compare(op: str, a: Interval, b: Interval) -> Truth:
     return Truth(~all_equal, overlap)  # ne
 
 
-_MONOTONE = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}
+#: Nondecreasing functions: an interval's image is that of its ends. (The rounding ops saturate
+#: at int64's range beyond it, and _int64_safe makes such bounds unbounded.)
+_MONOTONE = {
+    "exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt,
+    "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round,
+}  # fmt: skip
 
 
 class IntervalEvaluator:
@@ -279,7 +294,7 @@ class IntervalEvaluator:
             value = self._eval(e)
             if e.ty == ex.INT and isinstance(value, Interval):
                 value = _int64_safe(value)
-            if e.ty == ex.FLOAT and isinstance(value, Interval):
+            if e.ty == ex.FLOAT and isinstance(value, Interval) and not _float32_exact(e):
                 value = _float32_rounded(value)
             self.memo[e] = value
         return self.memo[e]
@@ -304,7 +319,7 @@ class IntervalEvaluator:
         if isinstance(e, ex.Where):
             c = _as_truth(self(e.cond))
             only_a, only_b = c.may_true & ~c.may_false, c.may_false & ~c.may_true
-            a, b = self(e.a), self(e.b)
+            a, b = self._branch(e.cond, True, e.a), self._branch(e.cond, False, e.b)
             if e.ty == ex.BOOL:
                 ta, tb = _as_truth(a), _as_truth(b)
                 return Truth(
@@ -316,6 +331,61 @@ class IntervalEvaluator:
             hi = torch.where(only_a, ia.hi, torch.where(only_b, ib.hi, torch.maximum(ia.hi, ib.hi)))
             return Interval(lo, hi)
         raise TypeError(e)
+
+    def _branch(self, cond: ex.Expr, truth: bool, branch: ex.Expr) -> Abstract:
+        """A `where` branch's value where `cond` is `truth`: the comparisons it implies narrow
+        their operands' intervals inside the branch (T5's buckets, `where(n < 8, n, 8 +
+        trunc(log(n / 8) ...))`, index a table only because n >= 8 in the second branch)."""
+        facts: dict[ex.Expr, Interval] = {}
+        self._implied(cond, truth, facts)
+        if not facts:
+            return self(branch)
+        inside = IntervalEvaluator(self.env, self.read)
+        inside.memo.update(facts)
+        return inside(branch)
+
+    def _implied(self, cond: ex.Expr, truth: bool, facts: dict[ex.Expr, Interval]) -> None:
+        """Add to `facts` the operand intervals that `cond == truth` implies. Sound for the
+        kernel's evaluation: a float comparison is false for NaN, so a float operand is narrowed
+        only where its comparison holds (a NaN takes the false branch of `x < c`)."""
+        if isinstance(cond, ex.Unary) and cond.op == "not":
+            self._implied(cond.x, not truth, facts)
+            return
+        if not isinstance(cond, ex.Binary):
+            return
+        if cond.op in ("and", "or"):
+            if (cond.op == "and") == truth:  # (both sides hold: `a and b` true, `a or b` false)
+                self._implied(cond.a, truth, facts)
+                self._implied(cond.b, truth, facts)
+            return
+        if cond.op not in ex.COMPARE_OPS:
+            return
+        op, a, b = cond.op, cond.a, cond.b
+        integers = a.ty == ex.INT and b.ty == ex.INT
+        if not truth:
+            if not integers:
+                return
+            op = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}[op]
+        if op in ("gt", "ge"):
+            op, a, b = {"gt": "lt", "ge": "le"}[op], b, a
+        if op == "ne":
+            return
+        ia, ib = _as_interval(self(a)), _as_interval(self(b))
+        step = 1.0 if op == "lt" and integers else 0.0  # (a float a < b narrows to a <= b)
+        if op == "eq":
+            both = Interval(torch.maximum(ia.lo, ib.lo), torch.minimum(ia.hi, ib.hi))
+            narrowed = {a: both, b: both}
+        else:  # a <= b - step
+            narrowed = {
+                a: Interval(ia.lo, torch.minimum(ia.hi, ib.hi - step)),
+                b: Interval(torch.maximum(ib.lo, ia.lo + step), ib.hi),
+            }
+        for node, iv in narrowed.items():
+            if isinstance(node, ex.Const):
+                continue
+            if node in facts:
+                iv = Interval(torch.maximum(facts[node].lo, iv.lo), torch.minimum(facts[node].hi, iv.hi))
+            facts[node] = iv
 
     def _unary(self, op: str, v: Abstract) -> Abstract:
         if op == "not":

@@ -24,6 +24,15 @@ _BINARY = {
     "and": torch.logical_and, "or": torch.logical_or,
 }  # fmt: skip
 _UNARY = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}
+_ROUNDING = {"floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round}
+
+
+def _saturated_int64(rounded: torch.Tensor) -> torch.Tensor:
+    """Integral float64 values as int64 the way expr.ROUNDING_OPS define it: saturated, NaN 0."""
+    limit = 2.0**63
+    inside = rounded.nan_to_num(0.0).clamp(-limit, limit - 1024.0).long()  # (2^63 - 1024: float64's last below 2^63)
+    top = torch.full_like(inside, torch.iinfo(torch.int64).max)
+    return torch.where(rounded >= limit, top, inside)
 
 
 def _t(x: Value) -> torch.Tensor:
@@ -51,6 +60,8 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
             return torch.logical_not(x)
         if e.op == "abs":
             return x.abs()
+        if e.op in ex.ROUNDING_OPS:
+            return _saturated_int64(_ROUNDING[e.op](x.double()))
         return _UNARY[e.op](x.double())
     if isinstance(e, ex.Binary):
         a, b = evaluate(e.a, env, tensors), evaluate(e.b, env, tensors)
