@@ -183,6 +183,87 @@ def test_concurrent_builds_succeed_once_and_reload_from_disk(tmp_path) -> None:
     assert (build_dir / "kernel.so").stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_a_child_forked_while_a_thread_holds_a_kernel_s_lock_can_call_it() -> None:
+    """A child forked while another thread held a kernel's lock (a build of a new dtype took it
+    for seconds) hung on its first call of that kernel: the child's locks are new."""
+    import threading
+
+    vanilla = kernel("vanilla")
+    q = torch.randn(1, 2, 9, 8)
+    want = vanilla(q, q, q)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with vanilla._lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(30)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child: the kernel's lock and its new plans, within 60 s or killed below)
+        os.close(read)
+        try:
+            torch.set_num_threads(1)
+            ok = vanilla._lock.acquire(timeout=20)
+            if ok:
+                vanilla._lock.release()
+                ok = bool(torch.allclose(vanilla(q.clone(), q, q), want))
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + 60
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.05)
+        answer = os.read(read, 1)
+    finally:
+        os.close(read)
+        release.set()
+        holder.join()
+    assert answer == b"1"
+
+
+def test_a_build_does_not_stall_the_kernel_s_other_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one thread builds a library of a kernel (its first bf16 call: seconds of compiler),
+    calls that use the kernel's loaded libraries go on (they waited for the whole build)."""
+    import threading
+
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    q = torch.randn(1, 2, 9, 8)
+    kern(q, q, q)  # (fp32 loaded)
+    building, finish = threading.Event(), threading.Event()
+    library_path = type(kern).library_path
+
+    def slow_build(self: attncc.Kernel, dtype: str) -> Path:
+        if dtype == "bfloat16":
+            building.set()
+            finish.wait(60)
+        return library_path(self, dtype)
+
+    monkeypatch.setattr(type(kern), "library_path", slow_build)
+    builder = threading.Thread(target=lambda: kern(q.bfloat16(), q.bfloat16(), q.bfloat16()))
+    builder.start()
+    try:
+        assert building.wait(30)
+        start = time.monotonic()
+        for n in (9, 13, 21):  # (new shapes: new plans, prepared under the kernel's lock)
+            x = torch.randn(1, 2, n, 8)
+            kern(x, x, x)
+        assert time.monotonic() - start < 20
+    finally:
+        finish.set()
+        builder.join()
+
+
 def test_generated_source_changes_with_the_program() -> None:
     a, b = kernel("causal").source(), kernel("sliding_window").source()
     assert a != b and "(j <= i)" in a and "int64_t(256)" in b

@@ -137,6 +137,35 @@ def test_patched_replaces_the_functional_call_inside_the_block(monkeypatch: pyte
     torch.testing.assert_close(inside, outside, atol=2e-6, rtol=2e-6)
 
 
+def test_patched_blocks_overlapping_across_threads_restore_torch_s_function() -> None:
+    """Two threads' blocks, the first closed before the second: torch's function is back when
+    the last closes (it stayed attncc's for the rest of the process)."""
+    import threading
+
+    torch_sdpa = F.scaled_dot_product_attention
+    first_open, second_open, first_closed = (threading.Event() for _ in range(3))
+
+    def first() -> None:
+        with patched():
+            first_open.set()
+            second_open.wait(30)
+        first_closed.set()
+
+    def second() -> None:
+        first_open.wait(30)
+        with patched():
+            second_open.set()
+            first_closed.wait(30)
+            assert F.scaled_dot_product_attention is scaled_dot_product_attention  # (still open here)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert first_closed.is_set() and F.scaled_dot_product_attention is torch_sdpa
+
+
 def test_bad_calls_name_the_argument() -> None:
     q, k, v = (t.detach() for t in operands((1, 2), 4, 6))
     with pytest.raises(InputError, match=r"attn_mask: given with is_causal=True"):

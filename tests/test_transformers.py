@@ -480,8 +480,9 @@ def test_padding_with_holes_is_a_clear_error() -> None:
 
 
 def test_key_ranges_are_computed_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Layers share the mask's key ranges; a mask written in place, another mask object with
-    the same values, or other sizes are computed afresh (and the logits stay right)."""
+    """Layers share the mask's key ranges, by value: a mask written in place (by torch or
+    through numpy, which leaves its version counter as it was) or other sizes are computed
+    afresh, another mask object with the same values is not (and the logits stay right)."""
     computed: list[tuple[int, int]] = []
     original = integration.key_ranges
 
@@ -502,12 +503,36 @@ def test_key_ranges_are_computed_once_per_forward(monkeypatch: pytest.MonkeyPatc
     start, end = attend.ranges(mask, 2, 21)
     assert start.tolist() == [3, 5] and end.tolist() == [17, 21] and len(computed) == 3
     attend.ranges(mask.clone(), 2, 21)
+    assert len(computed) == 3
+    mask.numpy()[1, 5] = 0
+    start, end = attend.ranges(mask, 2, 21)
+    assert start.tolist() == [3, 6] and len(computed) == 4
     attend.ranges(mask, 2, 20)
     assert len(computed) == 5
     with torch.no_grad():
         expected = reference(ids, attention_mask=batch(right_padding=4)[1]).logits
     real = batch(right_padding=4)[1].bool()
     assert (got - expected)[real].abs().max() < 2e-4
+
+
+def test_inference_mode_and_position_ids_rewritten_without_a_version() -> None:
+    """Under torch.inference_mode (its tensors have no version counter: every padded forward
+    failed there), a server's position ids rewritten through numpy between forwards (the object
+    and its version counter unchanged: the second forward reused the first one's packing,
+    logits off by 12) are packed afresh."""
+    reference, ours = (m.eval() for m in models("llama"))
+    ids, positions, _ = packed_row()
+    lengths = (5, 9, 8)
+    padded_ids, mask = batch()
+    with torch.inference_mode():
+        first = ours(ids, position_ids=positions, use_cache=False).logits
+        positions.numpy()[:] = torch.cat([torch.arange(n) for n in lengths]).numpy()
+        second = ours(ids, position_ids=positions, use_cache=False).logits
+        alone = torch.cat([reference(part).logits for part in ids.split(lengths, 1)], 1)
+        padded = ours(padded_ids, attention_mask=mask).logits
+        expected = reference(padded_ids, attention_mask=mask).logits
+    assert (second - alone).abs().max() < 2e-4 and (first - second).abs().max() > 0.1
+    assert (padded - expected)[mask.bool()].abs().max() < 2e-4
 
 
 def test_bidirectional_layers_mask_padding_on_both_sides() -> None:

@@ -9,7 +9,6 @@ hang or a traceback.
 from __future__ import annotations
 
 import re
-import threading
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -18,6 +17,7 @@ from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from attncc.errors import DslError, SourceLoc
+from attncc.runtime.locks import module_lock
 
 #: Deepest expression nesting accepted. Hand-written programs use fewer than ten levels, but a
 #: flat sum of n terms is n levels deep (generated bucket tables, polynomial biases), so the
@@ -57,7 +57,7 @@ def _parser() -> tuple[Lark, _Builder]:
     return Lark(grammar, parser="lalr", maybe_placeholders=False, transformer=builder), builder
 
 
-_PARSE_LOCK = threading.Lock()
+_PARSE_LOCK = module_lock(__name__, "_PARSE_LOCK")
 
 
 class _Builder(Transformer):

@@ -27,7 +27,6 @@ with the program's `inputs`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -37,9 +36,10 @@ import attncc
 from attncc.errors import InputError
 from attncc.frontend.flex import FlexProgram, flex_program
 from attncc.runtime.kernel import Kernel
+from attncc.runtime.locks import module_lock
 
 _KERNELS: dict[tuple[str, str], Kernel] = {}
-_LOCK = threading.Lock()
+_LOCK = module_lock(__name__, "_LOCK")
 
 
 @torch.compiler.disable

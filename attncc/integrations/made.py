@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
@@ -10,6 +9,7 @@ import torch
 
 import attncc
 from attncc.runtime.kernel import Kernel
+from attncc.runtime.locks import instance_lock
 
 Options = TypeVar("Options", bound=Hashable)
 
@@ -22,7 +22,7 @@ class MadeKernels(Generic[Options]):
     def __init__(self, program: Callable[[Options], str]) -> None:
         self.program = program
         self._kernels: dict[tuple[Options, str], Kernel] = {}
-        self._lock = threading.Lock()
+        self._lock = instance_lock(self)
 
     def __call__(self, options: Options, device: torch.device) -> Kernel:
         key = (options, "cuda" if device.type == "cuda" else "cpu")

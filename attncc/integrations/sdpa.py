@@ -29,11 +29,13 @@ import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from attncc.errors import InputError
 from attncc.integrations.made import MadeKernels, masked_softmax_output
+from attncc.runtime.locks import module_lock
 
 
 @dataclass(frozen=True)
@@ -169,16 +171,29 @@ def scaled_dot_product_attention(
     return out.reshape(*query.shape[:-1], v.shape[-1])
 
 
+#: Open `patched()` blocks (any thread) and torch's function they replaced.
+_PATCHING: dict[str, Any] = {"open": 0, "torch": None}
+_PATCH_LOCK = module_lock(__name__, "_PATCH_LOCK")
+
+
 @contextmanager
 def patched() -> Iterator[None]:
     """`torch.nn.functional.scaled_dot_product_attention` is attncc's inside the block (code
     that calls it through the module attribute, as `F.scaled_dot_product_attention(...)`; a name
     imported before, `from torch.nn.functional import scaled_dot_product_attention`, keeps
-    torch's)."""
+    torch's). The attribute is the process's: while any thread's block is open, every thread
+    calls attncc's, and torch's is back when the last block closes (blocks that overlap across
+    threads left attncc's in place when they closed out of order)."""
     functional = torch.nn.functional
-    original = functional.scaled_dot_product_attention
-    functional.scaled_dot_product_attention = scaled_dot_product_attention
+    with _PATCH_LOCK:
+        if _PATCHING["open"] == 0:
+            _PATCHING["torch"] = functional.scaled_dot_product_attention
+            functional.scaled_dot_product_attention = scaled_dot_product_attention
+        _PATCHING["open"] += 1
     try:
         yield
     finally:
-        functional.scaled_dot_product_attention = original
+        with _PATCH_LOCK:
+            _PATCHING["open"] -= 1
+            if _PATCHING["open"] == 0:
+                functional.scaled_dot_product_attention = _PATCHING["torch"]

@@ -38,7 +38,6 @@ transformers is an optional dependency: `pip install 'attncc[transformers]'`.
 from __future__ import annotations
 
 import dis
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ import attncc
 from attncc.errors import AttnccError
 from attncc.integrations.made import masked_softmax_output
 from attncc.runtime.kernel import Kernel
+from attncc.runtime.locks import instance_lock
 from attncc.runtime.ragged import VarlenPlan
 
 T = TypeVar("T")
@@ -446,35 +446,36 @@ class ModelAttention:
 
     def __init__(self, program: str | Path | None = None) -> None:
         self.program = program
-        self._lock = threading.Lock()
+        self._lock = instance_lock(self)
         self._kernels: dict[tuple[LayerNeeds, str], Kernel] = {}
         self._given: dict[str, Kernel] = {}
-        # per kind ("ranges", "plan"): the last result, with the tensors it was made from (weakly:
-        # a new tensor at the same address is another object), their versions and the sizes
-        self._last: dict[str, tuple[tuple[weakref.ref, ...], tuple[int, ...], tuple, object]] = {}
+        # per kind ("ranges", "plan"): the last result, with copies of the tensors it was made from
+        # and the sizes
+        self._last: dict[str, tuple[tuple[torch.Tensor, ...], tuple, object]] = {}
 
     def once_per_forward(self, kind: str, sources: tuple[torch.Tensor, ...], sizes: tuple, make: Callable[[], T]) -> T:
         """make(), once per model forward rather than per layer: every layer gets the same mask,
-        position ids or offsets, so the last result of `kind` is reused while it was made from
-        these very tensors, unwritten since (their version counters), at these sizes."""
+        position ids or offsets, so the last result of `kind` is reused while the tensors given
+        hold the values it was made from, at these sizes. (By value: a server's preallocated
+        position ids rewritten through numpy or `.data` keep their object and version counter,
+        and inference tensors have no version counter.)"""
+        # (what inference mode made holds inference tensors, which a recorded graph cannot save)
+        sizes = (*sizes, torch.is_inference_mode_enabled())
         with self._lock:
             last = self._last.get(kind)
         if last is not None:
-            refs, versions, made_at, result = last
+            seen, made_at, result = last
             if (
                 made_at == sizes
-                and all(ref() is t for ref, t in zip(refs, sources))
-                and versions == tuple(t._version for t in sources)
+                and len(seen) == len(sources)
+                and all(
+                    a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)) for a, b in zip(seen, sources)
+                )
             ):
                 return result  # type: ignore[return-value]
         result = make()
         with self._lock:
-            self._last[kind] = (
-                tuple(weakref.ref(t) for t in sources),
-                tuple(t._version for t in sources),
-                sizes,
-                result,
-            )
+            self._last[kind] = (tuple(t.detach().clone() for t in sources), sizes, result)
         return result
 
     def ranges(self, padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -31,7 +31,6 @@ import shlex
 import shutil
 import stat
 import subprocess
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -43,6 +42,7 @@ import torch
 
 from attncc.codegen import PREAMBLE_END
 from attncc.errors import BuildError
+from attncc.runtime.locks import module_lock
 from attncc.targets import NATIVE_FLAGS
 
 INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"
@@ -87,7 +87,7 @@ PRECOMPILED_DIR = ".preambles"
 _LOADED: dict[Path, ctypes.CDLL] = {}
 _PREBUILDING_INTO: list[Path] = []  # innermost `prebuilding_into` directory last
 _DAMAGED_PREBUILT: set[Path] = set()  # warned about once per process
-_LOAD_LOCK = threading.Lock()
+_LOAD_LOCK = module_lock(__name__, "_LOAD_LOCK")
 
 
 def cache_dir() -> Path:

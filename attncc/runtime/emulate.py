@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from attncc.passes.tiling import (
     split_kv_blocks,
     split_kv_slots,
 )
-from attncc.runtime.build import EMULATOR_FLAGS, build_library, load_library
+from attncc.runtime.build import EMULATOR_FLAGS, build_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
 from attncc.runtime.kernel import (
     CALL_OPERANDS,
@@ -40,6 +39,7 @@ from attncc.runtime.kernel import (
     acc_dtype,
     delta_rows,
 )
+from attncc.runtime.locks import module_lock
 from attncc.runtime.merge import merge_states
 from attncc.runtime.ragged import Appends, append_to_caches
 from attncc.targets import GPUS
@@ -49,7 +49,7 @@ from attncc.targets import GPUS
 SCHEDULES = {"lockstep": 0, "warp-greedy": 1, "lockstep-eager-copies": 2, "warp-greedy-eager-copies": 3}
 #: Added to a schedule where `EmulatedKernel.racecheck` is on (emulator.h kRaceCheck).
 RACE_CHECK = 4
-_LOCK = threading.Lock()
+_LOCK = module_lock(__name__, "_LOCK")
 
 
 FP16_MAX = 65504.0
@@ -243,11 +243,8 @@ class EmulatedKernel(Kernel):
         )
 
     def emulated_library(self, dtype: str, head_dim: int, value_dim: int | None = None) -> ctypes.CDLL:
-        key = (dtype, *library_dims(head_dim, value_dim))
-        with self._lock:
-            if key not in self._libraries:  # (the text depends on the key alone)
-                self._libraries[key] = load_library(self.library_path_for(dtype, head_dim, value_dim))
-            return self._libraries[key]
+        key = (dtype, *library_dims(head_dim, value_dim))  # (the text depends on the key alone)
+        return self._loaded(key, lambda: self.library_path_for(dtype, head_dim, value_dim), None)
 
     def prebuild(
         self,

@@ -15,7 +15,6 @@ import hashlib
 import heapq
 import itertools
 import math
-import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -56,6 +55,7 @@ from attncc.runtime.fp8 import (
     kv_descales,
     library_dtype,
 )
+from attncc.runtime.locks import instance_lock
 from attncc.runtime.nested import any_nested, nested_attention
 from attncc.runtime.ragged import (
     Appends,
@@ -386,7 +386,7 @@ class Kernel:
 
     def _register(self) -> None:
         self._libraries: dict[str | tuple[str, int], ctypes.CDLL] = {}  # CPU: dtype; CUDA: (dtype, head dim)
-        self._lock = threading.Lock()
+        self._lock = instance_lock(self)
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         self._calls_by_values: dict[tuple, dict] = {}  # ... and by host-read values, lengths (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
@@ -1038,10 +1038,21 @@ class Kernel:
 
     def library(self, dtype: str) -> ctypes.CDLL:
         """The compiled library for q/k/v of `dtype` (built once, then from the disk cache)."""
+        return self._loaded(dtype, lambda: self.library_path(dtype), "attncc_forward")
+
+    def _loaded(self, key: str | tuple[str, int, int], build: Callable[[], Path], symbol: str | None) -> ctypes.CDLL:
+        """The library of `key`, loaded once; `build()` (its path: seconds of compiler on a first
+        use) runs outside the kernel's lock, so calls of the kernel's other libraries go on
+        meanwhile (they stalled for the whole build) and threads building the same one wait
+        on the cache entry's file lock (runtime/build.py) instead."""
+        library = self._libraries.get(key)
+        if library is not None:
+            return library
+        path = build()
         with self._lock:
-            if dtype not in self._libraries:
-                self._libraries[dtype] = load_library(self.library_path(dtype), "attncc_forward")
-            return self._libraries[dtype]
+            if key not in self._libraries:
+                self._libraries[key] = load_library(path, symbol)
+            return self._libraries[key]
 
     def prebuild(
         self, dtypes: Sequence[torch.dtype], head_dims: Sequence[int], kv_dtypes: Sequence[torch.dtype] = ()
