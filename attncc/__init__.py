@@ -46,6 +46,8 @@ def read_program(path_or_source: str | Path) -> tuple[str, str]:
         raise AttnccError("expected a program's path or DSL text, got an empty string")
     if "\n" not in text:
         path = Path(text)
+        if isinstance(path_or_source, str) and "\r" in text and not path.exists():
+            return text, "<string>"  # (lines ended by \r alone: old Mac text)
         if path.is_dir():
             raise AttnccError(f"{text}: a directory, not a program file")
         if not path.is_file():

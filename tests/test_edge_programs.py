@@ -13,6 +13,7 @@ import torch
 
 import attncc
 from attncc.errors import DslError, InputError
+from tests.conftest import ROOT
 
 TAIL = "p = softmax(s)\no = p @ v\noutput o\n"
 
@@ -289,3 +290,42 @@ def test_a_call_scale_for_a_program_that_reads_no_scale_is_an_error() -> None:
         assert torch.equal(kern(q, k, v), kern(q, k, v, scale=None))  # (none given: fine)
     scaled = attncc.compile(program("s = q @ k.T * scale * 2\n", "scaled"))
     assert torch.allclose(scaled(q, k, v, scale=0.15), attncc.compile("examples/vanilla.attn")(q, k, v, scale=0.3))
+
+
+def test_integer_ids_that_float64_cannot_tell_apart_are_not_trusted() -> None:
+    """Document ids 2^53 and 2^53 + 1 (one float64 value): the tile classes called both
+    documents' tiles FULL and each attended the other (all rows off by up to 0.5)."""
+    n = 256
+    q, k, v = qkv(n, n)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for base in (2**53, 2**63 - 2):
+        doc = torch.full((1, n), base, dtype=torch.int64)
+        doc[:, 128:] += 1
+        keep = (doc[0][:, None] == doc[0][None, :]) & causal
+        out = attncc.compile(ROOT / "examples" / "document.attn")(q, k, v, doc=doc)
+        assert torch.allclose(out, masked_attention(q, k, v, keep), atol=1e-12)
+
+
+def test_float32_overflow_and_underflow_are_tile_classes_of_their_own() -> None:
+    """`exp(i) > exp(j)` is false where float32's exp is inf on both sides (i, j >= 89), true in
+    float64; `exp(j - i) > 0` is false where float32's exp is 0 (i - j from ~88 to ~104, as
+    denormals are flushed or not). Tiles the float64 classes called FULL kept those keys, so a
+    row's answer depended on where tile boundaries fell (172 and 212 of 300 rows wrong)."""
+    n = 300
+    q, k, v = (t.float() for t in qkv(n, n))
+    i, j = torch.arange(n).view(n, 1), torch.arange(n).view(1, n)
+    overflow = attncc.compile(program("s = q @ k.T * scale\nmask exp(i * 1.0) > exp(j * 1.0)\n", "overflow"))
+    keep = torch.exp(i.float()) > torch.exp(j.float())
+    assert torch.allclose(overflow(q, k, v), masked_attention(q, k, v, keep), atol=2e-6)
+    underflow = attncc.compile(program("s = q @ k.T * scale\nmask j <= i and exp((j - i) * 1.0) > 0.0\n", "underflow"))
+    out = underflow(q, k, v)
+    bands = [masked_attention(q, k, v, (j <= i) & (i - j <= width)) for width in range(86, 105)]
+    assert any(torch.allclose(out, band, atol=2e-6) for band in bands)  # (one band for every row)
+
+
+def test_old_mac_line_ends_and_dimensions_beyond_int64() -> None:
+    text = "attention cr\rs = q @ k.T * scale\rmask j <= i\r" + TAIL.replace("\n", "\r")
+    q, k, v = qkv(9, 9)
+    assert torch.allclose(attncc.compile(text)(q, k, v), masked_attention(q, k, v, torch.ones(9, 9).tril().bool()))
+    with pytest.raises(DslError, match=r":2:16: .*dimension `99999999999999999999` is out of range"):
+        attncc.compile("attention big\ninput t: float[99999999999999999999]\ns = q @ k.T * scale\n" + TAIL)

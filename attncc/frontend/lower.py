@@ -131,6 +131,8 @@ def _dim(d: Ast) -> str | int:
     if d.value.isdigit():
         if int(d.value) < 1:
             raise DslError("a dimension must be at least 1", d.loc)
+        if int(d.value) > INT64_MAX:
+            raise DslError(f"dimension `{d.value}` is out of range (at most {INT64_MAX})", d.loc)
         return int(d.value)
     if not d.value.isidentifier():
         raise DslError(f"a dimension is a name or a positive integer, not `{d.value}`", d.loc)

@@ -174,6 +174,7 @@ def decode_source(data: bytes, path: str) -> str:
 
 def parse(text: str, path: str = "<string>") -> Ast:
     """Parse a program; raises DslError (with file:line:col and a caret) on any bad input."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # (Windows and old Mac line ends)
     src = _Source(text, path)
     if len(text) > MAX_SOURCE_CHARS:
         raise DslError(f"program too large ({len(text)} characters, limit {MAX_SOURCE_CHARS})", src.loc(1, 1))

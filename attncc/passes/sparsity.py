@@ -172,7 +172,8 @@ EXACT_INT_BOUND = 2.0**53
 
 def _int64_safe(v: Interval) -> Interval:
     """`v` for an int64 expression: unbounded wherever a bound leaves the exact range."""
-    wild = (v.lo.abs() > EXACT_INT_BOUND) | (v.hi.abs() > EXACT_INT_BOUND)
+    # (>=: an int64 of 2^53 + 1 read into float64 is 2^53, so 2^53 itself is no exact bound)
+    wild = (v.lo.abs() >= EXACT_INT_BOUND) | (v.hi.abs() >= EXACT_INT_BOUND)
     if not bool(wild.any()):
         return v
     return Interval(torch.where(wild, -math.inf, v.lo), torch.where(wild, math.inf, v.hi))
@@ -239,12 +240,25 @@ def _mod(a: Interval, b: Interval) -> Interval:
 FLOAT_MARGIN = 2.0**-16
 
 
+#: float32's largest finite value and smallest normal one, less / more FLOAT_MARGIN: beyond, a
+#: float32 result may be inf (exp(89)), below, 0 (exp(-90): the CPU kernels flush denormals).
+FLOAT32_FINITE = float(torch.finfo(torch.float32).max) * (1 - FLOAT_MARGIN)
+FLOAT32_NORMAL = float(torch.finfo(torch.float32).tiny) * (1 + FLOAT_MARGIN)
+
+
 def _float32_rounded(x: Interval) -> Interval:
     """A float expression's interval widened by FLOAT_MARGIN of its magnitude, so a comparison
     that float32 may decide otherwise than float64 (`i * 0.1 <= 4.8` at i = 48: true in float32,
     false in float64) classes its tile PARTIAL and the kernel's own per-score test decides, as it
-    does inside every partial tile (a tile EMPTY here dropped a row that float32 keeps)."""
-    return _clean(x.lo - x.lo.abs() * FLOAT_MARGIN, x.hi + x.hi.abs() * FLOAT_MARGIN)
+    does inside every partial tile (a tile EMPTY here dropped a row that float32 keeps); and
+    reaching inf past float32's range and 0 below its normal numbers (`exp(j - i) > 0.0` held in
+    float64 where float32's exp is 0: FULL tiles kept keys the kernel's test drops)."""
+    x = _clean(x.lo - x.lo.abs() * FLOAT_MARGIN, x.hi + x.hi.abs() * FLOAT_MARGIN)
+    lo = torch.where(x.lo < -FLOAT32_FINITE, -math.inf, x.lo)
+    hi = torch.where(x.hi > FLOAT32_FINITE, math.inf, x.hi)
+    lo = torch.where((lo > 0) & (lo < FLOAT32_NORMAL), 0.0, lo)
+    hi = torch.where((hi < 0) & (hi > -FLOAT32_NORMAL), 0.0, hi)
+    return Interval(lo, hi)
 
 
 def _float32_exact(e: ex.Expr) -> bool:
@@ -682,6 +696,7 @@ def check_reads_and_divisors(
                 raise InputError(
                     f"{shown}[{', '.join(map(str, r.index))}]: index {dim} ({index}) ranges over "
                     f"[{lo:.0f}, {hi:.0f}] for {sizes}, but {shown} has size {t.shape[dim]} in dimension {dim} "
-                    "(a read is checked wherever the masks may keep its score, both branches of a `where` "
-                    "included: clamp the index, e.g. with min and max)"
+                    "(a read is checked at every position of the problem, whatever masks or `where` conditions "
+                    "surround it: the kernels compute score maps before they mask, and a learnable input's "
+                    "gradient at every read; clamp the index, e.g. with min and max)"
                 )
