@@ -329,3 +329,15 @@ def test_old_mac_line_ends_and_dimensions_beyond_int64() -> None:
     assert torch.allclose(attncc.compile(text)(q, k, v), masked_attention(q, k, v, torch.ones(9, 9).tril().bool()))
     with pytest.raises(DslError, match=r":2:16: .*dimension `99999999999999999999` is out of range"):
         attncc.compile("attention big\ninput t: float[99999999999999999999]\ns = q @ k.T * scale\n" + TAIL)
+
+
+def test_integers_compared_with_floats_are_converted_as_the_kernels_convert_them() -> None:
+    """The kernels compare an int with a float in float32, where 2^24 + 1 is 2^24: `off >
+    16777216.0` is false at off = 2^24 + 1 there (the tile classes, exact in float64, said
+    true for every tile: all keys kept where only key 0 is)."""
+    q, k, v = (t.float() for t in qkv(40, 40))
+    kern = attncc.compile(program("input off: int\ns = q @ k.T * scale\nmask off > 16777216.0 or j == 0\n", "mixed"))
+    keep = torch.zeros(40, 40, dtype=torch.bool)
+    keep[:, 0] = True
+    assert torch.allclose(kern(q, k, v, off=2**24 + 1), masked_attention(q, k, v, keep), atol=2e-6)
+    assert torch.allclose(kern(q, k, v, off=2**24 + 2), masked_attention(q, k, v, torch.ones_like(keep)), atol=2e-6)

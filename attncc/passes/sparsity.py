@@ -329,7 +329,11 @@ class IntervalEvaluator:
         if isinstance(e, ex.Unary):
             return self._unary(e.op, self(e.x))
         if isinstance(e, ex.Binary):
-            return self._binary(e.op, self(e.a), self(e.b))
+            a, b = self(e.a), self(e.b)
+            if {e.a.ty, e.b.ty} == {ex.INT, ex.FLOAT}:  # (the kernels convert the int to float32 first:
+                # 2^24 + 1 is 2^24 there, so `i > 16777216.0` is false at i = 2^24 + 1)
+                a, b = (_float32_rounded(_as_interval(v)) if x.ty == ex.INT else v for v, x in ((a, e.a), (b, e.b)))
+            return self._binary(e.op, a, b)
         if isinstance(e, ex.Where):
             c = _as_truth(self(e.cond))
             only_a, only_b = c.may_true & ~c.may_false, c.may_false & ~c.may_true
