@@ -2,7 +2,7 @@
 
 A seeded generator writes random programs: integer arithmetic on b, h, i, j, sizes and small
 constants (floor division and modulo with negative operands and divisors), comparisons,
-`and or not`, `where min max abs`, let-bound and `const` names, runtime inputs, masks (some of
+`and or not`, `where min max abs`, `floor ceil trunc round` of integers times powers of two, let-bound and `const` names, runtime inputs, masks (some of
 which leave rows with no visible key) and float score maps of `s` (`tanh exp log sqrt abs min
 max where`, learnable per-head inputs, `-inf`). Texts use the fewest parentheses the grammar's
 precedence allows, so they test the parser as much as the semantics.
@@ -104,6 +104,10 @@ TOKEN = re.compile(
     r"|(?P<op>//|<=|>=|==|!=|[-+*/%<>()\[\],.@]))"
 )
 FUNCTIONS = {"abs": 1, "exp": 1, "log": 1, "tanh": 1, "sqrt": 1, "min": 2, "max": 2, "where": 3}
+#: A number rounded to an int (README: `round` half to even, as torch.round); the generator
+#: rounds integers times a power of two, exact in float32 as in float64, so ties really occur.
+ROUNDINGS = {"floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round}
+FUNCTIONS.update({name: 1 for name in ROUNDINGS})
 
 
 class OracleError(Exception):
@@ -314,6 +318,8 @@ def call(fn: str, args: list[Val]) -> Val:
             return Val("int", pick(_int(a), _int(b)))
         return Val("float", pick(_float(a), _float(b)))
     (x,) = args
+    if fn in ROUNDINGS:
+        return x if x.kind == "int" else Val("int", ROUNDINGS[fn](_float(x)).long())
     if fn == "abs":
         return Val(x.kind, _int(x).abs()) if x.kind == "int" else Val("float", _float(x).abs())
     return Val("float", {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}[fn](_float(x)))
@@ -570,6 +576,13 @@ class Gen:
                 (1, lambda: self.fn(r.choice(("min", "max")), self.gen_int(d - 1), self.gen_int(d - 1))),
                 (0.8, lambda: self.fn("where", self.gen_bool(d - 1), self.gen_int(d - 1), self.gen_int(d - 1))),
                 (0.6 if "lens" in self.available else 0, lambda: E("lens[b]")),
+                (
+                    0.8,
+                    lambda: self.fn(
+                        r.choice(tuple(ROUNDINGS)),
+                        self.binop("*", self.gen_int(d - 1), E(r.choice(("0.5", "0.25", "-1.5", "0.125")))),
+                    ),
+                ),
             ]
         )
 
@@ -880,17 +893,14 @@ def generate_program(seed: int, profile: str = "reference", recipe: frozenset[st
 
     for _ in range(rng.choice((0, 0, 1))):
         let(rng.choice(("int", "bool")))
-    body.append(
-        rng.choice(
-            ("s = q @ k.T * scale",) * 6
-            + (
-                "s = (q @ k.T) * scale",
-                "s = q @ k.T * scale / 2",
-                "s = q @ k.T / 4",
-                "s = q @ k.T * 0.25 * (scale * 4)",
-            )
-        )
+    products = ("s = q @ k.T * scale",) * 6 + (
+        "s = (q @ k.T) * scale",
+        "s = q @ k.T * scale / 2",
+        "s = q @ k.T / 4",
+        "s = q @ k.T * 0.25 * (scale * 4)",
     )
+    # (a call's scale= is an error for a program that reads no name `scale`)
+    body.append(rng.choice([p for p in products if "scale" in p] if "call_scale" in recipe else products))
     maps = masks = 0
     weights = (0.6, 0.4, 0.3, 2, 2) if kernel else (1.2, 0.8, 0.6, 2, 2)
     for _ in range(rng.randint(2, 5) if kernel else rng.randint(1, 6)):
@@ -996,6 +1006,7 @@ def _python_point_env(b: int, h: int, i: int, j: int, sizes: dict[str, int]) -> 
         "b": b, "h": h, "i": i, "j": j, **sizes, "inf": math.inf,
         "where": lambda c, x, y: x if c else y, "min": min, "max": max, "abs": abs,
         "exp": math.exp, "log": math.log, "tanh": math.tanh, "sqrt": math.sqrt, "scale": 0.25,
+        "floor": math.floor, "ceil": math.ceil, "trunc": math.trunc, "round": round,  # (round: half to even)
     }  # fmt: skip
 
 

@@ -250,3 +250,46 @@ def test_rounding_errors_point_at_the_call(body: str, message: str) -> None:
     with pytest.raises(DslError, match=message) as info:
         attncc.compile(program(body))
     assert ":5:9:" in str(info.value)
+
+
+def test_a_nan_rounded_inside_a_clamp_is_no_proof_of_range() -> None:
+    """min and max keep a NaN (the kernels' min_of(4.5, NaN) is NaN), and floor(NaN) is 0: an
+    index clamped before rounding is refused where the float may be NaN (it was proven in
+    [0, 1] and read t[-3]); clamped after rounding it is in range, NaN included."""
+    q, k, v = (torch.randn(1, 1, 2, 8) for _ in range(3))
+    k, v = torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8)
+    x = torch.tensor([3.7, 4.2, 0.0, 9.0, -2.0, math.nan, 4.0, 3.5])
+    t = torch.tensor([10.0, 20.0])
+    before = "input x: float[M]\ninput t: float[2]\ns = q @ k.T\ns = s + t[floor(max(min(4.5, x[j]), 3.5)) - 3]\n"
+    with pytest.raises(InputError, match="ranges over"):
+        attncc.compile(f"attention nan_before\n{before}p = softmax(s)\no = p @ v\noutput o\n")(q, k, v, x=x, t=t)
+    after = "input x: float[M]\ninput t: float[2]\ns = q @ k.T\ns = s + t[min(max(floor(x[j]), 3), 4) - 3]\n"
+    out = attncc.compile(f"attention nan_after\n{after}p = softmax(s)\no = p @ v\noutput o\n")(q, k, v, x=x, t=t)
+    index = torch.floor(x).nan_to_num(0.0).clamp(3, 4).long() - 3
+    assert torch.allclose(out, torch.softmax(q @ k.transpose(-1, -2) + t[index], -1) @ v, atol=1e-5)
+
+
+def test_where_narrowing_leaves_int_float_comparisons_alone() -> None:
+    """`j + c <= 2^30` with c = 2^30 holds in float32 for j up to 64 (2^30 + 64 rounds to 2^30):
+    the branch's index `j + c - 2^30` is not [0, 0] (it read t[1..64])."""
+    q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 80, 8), torch.randn(1, 1, 80, 8)
+    body = "input t: float[1]\nconst c = 1073741824\ns = q @ k.T\ns = s + t[where(j + c <= 1073741824.0, j + c - 1073741824, 0)]\n"
+    with pytest.raises(InputError, match=r"ranges over \[0, 79\]"):
+        attncc.compile(f"attention mixed_narrow\n{body}p = softmax(s)\no = p @ v\noutput o\n")(q, k, v, t=torch.ones(1))
+
+
+def test_flex_rounding_of_floats_is_torch_s() -> None:
+    """torch.floor of a float score keeps NaN and inf as torch does (the DSL's floor gives 0 and
+    int64's limits)."""
+    from attncc.integrations.flex import flex_attention
+
+    q, k, v = (torch.randn(1, 1, 3, 8, dtype=torch.float64) for _ in range(3))
+    q[0, 0, 1, 0] = math.nan
+
+    def quarter_steps(score, b, h, q_idx, kv_idx):
+        return torch.floor(score * 4) / 4 + torch.round(score * 0) * torch.ceil(score * 1e300)
+
+    out = flex_attention(q, k, v, score_mod=quarter_steps)
+    s = q @ k.transpose(-1, -2) / math.sqrt(8)
+    want = torch.softmax(torch.floor(s * 4) / 4 + torch.round(s * 0) * torch.ceil(s * 1e300), -1) @ v
+    assert torch.isnan(out[0, 0, 1]).all() and torch.allclose(out[0, 0, [0, 2]], want[0, 0, [0, 2]], atol=1e-12)

@@ -363,10 +363,15 @@ class Traced:
         return Traced(f"(1.0 / (1.0 + {self.__neg__()._unary_float('exp').text}))", "float", self.captures)
 
     def _rounded(self, fn: str) -> Traced:
-        """torch.floor / ceil / trunc / round: an integral value of x's kind (the DSL's rounding
-        gives an int, saturated at int64's range and 0 for NaN: a float's is that int again)."""
+        """torch.floor / ceil / trunc / round: an integral value of x's kind. The DSL's rounding
+        gives an int (saturated at int64's range, 0 for NaN); torch's of a float is a float, x
+        itself where |x| >= 2^62 (a float that large is an integer), inf or NaN."""
         x = self._number()
-        return x if x.kind == "int" else Traced(f"({fn}({x.text}) * 1.0)", "float", self.captures)
+        if x.kind == "int":
+            return x
+        return _where(
+            x.abs() < float(2**62), Traced(f"({fn}({x.text}) * 1.0)", "float", self.captures), x, self.captures
+        )
 
     def floor(self) -> Traced:
         return self._rounded("floor")

@@ -469,7 +469,8 @@ class ModelAttention:
                 made_at == sizes
                 and len(seen) == len(sources)
                 and all(
-                    a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)) for a, b in zip(seen, sources)
+                    a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+                    for a, b in zip(seen, sources)
                 )
             ):
                 return result  # type: ignore[return-value]

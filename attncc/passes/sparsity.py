@@ -170,13 +170,27 @@ def _point(x: torch.Tensor | float) -> Interval:
 EXACT_INT_BOUND = 2.0**53
 
 
-def _int64_safe(v: Interval) -> Interval:
-    """`v` for an int64 expression: unbounded wherever a bound leaves the exact range."""
-    # (>=: an int64 of 2^53 + 1 read into float64 is 2^53, so 2^53 itself is no exact bound)
-    wild = (v.lo.abs() >= EXACT_INT_BOUND) | (v.hi.abs() >= EXACT_INT_BOUND)
-    if not bool(wild.any()):
+#: Integer operations that wrap in the kernels' int64 (x + y, INT64_MIN // -1, -INT64_MIN, ...).
+WRAPPING_OPS = ("add", "sub", "mul", "floordiv", "neg", "abs")
+
+
+def _int64_safe(v: Interval, wraps: bool) -> Interval:
+    """`v` for an int64 expression. A bound past the exact range (>=: an int64 of 2^53 + 1 read
+    into float64 is 2^53, so 2^53 itself is no exact bound) is no bound: for an operation that
+    wraps, the whole interval is unbounded wherever one is past it; for the others (reads,
+    rounding, min, max, where) each such bound gives way alone, so `min(max(floor(x), 0), 7)`
+    is [0, 7] for any float x."""
+    lo_out, hi_out = v.lo.abs() >= EXACT_INT_BOUND, v.hi.abs() >= EXACT_INT_BOUND
+    if not bool((lo_out | hi_out).any()):
         return v
-    return Interval(torch.where(wild, -math.inf, v.lo), torch.where(wild, math.inf, v.hi))
+    if wraps:
+        wild = lo_out | hi_out
+        return Interval(torch.where(wild, -math.inf, v.lo), torch.where(wild, math.inf, v.hi))
+    near = EXACT_INT_BOUND - 1  # (a large bound's exact value is beyond this one, on its side)
+    return Interval(
+        torch.where(lo_out, torch.where(v.lo > 0, near, -math.inf), v.lo),
+        torch.where(hi_out, torch.where(v.hi < 0, -near, math.inf), v.hi),
+    )
 
 
 def _as_truth(v: Abstract) -> Truth:
@@ -195,6 +209,22 @@ def _clean(lo: torch.Tensor, hi: torch.Tensor) -> Interval:
     bad = torch.isnan(lo) | torch.isnan(hi)
     inf = torch.tensor(math.inf, dtype=torch.float64)
     return Interval(torch.where(bad, -inf, lo), torch.where(bad, inf, hi))
+
+
+def _nan_kept(value: Abstract, *operands: Abstract) -> Abstract:
+    """`value` unbounded wherever an operand is: a float that may be NaN has the interval
+    [-inf, inf] (`_clean`), and the float functions whose range is bounded (exp, tanh, abs) and
+    min and max (the kernels' min_of(a, b) is `a < b ? a : b`: NaN or b, by operand order) would
+    give it finite bounds that a NaN lies outside (floor(NaN) is 0: an index `floor(max(min(4.5,
+    x), 3.5)) - 3` was proven in [0, 1] and read t[-3])."""
+    assert isinstance(value, Interval)
+    wild = torch.zeros((), dtype=torch.bool)
+    for x in operands:
+        x = _as_interval(x)
+        wild = wild | (torch.isneginf(x.lo) & torch.isposinf(x.hi))
+    if not bool(wild.any()):
+        return value
+    return Interval(torch.where(wild, -math.inf, value.lo), torch.where(wild, math.inf, value.hi))
 
 
 def _mul(a: Interval, b: Interval) -> Interval:
@@ -268,6 +298,8 @@ def _float32_exact(e: ex.Expr) -> bool:
     if not isinstance(e, ex.Const):
         return False
     value = float(e.value)
+    if value != 0 and abs(value) < torch.finfo(torch.float32).tiny:  # (a denormal: the CPU kernels read it as 0)
+        return False
     return math.isinf(value) or float(torch.tensor(value, dtype=torch.float32)) == value
 
 
@@ -295,19 +327,27 @@ _MONOTONE = {
 }  # fmt: skip
 
 
+#: `where` branches narrowed inside one another at most: a branch is evaluated afresh with its
+#: narrowed operands (what it shares with the other branch, twice), so nesting is bounded to
+#: keep a program's evaluation linear in its size; deeper branches keep their operands' intervals.
+MAX_NARROWED_BRANCHES = 3
+
+
 class IntervalEvaluator:
     """Abstract interpretation of an expression over per-tile intervals."""
 
-    def __init__(self, env: Mapping[str, Interval], read) -> None:  # noqa: ANN001 - callable
+    def __init__(self, env: Mapping[str, Interval], read, narrowed: int = 0) -> None:  # noqa: ANN001 - callable
         self.env = env
         self.read = read
         self.memo: dict[ex.Expr, Abstract] = {}
+        self.narrowed = narrowed  # the `where` branches this evaluator is inside (`_branch`)
 
     def __call__(self, e: ex.Expr) -> Abstract:
         if e not in self.memo:
             value = self._eval(e)
             if e.ty == ex.INT and isinstance(value, Interval):
-                value = _int64_safe(value)
+                wraps = isinstance(e, (ex.Binary, ex.Unary)) and e.op in WRAPPING_OPS
+                value = _int64_safe(value, wraps)
             if e.ty == ex.FLOAT and isinstance(value, Interval) and not _float32_exact(e):
                 value = _float32_rounded(value)
             self.memo[e] = value
@@ -327,13 +367,15 @@ class IntervalEvaluator:
             value = self.read(e, [_as_interval(self(i)) for i in e.index])
             return _as_truth(value) if e.ty == ex.BOOL else value
         if isinstance(e, ex.Unary):
-            return self._unary(e.op, self(e.x))
+            value = self._unary(e.op, self(e.x))
+            return _nan_kept(value, self(e.x)) if e.x.ty == ex.FLOAT and e.ty == ex.FLOAT else value
         if isinstance(e, ex.Binary):
             a, b = self(e.a), self(e.b)
             if {e.a.ty, e.b.ty} == {ex.INT, ex.FLOAT}:  # (the kernels convert the int to float32 first:
                 # 2^24 + 1 is 2^24 there, so `i > 16777216.0` is false at i = 2^24 + 1)
                 a, b = (_float32_rounded(_as_interval(v)) if x.ty == ex.INT else v for v, x in ((a, e.a), (b, e.b)))
-            return self._binary(e.op, a, b)
+            value = self._binary(e.op, a, b)
+            return _nan_kept(value, a, b) if e.op in ("min", "max") and e.ty == ex.FLOAT else value
         if isinstance(e, ex.Where):
             c = _as_truth(self(e.cond))
             only_a, only_b = c.may_true & ~c.may_false, c.may_false & ~c.may_true
@@ -355,10 +397,11 @@ class IntervalEvaluator:
         their operands' intervals inside the branch (T5's buckets, `where(n < 8, n, 8 +
         trunc(log(n / 8) ...))`, index a table only because n >= 8 in the second branch)."""
         facts: dict[ex.Expr, Interval] = {}
-        self._implied(cond, truth, facts)
+        if self.narrowed < MAX_NARROWED_BRANCHES:
+            self._implied(cond, truth, facts)
         if not facts:
             return self(branch)
-        inside = IntervalEvaluator(self.env, self.read)
+        inside = IntervalEvaluator(self.env, self.read, self.narrowed + 1)
         inside.memo.update(facts)
         return inside(branch)
 
@@ -379,7 +422,9 @@ class IntervalEvaluator:
         if cond.op not in ex.COMPARE_OPS:
             return
         op, a, b = cond.op, cond.a, cond.b
-        integers = a.ty == ex.INT and b.ty == ex.INT
+        if a.ty != b.ty:  # (the kernels compare an int with a float in float32, where the int is rounded)
+            return
+        integers = a.ty == ex.INT
         if not truth:
             if not integers:
                 return
