@@ -341,3 +341,16 @@ def test_integers_compared_with_floats_are_converted_as_the_kernels_convert_them
     keep[:, 0] = True
     assert torch.allclose(kern(q, k, v, off=2**24 + 1), masked_attention(q, k, v, keep), atol=2e-6)
     assert torch.allclose(kern(q, k, v, off=2**24 + 2), masked_attention(q, k, v, torch.ones_like(keep)), atol=2e-6)
+
+
+def test_a_nan_through_min_and_max_is_decided_by_the_kernel() -> None:
+    """`max(min(0.0, x[j]), 0.0) >= 0.0` holds for every number and not for NaN (the kernels'
+    min_of(0.0, NaN) is NaN): the tile classes called tiles with a NaN key FULL, keeping it."""
+    q, k, v = (t.float() for t in qkv(40, 40))
+    x = torch.randn(40)
+    x[[3, 17, 39]] = math.nan
+    kern = attncc.compile(
+        program("input x: float[M]\ns = q @ k.T * scale\nmask max(min(0.0, x[j]), 0.0) >= 0.0\n", "nan")
+    )
+    keep = ~torch.isnan(x).view(1, 40).expand(40, 40)
+    assert torch.allclose(kern(q, k, v, x=x), masked_attention(q, k, v, keep), atol=2e-6)
