@@ -362,7 +362,7 @@ def test_profile_command(capsys: pytest.CaptureFixture[str]) -> None:
     for expected in ("attention_forward:", "attention_backward:", "per warp: mma", "bound:", "line "):
         assert expected in text
     assert main(["profile", path, "--target", "sm80"]) == 1
-    assert "--emulate" in capsys.readouterr().err
+    assert "for --target sm80: add --emulate" in capsys.readouterr().err
 
 
 def test_forward_estimate_counts_only_visible_tiles() -> None:
