@@ -214,7 +214,7 @@ def plan_context_parallel(
     scalar_map = {**scalars, "scale": scale_value}
     host_tensors = {name: t.detach().cpu() for name, t in tensors.items()}
     all_tensors = with_layout_grids(info, problem, host_tensors)
-    exprs = [kern.op.score] + ([kern.op.mask] if kern.op.mask is not None else [])
+    exprs = kern.op.per_score_expressions
     check_reads_and_divisors(exprs, problem, scalar_map, all_tensors)
     per_bh = classify_tiles(info, problem, scalar_map, all_tensors, chunk_rows, chunk_cols)
     classes = torch.where(

@@ -354,3 +354,52 @@ def test_a_nan_through_min_and_max_is_decided_by_the_kernel() -> None:
     )
     keep = ~torch.isnan(x).view(1, 40).expand(40, 40)
     assert torch.allclose(kern(q, k, v, x=x), masked_attention(q, k, v, keep), atol=2e-6)
+
+
+def test_ordered_comparisons_with_a_nan_are_false_whatever_the_tiles() -> None:
+    """`y[j] <= inf` is false for a NaN y (the tile classes called it always true: FULL tiles
+    kept NaN keys at 16 x 32 tiles, PARTIAL ones at 64 x 64 dropped them)."""
+    q, k, v = (t.float() for t in qkv(64, 64))
+    y = torch.randn(64)
+    y[::5] = math.nan
+    text = program("input y: float[M]\ns = q @ k.T * scale\nmask y[j] <= inf and inf >= y[j] and j <= i\n", "nan_le")
+    keep = ~torch.isnan(y).view(1, 64) & torch.ones(64, 64, dtype=torch.bool).tril()
+    for tiles in ((16, 32), (64, 64)):
+        assert torch.allclose(
+            attncc.compile(text, tiles=tiles)(q, k, v, y=y), masked_attention(q, k, v, keep), atol=2e-6
+        )
+
+
+def test_folded_integer_constants_wrap_as_the_kernels_do() -> None:
+    """`9223372036854775807 * 16` is -16 in int64 (the kernels' literal); folded to a Python
+    integer, the tile classes called `x[i] <= it` always true for x = 0."""
+    q, k, v = (t.float() for t in qkv(64, 64))
+    text = program("input x: int[N]\ns = q @ k.T * scale\nmask x[i] <= 9223372036854775807 * 16 and j <= i\n", "wrap")
+    for tiles in ((16, 32), (64, 64)):
+        out = attncc.compile(text, tiles=tiles)(q, k, v, x=torch.zeros(64, dtype=torch.int64))
+        assert (out == 0).all()
+
+
+def test_reads_in_sinks_and_rotary_positions_are_checked() -> None:
+    """`sinks[h - 1]` and `pos[i - 1]` read index -1 (torch on the host read the last entry)."""
+    q, k, v = qkv(8, 8)
+    sink = attncc.compile(
+        "attention sink_read\ninput sinks: float[H]\ns = q @ k.T * scale\np = softmax(s, sink=sinks[h - 1])\no = p @ v\noutput o\n"
+    )
+    with pytest.raises(InputError, match=r"sinks\[h - 1\]: index 0 \(h - 1\) ranges over \[-1, 0\]"):
+        sink(q, k, v, sinks=torch.zeros(2))
+    rope = attncc.compile(
+        "attention rope_read\ninput pos: int[N]\nq = rope(q, position=pos[i - 1])\ns = q @ k.T * scale\n" + TAIL
+    )
+    with pytest.raises(InputError, match=r"pos\[i - 1\]: index 0 \(i - 1\) ranges over \[-1, 6\]"):
+        rope(q, k, v, pos=torch.arange(8))
+
+
+def test_a_scalar_of_minus_zero_is_not_a_repeat_of_zero() -> None:
+    """-0.0 == 0.0 as floats: a call with sf = -0.0 after one with 0.0 repeated its kept launch
+    and tile classes (1 / sf is +inf there: every key visible instead of causal)."""
+    q, k, v = (t.float() for t in qkv(40, 40))
+    kern = attncc.compile(program("input sf: float\ns = q @ k.T * scale\nmask 1.0 / sf > 0.0 or j <= i\n", "negzero"))
+    kern(q, k, v, sf=0.0)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    assert torch.allclose(kern(q, k, v, sf=-0.0), masked_attention(q, k, v, causal), atol=2e-6)

@@ -269,8 +269,8 @@ def python_number(value: object) -> object:
 def _typed_const(value: float | int | bool, ty: str) -> Const:
     if ty == BOOL:
         return Const(bool(value), BOOL)
-    if ty == INT:
-        return Const(int(value), INT)
+    if ty == INT:  # (wrapped to int64, as the kernels compute: 2^63 - 1 + 1 is -2^63)
+        return Const((int(value) + _INT64_LIMIT) % (2 * _INT64_LIMIT) - _INT64_LIMIT, INT)
     return Const(float(value), FLOAT)
 
 

@@ -184,12 +184,18 @@ class FusedAttention(Op):
     position0: tuple[Expr, Expr] | None = None
 
     @property
+    def per_score_expressions(self) -> list[Expr]:
+        """What the runtime evaluates over the problem's positions: the score map, the mask, the
+        sink (per row) and the rotary positions (per row of q or k); their reads and divisors
+        are checked before a call runs (passes/sparsity.py check_reads_and_divisors)."""
+        positions = [r.position for r in (self.q_rope, self.k_rope) if r is not None]
+        return [e for e in (self.score, self.mask, self.sink, *positions) if e is not None]
+
+    @property
     def reads_scale(self) -> bool:
         """Whether an expression reads the name `scale` (what a call's `scale=` sets): the q.k
         factor, the score map, the mask, the sink or a rotary position."""
-        positions = [r.position for r in (self.q_rope, self.k_rope) if r is not None]
-        expressions = (self.scale, self.score, self.mask, self.sink, *positions)
-        return any("scale" in free_vars(e) for e in expressions if e is not None)
+        return any("scale" in free_vars(e) for e in (self.scale, *self.per_score_expressions))
 
     def describe(self) -> str:
         parts = [f"scale={self.scale}", f"score={self.score}"]

@@ -220,8 +220,7 @@ def _nan_kept(value: Abstract, *operands: Abstract) -> Abstract:
     assert isinstance(value, Interval)
     wild = torch.zeros((), dtype=torch.bool)
     for x in operands:
-        x = _as_interval(x)
-        wild = wild | (torch.isneginf(x.lo) & torch.isposinf(x.hi))
+        wild = wild | _may_be_nan(_as_interval(x))
     if not bool(wild.any()):
         return value
     return Interval(torch.where(wild, -math.inf, value.lo), torch.where(wild, math.inf, value.hi))
@@ -303,11 +302,17 @@ def _float32_exact(e: ex.Expr) -> bool:
     return math.isinf(value) or float(torch.tensor(value, dtype=torch.float32)) == value
 
 
+def _may_be_nan(x: Interval) -> torch.Tensor:
+    """Where `x` may be NaN: a float that may be NaN has the interval [-inf, inf] (`_clean`,
+    `_nan_kept`)."""
+    return torch.isneginf(x.lo) & torch.isposinf(x.hi)
+
+
 def _compare(op: str, a: Interval, b: Interval) -> Truth:
-    if op == "lt":
-        return Truth(a.lo < b.hi, a.hi >= b.lo)
-    if op == "le":
-        return Truth(a.lo <= b.hi, a.hi > b.lo)
+    if op in ("lt", "le"):
+        truth = Truth(a.lo < b.hi, a.hi >= b.lo) if op == "lt" else Truth(a.lo <= b.hi, a.hi > b.lo)
+        # (an ordered comparison with NaN is false: `x <= inf` is not always true)
+        return Truth(truth.may_true, truth.may_false | _may_be_nan(a) | _may_be_nan(b))
     if op == "gt":
         return _compare("lt", b, a)
     if op == "ge":

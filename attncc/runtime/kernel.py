@@ -631,7 +631,8 @@ class Kernel:
         `scalars` its scalar inputs' (name, value) pairs."""
         return (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, scale, scalars, self.launch_settings(),
+            q.device, k.device, v.device, signed_zeros((scale,)), tuple((n, *signed_zeros((x,))) for n, x in scalars),
+            self.launch_settings(),
         )  # fmt: skip
 
     def launch_settings(self) -> tuple:
@@ -1516,7 +1517,10 @@ class Kernel:
             values = (on_host, *((t.dtype, tuple(t.reshape(-1).tolist())) for t in read))
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
         shapes = tuple(tuple(t.shape) for t in tensors)
-        key: tuple = (plan.problem, tiles, dtype, plan.scale_value, tuple(scalars), shapes, self._device_index())
+        key: tuple = (
+            plan.problem, tiles, dtype, signed_zeros((plan.scale_value,)), signed_zeros(scalars), shapes,
+            self._device_index(),
+        )  # fmt: skip
         calls = self._calls
         if lengths is not None and memo is not None and not values:
             calls, key = memo, (self.call_key, *key)
@@ -1583,7 +1587,7 @@ class Kernel:
         assert info is not None
         problem = plan.problem
         all_tensors = runtime_tensors(info, problem, given, scalar_map)
-        exprs = [self.op.score] + ([self.op.mask] if self.op.mask is not None else [])
+        exprs = self.op.per_score_expressions
         if problem.N and problem.M:
             check_reads_and_divisors(exprs, problem, scalar_map, all_tensors, lengths)
             classes = classify_tiles(
@@ -1717,6 +1721,13 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
 CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial", "k_new", "v_new")
 #: The backward's (`BackwardLaunch`; delta: the rows' rowsum(dO * O), its first pass's result).
 BACKWARD_OPERANDS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "delta")
+
+
+def signed_zeros(values: Sequence[object]) -> tuple:
+    """`values` as a cache key that tells -0.0 from 0.0 (equal, and equal hashes, as floats; a
+    program's `1.0 / sf` tells them apart: a call with sf = -0.0 after one with 0.0 reused its
+    tile classes and launch)."""
+    return tuple((x, math.copysign(1.0, x)) if type(x) is float and x == 0.0 else x for x in values)
 
 
 def operand_layout(

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from attncc.errors import InputError
 from attncc.ir import expr as ex
 from attncc.ir.ops import FusedAttention
 from attncc.runtime.philox import dropout_mask
@@ -51,6 +52,14 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
     if isinstance(e, ex.Read):
         index = tuple(evaluate(i, env, tensors).long() for i in e.index)
         t = tensors[e.tensor]
+        # (torch reads t[-1] as the last: a clear error instead; traced and device calls meet the
+        # op's own check of the same reads, passes/sparsity.py check_reads_and_divisors)
+        for d, i in enumerate(() if torch.compiler.is_compiling() else index):
+            if i.device.type == "cpu" and i.numel() and (int(i.min()) < 0 or int(i.max()) >= t.shape[d]):
+                raise InputError(
+                    f"{ex.render(e)}: index {d} ({ex.render(e.index[d])}) ranges over [{int(i.min())}, "
+                    f"{int(i.max())}], but {e.tensor} has size {t.shape[d]} in dimension {d}"
+                )
         return t[index] != 0 if e.ty == ex.BOOL and t.dtype != torch.bool else t[index]
     if isinstance(e, ex.Unary):
         x = evaluate(e.x, env, tensors)
