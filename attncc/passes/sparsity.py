@@ -439,6 +439,9 @@ class IntervalEvaluator:
         if op == "ne":
             return
         ia, ib = _as_interval(self(a)), _as_interval(self(b))
+        if not integers:  # (the branch's copy of a float may be computed apart from the condition's,
+            # one FMA contracted and one not: float bounds keep FLOAT_MARGIN)
+            ia, ib = _float32_rounded(ia), _float32_rounded(ib)
         step = 1.0 if op == "lt" and integers else 0.0  # (a float a < b narrows to a <= b)
         if op == "eq":
             both = Interval(torch.maximum(ia.lo, ib.lo), torch.minimum(ia.hi, ib.hi))
