@@ -299,6 +299,10 @@ def test_rotated_dims_beyond_the_head_dim_are_named() -> None:
         ("q = rope(q, dims=7)", "rope's dims must be a positive even number"),
         ("q = rope(q, interleaved=2)", "rope's interleaved is 0"),
         ("q = rope(q, position=j)", "rope's position of q's rows may use b, i, the sizes and inputs, not j"),
+        (
+            "k = rope(k, position=j * scale)",
+            "rope's position of k's rows may use b, j, the sizes and inputs, not scale",
+        ),
         ("q = rope(q, base=10)", "`rope` has no keyword argument `base`"),
         ("q = rope(q, theta=start[b])", "rope's theta must be a constant number"),
         ("q = rope(q, position=i + shift[b])", "rope's position reads the float input `shift`"),

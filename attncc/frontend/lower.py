@@ -565,7 +565,7 @@ def _rope(ctx: _Context, name: Ast, call: Ast) -> None:
         value = _lower_expr(ctx, keywords["position"])
         if isinstance(value, (TensorRef, ScoreExpr)) or value.ty not in (ex.INT, ex.FLOAT):
             raise DslError(f"rope's position is a number per row of {operand}", keywords["position"].start)
-        other = {"h", "j" if operand == "q" else "i"} & ex.free_vars(value)
+        other = {"h", "j" if operand == "q" else "i", "scale"} & ex.free_vars(value)
         if other:
             raise DslError(
                 f"rope's position of {operand}'s rows may use b, {row}, the sizes and inputs, not {', '.join(sorted(other))}",
