@@ -1455,16 +1455,11 @@ class Kernel:
         if dot_products and problem.Hkv > 1 and side_by_side:
             plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
         call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
-        fraction = call.get("partial_fraction")
-        if fraction is None:
-            fraction = partial_fraction(call["classes"])  # type: ignore[arg-type]
-        narrowed = plan.tiles.for_partial_tiles(fraction)  # type: ignore[arg-type]
+        narrowed = plan.tiles.for_partial_tiles(call["partial_fraction"])  # type: ignore[arg-type]
         if narrowed is not plan.tiles:
             plan = replace(plan, tiles=narrowed)
             call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
-        visible = call.get("visible_keys")
-        if visible is None:
-            visible = visible_keys(call["classes"], plan.tiles.block_cols, plan.problem.M)  # type: ignore[arg-type]
+        visible = call["visible_keys"]
         streamed = plan.tiles.for_keys(visible)
         if streamed is not plan.tiles:
             plan = replace(plan, tiles=streamed)
@@ -1542,9 +1537,6 @@ class Kernel:
                 ident: t for ident, t in call["tensors"].items() if ident not in per_call
             }  # layout grids
             classes: torch.Tensor = call["classes"]  # type: ignore[assignment]
-            # (what the tiles are retiled by, counted once per key: ~30 us of a masked decoding call)
-            call["partial_fraction"] = partial_fraction(classes)
-            call["visible_keys"] = visible_keys(classes, plan.tiles.block_cols, plan.problem.M)
             if calls is not self._calls_by_values or classes.numel() <= PREPARED_LENGTHS_BYTES:
                 with self._lock:
                     if len(calls) >= PREPARED_CALLS_KEPT:
@@ -1603,7 +1595,15 @@ class Kernel:
             )
         else:
             classes = torch.zeros((1, 1, 0, 0), dtype=torch.uint8)
-        return {"classes": classes, "tensors": self._kernel_tensors(all_tensors, acc), "scalars": scalar_map}
+        return {
+            "classes": classes,
+            "tensors": self._kernel_tensors(all_tensors, acc),
+            "scalars": scalar_map,
+            # (what `_forward_call` retiles by, counted with the classes, so once per prepared key:
+            # ~30 us of a masked decoding call's host time when counted per call)
+            "partial_fraction": partial_fraction(classes),
+            "visible_keys": visible_keys(classes, plan.tiles.block_cols, problem.M),
+        }
 
     def _kernel_tensors(self, tensors: Mapping[str, torch.Tensor], acc: torch.dtype) -> dict[str, torch.Tensor]:
         """The ABI slots among `tensors` (by program name) in the kernel's element types, contiguous."""
