@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from attncc.errors import DslError, SourceLoc
 from attncc.frontend.parser import MAX_DEPTH, Ast, parse
 from attncc.ir import expr as ex
-from attncc.ir.graph import Graph, add_op, new_graph
+from attncc.ir.graph import Graph, add_op, new_graph, op_of
 from attncc.ir.ops import Dropout, Input, Layout, Mask, Output, Rope, ScoreMap, ScoreMatmul, Softmax, ValueMatmul
 
 DTYPES = ("float", "int", "bool")
@@ -392,8 +392,24 @@ def _name(ctx: _Context, a: Ast) -> Value:
         return ex.var("scale", ex.FLOAT)
     if n == "inf":
         return ex.const(math.inf)
+    size_of = _free_dimension(ctx, n)
+    if size_of is not None:  # (a free dimension name: an int the runtime binds from the tensor's shape)
+        add_op(ctx.g, Input(n, "scalar", "int", size_of=size_of, loc=a.loc))
+        ctx.names[n] = ex.var(n, ex.INT)
+        return ctx.names[n]
     known = sorted(set(ctx.names) | set(ex.INDEX_VARS) | set(ex.SIZE_VARS) | {"scale", "inf"})
     raise DslError(f"unknown name `{n}`; known names are {', '.join(known)}", a.loc)
+
+
+def _free_dimension(ctx: _Context, name: str) -> tuple[str, int] | None:
+    """(tensor, axis) of the first declared tensor input with a free dimension `name`."""
+    for value in ctx.names.values():
+        if isinstance(value, TensorRef) and value.kind == "tensor":
+            decl = op_of(ctx.g, value.node)
+            assert isinstance(decl, Input)
+            if name in decl.dims:
+                return decl.name, decl.dims.index(name)
+    return None
 
 
 def _attribute(ctx: _Context, a: Ast) -> Value:

@@ -34,16 +34,20 @@ class Op:
 @dataclass(frozen=True)
 class Input(Op):
     """A program input. role: "q", "k", "v" (the attention operands), "tensor" or "scalar"
-    (passed by the caller), or "generated" (a layout grid the runtime builds)."""
+    (passed by the caller), or "generated" (a layout grid the runtime builds). A scalar with
+    `size_of` (tensor, axis) is a free dimension name of that tensor used in an expression:
+    the runtime binds it to the tensor's size there, the caller does not pass it."""
 
     name: str
     role: str
     dtype: str  # "float" | "int" | "bool"
     dims: tuple[str | int, ...] = ()
+    size_of: tuple[str, int] | None = None
 
     def describe(self) -> str:
         shape = f"[{', '.join(map(str, self.dims))}]" if self.dims or self.role != "scalar" else ""
-        return f"input {self.name}: {self.role} {self.dtype}{shape}"
+        bound = f" = {self.size_of[0]}.shape[{self.size_of[1]}]" if self.size_of else ""
+        return f"input {self.name}: {self.role} {self.dtype}{shape}{bound}"
 
 
 @dataclass(frozen=True)

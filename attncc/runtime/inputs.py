@@ -61,6 +61,8 @@ def make_inputs(
     blocks = {lay.tensor: lay.block for lay in kern.op.layouts if isinstance(lay, Layout) and lay.tensor}
     runtime: dict[str, object] = {}
     for decl in kern.inputs:
+        if decl.size_of is not None:  # (a tensor's size: the kernel binds it)
+            continue
         if decl.role == "scalar":
             runtime[decl.name] = 0.5 if decl.dtype == "float" else max(1, s.N // 3) if decl.dtype == "int" else True
             continue

@@ -333,6 +333,7 @@ class Kernel:
         self.name: str = self.graph.graph["name"]
         self.abi: KernelAbi = kernel_abi(self.graph, cuda=self.cuda_abi)
         self.inputs: list[Input] = runtime_inputs(self.graph)
+        self._size_inputs = tuple(d for d in self.inputs if d.size_of is not None)
         # (properties of the program read by every call's checks, also while torch.compile
         # traces one: attributes, where a cached_property takes a lock dynamo cannot trace)
         self.reads_scale: bool = self.op.reads_scale
@@ -985,6 +986,7 @@ class Kernel:
     def forward_classes(self, q: torch.Tensor, k: torch.Tensor, **runtime: object) -> tuple[TilePlan, torch.Tensor]:
         """The forward's tiles for these inputs and its [B|1, H|1, Ti, Tj] tile classes (those
         `_forward_call` chooses, streaming included)."""
+        self._bind_sizes(runtime)
         tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
         plan, call = self._forward_call(q, k, None, tensors, scalars)
@@ -1130,8 +1132,10 @@ class Kernel:
             if value is not runtime[decl.name] and isinstance(runtime, dict):
                 runtime[decl.name] = value  # (numpy's scalars as Python's: every later step takes those)
 
-    def check_input_names(self, runtime: Mapping[str, object]) -> None:
-        """Every declared runtime input given and no other (static: also while traced)."""
+    def check_input_names(self, runtime: dict[str, object]) -> None:
+        """Every declared runtime input given and no other (static: also while traced); each
+        free dimension name a program uses is bound here, in `runtime`, to its tensor's size."""
+        self._bind_sizes(runtime)
         expected = {d.name for d in self.inputs}
         unknown = sorted(set(runtime) - expected)
         if unknown:
@@ -1141,6 +1145,24 @@ class Kernel:
                 raise InputError(
                     f"missing runtime input `{decl.name}` ({_declared(decl)}); {self.name} takes {_names(self.inputs)}"
                 )
+
+    def _bind_sizes(self, runtime: dict[str, object]) -> None:
+        """Sets each size input (`input t: float[L, H]` with `L` used in an expression) to its
+        tensor's size; a value the caller gave must equal it. A tensor not given is left to
+        the checks that name it."""
+        for decl in self._size_inputs:
+            tensor, axis = decl.size_of  # type: ignore[misc]
+            value = runtime.get(tensor)
+            if not isinstance(value, torch.Tensor) or value.dim() <= axis:
+                continue
+            size = value.shape[axis]
+            given = runtime.get(decl.name, size)
+            if given is not size and python_number(given) != size:
+                raise InputError(
+                    f"{decl.name}: the size of {tensor}'s dimension {axis} ({size}), bound from its shape; "
+                    f"given {given!r} (leave it out)"
+                )
+            runtime[decl.name] = size
 
     def _validate_input(
         self, decl: Input, value: object, sizes: dict[str, int], bound: dict[str, int], device: torch.device
