@@ -50,11 +50,24 @@ o = p @ v
 output o
 """
 
+# a window as long as a learnable table, its length a free dimension name bound at each call
+TABLE_WINDOW = """attention table_window
+input decay: float[W]
+s = q @ k.T * scale
+s = s + decay[min(max(i - j, 0), W - 1)]
+mask j <= i and i - j < W
+p = softmax(s)
+o = p @ v
+output o
+"""
+
 
 def program(name: str) -> str | Path:
-    return {"rope_causal": ROPE_CAUSAL, "document_sink_dropout": DOCUMENT_SINK_DROPOUT}.get(
-        name, ROOT / "examples" / f"{name}.attn"
-    )
+    return {
+        "rope_causal": ROPE_CAUSAL,
+        "document_sink_dropout": DOCUMENT_SINK_DROPOUT,
+        "table_window": TABLE_WINDOW,
+    }.get(name, ROOT / "examples" / f"{name}.attn")
 
 
 def runtime_inputs(name: str, B: int, H: int, N: int, M: int, gen: torch.Generator) -> dict[str, object]:
@@ -76,6 +89,8 @@ def runtime_inputs(name: str, B: int, H: int, N: int, M: int, gen: torch.Generat
         return {"lengths": torch.tensor([0, M // 2 + 7])[:B]}
     if name == "prefix_lm":
         return {"prefix": torch.tensor([0, 70])[:B]}
+    if name == "table_window":
+        return {"decay": (-0.02 * torch.arange(90.0) + 0.3 * torch.randn(90, generator=gen)).requires_grad_()}
     if name == "relative_bias":
         return {"bias": (0.5 * torch.randn(H, 257, generator=gen)).requires_grad_()}
     return {}
@@ -240,6 +255,7 @@ JOBS = {
         job("vanilla", "contiguous", N=96, M=240),
         job("rope_causal", "zigzag"),
         job("document_sink_dropout", "zigzag"),
+        job("table_window", "contiguous"),
         job("causal", "zigzag", N=4, B=1),  # chunks of one row
         # the CUDA kernels (sm80, bf16 tiles) on the emulator: their dropout counters and hooks;
         # each pair's output is rounded to bf16 before the merge, hence the bf16 tolerance
