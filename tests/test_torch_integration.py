@@ -49,6 +49,43 @@ def test_compile_fullgraph_as_a_fresh_kernels_first_use_with_runtime_tensors() -
     assert torch.allclose(compiled(q, slopes), attncc.compile(ROOT / "examples" / "alibi.attn")(q, q, q, slopes=slopes))
 
 
+def test_compile_fullgraph_makes_a_drop_in_s_new_option_set_while_tracing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDPA's and FlashAttention's drop-ins under torch.compile(fullgraph=True) from their first
+    call: each kernel a call's options ask for is compiled while dynamo traces (it failed on the
+    kernel lock's context manager: every new option set had to run eagerly first)."""
+    from attncc.integrations import flash_attn, made, sdpa
+
+    # fresh kernel tables, so that every option set below is new to this process
+    monkeypatch.setattr(sdpa, "_kernel", made.MadeKernels(sdpa.SdpaOptions, sdpa.sdpa_program))
+    monkeypatch.setattr(flash_attn, "_kernel", made.MadeKernels(flash_attn.CallOptions, flash_attn.flash_program))
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        biased = sdpa.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        windowed = flash_attn.flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=(5, 0), softcap=3.0
+        )
+        return biased + windowed.transpose(1, 2)
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = ((2, 4, 11, 16), (2, 2, 13, 16), (2, 2, 13, 16), (2, 1, 11, 13))
+    operands = [torch.randn(shape, generator=gen, requires_grad=True) for shape in shapes]
+    out = torch.compile(step, fullgraph=True)(*operands)
+    grads = torch.autograd.grad(out.square().sum(), operands)
+    monkeypatch.setattr(sdpa, "_kernel", made.MadeKernels(sdpa.SdpaOptions, sdpa.sdpa_program))
+    monkeypatch.setattr(flash_attn, "_kernel", made.MadeKernels(flash_attn.CallOptions, flash_attn.flash_program))
+    want = step(*operands)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    for got, expected in zip(grads, torch.autograd.grad(want.square().sum(), operands)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+    # the marker made.py sets in place of torch.compiler.assume_constant_result (which imports dynamo)
+    def constant() -> int:
+        return 0
+
+    torch.compiler.assume_constant_result(constant)
+    assert constant.__dict__ == {"_dynamo_marked_constant": True} and made._made._dynamo_marked_constant
+
+
 def test_a_scale_tensor_asking_a_gradient_or_traced_is_a_clear_error() -> None:
     """A learnable temperature as `scale=` got no gradient silently; a tensor scale or scalar
     input under torch.compile failed deep inside the op's schema check."""

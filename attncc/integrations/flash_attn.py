@@ -79,7 +79,7 @@ def flash_program(options: CallOptions) -> str:
     return "\n".join(lines + masked_softmax_output(terms, options.dropout)) + "\n"
 
 
-_kernel = MadeKernels(flash_program)
+_kernel = MadeKernels(CallOptions, flash_program)
 
 
 #: Window sizes at or past this many keys are unbounded (-1): no sequence is that long, and the

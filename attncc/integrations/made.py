@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
@@ -14,25 +15,57 @@ from attncc.runtime.locks import instance_lock
 Options = TypeVar("Options", bound=Hashable)
 
 
+# every MadeKernels, by its index: what torch.compile's trace-time compile (`_made`) is given
+_MADE: list[MadeKernels] = []
+
+
 class MadeKernels(Generic[Options]):
     """The kernel of `program(options)` per options and target, compiled once per process (and
     cached on disk as every kernel is). A hit is a dict lookup without the lock: torch.compile
-    traces no lock (fullgraph failed on every call before)."""
+    traces no lock (fullgraph failed on every call before). While torch.compile traces a call
+    whose kernel is not made yet, dynamo runs the compile itself, untraced (`_made`), so a
+    new option set needs no eager call first."""
 
-    def __init__(self, program: Callable[[Options], str]) -> None:
+    def __init__(self, options_type: type[Options], program: Callable[[Options], str]) -> None:
         self.program = program
+        self._options_type = options_type
+        self._fields = tuple(field.name for field in dataclasses.fields(options_type))  # type: ignore[arg-type]
         self._kernels: dict[tuple[Options, str], Kernel] = {}
         self._lock = instance_lock(self)
+        self._index = len(_MADE)
+        _MADE.append(self)
 
     def __call__(self, options: Options, device: torch.device) -> Kernel:
         key = (options, "cuda" if device.type == "cuda" else "cpu")
+        if torch.compiler.is_compiling():
+            # (the dict is read after the compile: dynamo reads an object's state once per trace)
+            # (the options as their fields: dynamo passes no dataclass to an untraced function)
+            _made(self._index, tuple(getattr(options, name) for name in self._fields), key[1])
+            return self._kernels[key]
         found = self._kernels.get(key)
         if found is not None:
             return found
+        return self._make(key)
+
+    def _make(self, key: tuple[Options, str]) -> Kernel:
         with self._lock:
             if key not in self._kernels:
-                self._kernels[key] = attncc.compile(self.program(options), target=key[1])
+                self._kernels[key] = attncc.compile(self.program(key[0]), target=key[1])
             return self._kernels[key]
+
+
+def _made(index: int, fields: tuple, target: str) -> bool:
+    """Makes the kernel of the options with these fields (a constant to dynamo: called while
+    tracing, not traced)."""
+    made = _MADE[index]
+    made._make((made._options_type(*fields), target))
+    return True
+
+
+# What torch.compiler.assume_constant_result(_made) does (torch 2.13), without its import of
+# torch._dynamo (1.3 s at `import attncc.integrations.sdpa`); tests/test_torch_integration.py
+# checks the decorator still sets this marker.
+_made._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def masked_softmax_output(terms: list[str], dropout: float, sink: str | None = None) -> list[str]:

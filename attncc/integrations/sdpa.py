@@ -70,7 +70,7 @@ def sdpa_program(options: SdpaOptions) -> str:
     return "\n".join(lines + masked_softmax_output(terms, options.dropout)) + "\n"
 
 
-_kernel = MadeKernels(sdpa_program)
+_kernel = MadeKernels(SdpaOptions, sdpa_program)
 
 
 def _number(value: object) -> float | None:
