@@ -403,3 +403,28 @@ def test_a_scalar_of_minus_zero_is_not_a_repeat_of_zero() -> None:
     kern(q, k, v, sf=0.0)
     causal = torch.ones(40, 40, dtype=torch.bool).tril()
     assert torch.allclose(kern(q, k, v, sf=-0.0), masked_attention(q, k, v, causal), atol=2e-6)
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_new_scores_that_do_not_read_the_old_ones(target: str) -> None:
+    """`s = 2.0 * bias[h, i, j]` (a Flex score_mod returning a bias alone) replaces the scores:
+    it was an error at softmax; q and k get zero gradients, v and the bias theirs."""
+    body = "input bias: float[H, N, M]\ns = q @ k.T * scale\ns = 2.0 * bias[h, i, j] - 0.1 * (i - j)\nmask j <= i + 3\n"
+    kern = (
+        attncc.compile(program(body)) if target == "cpu" else attncc.compile(program(body), target=target, emulate=True)
+    )
+    q, k, v = (t.requires_grad_() for t in qkv(N=9, M=11))
+    bias = torch.randn(2, 9, 11, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
+    dtype, tol = (torch.float32, 1e-5) if target == "cpu" else (torch.bfloat16, 3e-2)
+    low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, bias)]
+    out = kern(*low[:3], bias=low[3])
+    i, j = torch.arange(9).view(-1, 1), torch.arange(11).view(1, -1)
+    scores = (2.0 * bias - 0.1 * (i - j)).masked_fill(~(j <= i + 3), -math.inf).expand(1, 2, 9, 11)
+    want = torch.softmax(scores, -1) @ v
+    assert (out.double() - want).abs().max().item() < tol
+    dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    dq, dk, dv, dbias = torch.autograd.grad(out, low, dout.to(dtype))
+    assert not dq.any() and not dk.any()
+    want_dv, want_dbias = torch.autograd.grad(want, (v, bias), dout)
+    assert (dv.double() - want_dv).abs().max().item() < tol * 4
+    assert (dbias.double() - want_dbias).abs().max().item() < tol * 4

@@ -87,6 +87,11 @@ def t5_bias(score, b, h, q_idx, kv_idx):
     return score + t5_table[t5_bucket(kv_idx - q_idx, max_distance=24), h]
 
 
+def bias_alone(score, b, h, q_idx, kv_idx):
+    # (new scores that do not read the old: q and k get no gradient)
+    return bias[h][q_idx, kv_idx] * 2.0
+
+
 def bottom_right_causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx + (M - N)
 
@@ -124,6 +129,7 @@ VARIANTS = [
     (softcap, flex.noop_mask),
     (integer_idioms, None),
     (t5_bias, key_padding),
+    (bias_alone, bottom_right_causal),
 ]
 
 
@@ -183,9 +189,10 @@ def test_flex_functions_run_as_torch_evaluates_them(score_mod, mask_mod, monkeyp
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     assert torch.allclose(lse.masked_fill(torch.isinf(lse), 0), want_lse.masked_fill(torch.isinf(want_lse), 0))
     for g, w in zip(got, want):
-        assert (g is None) == (w is None)
-        if g is not None:
-            assert torch.allclose(g, w, atol=1e-10)
+        if w is None:  # (q and k of scores that ignore them: zeros, or none)
+            assert g is None or not g.any()
+        else:
+            assert g is not None and torch.allclose(g, w, atol=1e-10)
     if mask_mod is key_padding:
         assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
     if mask_mod is flex.noop_mask:

@@ -181,6 +181,11 @@ def _assign(ctx: _Context, stmt: Ast) -> None:
     ):  # type: ignore[union-attr]
         raise DslError(f"`{name.value}` is reserved or an input and cannot be assigned", name.loc)
     value = _lower_expr(ctx, value_ast)
+    current = ctx.names.get(name.value)
+    if isinstance(value, ex.Expr) and isinstance(current, TensorRef) and current.kind == "scores":
+        # (new scores that ignore the old ones, as a Flex score_mod returning a bias alone: the
+        # scores' name stays the scores', a map of them that does not read s)
+        value = ScoreExpr(current.node, value)
     if isinstance(value, ScoreExpr):
         value = _materialise(ctx, value, value_ast.loc)
     elif isinstance(value, ex.Expr):
