@@ -279,3 +279,14 @@ def test_flash_attn_func_under_torch_compile_fullgraph() -> None:
     want = flash_attn_func(q, k, v, causal=True, softcap=2.0)
     compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True, softcap=2.0), fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), want, atol=1e-6, rtol=1e-6)
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    """np.float32 for dropout_p and softcap was refused (np.float64, a float subclass, was taken)."""
+    import numpy as np
+
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 12, 2, 16, generator=generator) for _ in range(3))
+    want = flash_attn_func(q, k, v, causal=True, softcap=30.0, dropout_p=0.0)
+    got = flash_attn_func(q, k, v, causal=True, softcap=np.float32(30.0), dropout_p=np.float32(0.0))
+    assert torch.equal(got, want)

@@ -180,6 +180,20 @@ def test_bad_calls_name_the_argument() -> None:
         scaled_dot_product_attention(q, k, v, dropout_p=1.5)
     with pytest.raises(InputError, match=r"query: expected a dense tensor \[\.\.\., rows, E\] of 2 dims or more"):
         scaled_dot_product_attention(q[0, 0, 0], k, v)
+    # a scale the kernels cannot take was the default 1/sqrt(E), silently (a learnable one without its gradient)
+    with pytest.raises(InputError, match="scale: this tensor requires grad"):
+        scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.05, requires_grad=True))
+    for scale, shown in (
+        (torch.tensor([0.05, 0.3]), "a torch.float32 tensor of shape \\(2,\\)"),
+        (0.05j, "0.05j"),
+        ("0.1", "'0.1'"),
+    ):
+        with pytest.raises(InputError, match=f"scale: expected a real number .*, got {shown}"):
+            scaled_dot_product_attention(q, k, v, scale=scale)
+    with pytest.raises(
+        InputError, match=r"dropout_p: expected a number in \[0, 1\), got tensor\(0.1000, requires_grad=True\)"
+    ):
+        scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.1, requires_grad=True))
 
 
 def test_what_sdpa_takes_beyond_the_plain_call() -> None:
@@ -190,6 +204,9 @@ def test_what_sdpa_takes_beyond_the_plain_call() -> None:
 
     q, k, v = operands((2, 3), 5, 6)
     check({"scale": np.float32(0.5)}, q, k, v, [q, k, v])
+    assert torch.equal(
+        scaled_dot_product_attention(q, k, v, scale=np.array(0.3)), scaled_dot_product_attention(q, k, v, scale=0.3)
+    )
     check({"scale": torch.tensor(0.25, dtype=torch.float64)}, q, k, v, [q, k, v])
     check({"is_causal": True}, q, k[:1], v[:1], [q, k, v])  # (k, v with batch 1)
     check({}, q[0, 0], k[0, 0], v[0, 0], [q, k, v])  # (two dims: [L, E])

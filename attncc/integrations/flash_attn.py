@@ -39,6 +39,7 @@ import torch
 
 from attncc.errors import InputError
 from attncc.integrations.made import MadeKernels, masked_softmax_output
+from attncc.ir.expr import python_number
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ def _options_and_inputs(
         raise InputError(f"causal: expected a bool, got {causal!r}")
     causal = bool(causal)
     left, right = _checked_window(window_size)
+    dropout_p, softcap = python_number(dropout_p), python_number(softcap)  # (numpy's float32 too)
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
         raise InputError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     if (

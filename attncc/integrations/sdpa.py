@@ -24,7 +24,6 @@ the kernel, which takes them) is an InputError naming the argument.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ import torch
 
 from attncc.errors import InputError
 from attncc.integrations.made import MadeKernels, masked_softmax_output
+from attncc.runtime.kernel import checked_scale
 from attncc.runtime.locks import module_lock
 
 
@@ -132,11 +132,9 @@ def scaled_dot_product_attention(
         )
     if not isinstance(is_causal, bool):
         raise InputError(f"is_causal: expected a bool, got {is_causal!r}")
-    dropout_p, scale = _number(dropout_p), None if scale is None else _number(scale)
+    given_dropout, dropout_p, scale = dropout_p, _number(dropout_p), checked_scale(scale)
     if dropout_p is None or not 0 <= dropout_p < 1:
-        raise InputError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
-    if scale is not None and not math.isfinite(scale):
-        raise InputError(f"scale: expected a finite number or None, got {scale!r}")
+        raise InputError(f"dropout_p: expected a number in [0, 1), got {given_dropout!r}")
     inputs: dict[str, torch.Tensor] = {}
     kind = None
     if attn_mask is not None:

@@ -1944,6 +1944,15 @@ def checked_scale(scale: object) -> float | None:
             "scale: this tensor requires grad, but a call's scale gets no gradient; pass it detached, or "
             "declare `input temperature: float[1]` and write `s = q @ k.T * scale * temperature[0]` to learn it"
         )
+    scale = python_number(scale)
+    real = isinstance(scale, float | int) and not isinstance(scale, bool)
+    if isinstance(scale, torch.Tensor):
+        real = scale.numel() == 1 and scale.dtype != torch.bool and not scale.is_complex()
+    if not real:
+        shown = (
+            f"a {scale.dtype} tensor of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else repr(scale)
+        )
+        raise InputError(f"scale: expected a real number (or a one-element tensor of one), got {shown}")
     value = float(scale)  # type: ignore[arg-type]
     if not math.isfinite(value):
         raise InputError(f"scale: expected a finite number, got {scale!r}")
