@@ -515,6 +515,37 @@ def test_a_padded_calls_factor_of_one_or_two_dims_never_broadcasts_over_the_keys
     torch.testing.assert_close(got, kern(q, *scaled), atol=2e-6, rtol=2e-6)
 
 
+def test_a_packed_calls_factor_per_token_is_never_read_per_sequence() -> None:
+    """With as many keys as sequences, [total_k, Hkv] is also FlashAttention 3's per-sequence
+    [B, Hkv]: it was taken per token, silently. Refused unless every sequence has one key (the
+    meanings agree); k's shape with a head dim of 1 is per token in every layout."""
+    generator = torch.Generator().manual_seed(1)
+    kern = kernel("vanilla")
+    q = torch.randn(3, 2, 16, generator=generator)
+    k, v = (torch.randn(3, 2, 16, generator=generator).to(torch.float8_e4m3fn) for _ in range(2))
+    factors = torch.tensor([[1.0, 2.0], [4.0, 4.0], [0.25, 0.5]])
+    with pytest.raises(InputError, match=r"k_descale: \[3, 2\] is a factor per token .* per-sequence shape \[B, Hkv\]"):
+        kern.varlen(q, k, v, offsets([1, 1, 1]), offsets([2, 1, 0]), k_descale=factors)
+    per_token = kern.varlen(
+        q, k, v, offsets([1, 1, 1]), offsets([2, 1, 0]), k_descale=factors[..., None], v_descale=factors[..., None]
+    )
+    widened = [t.float() * factors[..., None] for t in (k, v)]
+    torch.testing.assert_close(
+        per_token, kern.varlen(q, *widened, offsets([1, 1, 1]), offsets([2, 1, 0])), atol=2e-6, rtol=2e-6
+    )
+    one_key_each = kern.varlen(q, k, v, offsets([1, 1, 1]), offsets([1, 1, 1]), k_descale=factors, v_descale=factors)
+    torch.testing.assert_close(
+        one_key_each, kern.varlen(q, *widened, offsets([1, 1, 1]), offsets([1, 1, 1])), atol=2e-6, rtol=2e-6
+    )
+    padded_q = torch.randn(2, 2, 3, 16, generator=generator)
+    padded_k, padded_v = (torch.randn(2, 2, 5, 16, generator=generator).to(torch.float8_e4m3fn) for _ in range(2))
+    per_row = torch.rand(2, 2, 5, generator=generator) + 0.5
+    torch.testing.assert_close(
+        kern(padded_q, padded_k, padded_v, k_descale=per_row[..., None], v_descale=per_row[..., None]),
+        kern(padded_q, padded_k, padded_v, k_descale=per_row, v_descale=per_row),
+    )
+
+
 def test_bad_fp8_paged_and_varlen_calls_are_named() -> None:
     kern = attncc.compile(BOTTOM_RIGHT_CAUSAL)
     k_cache = torch.randn(4, 16, 1, 16).to(torch.float8_e4m3fn)

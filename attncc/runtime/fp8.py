@@ -77,9 +77,11 @@ def check_operand_dtypes(
 
 #: The factors' forms by the operand's layout (`descale_rows`' errors name them).
 DESCALE_FORMS = {
-    "padded": "per tensor [], per kv head [Hkv, 1], per sequence and kv head [B, Hkv, 1], per token [B, Hkv, M]",
-    "packed": "per tensor [], per kv head [Hkv], per token [total_k, Hkv] or [total_k, 1]",
-    "paged": "per tensor [], per kv head [Hkv], per cache row [num_pages, page_size, Hkv] or [num_pages, page_size, 1]",
+    "padded": "per tensor [], per kv head [Hkv, 1], per sequence and kv head [B, Hkv, 1], per token [B, Hkv, M] "
+    "or [B, Hkv, M, 1]",
+    "packed": "per tensor [], per kv head [Hkv], per token [total_k, Hkv], [total_k, Hkv, 1] or [total_k, 1]",
+    "paged": "per tensor [], per kv head [Hkv], per cache row [num_pages, page_size, Hkv], [num_pages, page_size, Hkv, "
+    "1] or [num_pages, page_size, 1]",
 }
 
 
@@ -104,6 +106,8 @@ def descale_rows(
         raise InputError(f"{name}: expected a float32, bfloat16 or float16 tensor, got dtype {descale.dtype}")
     if descale.device != device:
         raise InputError(f"{name}: expected a tensor on {device} (that of q), got device {descale.device}")
+    if descale.dim() == len(rows) + 1 and descale.shape[-1] == 1:  # (the operand's shape, head dim 1)
+        descale = descale.squeeze(-1)
     try:
         shape = torch.broadcast_shapes(descale.shape, rows)
     except RuntimeError:

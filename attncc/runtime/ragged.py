@@ -333,6 +333,28 @@ def packed_index(
     return rows, lengths
 
 
+def _check_unambiguous_descales(
+    k_descale: object, v_descale: object, cu_seqlens_k: torch.Tensor, total_k: int, traced: bool
+) -> None:
+    """A packed call's factor [total_k, Hkv] is one per token; where total_k is also the number
+    of sequences B it has FlashAttention 3's per-sequence shape [B, Hkv] too, and the two differ
+    unless every sequence has one key (read from the offsets; refused while traced)."""
+    sequences = cu_seqlens_k.numel() - 1
+    if sequences != total_k or sequences < 2:
+        return
+    for name, given in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if not isinstance(given, torch.Tensor) or given.dim() != 2 or given.shape[0] != total_k:
+            continue
+        if traced or not bool((cu_seqlens_k.diff() == 1).all()):
+            raise InputError(
+                f"{name}: {list(given.shape)} is a factor per token ([total_k, Hkv], total_k = {total_k}) and has "
+                f"FlashAttention 3's per-sequence shape [B, Hkv] (B = {sequences}) as well, which differ for these "
+                f"sequence lengths; give factors per token as [total_k, Hkv, 1] (k's shape, head dim 1), "
+                f"per-sequence ones that way too: `{name}[torch.repeat_interleave(torch.arange(B), "
+                "cu_seqlens_k.diff())].unsqueeze(-1)`"
+            )
+
+
 def varlen_attention(
     kern: Kernel,
     q: torch.Tensor,
@@ -391,6 +413,7 @@ def varlen_attention(
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     descale = kv_descales(k, v, k_descale, v_descale, "packed")
+    _check_unambiguous_descales(k_descale, v_descale, cu_seqlens_k, k.shape[0], traced)
     seed_value = seed_tensor(seed, dropout)
     sink = None
     if kern.op.sink is not None:
