@@ -45,7 +45,7 @@ from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POS
 from attncc.passes.sparsity import EMPTY, FULL, PARTIAL, Problem, check_reads_and_divisors, classify_tiles
 from attncc.passes.sparsity import runtime_tensors as with_layout_grids
 from attncc.runtime.fp8 import is_fp8
-from attncc.runtime.kernel import Kernel, checked_train, seed_tensor
+from attncc.runtime.kernel import Kernel, checked_train, no_double_backward, seed_tensor
 from attncc.runtime.merge import merge_states
 from attncc.runtime.reference import evaluate
 
@@ -84,6 +84,8 @@ def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", d
         raise InputError(f"world_size: expected an int >= 1, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InputError(f"rank: expected an int in [0, {world_size}) (world_size {world_size}), got {rank!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise InputError(f"dim: expected a dimension of x's {x.dim()}, got {dim}")
     n = _chunk_length(x.shape[dim], world_size, layout, "x")
     return torch.cat([x.narrow(dim, c * n, n) for c in rank_chunks(layout, rank, world_size)], dim=dim)
 
@@ -92,6 +94,16 @@ def unshard(slices: Sequence[torch.Tensor], layout: str = "zigzag", dim: int = 2
     """The whole-sequence tensor from every rank's slice (`slices[r]`: rank r's), as `shard` cut it."""
     world_size = len(slices)
     per_rank = chunks_per_rank(layout)
+    if not world_size or not all(isinstance(part, torch.Tensor) for part in slices):
+        raise InputError(f"slices: expected every rank's slice, a tensor each, got {slices!r:.80}")
+    if not all(-part.dim() <= dim < part.dim() for part in slices):
+        raise InputError(f"dim: expected a dimension of the slices' {slices[0].dim()}, got {dim}")
+    lengths = {part.shape[dim] for part in slices}
+    if len(lengths) != 1 or next(iter(lengths)) % per_rank:
+        raise InputError(
+            f"slices: expected equal slices of whole chunks ({per_rank} per rank in the {layout} layout), got "
+            f"{[part.shape[dim] for part in slices]} rows along dim {dim}"
+        )
     chunks: dict[int, torch.Tensor] = {}
     for rank, part in enumerate(slices):
         for piece, c in zip(part.chunk(per_rank, dim=dim), rank_chunks(layout, rank, world_size)):
@@ -247,9 +259,37 @@ def layout_plans(
 ) -> list[ContextParallelPlan]:
     """The plan of every layout (LAYOUTS order) for this program, sizes and inputs (those
     over the whole sequence, as `context_parallel` takes them)."""
+    return [
+        layout_plan(kern, world_size, lay, N, M, B=B, H=H, Hkv=Hkv, D=D, Dv=Dv, scale=scale, **inputs)
+        for lay in LAYOUTS
+    ]
+
+
+def layout_plan(
+    kern: Kernel,
+    world_size: int,
+    layout: str,
+    N: int,
+    M: int | None = None,
+    *,
+    B: int = 1,
+    H: int = 1,
+    Hkv: int | None = None,
+    D: int = 64,
+    Dv: int | None = None,
+    scale: float | None = None,
+    **inputs: object,
+) -> ContextParallelPlan:
+    """The plan of `layout` for this program, sizes and inputs (`layout_plans`)."""
+    _check_world_size(world_size)
     problem = Problem(B, H, Hkv or H, N, N if M is None else M, D, D if Dv is None else Dv)
     scalars, tensors, scale_value = _program_values(kern, problem, scale, inputs)
-    return [plan_context_parallel(kern, world_size, problem, lay, scalars, tensors, scale_value) for lay in LAYOUTS]
+    return plan_context_parallel(kern, world_size, problem, layout, scalars, tensors, scale_value)
+
+
+def _check_world_size(world_size: object) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"world_size: expected an int >= 1, got {world_size!r}")
 
 
 def balanced(plans: Sequence[ContextParallelPlan]) -> ContextParallelPlan:
@@ -263,15 +303,20 @@ def choose_layout(
     """The plan of the layout that balances the ranks' work best (`layout_plans`, `balanced`),
     from the tile classes, not from knowing the mask: causal and bottom-right programs get
     zigzag, a sliding window or a dense program contiguous. Shard q, k, v with its `layout`."""
-    return balanced(layout_plans(kern, world_size, N, M, **sizes_and_inputs))  # type: ignore[arg-type]
+    _check_world_size(world_size)
+    # (a sequence may split into one layout's chunks only: 9 rows over 3 ranks are contiguous)
+    keys = N if M is None else M
+    fitting = [lay for lay in LAYOUTS if all(n % (world_size * chunks_per_rank(lay)) == 0 for n in (N, keys))]
+    layouts = fitting or list(LAYOUTS)  # (none: the first one's error names the sizes)
+    return balanced([layout_plan(kern, world_size, lay, N, M, **sizes_and_inputs) for lay in layouts])  # type: ignore[arg-type]
 
 
 def _program_values(
     kern: Kernel, problem: Problem, scale: float | None, inputs: Mapping[str, object]
 ) -> tuple[dict[str, float], dict[str, torch.Tensor], float]:
     """The program's scalars and tensors by name, and the value of `scale` at the whole sizes."""
-    kern.check_input_names(inputs)
-    scalars = {d.name: float(inputs[d.name]) for d in kern.inputs if d.role == "scalar"}  # type: ignore[arg-type]
+    kern.check_input_names(inputs)  # type: ignore[arg-type]
+    scalars = {d.name: float(kern.checked_scalar(d, inputs[d.name])) for d in kern.inputs if d.role == "scalar"}  # type: ignore[arg-type]
     tensors = {d.name: inputs[d.name] for d in kern.inputs if d.role == "tensor"}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -533,7 +578,24 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         wanted = list(ctx.needs_input_grad[4:])
         dq, dk, dv, grads = ctx.ring.backward(q, k, v, out, lse, dout, dlse, tensors, wanted)
+        if torch.is_grad_enabled():  # (create_graph: gradients with no graph made a penalty on them add nothing, silently)
+            given = [g for g in (dq, dk, dv, *grads) if g is not None]
+            marked = iter(_DifferentiableOnce.apply(q, k, v, *given))
+            dq, dk, dv, *grads = (None if g is None else next(marked) for g in (dq, dk, dv, *grads))
         return (None, dq, dk, dv, *grads)
+
+
+class _DifferentiableOnce(torch.autograd.Function):
+    """The ring's gradients under create_graph, as they are but depending on q, k and v: a
+    term built on them raises in its backward, as the kernels' backward op does."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *grads: torch.Tensor) -> tuple:  # noqa: ANN001
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001
+        return no_double_backward(ctx, *grads)
 
 
 # ----------------------------------------------------------------------------- public call
@@ -562,9 +624,10 @@ def context_parallel(
         raise InputError("context_parallel: torch.distributed is not initialised (call init_process_group first)")
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InputError(f"{name}: expected this rank's slice [B, heads, rows, D], got {shape}")
+        if not isinstance(t, torch.Tensor) or t.is_nested or t.dim() != 4:
+            shape = "a nested tensor" if isinstance(t, torch.Tensor) and t.is_nested else None
+            shape = shape or (tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__)
+            raise InputError(f"{name}: expected this rank's slice [B, heads, rows, D], a dense tensor, got {shape}")
         if is_fp8(t):
             raise InputError(f"{name}: fp8 K/V are forward-only serving inputs; context_parallel takes float q, k, v")
     _check_same_call(group, world_size, rank, layout, (q, k, v), scale, inputs)
@@ -627,10 +690,12 @@ def _input_summary(value: object) -> object:
     sums (of its values, and weighted by position) in float64 on the host."""
     if not isinstance(value, torch.Tensor):
         return value
+    # (whether it asks a gradient: a rank alone in the backward's all-reduce hung the group)
+    wants_grad = value.requires_grad and torch.is_grad_enabled()
     # (infinities and NaN as numbers: a -inf bias's sum is -inf on every rank, NaN would differ from itself)
     flat = value.detach().reshape(-1).to("cpu", torch.float64).nan_to_num(nan=0.5, posinf=1.5, neginf=-2.5)
     weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
-    return (tuple(value.shape), str(value.dtype), float(flat.sum()), float((flat * weights).sum()))
+    return (tuple(value.shape), str(value.dtype), wants_grad, float(flat.sum()), float((flat * weights).sum()))
 
 
 def _check_same_call(
@@ -645,14 +710,16 @@ def _check_same_call(
     """Every rank calls with the same layout, slice shapes and dtypes, scale and runtime inputs
     (else an error on every rank naming the first that differs, rather than a hang in a transfer
     of the wrong size, or each rank's rows of a different attention, silently)."""
-    mine = (layout, *((tuple(t.shape), str(t.dtype)) for t in operands))
+    grad = torch.is_grad_enabled()
+    mine = (layout, *((tuple(t.shape), str(t.dtype), t.requires_grad and grad) for t in operands))
     given = (_input_summary(scale), sorted((name, _input_summary(value)) for name, value in inputs.items()))
     everyone: list[object] = [None] * world_size
     dist.all_gather_object(everyone, (mine, given), group=group)
     for other, (theirs, their_given) in enumerate(everyone):  # type: ignore[misc]
         if theirs != mine:
             raise InputError(
-                f"context_parallel: rank {rank} calls with (layout, (q, k, v) shapes and dtypes) {mine}, "
+                f"context_parallel: rank {rank} calls with (layout, (q, k, v) shapes, dtypes and whether they "
+                f"require grad) {mine}, "
                 f"but rank {other} with {theirs}; every rank must call with the same"
             )
         if their_given != given:

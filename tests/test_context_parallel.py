@@ -444,6 +444,67 @@ def test_scale_and_runtime_inputs_are_checked_as_in_the_plain_call(
         cp.context_parallel(kern, q, q, q, doc=doc)
 
 
+def test_a_rank_alone_asking_a_gradient_is_an_error_not_a_hang(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether q, k, v and each learnable input require grad is part of the same-call check: a
+    rank alone in the backward's all-reduce paired it with another collective and hung."""
+    kern = attncc.compile(ROOT / "examples" / "alibi.attn")
+    q, slopes = torch.randn(1, 2, 8, 16), torch.tensor([0.1, 0.2])
+    gather = cp.dist.all_gather_object
+
+    def another_ranks(everyone: list, mine: object, group: object = None) -> None:
+        gather(everyone, mine, group=group)
+        (layout, (scale, _)) = everyone[0]
+        everyone.append((layout, (scale, [("slopes", cp._input_summary(slopes.clone().requires_grad_()))])))
+
+    monkeypatch.setattr(cp.dist, "all_gather_object", another_ranks)
+    with pytest.raises(attncc.InputError, match=r"rank 0 calls with \(scale, runtime inputs\).*but rank 1 with"):
+        cp.context_parallel(kern, q, q, q, slopes=slopes)
+    assert cp._input_summary(slopes) != cp._input_summary(slopes.clone().requires_grad_())
+    with torch.no_grad():  # (no gradient asked: the same call)
+        assert cp._input_summary(slopes) == cp._input_summary(slopes.clone().requires_grad_())
+
+
+def test_a_gradient_of_the_ring_s_gradient_is_an_error(one_rank: None) -> None:
+    """With create_graph the ring's gradients had no graph: a penalty on them added nothing to
+    the next backward, silently. Now they raise there, as the single-process kernel's do."""
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    (dq,) = torch.autograd.grad(cp.context_parallel(kern, q, q, q).sum(), q, create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match="attncc kernels are differentiable once"):
+        dq.square().sum().backward()
+
+
+def test_helpers_name_their_bad_arguments(one_rank: None) -> None:
+    causal = attncc.compile(ROOT / "examples" / "causal.attn")
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(attncc.InputError, match="window: expected a int scalar, got None"):
+        cp.context_parallel(
+            attncc.compile(ROOT / "examples" / "gpt_oss.attn"), q, q, q, sinks=torch.zeros(2), window=None
+        )
+    jagged = torch.nested.nested_tensor([torch.randn(2, 8, 16), torch.randn(2, 4, 16)], layout=torch.jagged)
+    with pytest.raises(attncc.InputError, match=r"q: expected this rank's slice .* got a nested tensor"):
+        cp.context_parallel(causal, jagged, jagged, jagged)
+    for world_size in (0, -1, 2.0):
+        with pytest.raises(attncc.InputError, match=f"world_size: expected an int >= 1, got {world_size}"):
+            cp.choose_layout(causal, world_size, 16)
+    assert cp.choose_layout(causal, 3, 9).layout == "contiguous"  # (9 rows are 3 chunks, not 6: zigzag was an error)
+    with pytest.raises(attncc.InputError, match="does not split into the 3 equal chunks of the contiguous layout"):
+        cp.choose_layout(causal, 3, 10)
+    with pytest.raises(attncc.InputError, match="dim: expected a dimension of x's 4, got 5"):
+        cp.shard(q, 0, 2, "zigzag", dim=5)
+    with pytest.raises(attncc.InputError, match="slices: expected every rank's slice"):
+        cp.unshard([], "zigzag")
+    x = torch.arange(7.0).view(1, 1, 7, 1)  # (uneven slices were put together in another order, silently)
+    with pytest.raises(attncc.InputError, match=r"slices: expected equal slices .* got \[3, 4\] rows"):
+        cp.unshard([x[:, :, :3], x[:, :, 3:]], "zigzag")
+    parts = [torch.randn(1, 2, 8, 16) for _ in range(2)]
+    lses = [torch.randn(1, 2, 8) for _ in range(2)]
+    from_generators = attncc.merge_states((t for t in parts), (t for t in lses))
+    for got, want in zip(from_generators, attncc.merge_states(parts, lses)):
+        assert torch.equal(got, want)
+
+
 def test_without_a_process_group_the_error_says_so() -> None:
     kern = attncc.compile(ROOT / "examples" / "causal.attn")
     q = torch.randn(1, 2, 8, 16)

@@ -1146,6 +1146,11 @@ class Kernel:
                     f"missing runtime input `{decl.name}` ({_declared(decl)}); {self.name} takes {_names(self.inputs)}"
                 )
 
+    def checked_scalar(self, decl: Input, value: object) -> object:
+        """A scalar input's value checked as a call checks it (numpy's numbers as Python's)."""
+        assert decl.role == "scalar"
+        return self._validate_input(decl, value, {}, {}, torch.device("cpu"))
+
     def _bind_sizes(self, runtime: dict[str, object]) -> None:
         """Sets each size input (`input t: float[L, H]` with `L` used in an expression) to its
         tensor's size; a value the caller gave must equal it. A tensor not given is left to
@@ -2478,15 +2483,15 @@ def _paged_fake(
     return q.new_empty(out_shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
-def _no_double_backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
+def no_double_backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
     raise RuntimeError(
         "attncc kernels are differentiable once: the backward kernel has no derivative "
         "(double backward, gradgradcheck and Hessian products are not supported)"
     )
 
 
-attention_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-varlen_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+attention_backward_op.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
+varlen_backward_op.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def delta_rows(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,7 @@ with no visible key in any part gets L = -inf and O = 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -24,6 +24,10 @@ from attncc.errors import InputError
 def _stacked(parts: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.Tensor:
     if isinstance(parts, torch.Tensor) and parts.dim() > 0 and parts.shape[0] > 0:
         return parts
+    if not isinstance(parts, torch.Tensor) and not isinstance(parts, Sequence):  # (a generator: read once)
+        parts = list(parts) if isinstance(parts, Iterable) else parts
+    if not isinstance(parts, torch.Tensor | Sequence):
+        raise InputError(f"{name}: expected a sequence of tensors or one stacked tensor, got {type(parts).__name__}")
     if isinstance(parts, torch.Tensor) or not parts:
         raise InputError(f"{name}: expected at least one partial result, got none")
     if not all(isinstance(t, torch.Tensor) for t in parts):
