@@ -222,9 +222,44 @@ def test_the_same_call_as_torch_flex_attention_with_a_block_mask() -> None:
         flex_attention(q, k, v, softcap, block_mask=mask, enable_gqa=True, return_aux=flex.AuxRequest(max_scores=True))
 
 
+def test_a_block_masks_lists_are_the_blocks_attended(monkeypatch) -> None:
+    """As compiled Flex runs a BlockMask: keys in its listed blocks only, mask_mod in the partial
+    blocks, not in the full ones (the lists were ignored: every causal key was attended, 2.45
+    off compiled Flex; block lists with no mask_mod were an error). Per-head lists, GQA."""
+    q, k, v = leaves(torch.float64)
+    partial = torch.zeros(B, H, 3, 4, dtype=torch.bool)  # query blocks of 16 rows, key blocks of 16
+    full = torch.zeros(B, H, 3, 4, dtype=torch.bool)
+    partial[:, :, 0, 0] = partial[:, :, 1, 1] = partial[:, :, 2, 2] = True  # the diagonal: causal inside
+    full[:, 1::2, 1, 0] = full[:, 1::2, 2, 3] = True  # odd heads: one more block each, whole
+    full[1, :, 2, 1] = True  # the second sequence: one more
+
+    def lists(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = dense.sum(-1).to(torch.int32)
+        return counts, dense.to(torch.int32).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+    block_mask = flex.BlockMask.from_kv_blocks(
+        *lists(partial),
+        *lists(full),
+        BLOCK_SIZE=16,
+        mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+        seq_lengths=(N, M),
+    )
+    rows, cols = torch.arange(N).view(-1, 1), torch.arange(M).view(1, -1)
+    keep = (partial[:, :, rows // 16, cols // 16] & (rows >= cols)) | full[:, :, rows // 16, cols // 16]
+    groups = H // HKV
+    scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) / math.sqrt(D)
+    want = torch.softmax(scores.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0) @ v.repeat_interleave(groups, 1)
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    assert torch.allclose(out, want, atol=1e-12)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for g, w in zip(got, torch.autograd.grad(want.square().sum(), (q, k, v))):
+        assert torch.allclose(g, w, atol=1e-10)
+
+
 def test_the_program_names_what_the_functions_read_and_is_compiled_once(monkeypatch) -> None:
     program = flex_program(relative_bias, document_causal)
-    assert "input bias: float[4, 37, 53]" in program.source and "input doc: int[2, 64]" in program.source
+    assert "input bias: float[bias_size0, bias_size1, bias_size2]" in program.source
+    assert "input doc: int[doc_size0, doc_size1]" in program.source
     assert "s = (s + bias[h, i, j])" in program.source
     assert "mask (((doc[b, i] == doc[b, j]) and (i >= j)) or (j == 0))" in program.source
     assert set(program.inputs) == {"bias", "doc"} and program.inputs["bias"] is BIAS
@@ -235,13 +270,19 @@ def test_the_program_names_what_the_functions_read_and_is_compiled_once(monkeypa
     again = flex_attention(q, k, v, relative_bias, mask_mod=document_causal, enable_gqa=True)
     assert flex_integration._KERNELS == kernels and not torch.allclose(first, again)
     assert torch.allclose(again, reference(q, k, v, relative_bias, document_causal)[0], atol=1e-12)
+    # another shape (document ids of a longer batch): the same program and kernel, sizes bound per call
+    monkeypatch.setitem(globals(), "doc", torch.randint(0, 3, (2, 80), generator=GEN).sort(-1).values)
+    longer = flex_attention(q, k, v, relative_bias, mask_mod=document_causal, enable_gqa=True)
+    assert flex_integration._KERNELS == kernels
+    assert torch.allclose(longer, reference(q, k, v, relative_bias, document_causal)[0], atol=1e-12)
 
 
 def test_captured_names_that_could_meet_the_programs_become_placeholders() -> None:
     s = torch.ones(3)
     mask = torch.zeros(2)
     program = flex_program(lambda score, b, h, i, j: score * s[h] + mask[b], name="shadowing")
-    assert "input captured0: float[3]" in program.source and "input captured1: float[2]" in program.source
+    assert "input captured0: float[captured0_size0]" in program.source
+    assert "input captured1: float[captured1_size0]" in program.source
     assert program.source.startswith("attention shadowing\n")
 
 
@@ -281,8 +322,8 @@ def test_call_errors_name_the_argument() -> None:
         BLOCK_SIZE=16,
         seq_lengths=(N, M),
     )  # each query block sees key block 0 only
-    with pytest.raises(InputError, match="block lists with no mask function"):
-        flex_attention(q, k, v, block_mask=blocks, enable_gqa=True)
+    first_block = reference(q, k, v, None, lambda b, h, q_idx, kv_idx: kv_idx < 16)[0]
+    assert torch.allclose(flex_attention(q, k, v, block_mask=blocks, enable_gqa=True), first_block, atol=1e-12)
     with pytest.raises(FlexTraceError, match="mask_mod returned an int value"):
         flex_attention(q, k, v, mask_mod=lambda b, h, i, j: i - j, enable_gqa=True)
     assert isinstance(FlexTraceError("x"), attncc.AttnccError)

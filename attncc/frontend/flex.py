@@ -82,7 +82,9 @@ class _Captures:
         lines = []
         for name, t in self.tensors.items():
             kind = "bool" if t.dtype == torch.bool else "float" if t.is_floating_point() else "int"
-            dims = ", ".join(str(d) for d in t.shape) if t.dim() else "1"
+            # (sizes bound at each call: a new length, a document-id tensor [B, N] at another N,
+            # is the same program and kernel, and reads are checked against the call's shapes)
+            dims = ", ".join(f"{name}_size{axis}" for axis in range(t.dim())) if t.dim() else "1"
             lines.append(f"input {name}: {kind}[{dims}]")
         return lines
 

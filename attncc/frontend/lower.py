@@ -407,7 +407,10 @@ def _name(ctx: _Context, a: Ast) -> Value:
 
 
 def _free_dimension(ctx: _Context, name: str) -> tuple[str, int] | None:
-    """(tensor, axis) of the first declared tensor input with a free dimension `name`."""
+    """(tensor, axis) of the first declared tensor input with a free dimension `name` (not one
+    of the compiler's `__` names)."""
+    if name.startswith("__"):
+        return None
     for value in ctx.names.values():
         if isinstance(value, TensorRef) and value.kind == "tensor":
             decl = op_of(ctx.g, value.node)

@@ -58,7 +58,9 @@ def _kernel(source: str, device: torch.device) -> Kernel:
 
 
 def _mask_function(block_mask: object, queries: int, keys: int) -> Callable[..., Any] | None:
-    """The mask function of a BlockMask (None where it masks nothing), checked against the call."""
+    """The mask a BlockMask stands for, as compiled Flex runs it (None where it masks nothing):
+    keys in its listed blocks only, its mask_mod applied in the partial ones and not in the full
+    ones. Checked against the call."""
     if block_mask is None:
         return None
     from torch.nn.attention.flex_attention import BlockMask, noop_mask
@@ -72,14 +74,39 @@ def _mask_function(block_mask: object, queries: int, keys: int) -> Callable[...,
         raise InputError(
             f"block_mask: made for (Q_LEN, KV_LEN) = {lengths}, called with query length {queries} and key length {keys}"
         )
-    if block_mask.mask_mod is noop_mask:
-        if not bool(block_mask.to_dense().all()):
-            raise InputError(
-                "block_mask: block lists with no mask function (BlockMask.from_kv_blocks); attncc derives the "
-                "blocks from a mask function: make it with create_block_mask(mask_mod, ...)"
-            )
+    rows, cols = block_mask.BLOCK_SIZE
+    key_blocks = -(-keys // cols)
+    partial_blocks = _listed_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, key_blocks)
+    full_blocks = None
+    if block_mask.full_kv_num_blocks is not None:
+        full_blocks = _listed_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, key_blocks)
+    mask_mod = block_mask.mask_mod
+    if full_blocks is not None and bool(full_blocks.all()):
         return None
-    return block_mask.mask_mod
+    listed = partial_blocks if full_blocks is None else partial_blocks | full_blocks
+    if mask_mod is noop_mask and bool(listed.all()):
+        return None
+    # (the block tables read with index 0 where they broadcast over the batch or the heads)
+    batch_of = (lambda b: b) if partial_blocks.shape[0] > 1 else (lambda b: 0)
+    head_of = (lambda h: h) if partial_blocks.shape[1] > 1 else (lambda h: 0)
+
+    def in_listed_blocks(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - traced by flex_program
+        block = (batch_of(b), head_of(h), q_idx // rows, kv_idx // cols)
+        kept = partial_blocks[block]
+        if mask_mod is not noop_mask:
+            kept = kept & mask_mod(b, h, q_idx, kv_idx)
+        return kept if full_blocks is None else kept | full_blocks[block]
+
+    return in_listed_blocks
+
+
+def _listed_blocks(counts: torch.Tensor, indices: torch.Tensor, key_blocks: int) -> torch.Tensor:
+    """A BlockMask's block lists (per query block the first `counts` entries of `indices`) as a
+    dense bool tensor [B|1, H|1, query blocks, key blocks]."""
+    listed = torch.arange(indices.shape[-1], device=indices.device) < counts.unsqueeze(-1)
+    slots = torch.where(listed & (indices >= 0) & (indices < key_blocks), indices.long(), key_blocks)
+    dense = torch.zeros((*indices.shape[:-1], key_blocks + 1), dtype=torch.bool, device=indices.device)
+    return dense.scatter_(-1, slots, True)[..., :key_blocks]
 
 
 def flex_attention(
