@@ -540,6 +540,16 @@ def test_a_packed_calls_factor_per_token_is_never_read_per_sequence() -> None:
     padded_q = torch.randn(2, 2, 3, 16, generator=generator)
     padded_k, padded_v = (torch.randn(2, 2, 5, 16, generator=generator).to(torch.float8_e4m3fn) for _ in range(2))
     per_row = torch.rand(2, 2, 5, generator=generator) + 0.5
+    # [Hkv, 1, 1] is per sequence of [B, Hkv, M] and per kv head of k: refused where B = Hkv (it was per sequence)
+    with pytest.raises(InputError, match=r"k_descale: \[2, 1, 1\] is a factor per sequence .* B = Hkv = 2"):
+        kern(padded_q, padded_k, padded_v, k_descale=per_row[:, :1, :1])
+    per_head = per_row[:1, :, :1, None]  # [1, Hkv, 1, 1]: k's dims
+    torch.testing.assert_close(
+        kern(padded_q, padded_k, padded_v, k_descale=per_head, v_descale=per_head),
+        kern(padded_q, *(t.float() * per_head for t in (padded_k, padded_v))),
+        atol=2e-6,
+        rtol=2e-6,
+    )
     torch.testing.assert_close(
         kern(padded_q, padded_k, padded_v, k_descale=per_row[..., None], v_descale=per_row[..., None]),
         kern(padded_q, padded_k, padded_v, k_descale=per_row, v_descale=per_row),

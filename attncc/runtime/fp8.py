@@ -116,6 +116,15 @@ def descale_rows(
     # keys: [Hkv] (packed and paged calls' per kv head) and FlashAttention 3's per-sequence
     # [B, Hkv] as a factor per token wherever M happened to equal Hkv, silently
     ambiguous = layout == "padded" and 0 < descale.dim() < 3 and descale.shape[-1] > 1
+    # ... and [X, 1, 1] is per sequence against [B, Hkv, M] but per kv head against k itself
+    # ([B, Hkv, M, D]): where B equals Hkv the two read the same factors differently
+    per_head_or_sequence = layout == "padded" and descale.dim() == 3 and descale.shape[1:] == (1, 1)
+    if per_head_or_sequence and descale.shape[0] > 1 and rows[0] == rows[1]:
+        raise InputError(
+            f"{name}: {list(descale.shape)} is a factor per sequence of [B, Hkv, M] and per kv head of k's "
+            f"[B, Hkv, M, D], and B = Hkv = {rows[0]}: give k's dims, [B, 1, 1, 1] per sequence or [1, Hkv, 1, 1] "
+            "per kv head"
+        )
     if shape != rows or (layout == "paged" and descale.dim() == 2) or ambiguous:
         raise InputError(
             f"{name}: expected a shape broadcastable to {list(rows)} (the operand's without its head dim: "
