@@ -428,3 +428,15 @@ def test_new_scores_that_do_not_read_the_old_ones(target: str) -> None:
     want_dv, want_dbias = torch.autograd.grad(want, (v, bias), dout)
     assert (dv.double() - want_dv).abs().max().item() < tol * 4
     assert (dbias.double() - want_dbias).abs().max().item() < tol * 4
+
+
+def test_check_compares_the_gradients_of_unread_operands_with_zero() -> None:
+    """`attncc check` of new scores that ignore q and k: their reference gradients were none,
+    an error of inf within a limit of inf (any dq passed); they are zeros."""
+    from attncc.runtime.check import check
+    from attncc.runtime.inputs import Shape
+
+    kern = attncc.compile(program("input bias: float[H, N, M]\ns = q @ k.T * scale\ns = bias[h, i, j]\n"))
+    result = check(kern, Shape(1, 2, 1, 20, 20, 16), torch.float32)
+    assert result.ok and result.errors["dq"] == 0 and result.errors["dk"] == 0
+    assert math.isfinite(result.limits["dq"]) and math.isfinite(result.limits["dk"])

@@ -11,6 +11,8 @@ import torch
 import attncc
 from attncc.errors import DslError, InputError
 from attncc.ir.graph import print_graph
+from attncc.runtime import check as checking
+from attncc.runtime.inputs import Shape
 
 # a relative-position bias table centred on the diagonal, as long as the caller makes it
 CENTRED_BIAS = """attention centred_bias
@@ -107,6 +109,22 @@ def test_a_given_size_must_be_the_tensor_s() -> None:
     with pytest.raises(InputError, match=r"L: the size of bias's dimension 0 \(6\), bound from its shape; given 5"):
         kern(q, q, q, bias=bias, L=5)
     torch.testing.assert_close(kern(q, q, q, bias=bias, L=6), kern(q, q, q, bias=bias))
+    torch.testing.assert_close(kern(q, q, q, bias=bias, L=torch.tensor([6])), kern(q, q, q, bias=bias))
+    with pytest.raises(
+        InputError, match=r"L: the size of bias's dimension 0 \(6\), bound from its shape; given tensor"
+    ):
+        kern(q, q, q, bias=bias, L=torch.tensor([6, 6]))  # (a RuntimeError of torch's before)
+
+
+def test_a_dimension_named_after_an_int_input_is_its_value() -> None:
+    """`input L: int` with `float[L, H]`: a table of another length was taken, silently."""
+    kern = attncc.compile(CENTRED_BIAS.replace("input bias: float[L, H]", "input L: int\ninput bias: float[L, H]"))
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(InputError, match=r"bias: expected shape float\[L, H\] with L=5, got \(6, 2\)"):
+        kern(q, q, q, L=5, bias=torch.randn(6, 2))
+    bias = torch.randn(6, 2)
+    torch.testing.assert_close(kern(q, q, q, L=6, bias=bias), attncc.compile(CENTRED_BIAS)(q, q, q, bias=bias))
+    assert checking.check(kern, Shape(1, 2, 1, 9, 9, 16), torch.float32).ok  # (its random inputs: a table of L rows)
 
 
 def test_a_name_shared_by_two_tensors_binds_once() -> None:

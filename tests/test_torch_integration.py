@@ -60,7 +60,9 @@ def test_compile_fullgraph_makes_a_drop_in_s_new_option_set_while_tracing(monkey
     monkeypatch.setattr(flash_attn, "_kernel", made.MadeKernels(flash_attn.CallOptions, flash_attn.flash_program))
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        # (two new option sets of one drop-in in one trace: the second was missing from the table dynamo read)
         biased = sdpa.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        biased = biased + sdpa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         windowed = flash_attn.flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=(5, 0), softcap=3.0
         )
@@ -77,6 +79,18 @@ def test_compile_fullgraph_makes_a_drop_in_s_new_option_set_while_tracing(monkey
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     for got, expected in zip(grads, torch.autograd.grad(want.square().sum(), operands)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+    # a made option set found while tracing with dynamic sizes and a rate given as a traced number
+    # (the first version of the trace-time compile refused both)
+    q = operands[0].detach()
+    for rate in (0.1, 0.25):
+        sdpa.scaled_dot_product_attention(q, q, q, dropout_p=rate)
+    torch._dynamo.reset()
+    dynamic = torch.compile(
+        lambda q, rate: sdpa.scaled_dot_product_attention(q, q, q, dropout_p=rate), fullgraph=True, dynamic=True
+    )
+    for rate in (0.1, 0.25):
+        assert dynamic(q, rate).shape == q.shape
 
     # the marker made.py sets in place of torch.compiler.assume_constant_result (which imports dynamo)
     def constant() -> int:

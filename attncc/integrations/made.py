@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
@@ -37,14 +38,15 @@ class MadeKernels(Generic[Options]):
 
     def __call__(self, options: Options, device: torch.device) -> Kernel:
         key = (options, "cuda" if device.type == "cuda" else "cpu")
-        if torch.compiler.is_compiling():
-            # (the dict is read after the compile: dynamo reads an object's state once per trace)
-            # (the options as their fields: dynamo passes no dataclass to an untraced function)
-            _made(self._index, tuple(getattr(options, name) for name in self._fields), key[1])
-            return self._kernels[key]
         found = self._kernels.get(key)
         if found is not None:
             return found
+        if torch.compiler.is_compiling():
+            # (made by `_made`, read back as an attribute of its own: dynamo reads the dict once
+            # per trace, so a second new option set in one trace was missing from it; the
+            # options as their fields: dynamo passes no dataclass to an untraced function)
+            slot = _made(self._index, tuple(getattr(options, name) for name in self._fields), key[1])
+            return getattr(_SLOTS, slot)
         return self._make(key)
 
     def _make(self, key: tuple[Options, str]) -> Kernel:
@@ -54,12 +56,18 @@ class MadeKernels(Generic[Options]):
             return self._kernels[key]
 
 
-def _made(index: int, fields: tuple, target: str) -> bool:
-    """Makes the kernel of the options with these fields (a constant to dynamo: called while
-    tracing, not traced)."""
+# the kernels `_made` made, each an attribute (a new attribute is read as it is by dynamo)
+_SLOTS = types.SimpleNamespace()
+
+
+def _made(index: int, fields: tuple, target: str) -> str:
+    """The name in `_SLOTS` of the kernel of the options with these fields, made where it is
+    new (a constant to dynamo: called while tracing, not traced)."""
     made = _MADE[index]
-    made._make((made._options_type(*fields), target))
-    return True
+    kern = made._make((made._options_type(*fields), target))
+    slot = f"kernel_{kern.key}_{target}"
+    setattr(_SLOTS, slot, kern)
+    return slot
 
 
 # What torch.compiler.assume_constant_result(_made) does (torch 2.13), without its import of

@@ -62,6 +62,10 @@ def _error(got: torch.Tensor | None, ref: torch.Tensor | None) -> float:
     return ((got[finite] - ref[finite]).abs() / ref[finite].abs().clamp_min(1.0)).max().item()
 
 
+def _zeros_for_unused(grads: tuple[torch.Tensor | None, ...], wrt: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
+
+
 def delta_from_output(
     grads: list[torch.Tensor | None],
     ref_out: torch.Tensor,
@@ -132,7 +136,11 @@ def check(
         # allow_unused only so that a missing gradient is reported by name (as an error of inf)
         grads = torch.autograd.grad(out, kernel_wrt, dout.to(out.dtype).to(out.device), allow_unused=True)
         got += [g.cpu() if g is not None else None for g in grads]
-        ref += list(torch.autograd.grad(ref_out, exact_wrt, dout, allow_unused=True, retain_graph=True))
+        # (an operand the program's scores do not read, `s = bias[h, i, j]`, has gradient 0, not none:
+        # an error against none was inf, within an eager limit of inf, so any dq passed)
+        ref += _zeros_for_unused(
+            torch.autograd.grad(ref_out, exact_wrt, dout, allow_unused=True, retain_graph=True), exact_wrt
+        )
         flash = ref[:2] + delta_from_output(ref[2:], ref_out, ref_lse, exact_wrt, dout, out.detach().cpu())
     else:
         names = names[:2]
@@ -148,7 +156,7 @@ def check(
     low_out, low_lse = kern.reference(q, k, v, seed=seed + 1, dtype=dtype, **runtime)
     low = [low_out, low_lse]
     if backward:
-        low += list(torch.autograd.grad(low_out, wrt, dout.to(dtype), allow_unused=True))
+        low += _zeros_for_unused(torch.autograd.grad(low_out, wrt, dout.to(dtype), allow_unused=True), wrt)
     eager = {n: _error(lo, r) for n, lo, r in zip(names, low, ref)}
     if dtype == torch.float32:
         result.limits = {n: max(limits[n], FP32_EAGER_FUDGE * eager[n]) for n in names}

@@ -60,16 +60,18 @@ def make_inputs(
     sizes = {"B": s.B, "H": s.H, "Hkv": s.Hkv, "N": s.N, "M": s.M, "D": s.D}
     blocks = {lay.tensor: lay.block for lay in kern.op.layouts if isinstance(lay, Layout) and lay.tensor}
     runtime: dict[str, object] = {}
-    for decl in kern.inputs:
-        if decl.size_of is not None:  # (a tensor's size: the kernel binds it)
-            continue
-        if decl.role == "scalar":
+    for decl in kern.inputs:  # (scalars first: a dimension named after an int scalar is its value)
+        if decl.role == "scalar" and decl.size_of is None:
             runtime[decl.name] = 0.5 if decl.dtype == "float" else max(1, s.N // 3) if decl.dtype == "int" else True
+    for decl in kern.inputs:
+        if decl.role == "scalar":  # (a tensor's size, size_of: the kernel binds it)
             continue
         dims = []
         for d in decl.dims:
             if isinstance(d, int):
                 dims.append(d)
+            elif isinstance(runtime.get(d), int) and not isinstance(runtime.get(d), bool):
+                dims.append(runtime[d])  # type: ignore[arg-type]
             elif d in sizes:
                 dims.append(sizes[d])
             elif decl.name in blocks and d in ("NB", "MB"):

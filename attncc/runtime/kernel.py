@@ -1126,7 +1126,16 @@ class Kernel:
         sizes = _sizes(q, k)
         # a globalized program's N and M are the whole sequence's (passes/positions.py)
         sizes.update({size: int(runtime[name]) for size, name in GLOBAL_SIZES.items() if name in runtime})  # type: ignore[call-overload]
-        bound: dict[str, int] = {}
+        # a dimension named after an int scalar input is that many (`input L: int` with `float[L]`:
+        # a table of another length was taken, silently)
+        bound: dict[str, int] = {
+            d.name: int(value)  # type: ignore[call-overload]
+            for d in self.inputs
+            if d.role == "scalar" and d.dtype == "int" and d.size_of is None
+            for value in [python_number(runtime[d.name])]
+            if (isinstance(value, int) and not isinstance(value, bool))
+            or (isinstance(value, float) and value.is_integer())
+        }
         for decl in self.inputs:
             value = self._validate_input(decl, runtime[decl.name], sizes, bound, q.device)
             if value is not runtime[decl.name] and isinstance(runtime, dict):
@@ -1162,7 +1171,10 @@ class Kernel:
                 continue
             size = value.shape[axis]
             given = runtime.get(decl.name, size)
-            if given is not size and python_number(given) != size:
+            number = python_number(given)
+            if isinstance(number, torch.Tensor):  # (a one-element tensor's value; any other, no size)
+                number = number.item() if number.numel() == 1 and not number.is_complex() else None
+            if given is not size and number != size:
                 raise InputError(
                     f"{decl.name}: the size of {tensor}'s dimension {axis} ({size}), bound from its shape; "
                     f"given {given!r} (leave it out)"
