@@ -601,6 +601,9 @@ class _DifferentiableOnce(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- public call
+# (run eagerly inside a compiled model, a graph break: dynamo failed inside on the process
+# group's script object, an internal error, not attncc's)
+@torch.compiler.disable(reason="attncc's context_parallel is Python around the kernels and the ring's transfers")
 def context_parallel(
     kern: Kernel,
     q: torch.Tensor,

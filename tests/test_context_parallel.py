@@ -464,6 +464,19 @@ def test_a_rank_alone_asking_a_gradient_is_an_error_not_a_hang(one_rank: None, m
         assert cp._input_summary(slopes) == cp._input_summary(slopes.clone().requires_grad_())
 
 
+def test_under_torch_compile_the_ring_runs_eagerly(one_rank: None) -> None:
+    """A compiled model's context-parallel call: a graph break, the ring eager (dynamo failed
+    inside it on the process group's script object)."""
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    compiled = torch.compile(lambda q: cp.context_parallel(kern, q * 2, q, q) + 1)
+    out = compiled(q)
+    torch.testing.assert_close(out, kern(q * 2, q, q) + 1, atol=1e-6, rtol=1e-6)
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    (want,) = torch.autograd.grad((kern(q * 2, q, q) + 1).sum(), q)
+    torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_gradient_of_the_ring_s_gradient_is_an_error(one_rank: None) -> None:
     """With create_graph the ring's gradients had no graph: a penalty on them added nothing to
     the next backward, silently. Now they raise there, as the single-process kernel's do."""
