@@ -279,6 +279,12 @@ def test_flash_attn_func_under_torch_compile_fullgraph() -> None:
     want = flash_attn_func(q, k, v, causal=True, softcap=2.0)
     compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True, softcap=2.0), fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), want, atol=1e-6, rtol=1e-6)
+    # dynamic sizes: the softcap's check was math.isfinite, which dynamo refused of a traced number
+    torch._dynamo.reset()
+    dynamic = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True, dynamic=True)
+    for rows in (16, 9):
+        x = q[:, :rows]
+        torch.testing.assert_close(dynamic(x, x, x), flash_attn_func(x, x, x, causal=True), atol=1e-6, rtol=1e-6)
 
 
 def test_numpy_numbers_are_numbers() -> None:

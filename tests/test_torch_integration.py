@@ -80,17 +80,19 @@ def test_compile_fullgraph_makes_a_drop_in_s_new_option_set_while_tracing(monkey
     for got, expected in zip(grads, torch.autograd.grad(want.square().sum(), operands)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
-    # a made option set found while tracing with dynamic sizes and a rate given as a traced number
-    # (the first version of the trace-time compile refused both)
+    # dynamic sizes and a rate given as a traced number (a guard on its value: each rate is a
+    # program), made and found while tracing (the first version of the trace-time compile
+    # refused both: dynamo hands no traced number to an untraced function)
     q = operands[0].detach()
-    for rate in (0.1, 0.25):
-        sdpa.scaled_dot_product_attention(q, q, q, dropout_p=rate)
+    sdpa.scaled_dot_product_attention(q, q, q, dropout_p=0.25)  # (made eagerly: found while tracing)
     torch._dynamo.reset()
     dynamic = torch.compile(
         lambda q, rate: sdpa.scaled_dot_product_attention(q, q, q, dropout_p=rate), fullgraph=True, dynamic=True
     )
-    for rate in (0.1, 0.25):
-        assert dynamic(q, rate).shape == q.shape
+    for rate in (0.15, 0.25, 0.35):
+        dropped = dynamic(q, rate)
+        kept = sdpa.scaled_dot_product_attention(q, q, q)
+        assert dropped.shape == q.shape and not torch.equal(dropped, kept)
 
     # the marker made.py sets in place of torch.compiler.assume_constant_result (which imports dynamo)
     def constant() -> int:

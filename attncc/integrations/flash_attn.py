@@ -126,7 +126,7 @@ def _options_and_inputs(
     if (
         not isinstance(softcap, (int, float))
         or isinstance(softcap, bool)
-        or not (math.isfinite(softcap) and softcap >= 0)
+        or not 0 <= softcap < math.inf  # (comparisons: dynamo traces no math.isfinite of a traced number)
     ):
         raise InputError(f"softcap: expected a finite number >= 0 (0: none), got {softcap!r}")
     inputs: dict[str, object] = {}

@@ -8,6 +8,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 import attncc
 from attncc.runtime.kernel import Kernel
@@ -37,23 +38,31 @@ class MadeKernels(Generic[Options]):
         _MADE.append(self)
 
     def __call__(self, options: Options, device: torch.device) -> Kernel:
-        key = (options, "cuda" if device.type == "cuda" else "cpu")
-        found = self._kernels.get(key)
-        if found is not None:
-            return found
+        target = "cuda" if device.type == "cuda" else "cpu"
         if torch.compiler.is_compiling():
-            # (made by `_made`, read back as an attribute of its own: dynamo reads the dict once
-            # per trace, so a second new option set in one trace was missing from it; the
-            # options as their fields: dynamo passes no dataclass to an untraced function)
-            slot = _made(self._index, tuple(getattr(options, name) for name in self._fields), key[1])
-            return getattr(_SLOTS, slot)
-        return self._make(key)
+            # (made or found by `_made` whatever the table holds, so that a trace dynamo restarts
+            # takes the same path; read back as an attribute of its own: dynamo reads the table
+            # once per trace, and a second new option set was missing from it; the options as
+            # their fields: dynamo passes no dataclass to an untraced function)
+            fields = tuple(_concrete(getattr(options, name)) for name in self._fields)
+            return getattr(_SLOTS, _made(self._index, fields, target))
+        found = self._kernels.get((options, target))
+        return found if found is not None else self._make((options, target))
 
     def _make(self, key: tuple[Options, str]) -> Kernel:
         with self._lock:
             if key not in self._kernels:
                 self._kernels[key] = attncc.compile(self.program(key[0]), target=key[1])
             return self._kernels[key]
+
+
+def _concrete(value: object) -> object:
+    """A traced number as the number it holds (a guard on its value: with dynamic=True dynamo
+    traces every float, a dropout rate of 0.0 too, and hands none to an untraced function);
+    anything else as it is."""
+    if isinstance(value, bool | int | float | torch.SymBool | torch.SymInt | torch.SymFloat):
+        return guard_scalar(value)
+    return value
 
 
 # the kernels `_made` made, each an attribute (a new attribute is read as it is by dynamo)
