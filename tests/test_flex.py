@@ -256,6 +256,34 @@ def test_a_block_masks_lists_are_the_blocks_attended(monkeypatch) -> None:
         assert torch.allclose(g, w, atol=1e-10)
 
 
+def test_lists_proven_to_be_the_mask_are_not_read_and_the_proof_follows_values(monkeypatch) -> None:
+    """create_block_mask's lists are its mask function's: proven so (no reads of the lists in
+    the kernel), the proof kept by value; document ids rewritten in place through numpy (no
+    version bump) are another proof, and lists that no longer follow from them are read."""
+    ids = torch.tensor([[0] * 20 + [1] * 17, [0] * 20 + [1] * 17])
+    monkeypatch.setitem(globals(), "doc", ids)
+    monkeypatch.setattr(flex_integration, "_PROVEN", {})
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    q, k, v = (t.detach() for t in leaves(torch.float64))
+    k, v = k[:, :, :37], v[:, :, :37]
+    block_mask = flex.create_block_mask(same_document, B, None, N, 37, device="cpu", BLOCK_SIZE=8)
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    assert torch.allclose(out, reference(q, k, v, None, same_document)[0], atol=1e-12)
+    assert len(flex_integration._PROVEN) == 1  # (proven: the kernel of the mask alone)
+    ids.numpy()[1, 20:] = 0  # (one document in the second sequence: keys the old lists leave out)
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    rows, cols = torch.arange(N).view(-1, 1), torch.arange(37).view(1, -1)
+    listed = block_mask.to_dense().bool()[:, :, rows // 8, cols // 8]
+    want = reference(
+        q, k, v, None, lambda b, h, q_idx, kv_idx: listed[b, 0, q_idx, kv_idx] & same_document(b, h, q_idx, kv_idx)
+    )[0]
+    assert torch.allclose(out, want, atol=1e-12)
+    assert not torch.allclose(out, reference(q, k, v, None, same_document)[0], atol=1e-3)
+
+
 def test_the_program_names_what_the_functions_read_and_is_compiled_once(monkeypatch) -> None:
     program = flex_program(relative_bias, document_causal)
     assert "input bias: float[bias_size0, bias_size1, bias_size2]" in program.source
