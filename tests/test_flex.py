@@ -350,6 +350,22 @@ def test_call_errors_name_the_argument() -> None:
         BLOCK_SIZE=16,
         seq_lengths=(N, M),
     )  # each query block sees key block 0 only
+    for size, message in (
+        (0, r"BLOCK_SIZE must be a positive int or two, got \(0, 0\)"),
+        (8.0, "BLOCK_SIZE must be a positive int or two, got 8.0"),
+    ):
+        bad = flex.BlockMask.from_kv_blocks(
+            torch.ones(1, 1, 5, dtype=torch.int32), torch.zeros(1, 1, 5, 5, dtype=torch.int32), BLOCK_SIZE=size,
+            seq_lengths=(N, M), compute_q_blocks=False,
+        )  # fmt: skip
+        with pytest.raises(InputError, match=f"block_mask: {message}"):
+            flex_attention(q, k, v, block_mask=bad, enable_gqa=True)
+    flat = flex.BlockMask.from_kv_blocks(
+        torch.ones(1, 3, dtype=torch.int32), torch.zeros(1, 3, 4, dtype=torch.int32), BLOCK_SIZE=16,
+        seq_lengths=(N, M), compute_q_blocks=False,
+    )  # fmt: skip
+    with pytest.raises(InputError, match=r"block_mask: kv_num_blocks \[B, H, query blocks\] and kv_indices"):
+        flex_attention(q, k, v, block_mask=flat, enable_gqa=True)
     first_block = reference(q, k, v, None, lambda b, h, q_idx, kv_idx: kv_idx < 16)[0]
     assert torch.allclose(flex_attention(q, k, v, block_mask=blocks, enable_gqa=True), first_block, atol=1e-12)
     with pytest.raises(FlexTraceError, match="mask_mod returned an int value"):

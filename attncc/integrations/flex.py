@@ -83,7 +83,18 @@ def _mask_function(block_mask: object, query: torch.Tensor, key: torch.Tensor) -
         raise InputError(
             f"block_mask: made for (Q_LEN, KV_LEN) = {lengths}, called with query length {queries} and key length {keys}"
         )
-    rows, cols = block_mask.BLOCK_SIZE
+    rows, cols = _block_size(block_mask.BLOCK_SIZE)
+    counts, indices = block_mask.kv_num_blocks, block_mask.kv_indices
+    for name, count, index in (
+        ("kv", counts, indices),
+        ("full_kv", block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+    ):
+        if count is not None and (count.dim() != 3 or index is None or tuple(index.shape[:-1]) != tuple(count.shape)):
+            shown = (tuple(count.shape), None if index is None else tuple(index.shape))
+            raise InputError(
+                f"block_mask: {name}_num_blocks [B, H, query blocks] and {name}_indices [B, H, query blocks, "
+                f"width] expected, got shapes {shown}"
+            )
     mask_mod = block_mask.mask_mod
     lists = tuple(
         t
@@ -132,6 +143,19 @@ def _mask_function(block_mask: object, query: torch.Tensor, key: torch.Tensor) -
         return kept if full_blocks is None else kept | full_blocks[block]
 
     return in_listed_blocks
+
+
+def _block_size(size: object) -> tuple[int, int]:
+    """A BlockMask's BLOCK_SIZE as (query rows, key columns), positive ints."""
+    pair = tuple(size) if isinstance(size, tuple | list) else (size, size)
+    try:
+        rows, cols = (int(x) for x in pair)  # type: ignore[call-overload]
+        valid = len(pair) == 2 and all(int(x) == x and not isinstance(x, bool | float) for x in pair)  # type: ignore[call-overload]
+    except (TypeError, ValueError, RuntimeError):
+        valid = False
+    if not valid or rows < 1 or cols < 1:
+        raise InputError(f"block_mask: BLOCK_SIZE must be a positive int or two, got {size!r}")
+    return rows, cols
 
 
 def _same_values(kept: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> bool:
