@@ -4,7 +4,9 @@ A seeded generator writes random programs: integer arithmetic on b, h, i, j, siz
 constants (floor division and modulo with negative operands and divisors), comparisons,
 `and or not`, `where min max abs`, `floor ceil trunc round` of integers times powers of two, let-bound and `const` names, runtime inputs, masks (some of
 which leave rows with no visible key) and float score maps of `s` (`tanh exp log sqrt abs min
-max where`, learnable per-head inputs, `-inf`). Texts use the fewest parentheses the grammar's
+max where`, learnable per-head inputs, `-inf`), a learnable table whose length is a free
+dimension name (`input wide: float[H, W]`, W read in its index) and new scores that do not read
+the old (both from a generator of their own, so the other programs stay as they were). Texts use the fewest parentheses the grammar's
 precedence allows, so they test the parser as much as the semantics.
 
 The oracle is this file's own tokenizer and precedence-climbing parser, evaluating the
@@ -410,6 +412,9 @@ def oracle_attention(
             value = runtime[name]
             if dims:
                 env[name] = Val("tensor", value, dtype)
+                for axis, dim in enumerate(d.strip() for d in dims[1:-1].split(",")):
+                    if dim.isidentifier() and dim not in env:  # (a free name: the size the call's tensor has)
+                        env[dim] = Val("int", torch.tensor(value.shape[axis]))
             else:
                 kind = {"float": "float", "int": "int", "bool": "bool"}[dtype]
                 env[name] = Val(
@@ -471,8 +476,11 @@ INPUTS = {
     "alpha": "input alpha: float",
     "keep": "input keep: bool[M]",
     "flag": "input flag: bool",
+    "wide": "input wide: float[H, W]",  # (W: a free dimension name, read in expressions as wide's size)
 }
 LEARNABLE = ("w", "tab")
+#: drawn by a generator of their own (`extras`), so the programs the other inputs make stay the same
+EXTRA_INPUTS = ("wide",)
 #: let-bound names, several starting with a keyword (the lexer must not split them)
 LET_NAMES = ("d", "order", "andy", "notch", "orbit", "info", "x_1", "jj", "hb", "delta", "e2", "nota")
 FLOAT_LITERALS = ("0.1", "0.05", "0.25", ".5", "1.5", "2.5", "0.75", "1e-1", "5e-2", "2.", "0.5E0", "1.25")
@@ -851,7 +859,7 @@ def generate_program(seed: int, profile: str = "reference", recipe: frozenset[st
     map), "neg_inf" (a score map sending scores to -inf), "call_scale"."""
     rng = random.Random(seed)
     kernel = profile == "kernel"
-    available = {n for n in INPUTS if rng.random() < (0.3 if n in LEARNABLE else 0.15)}
+    available = {n for n in INPUTS if n not in EXTRA_INPUTS and rng.random() < (0.3 if n in LEARNABLE else 0.15)}
     if "learnable" in recipe:
         available.add(rng.choice(LEARNABLE))
     if "dead_rows" in recipe and rng.random() < 0.5:
@@ -933,12 +941,26 @@ def generate_program(seed: int, profile: str = "reference", recipe: frozenset[st
         body[at] += "  # or not s"
     if rng.random() < 0.1:  # indented lines
         body = [("  " if rng.random() < 0.5 else "\t") + line for line in body]
+    extras(random.Random(seed * 7919 + 17), body, depth)
     used = tuple(n for n in INPUTS if any(re.search(rf"\b{n}\b", line) for line in head + body))
     text = "\n".join(
         [f"attention fuzz{seed}", *(INPUTS[n] for n in used), *head, *body, "p = softmax(s)", "o = p @ v", "output o"]
     )
     newline = "\r\n" if rng.random() < 0.05 else "\n"
     return Program((text + "\n").replace("\n", newline), seed, profile, used)
+
+
+def extras(rng: random.Random, body: list[str], depth: int) -> None:
+    """Features drawn from a generator of their own: a table whose length is a free dimension
+    name (`wide[h, min(max(j - i + W // 2, 0), W - 1)]`, W bound from the call's tensor), and
+    new scores that do not read the old (right after the product: the maps after it build on
+    them, and q and k get zero gradients)."""
+    product = next(n for n, line in enumerate(body) if "@ k.T" in line)
+    if rng.random() < 0.15:
+        index = rng.choice(("min(max(j - i + W // 2, 0), W - 1)", "(j - i) % W", "abs(i * 3 - j) % W", "min(i, W - 1)"))
+        body.append(f"s = s {rng.choice('+-')} wide[{rng.choice(('h', 'H - 1 - h', '0'))}, {index}]")
+    if rng.random() < 0.06:
+        body.insert(product + 1, f"s = {Gen(rng, set()).gen_fidx(max(depth - 1, 1)).text}")
 
 
 # ============================================================================ inputs and comparison
@@ -950,6 +972,13 @@ def runtime_inputs(
         if name == "w":
             values[name] = (
                 (torch.randn(H, generator=gen, dtype=torch.float64) * 0.5).to(dtype).requires_grad_(requires_grad)
+            )
+        elif name == "wide":  # (its length, W in the program, differs from call to call)
+            width = int(torch.randint(1, 13, (1,), generator=gen))
+            values[name] = (
+                (torch.randn(H, width, generator=gen, dtype=torch.float64) * 0.5)
+                .to(dtype)
+                .requires_grad_(requires_grad)
             )
         elif name == "tab":
             values[name] = (
@@ -973,6 +1002,8 @@ def runtime_inputs(
 def relative_error(got: torch.Tensor | None, ref: torch.Tensor | None) -> tuple[float, str]:
     """max |got - ref| / max(1, |ref|) and where it is; NaN or infinities in different places,
     a missing tensor or a shape mismatch are an infinite error."""
+    if got is not None and ref is None:  # (an operand the program does not read: its gradient is 0)
+        ref = torch.zeros_like(got)
     if got is None or ref is None:
         return math.inf, "missing gradient"
     got, ref = got.detach().double(), ref.detach().double()
