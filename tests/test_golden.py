@@ -83,6 +83,16 @@ def test_low_precision_within_eager_error(example: attncc.Kernel, shape: Shape, 
     assert result.ok, result.describe()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_learnable_gradient_s_limit_is_not_eager_s_error(dtype: torch.dtype) -> None:
+    """Eager autograd in bf16 sums alibi's dslopes over N x M terms in bf16 (off by ~5): twice
+    that was the limit, which no wrong gradient could fail; the kernels sum in fp32 or double."""
+    alibi = kernel("alibi")
+    result = check(alibi, adapt(LOW_PRECISION_SHAPES[1], alibi), dtype)
+    assert result.ok, result.describe()
+    assert result.limits["dslopes"] <= 16 * torch.finfo(dtype).eps
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_masks_take_effect(example: attncc.Kernel, dtype: torch.dtype) -> None:
     q = torch.empty(MASK_SPAN_SHAPE.B, MASK_SPAN_SHAPE.H, MASK_SPAN_SHAPE.N, MASK_SPAN_SHAPE.D)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,10 @@ LOW_PRECISION_FLOOR_EPS = 0.5
 #: delta = rowsum(dO * O) from the output rounded to the dtype, as FlashAttention's does, which
 #: eager autograd does not (measured: alibi's dslopes, fp16, D = 256, 2.6 eps off).
 LEARNABLE_FLOOR_EPS = 4.0
+#: ... and at most this many: eager autograd in bf16 / fp16 sums a learnable input's N x M
+#: terms in that dtype (alibi's dslopes in bf16 was off by ~5, a limit of 1e+01 that no wrong
+#: gradient could fail), where the kernels sum in fp32 or double (error ~5e-5 there).
+LEARNABLE_CAP_EPS = 16.0
 
 
 @dataclass
@@ -162,9 +167,9 @@ def check(
         result.limits = {n: max(limits[n], FP32_EAGER_FUDGE * eager[n]) for n in names}
     else:
         eps = torch.finfo(dtype).eps
-        floors = {
-            n: (LOW_PRECISION_FLOOR_EPS if n in ("out", "dq", "dk", "dv") else LEARNABLE_FLOOR_EPS) * eps for n in names
-        }
-        result.limits = {n: max(LOW_PRECISION_FUDGE * eager[n], floors[n]) for n in names}
+        operand = ("out", "dq", "dk", "dv")
+        floors = {n: (LOW_PRECISION_FLOOR_EPS if n in operand else LEARNABLE_FLOOR_EPS) * eps for n in names}
+        caps = {n: math.inf if n in operand else LEARNABLE_CAP_EPS * eps for n in names}
+        result.limits = {n: max(min(LOW_PRECISION_FUDGE * eager[n], caps[n]), floors[n]) for n in names}
         result.limits["lse"] = limits["lse"]  # returned in fp32 from fp32 statistics
     return result
