@@ -80,8 +80,7 @@ def _chunk_length(length: int, world_size: int, layout: str, name: str) -> int:
 
 def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
     """Rank `rank`'s slice of the whole-sequence tensor `x` (sequence along `dim`)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InputError(f"world_size: expected an int >= 1, got {world_size!r}")
+    _check_world_size(world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InputError(f"rank: expected an int in [0, {world_size}) (world_size {world_size}), got {rank!r}")
     if not -x.dim() <= dim < x.dim():
@@ -255,36 +254,15 @@ def layout_plans(
     D: int = 64,
     Dv: int | None = None,
     scale: float | None = None,
+    layouts: Sequence[str] = LAYOUTS,
     **inputs: object,
 ) -> list[ContextParallelPlan]:
-    """The plan of every layout (LAYOUTS order) for this program, sizes and inputs (those
-    over the whole sequence, as `context_parallel` takes them)."""
-    return [
-        layout_plan(kern, world_size, lay, N, M, B=B, H=H, Hkv=Hkv, D=D, Dv=Dv, scale=scale, **inputs)
-        for lay in LAYOUTS
-    ]
-
-
-def layout_plan(
-    kern: Kernel,
-    world_size: int,
-    layout: str,
-    N: int,
-    M: int | None = None,
-    *,
-    B: int = 1,
-    H: int = 1,
-    Hkv: int | None = None,
-    D: int = 64,
-    Dv: int | None = None,
-    scale: float | None = None,
-    **inputs: object,
-) -> ContextParallelPlan:
-    """The plan of `layout` for this program, sizes and inputs (`layout_plans`)."""
+    """The plan of every layout of `layouts` (default: all, LAYOUTS order) for this program,
+    sizes and inputs (those over the whole sequence, as `context_parallel` takes them)."""
     _check_world_size(world_size)
     problem = Problem(B, H, Hkv or H, N, N if M is None else M, D, D if Dv is None else Dv)
     scalars, tensors, scale_value = _program_values(kern, problem, scale, inputs)
-    return plan_context_parallel(kern, world_size, problem, layout, scalars, tensors, scale_value)
+    return [plan_context_parallel(kern, world_size, problem, lay, scalars, tensors, scale_value) for lay in layouts]
 
 
 def _check_world_size(world_size: object) -> None:
@@ -308,7 +286,7 @@ def choose_layout(
     keys = N if M is None else M
     fitting = [lay for lay in LAYOUTS if all(n % (world_size * chunks_per_rank(lay)) == 0 for n in (N, keys))]
     layouts = fitting or list(LAYOUTS)  # (none: the first one's error names the sizes)
-    return balanced([layout_plan(kern, world_size, lay, N, M, **sizes_and_inputs) for lay in layouts])  # type: ignore[arg-type]
+    return balanced(layout_plans(kern, world_size, N, M, layouts=layouts, **sizes_and_inputs))  # type: ignore[arg-type]
 
 
 def _program_values(
