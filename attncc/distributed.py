@@ -556,9 +556,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         wanted = list(ctx.needs_input_grad[4:])
         dq, dk, dv, grads = ctx.ring.backward(q, k, v, out, lse, dout, dlse, tensors, wanted)
-        if (
-            torch.is_grad_enabled()
-        ):  # (create_graph: gradients with no graph made a penalty on them add nothing, silently)
+        # (create_graph: gradients with no graph made a penalty on them add nothing, silently)
+        if torch.is_grad_enabled():
             given = [g for g in (dq, dk, dv, *grads) if g is not None]
             marked = iter(_DifferentiableOnce.apply(q, k, v, *given))
             dq, dk, dv, *grads = (None if g is None else next(marked) for g in (dq, dk, dv, *grads))

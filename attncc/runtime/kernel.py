@@ -1128,14 +1128,13 @@ class Kernel:
         sizes.update({size: int(runtime[name]) for size, name in GLOBAL_SIZES.items() if name in runtime})  # type: ignore[call-overload]
         # a dimension named after an int scalar input is that many (`input L: int` with `float[L]`:
         # a table of another length was taken, silently)
-        bound: dict[str, int] = {
-            d.name: int(value)  # type: ignore[call-overload]
-            for d in self.inputs
-            if d.role == "scalar" and d.dtype == "int" and d.size_of is None
-            for value in [python_number(runtime[d.name])]
-            if (isinstance(value, int) and not isinstance(value, bool))
-            or (isinstance(value, float) and value.is_integer())
-        }
+        bound: dict[str, int] = {}
+        for decl in self.inputs:
+            if decl.role == "scalar" and decl.dtype == "int" and decl.size_of is None:
+                value = python_number(runtime[decl.name])
+                whole = isinstance(value, int) and not isinstance(value, bool)
+                if whole or (isinstance(value, float) and value.is_integer()):
+                    bound[decl.name] = int(value)  # type: ignore[arg-type]
         for decl in self.inputs:
             value = self._validate_input(decl, runtime[decl.name], sizes, bound, q.device)
             if value is not runtime[decl.name] and isinstance(runtime, dict):

@@ -24,8 +24,8 @@ from attncc.errors import InputError
 def _stacked(parts: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.Tensor:
     if isinstance(parts, torch.Tensor) and parts.dim() > 0 and parts.shape[0] > 0:
         return parts
-    if not isinstance(parts, torch.Tensor) and not isinstance(parts, Sequence):  # (a generator: read once)
-        parts = list(parts) if isinstance(parts, Iterable) else parts
+    if isinstance(parts, Iterable) and not isinstance(parts, torch.Tensor | Sequence):  # (a generator: read once)
+        parts = list(parts)
     if not isinstance(parts, torch.Tensor | Sequence):
         raise InputError(f"{name}: expected a sequence of tensors or one stacked tensor, got {type(parts).__name__}")
     if isinstance(parts, torch.Tensor) or not parts:
