@@ -1477,7 +1477,9 @@ def test_a_kept_launch_follows_the_kernels_settings(monkeypatch: pytest.MonkeyPa
     used: list[bool] = []  # whether each kept launch taken was a split one
     call = KeptLaunch.__call__
     monkeypatch.setattr(
-        KeptLaunch, "__call__", lambda self, *a: (used.append(self.partial_shapes is not None), call(self, *a))[1]
+        KeptLaunch,
+        "__call__",
+        lambda self, *a, **kw: (used.append(self.partial_shapes is not None), call(self, *a, **kw))[1],
     )
     for splits in (None, None, 1, 1, None):
         kern.kv_splits = splits
@@ -1504,7 +1506,9 @@ def test_a_planned_paged_call_follows_the_kernels_settings(monkeypatch: pytest.M
     used: list[bool] = []  # whether each kept launch taken was a split one
     call = KeptLaunch.__call__
     monkeypatch.setattr(
-        KeptLaunch, "__call__", lambda self, *a: (used.append(self.partial_shapes is not None), call(self, *a))[1]
+        KeptLaunch,
+        "__call__",
+        lambda self, *a, **kw: (used.append(self.partial_shapes is not None), call(self, *a, **kw))[1],
     )
     for splits in (None, None, 1, 1, None):
         q = torch.randn(1, 1, 8, 32, generator=gen).bfloat16()

@@ -427,6 +427,61 @@ def test_repeated_plain_calls_reuse_the_checked_launch(monkeypatch: pytest.Monke
         torch.func.vmap(lambda x: kern(x, k, v, n=5))(q.unsqueeze(0))
 
 
+def test_repeated_calls_with_runtime_tensors_reuse_the_checked_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain call with runtime tensors that repeats a checked call's sizes, strides, dtypes and
+    the values of the tensors the host reads (a padding mask's: they decide the tile classes)
+    runs the launch packed then, pointed at its own tensors (`_tensors_signature`): another
+    mask of the same values or other ALiBi slopes repeat; a mask changed in place, another
+    mask's strides, a graph to record take the full path. Every result against float64 torch."""
+    kern = attncc.compile(
+        "attention padded_alibi\ninput valid: bool[B, M]\ninput slopes: float[H]\ns = q @ k.T * scale\n"
+        "s = s + slopes[h] * (j - i)\nmask valid[b, j] and j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    g = torch.Generator().manual_seed(3)
+    B, H, N, M = 2, 3, 5, 300
+    q, k, v = (torch.randn(B, H, rows, 16, generator=g) for rows in (N, M, M))
+
+    def expected(valid: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+        s = q.double() @ k.double().transpose(-1, -2) / 4
+        i, j = torch.arange(N).view(-1, 1), torch.arange(M).view(1, -1)
+        s = s + slopes.double().view(1, H, 1, 1) * (j - i)
+        s = s.masked_fill(~(valid.view(B, 1, 1, M) & (j <= i + (M - N))), float("-inf"))
+        return torch.softmax(s, -1).nan_to_num() @ v.double()
+
+    def agrees(valid: torch.Tensor, slopes: torch.Tensor, **options: object) -> None:
+        out = kern(q, k, v, valid=valid, slopes=slopes, **options)  # type: ignore[arg-type]
+        torch.testing.assert_close(out.double(), expected(valid, slopes), atol=1e-5, rtol=1e-5)
+
+    checked = counted_checks(monkeypatch)
+    valid = torch.ones(B, M, dtype=torch.bool)
+    slopes = torch.tensor([0.05, 0.02, 0.01])
+    agrees(valid, slopes)
+    agrees(valid, slopes)
+    agrees(valid.clone(), slopes * 2)  # other tensors, other slopes: the same launch
+    assert len(checked) == 1
+    slopes.mul_(-1)  # (the slopes' values are read by the kernel, whatever the call)
+    agrees(valid, slopes)
+    assert len(checked) == 1
+    valid[0, :200] = False  # in place: key tiles of sequence 0 full before, empty or partial now
+    valid[1, 299] = False
+    agrees(valid, slopes)
+    agrees(valid, slopes)
+    assert len(checked) == 2
+    agrees(valid.t().contiguous().t(), slopes)  # another mask's strides: checked again
+    assert len(checked) == 3
+    wide = torch.tensor([0.1, -0.02, 0.03], dtype=torch.float64)  # converted per call, as the full path does
+    agrees(valid, wide)
+    agrees(valid, wide + 0.01)
+    assert len(checked) == 4
+    learnable = slopes.clone().requires_grad_()
+    assert kern(q, k, v, valid=valid, slopes=learnable).grad_fn is not None
+    assert len(checked) == 5
+    with pytest.raises(InputError, match="valid: expected shape"):
+        kern(q, k, v, valid=valid[:, :60], slopes=slopes)
+    with pytest.raises(InputError, match="slopes: expected a float tensor"):
+        kern(q, k, v, valid=valid, slopes=slopes.int())
+
+
 def test_torch_func_and_forward_ad_are_clear_errors() -> None:
     import torch.autograd.forward_ad as fwad
 

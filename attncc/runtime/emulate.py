@@ -409,10 +409,13 @@ class EmulatedKernel(Kernel):
         scalars: list[float],
         scale: float | None,
         packed: PackedSequences | None = None,
+        tensors: Sequence[torch.Tensor] = (),
     ) -> None:
         """The launch forward_impl kept for this checked call (if it kept one), also under the
         call's `_repeat_key`: a call repeating it skips the checks too, not only the plan and
-        packing (a planned packed call's in its plan's memo)."""
+        packing (a planned packed call's in its plan's memo). No runtime `tensors`: keys
+        refuse them here (`Kernel._repeats_tensors`)."""
+        assert not tensors
         launch = self.kept_launch(q, k, v, scalars, scale, packed=packed)
         if launch is not None:
             self._keep_repeat(key, launch, packed)

@@ -453,16 +453,16 @@ class Kernel:
         # (descale factors: fp8 K/V's, which never repeat; given with other K/V, the full path's error)
         repeat_key = None
         if k_descale is None and v_descale is None:
-            repeat_key = self._repeat_key(q, k, v, runtime, scale, train, seed)
+            repeat_key = self._repeat_key(q, k, v, runtime, scale, train, seed, tensors_too=True)
         repeat = self._repeats.get(repeat_key) if repeat_key is not None else None
         if repeat is not None:
-            if _records_graph(q, k, v):
+            if _records_graph(q, k, v):  # (never with runtime tensors: their keys refuse a graph)
                 scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
                 out, lse = _EagerAttention.apply(
                     self.call_key, repeat, q, k, v, scalars, checked_scale(scale), 0.0, NO_DROPOUT_SEED
                 )
             else:
-                out, lse = repeat(q, k, v)
+                out, lse = repeat(q, k, v, runtime=runtime)
             return (out, lse) if return_lse else out
         _reject_transforms({"q": q, "k": k, "v": v, **runtime})
         q, k, v = _resolved(q, k, v)
@@ -505,7 +505,7 @@ class Kernel:
             )
         # (a call with a repeat key takes one of the two branches above: the op sees none)
         if repeat_key is not None and out.numel():
-            self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
+            self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale, tensors=tensors)
         return (out, lse) if return_lse else out
 
     def rope_applied(
@@ -596,12 +596,14 @@ class Kernel:
         scale: float | None,
         train: bool,
         seed: int | None,
+        tensors_too: bool = False,
     ) -> tuple | None:
         """What decides a plain call's packed launch and the outcome of its checks: the
         operands' sizes, strides, dtypes and devices, the scale, the scalar inputs' values,
         torch's thread count and the kernel's settings (`kern.kv_splits = 1` after a split
-        launch was kept must launch unsplit). None where a call cannot repeat a packed launch: a forward
-        implementation that keeps none (`_keeps_launches`), sinks and runtime tensors (their values and addresses change),
+        launch was kept must launch unsplit); with `tensors_too` (a padded call), the runtime
+        tensors' part too (`_tensors_signature`). None where a call cannot repeat a packed launch: a forward
+        implementation that keeps none (`_keeps_launches`), sinks, runtime tensors but where `_tensors_signature` keys them,
         dropout (a fresh seed per call), and calls that the op must see or that are not plain
         tensors (`_untransformed`, `_unwatched`: torch.func transforms, forward-mode AD, modes, tracing)."""
         # (This runs right after the previous call's kernel evicted the interpreter's data from
@@ -617,13 +619,54 @@ class Kernel:
             or type(k) is not torch.Tensor
             or type(v) is not torch.Tensor
             or k.dtype in FP8_DTYPES  # (descale factors: values)
-            or (runtime and not all(type(value) in (int, float) for value in runtime.values()))
             or not _untransformed(q, k, v)
             or not _unwatched()  # (a call recording a graph repeats through _EagerAttention)
         ):
             return None
         # (the scale as the launch takes it: a 0-d tensor's value, not its identity)
-        return self._launch_signature(q, k, v, checked_scale(scale), tuple(runtime.items()) if runtime else ())
+        scalars = tuple(runtime.items()) if runtime else ()
+        if all(type(value) in (int, float) for _, value in scalars):
+            return self._launch_signature(q, k, v, checked_scale(scale), scalars)
+        tensors = self._tensors_signature(q, k, v, runtime) if tensors_too else None
+        if tensors is None:
+            return None
+        scalars = tuple((name, value) for name, value in scalars if type(value) is not torch.Tensor)
+        return (*self._launch_signature(q, k, v, checked_scale(scale), scalars), tensors)
+
+    def _tensors_signature(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: Mapping[str, object]
+    ) -> tuple | None:
+        """The runtime tensors' part of a padded call's repeat key: each one's name, shape,
+        strides, dtype and device, and the values of those the host reads (`host_read_tensors`:
+        they decide the tile classes and the read checks, `_prepare`), as bytes. A kept launch
+        points at each call's tensors (`KeptLaunch.tensor_slots`), so the others' values may
+        change. None where such a call cannot repeat one: a kernel whose kept launches take no
+        tensors (the emulator's), a value neither a number nor a plain tensor, more than
+        PREPARED_VALUES_MAX values to read (the full path classifies those per call), a graph
+        to record, a torch.func transform or a negative-bit view (`_untransformed`). A masked
+        decoding step's host time (bool mask [1, 1, 1, S]) was ~115 us on the full path."""
+        if not self._repeats_tensors:
+            return None
+        tensors = []
+        for value in runtime.values():
+            kind = type(value)
+            if kind is torch.Tensor:
+                tensors.append(value)
+            elif kind is not int and kind is not float:
+                return None
+        if _records_graph(q, k, v, *tensors) or not _untransformed(*tensors):
+            return None
+        signature = []
+        for name, value in runtime.items():
+            if type(value) is not torch.Tensor:
+                continue
+            values = None
+            if name in self._host_reads:
+                if value.device.type != "cpu" or value.numel() > PREPARED_VALUES_MAX:
+                    return None
+                values = value.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+            signature.append((name, value.shape, value.stride(), value.dtype, value.device, values))  # type: ignore[attr-defined]
+        return tuple(signature)
 
     def _launch_signature(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, scalars: tuple
@@ -660,6 +703,13 @@ class Kernel:
         them, no sinks or rope (their tables and values are per call)."""
         return self._keeps_launches() and self.op.sink is None and self.op.q_rope is None and self.op.k_rope is None
 
+    @cached_property
+    def _repeats_tensors(self) -> bool:
+        """Whether plain calls with runtime tensors can repeat a kept launch: the CPU forward's
+        (`_remember_repeat` keeps where each call's tensors go); the emulator keys its launches
+        without them (`EmulatedKernel.launch_key`)."""
+        return self._repeatable and type(self)._remember_repeat is Kernel._remember_repeat
+
     def _keeps_launches(self) -> bool:
         """Whether `_remember_repeat` can keep this kernel's forward launches: the CPU forward's
         (a subclass replacing forward_impl keeps none unless it says so)."""
@@ -676,11 +726,13 @@ class Kernel:
         scalars: list[float],
         scale: float | None,
         packed: PackedSequences | None = None,
+        tensors: Sequence[torch.Tensor] = (),
     ) -> None:
         """Keep the packed launch of a call that passed every check, for calls with the same
         `_repeat_key` (plans and prepared calls are cached already, so this takes little); a
         planned packed call's (`packed`: its plan's sequences, rows [total, heads, D]) in the
-        plan's memo, under (call_key, key), as long-lived as the plan."""
+        plan's memo, under (call_key, key), as long-lived as the plan. `tensors`: a padded
+        call's runtime tensors (declaration order), whose slots the launch fills per call."""
         value_dim = v.shape[-1]
         operands = {"q": q, "k": k, "v": v, "out": out}
         lengths = None
@@ -688,12 +740,17 @@ class Kernel:
             operands = {name: packed.as_batch(t, name in ("k", "v")) for name, t in operands.items()}
             lengths = packed.lengths
         plan, call = self._forward_call(
-            operands["q"], operands["k"], scale, [], scalars, lengths=lengths, value_dim=value_dim
+            operands["q"], operands["k"], scale, list(tensors), scalars, lengths=lengths, value_dim=value_dim
         )
         call["offset"] = 0
         operands["lse"] = lse
         ptrs = operands if packed is None else {**operands, **packed.buffers()}
-        self._keep_repeat(key, self._forward_launch(plan, call, ptrs, out, lse, call, packed=packed), packed)
+        launch = self._forward_launch(plan, call, ptrs, out, lse, call, packed=packed)
+        if tensors:
+            declared = {d.name for d in self.inputs if d.role == "tensor"}
+            names = self._slot_names.pointers
+            launch.tensor_slots = {t.ident: names.index(t.ident) for t in self.abi.tensors if t.name in declared}
+        self._keep_repeat(key, launch, packed)
 
     def _forward_launch(
         self, plan: CallPlan, call: dict, ptrs: dict[str, torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
@@ -1845,6 +1902,8 @@ class KeptLaunch:
     kept: object  # what `pointers` points into (the prepared call, a paged plan's keys)
     backward_launch: BackwardLaunch | None = None  # the first backward of a call repeating this launch kept it
     packed: PackedSequences | None = None  # a planned packed call's sequences (its plan's: alive as long)
+    # where each runtime tensor's converted copy goes in `pointers`, by ABI ident (`_tensors_signature`)
+    tensor_slots: dict[str, int] = field(default_factory=dict)
 
     @property
     def repeats_backward(self) -> bool:
@@ -1886,11 +1945,13 @@ class KeptLaunch:
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor | None = None,
-        v_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None, runtime: Mapping[str, object] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """out and lse of the launch with these operands; a launch kept from a call whose library
         appended keys (`Kernel.appends_in_library`) takes each call's k_new and v_new
-        [B, appended, Hkv, D] contiguous (never the kept call's: they would be written again)."""
+        [B, appended, Hkv, D] contiguous (never the kept call's: they would be written again);
+        one kept with runtime tensors (`tensor_slots`), each call's from `runtime`, converted as
+        the full path converts them."""
         # (sizes unpacked: torch.empty of a tuple took ~0.4 us more per allocation)
         out = torch.empty(*self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(*self.lse_shape, dtype=self.lse_dtype, device=q.device)
@@ -1908,6 +1969,10 @@ class KeptLaunch:
             partials = [torch.empty(*shape, device=q.device) for shape in self.partial_shapes]
             pointers[slots["o_partial"]] = partials[0].data_ptr()
             pointers[slots["lse_partial"]] = partials[1].data_ptr()
+        if self.tensor_slots:  # (alive until the launch returns; lse's dtype is the accumulator's)
+            converted = self.kernel._kernel_tensors(runtime or {}, self.lse_dtype)
+            for ident, slot in self.tensor_slots.items():
+                pointers[slot] = converted[ident].data_ptr()
         self.kernel._launch(self.library, self.entry, (pointers, self.ints, self.reals), q.device)
         return out, lse
 
