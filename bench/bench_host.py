@@ -10,7 +10,8 @@ paged cache (GQA 32/8, B=8, pages of 16 shuffled, M=4096: equal lengths and ragg
 one appended token), each without and with an `attncc.plan_paged` plan, and a packed batch's
 forward (`varlen`: the same batch each call, a new one each call, one batch through a
 `plan_varlen` plan), and a padded causal
-prefill with key ranges (the transformers integration's padding, B=8, N=2048). Medians of
+prefill and decoding step with key ranges (the transformers integration's padding, B=8, N=2048
+and N=1 M=4096). Medians of
 `--repeats` timings of `--calls` calls.
 
 With `--cuda` (on a GPU machine) the same cases run the real kernels: each timing enqueues
@@ -124,19 +125,20 @@ def varlen(
     return call
 
 
-def padded_prefill(device: str = "cpu", ranges_on: str | None = None) -> Callable[[], object]:
-    """The transformers integration's padded prefill: causal with each sequence's key range
-    (`kv_start`, `kv_end` int[B], on the CPU as the integration passes them, or on `ranges_on`),
-    B=8, GQA 32/8, N=M=2048 (every layer of a model calls it with the same ranges)."""
+def padded_with_ranges(N: int, M: int, device: str = "cpu", ranges_on: str | None = None) -> Callable[[], object]:
+    """The transformers integration's padded batch (a prefill, N = M, or a decoding step,
+    N = 1): bottom-right causal with each sequence's key range (`kv_start`, `kv_end` int[B], on
+    the CPU as the integration passes them, or on `ranges_on`), B=8, GQA 32/8 (every layer of
+    a model calls it with the same ranges: from the second, a kept launch since session 57)."""
     from attncc.integrations.transformers import LayerNeeds, model_program
 
     program = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=0.0))
     kern = host_path_kernel(program, device)
-    B, N = 8, 2048
+    B = 8
     q = torch.randn(B, 32, N, 128, dtype=torch.bfloat16, device=device)
-    k, v = (torch.randn(B, 8, N, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
-    start, end = (torch.full((B,), n, dtype=torch.int64, device=ranges_on or "cpu") for n in (0, N))
-    start[1], end[0] = 300, 1700  # one left-padded sequence, one right-padded
+    k, v = (torch.randn(B, 8, M, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
+    start, end = (torch.full((B,), n, dtype=torch.int64, device=ranges_on or "cpu") for n in (0, M))
+    start[1], end[0] = 300, M - 348  # one left-padded sequence, one right-padded
     return lambda: kern(q, k, v, kv_start=start, kv_end=end)
 
 
@@ -168,8 +170,9 @@ def main() -> None:
         ("varlen fwd 8 seqs <= 4096 H=16, one batch", varlen(kern, False, device)),
         ("  a new batch each call", varlen(kern, True, device)),
         ("  one batch, planned (plan_varlen)", varlen(kern, False, device, planned=True)),
-        ("padded prefill with key ranges B=8 N=2048", padded_prefill(device)),
-        ("  the ranges on q's device (read back)", padded_prefill(device, ranges_on=device)),
+        ("padded prefill with key ranges B=8 N=2048", padded_with_ranges(2048, 2048, device)),
+        ("  the ranges on q's device (read back)", padded_with_ranges(2048, 2048, device, ranges_on=device)),
+        ("padded decode with key ranges B=8 M=4096", padded_with_ranges(1, 4096, device)),
     ]
     rows = []
     meta = {**cpu_meta(), "torch": torch.__version__, "device": torch.cuda.get_device_name() if args.cuda else "none"}

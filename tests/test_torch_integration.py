@@ -257,9 +257,9 @@ def counted_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     checked: list[int] = []
     validate = attncc.Kernel.validate
 
-    def counting_validate(self: attncc.Kernel, *args: object) -> None:
+    def counting_validate(self: attncc.Kernel, *args: object, **options: object) -> None:
         checked.append(1)
-        validate(self, *args)
+        validate(self, *args, **options)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attncc.Kernel, "validate", counting_validate)
     return checked
@@ -427,34 +427,43 @@ def test_repeated_plain_calls_reuse_the_checked_launch(monkeypatch: pytest.Monke
         torch.func.vmap(lambda x: kern(x, k, v, n=5))(q.unsqueeze(0))
 
 
-def test_repeated_calls_with_runtime_tensors_reuse_the_checked_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_repeated_calls_with_runtime_tensors_reuse_the_checked_launch(
+    monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
     """A plain call with runtime tensors that repeats a checked call's sizes, strides, dtypes and
     the values of the tensors the host reads (a padding mask's: they decide the tile classes)
     runs the launch packed then, pointed at its own tensors (`_tensors_signature`): another
     mask of the same values or other ALiBi slopes repeat; a mask changed in place, another
-    mask's strides, a graph to record take the full path. Every result against float64 torch."""
-    kern = attncc.compile(
+    mask's strides, a graph to record take the full path. CPU and emulated CUDA kernels (GQA
+    decoding there folds the group's heads into rows), every result against float64 torch."""
+    program = (
         "attention padded_alibi\ninput valid: bool[B, M]\ninput slopes: float[H]\ns = q @ k.T * scale\n"
         "s = s + slopes[h] * (j - i)\nmask valid[b, j] and j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n"
     )
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    kern = attncc.compile(program) if target == "cpu" else attncc.compile(program, target=target, emulate=True)
+    dtype, tol = (torch.float32, 1e-5) if target == "cpu" else (torch.bfloat16, 2e-2)
     g = torch.Generator().manual_seed(3)
-    B, H, N, M = 2, 3, 5, 300
-    q, k, v = (torch.randn(B, H, rows, 16, generator=g) for rows in (N, M, M))
+    B, H, Hkv, N, M = 2, 4, 2, 5, 300
+    q, k, v = (torch.randn(B, heads, rows, 16, generator=g).to(dtype) for heads, rows in ((H, N), (Hkv, M), (Hkv, M)))
 
     def expected(valid: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
-        s = q.double() @ k.double().transpose(-1, -2) / 4
+        keys, values = (t.double().repeat_interleave(H // Hkv, 1) for t in (k, v))
+        s = q.double() @ keys.transpose(-1, -2) / 4
         i, j = torch.arange(N).view(-1, 1), torch.arange(M).view(1, -1)
         s = s + slopes.double().view(1, H, 1, 1) * (j - i)
         s = s.masked_fill(~(valid.view(B, 1, 1, M) & (j <= i + (M - N))), float("-inf"))
-        return torch.softmax(s, -1).nan_to_num() @ v.double()
+        return torch.softmax(s, -1).nan_to_num() @ values
 
-    def agrees(valid: torch.Tensor, slopes: torch.Tensor, **options: object) -> None:
-        out = kern(q, k, v, valid=valid, slopes=slopes, **options)  # type: ignore[arg-type]
-        torch.testing.assert_close(out.double(), expected(valid, slopes), atol=1e-5, rtol=1e-5)
+    def agrees(valid: torch.Tensor, slopes: torch.Tensor) -> None:
+        out = kern(q, k, v, valid=valid, slopes=slopes)
+        torch.testing.assert_close(out.double(), expected(valid, slopes), atol=tol, rtol=tol)
 
     checked = counted_checks(monkeypatch)
     valid = torch.ones(B, M, dtype=torch.bool)
-    slopes = torch.tensor([0.05, 0.02, 0.01])
+    slopes = torch.tensor([0.05, 0.02, 0.01, 0.03])
     agrees(valid, slopes)
     agrees(valid, slopes)
     agrees(valid.clone(), slopes * 2)  # other tensors, other slopes: the same launch
@@ -469,13 +478,22 @@ def test_repeated_calls_with_runtime_tensors_reuse_the_checked_launch(monkeypatc
     assert len(checked) == 2
     agrees(valid.t().contiguous().t(), slopes)  # another mask's strides: checked again
     assert len(checked) == 3
-    wide = torch.tensor([0.1, -0.02, 0.03], dtype=torch.float64)  # converted per call, as the full path does
+    wide = torch.tensor([0.1, -0.02, 0.03, 0.0], dtype=torch.float64)  # converted per call, as the full path does
     agrees(valid, wide)
     agrees(valid, wide + 0.01)
     assert len(checked) == 4
     learnable = slopes.clone().requires_grad_()
     assert kern(q, k, v, valid=valid, slopes=learnable).grad_fn is not None
     assert len(checked) == 5
+    # a kept launch holds none of the tensors of the call it was kept from
+    dropped = {"valid": valid.clone(), "slopes": slopes.clone()}
+    dropped["valid"][1, :7] = False  # (values not seen yet: a launch kept from this call)
+    agrees(**dropped)
+    assert len(checked) == 6
+    gone = [StorageWeakRef(t.untyped_storage()) for t in dropped.values()]  # (detached aliases share it)
+    del dropped
+    gc.collect()
+    assert all(ref.expired() for ref in gone)
     with pytest.raises(InputError, match="valid: expected shape"):
         kern(q, k, v, valid=valid[:, :60], slopes=slopes)
     with pytest.raises(InputError, match="slopes: expected a float tensor"):

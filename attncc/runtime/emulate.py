@@ -38,6 +38,7 @@ from attncc.runtime.kernel import (
     PagedKeys,
     acc_dtype,
     delta_rows,
+    without_call_tensors,
 )
 from attncc.runtime.locks import module_lock
 from attncc.runtime.merge import merge_states
@@ -289,7 +290,9 @@ class EmulatedKernel(Kernel):
         launch = launches.get(launch_key) if launch_key is not None and launches is not None else None
         new_rows = None if appends is None else [t.contiguous() for t in appends[1:]]  # (as the library reads them)
         if launch is not None:
-            return launch(q, k, v, *new_rows) if new_rows is not None else launch(q, k, v)
+            if new_rows is not None:
+                return launch(q, k, v, *new_rows)
+            return launch(q, k, v, runtime=dict(zip(self.tensor_names, tensors)))
         storage = self.storage_dtype(q.dtype)
         qs = rows_of(q, storage, "q")
 
@@ -362,11 +365,14 @@ class EmulatedKernel(Kernel):
                 library = kern.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
                 names = kern._slot_names.pointers
                 partials = (ptrs["o_partial"].shape, ptrs["lse_partial"].shape) if plan.kv_splits > 1 else None
+                slots = kern.per_call_tensor_slots(dict(zip(kern.tensor_names, tensors)))
                 launch = KeptLaunch(
                     kern, library, kern._entry(library, "attncc_emulated_forward"), list(pointers),
                     {name: names.index(name) for name in CALL_OPERANDS if name in ptrs}, ints, reals,
-                    tuple(rows_out.shape), tuple(lse.shape), lse.dtype, partials, (call, paged),
+                    tuple(rows_out.shape), tuple(lse.shape), lse.dtype, partials,
+                    (without_call_tensors(call, slots), paged),
                 )  # fmt: skip
+                launch.tensor_slots = slots
                 if paged is None and packed is None:
                     self._keep_repeat(launch_key, launch)
                 else:  # the plan's memo: as long-lived as the plan
@@ -413,20 +419,19 @@ class EmulatedKernel(Kernel):
     ) -> None:
         """The launch forward_impl kept for this checked call (if it kept one), also under the
         call's `_repeat_key`: a call repeating it skips the checks too, not only the plan and
-        packing (a planned packed call's in its plan's memo). No runtime `tensors`: keys
-        refuse them here (`Kernel._repeats_tensors`)."""
-        assert not tensors
-        launch = self.kept_launch(q, k, v, scalars, scale, packed=packed)
+        packing (a planned packed call's in its plan's memo). `tensors`: a padded call's
+        runtime tensors (declaration order)."""
+        launch = self.kept_launch(q, k, v, scalars, scale, packed=packed, tensors=tensors)
         if launch is not None:
             self._keep_repeat(key, launch, packed)
 
     def kept_launch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: list[float], scale: float | None,
-        paged: PagedKeys | None = None, packed: PackedSequences | None = None,
+        paged: PagedKeys | None = None, packed: PackedSequences | None = None, tensors: Sequence[torch.Tensor] = (),
     ) -> KeptLaunch | None:  # fmt: skip
         """The launch forward_impl kept for these operands (a plain call's, or in the plan's
         memo a planned paged or packed call's), if any."""
-        key = self.launch_key(q, k, v, [], scalars, scale, 0.0, paged, None, packed, None)
+        key = self.launch_key(q, k, v, list(tensors), scalars, scale, 0.0, paged, None, packed, None)
         launches = self._repeats if paged is None and packed is None else (paged or packed).prepared  # type: ignore[union-attr]
         return None if key is None or launches is None else launches.get(key)
 
@@ -448,20 +453,28 @@ class EmulatedKernel(Kernel):
         addresses: their sizes, strides, dtypes and device, the scale, the scalar inputs' values
         (they reach the kernel and may decide tile classes), the split count asked for and, for
         a paged or packed call, the plan (whose memo then holds the launch, so it lives as
-        long as the plan's table or offsets). None where a call cannot repeat one: runtime
-        tensors (their values decide tile classes, their addresses change), dropout (a seed per
-        call), sinks, rope, fp8 K/V, a paged or packed call without a plan (`attncc.plan_paged`,
-        `attncc.plan_varlen`: buffers made per call), and operands the kernel would convert first."""
-        if tensors or dropout > 0 or sink is not None or descale or (packed is not None and packed.prepared is None):
+        long as the plan's table or offsets), and a padded call's runtime tensors'
+        (`tensors_launch_key`: the kept launch points at each call's). None where a call cannot
+        repeat one: runtime tensors of a paged or packed call or whose values the host reads per
+        call, dropout (a seed per call), sinks, rope, fp8 K/V, a paged or packed call without a
+        plan (`attncc.plan_paged`, `attncc.plan_varlen`: buffers made per call), and operands
+        the kernel would convert first."""
+        if dropout > 0 or sink is not None or descale or (packed is not None and packed.prepared is None):
             return None
         if self.op.q_rope is not None or self.op.k_rope is not None or (paged is not None and paged.prepared is None):
             return None
         storage = self.storage_dtype(q.dtype)
         if any(t.dtype != storage or t.stride(-1) != 1 for t in (q, k, v)):
             return None
+        tensor_key: tuple | None = ()
+        if tensors:
+            plain = paged is None and packed is None
+            tensor_key = self.tensors_launch_key(dict(zip(self.tensor_names, tensors))) if plain else None
+            if tensor_key is None:
+                return None
         return (
             "forward", self.call_key, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-            q.device, scale, tuple(scalars), self.launch_settings(),
+            q.device, scale, tuple(scalars), self.launch_settings(), tensor_key,
         )  # fmt: skip
 
     def query_head_group(

@@ -645,28 +645,43 @@ class Kernel:
         PREPARED_VALUES_MAX values to read (the full path classifies those per call), a graph
         to record, a torch.func transform or a negative-bit view (`_untransformed`). A masked
         decoding step's host time (bool mask [1, 1, 1, S]) was ~115 us on the full path."""
-        if not self._repeats_tensors:
+        if not self._repeatable:
             return None
-        tensors = []
-        for value in runtime.values():
+        tensors = {}
+        for name, value in runtime.items():
             kind = type(value)
             if kind is torch.Tensor:
-                tensors.append(value)
+                tensors[name] = value
             elif kind is not int and kind is not float:
                 return None
-        if _records_graph(q, k, v, *tensors) or not _untransformed(*tensors):
+        if _records_graph(q, k, v, *tensors.values()) or not _untransformed(*tensors.values()):
             return None
+        return self.tensors_launch_key(tensors)  # type: ignore[arg-type]
+
+    def tensors_launch_key(self, tensors: Mapping[str, torch.Tensor]) -> tuple | None:
+        """What of a call's runtime tensors (by name) decides its launch besides their
+        addresses: each one's shape, strides, dtype and device, and the bytes of those whose
+        values the host reads (`host_read_tensors`: tile classes, read checks). None where the
+        host would read more than PREPARED_VALUES_MAX values (classified per call) or values
+        on a GPU (a synchronisation: the full path's)."""
         signature = []
-        for name, value in runtime.items():
-            if type(value) is not torch.Tensor:
-                continue
+        for name, value in tensors.items():
             values = None
             if name in self._host_reads:
                 if value.device.type != "cpu" or value.numel() > PREPARED_VALUES_MAX:
                     return None
                 values = value.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
-            signature.append((name, value.shape, value.stride(), value.dtype, value.device, values))  # type: ignore[attr-defined]
+            signature.append((name, value.shape, value.stride(), value.dtype, value.device, values))
         return tuple(signature)
+
+    def per_call_tensor_slots(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """Where a kept launch puts each call's copy of the runtime tensors `tensors` (by name)
+        in its pointers, by ABI ident: all but those the host reads from another device than
+        the kernel's (a GPU kernel's key ranges given on the CPU), whose device copies the
+        prepared call holds (`_prepare`)."""
+        names = self._slot_names.pointers
+        on_host = {n for n, t in tensors.items() if n in self._host_reads and t.device.type != self.device_type}
+        return {t.ident: names.index(t.ident) for t in self.abi.tensors if t.name in tensors and t.name not in on_host}
 
     def _launch_signature(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, scalars: tuple
@@ -698,17 +713,15 @@ class Kernel:
         return self._launch_signature(q, k, v, scale, tuple(zip(names, scalars)))
 
     @cached_property
+    def tensor_names(self) -> tuple[str, ...]:
+        """The runtime tensors' names in declaration order (that of the ops' tensor lists)."""
+        return tuple(d.name for d in self.inputs if d.role == "tensor")
+
+    @cached_property
     def _repeatable(self) -> bool:
         """Whether this kernel's plain calls can repeat a kept launch at all: a forward that keeps
         them, no sinks or rope (their tables and values are per call)."""
         return self._keeps_launches() and self.op.sink is None and self.op.q_rope is None and self.op.k_rope is None
-
-    @cached_property
-    def _repeats_tensors(self) -> bool:
-        """Whether plain calls with runtime tensors can repeat a kept launch: the CPU forward's
-        (`_remember_repeat` keeps where each call's tensors go); the emulator keys its launches
-        without them (`EmulatedKernel.launch_key`)."""
-        return self._repeatable and type(self)._remember_repeat is Kernel._remember_repeat
 
     def _keeps_launches(self) -> bool:
         """Whether `_remember_repeat` can keep this kernel's forward launches: the CPU forward's
@@ -745,11 +758,9 @@ class Kernel:
         call["offset"] = 0
         operands["lse"] = lse
         ptrs = operands if packed is None else {**operands, **packed.buffers()}
-        launch = self._forward_launch(plan, call, ptrs, out, lse, call, packed=packed)
-        if tensors:
-            declared = {d.name for d in self.inputs if d.role == "tensor"}
-            names = self._slot_names.pointers
-            launch.tensor_slots = {t.ident: names.index(t.ident) for t in self.abi.tensors if t.name in declared}
+        slots = self.per_call_tensor_slots(dict(zip(self.tensor_names, tensors)))
+        launch = self._forward_launch(plan, call, ptrs, out, lse, without_call_tensors(call, slots), packed=packed)
+        launch.tensor_slots = slots
         self._keep_repeat(key, launch, packed)
 
     def _forward_launch(
@@ -1975,6 +1986,14 @@ class KeptLaunch:
                 pointers[slot] = converted[ident].data_ptr()
         self.kernel._launch(self.library, self.entry, (pointers, self.ints, self.reals), q.device)
         return out, lse
+
+
+def without_call_tensors(call: dict[str, object], slots: Mapping[str, int]) -> dict[str, object]:
+    """A prepared call as a kept launch keeps it: without the runtime tensors it takes per call
+    (`slots`, by ABI ident), so that it holds no call's tensors alive (a bias table dropped by
+    its caller stayed in memory as long as the launch)."""
+    tensors: dict[str, torch.Tensor] = call["tensors"]  # type: ignore[assignment]
+    return dict(call, tensors={ident: t for ident, t in tensors.items() if ident not in slots})
 
 
 def checked_seed(seed: object) -> int:
