@@ -11,6 +11,7 @@ import attncc
 from attncc.ir import expr as ex
 from attncc.ir.graph import fused_node
 from attncc.ir.ops import Layout
+from attncc.passes import sparsity
 from attncc.passes.sparsity import (
     EMPTY,
     FULL,
@@ -23,6 +24,15 @@ from attncc.passes.sparsity import (
 )
 from attncc.runtime.reference import evaluate, index_env
 from tests.conftest import ROOT
+
+
+@pytest.fixture(autouse=True, params=["by_position", "intervals"])
+def classifier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here twice: small problems classified by position (a decoding step's path)
+    and every problem by intervals (CLASSES_BY_POSITION_MAX 0), so both stay covered."""
+    if request.param == "intervals":
+        monkeypatch.setattr(sparsity, "CLASSES_BY_POSITION_MAX", 0)
+    return request.param
 
 
 def brute_classes(pred: ex.Expr, problem: Problem, tensors: dict, scalars: dict, br: int, bc: int) -> torch.Tensor:
@@ -116,6 +126,48 @@ def test_random_predicates_are_classified_soundly(seed: int) -> None:
         # sound: "empty" tiles have no visible element, "full" tiles no masked element
         assert not ((got == EMPTY) & (want != EMPTY)).any(), str(pred)
         assert not ((got == FULL) & (want != FULL)).any(), str(pred)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_small_problems_are_classified_exactly_by_position(seed: int, classifier: str) -> None:
+    """Problems of at most CLASSES_BY_POSITION_MAX positions (decoding steps, short chunks) are
+    classified by the mask's value at each position: the brute-force classes, whatever the
+    predicate (int scalars as ints: `j < i + w` with w an input), tails included; the
+    intervals' classes are sound and never finer."""
+    rng = random.Random(100 + seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    window = bin_("lt", bin_("sub", VI, VJ), ex.Var("w", ex.INT))
+    for _ in range(30):
+        problem = Problem(2, 2, 2, rng.randint(1, 40), rng.randint(1, 300), 64)
+        br, bc = rng.choice([(4, 32), (16, 32), (64, 128), (8, 64), (12, 40)])
+        pred = random_predicate(rng, 2)
+        pred = bin_("and", pred, window) if rng.random() < 0.3 else pred
+        tensors = runtime_tensors(problem, gen)
+        scalars = {"w": float(rng.randint(0, 50))}
+        info = info_for(pred)
+        got = classify_tiles(info, problem, scalars, tensors, br, bc).expand(problem.B, problem.H, -1, -1)
+        want = brute_classes(pred, problem, tensors, {"w": int(scalars["w"])}, br, bc)
+        if classifier == "by_position":
+            assert torch.equal(got, want), str(pred)
+        else:
+            assert not ((got == EMPTY) & (want != EMPTY)).any() and not ((got == FULL) & (want != FULL)).any()
+
+
+def test_float_predicates_and_large_problems_are_classified_by_intervals(
+    monkeypatch: pytest.MonkeyPatch, classifier: str
+) -> None:
+    """A predicate that computes with floats keeps tiles partial where the kernels' own
+    rounding decides (`x * 0.1 < 1.0` at x = 10 is 1.0000000000000002 in float64, 1.0 in
+    float32); problems above CLASSES_BY_POSITION_MAX (65536) are classified by intervals."""
+    evaluated: list[int] = []
+    monkeypatch.setattr(sparsity, "evaluate", lambda *args: evaluated.append(1) or evaluate(*args))
+    tenth = ex.Binary("lt", ex.Binary("mul", ex.Var("j", ex.INT), ex.const(0.1)), ex.const(1.0))
+    classify_tiles(info_for(tenth), Problem(1, 1, 1, 1, 64, 64), {}, {}, 1, 32)
+    causal = bin_("le", VJ, VI)
+    classify_tiles(info_for(causal), Problem(1, 1, 1, 256, 257, 64), {}, {}, 64, 128)
+    assert evaluated == []
+    classify_tiles(info_for(causal), Problem(1, 1, 1, 256, 256, 64), {}, {}, 64, 128)
+    assert evaluated == ([1] if classifier == "by_position" else [])
 
 
 AFFINE = [
