@@ -625,6 +625,38 @@ def test_negative_bit_views_are_read_as_their_values() -> None:
         kern.paged(q_paged, negative_view((2, 8, 2, 16), 4), cache, table, lengths)
 
 
+def as_negative_view(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as a contiguous view with the negative bit set (minus its stored values; a
+    strided one, x.conj().imag, was resolved by the copy that made it contiguous)."""
+    view = torch._neg_view(-t)
+    assert view.is_neg() and torch.equal(view, t)
+    return view
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_runtime_tensors_and_descales_of_negative_bit_views_are_read_as_their_values(target: str) -> None:
+    """ALiBi slopes, a bias table and fp8 descale factors given as negative-bit views: the
+    kernels took their stored values, unnegated (ALiBi's output 1.36 off until session 57).
+    Each twice: the second call could repeat the first's kept launch."""
+    dtype = torch.float32 if target == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, rows, 16, generator=gen).to(dtype) for rows in (9, 11, 11))
+    for name in ("alibi", "relative_bias"):
+        kern = attncc.compile(ROOT / "examples" / f"{name}.attn", target=target, emulate=target != "cpu")
+        runtime = make_inputs(kern, Shape(1, 4, 4, 9, 11, 16), torch.float32, requires_grad=False)[3]
+        views = {n: as_negative_view(t.float()) if t.is_floating_point() else t for n, t in runtime.items()}
+        assert any(isinstance(t, torch.Tensor) and t.is_neg() for t in views.values())
+        resolved = {n: t.resolve_neg() if isinstance(t, torch.Tensor) else t for n, t in views.items()}
+        for _ in range(2):
+            assert torch.equal(kern(q, k, v, **views), kern(q, k, v, **resolved)), name
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target=target, emulate=target != "cpu")
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    descale = as_negative_view(torch.rand(1, 4, 11, 1, generator=gen) + 0.5)
+    for _ in range(2):
+        got = kern(q, k8, v8, k_descale=descale, v_descale=descale)
+        assert torch.equal(got, kern(q, k8, v8, k_descale=descale.resolve_neg(), v_descale=descale.resolve_neg()))
+
+
 def offloaded(t: torch.Tensor) -> torch.Tensor:
     """A saved-tensor hook's pack as activation offloading does it: a fresh contiguous copy."""
     return torch.empty(t.shape, dtype=t.dtype).copy_(t)

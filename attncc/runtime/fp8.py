@@ -131,7 +131,8 @@ def descale_rows(
             f"{DESCALE_FORMS[layout]}; FlashAttention 3's per sequence [B, Hkv] is [B, Hkv, 1] in padded calls, "
             f"has no place in a paged cache's rows), got {tuple(descale.shape)}"
         )
-    return descale.detach().to(torch.float32).expand(rows).unsqueeze(-1)
+    # (a negative-bit view keeps its sign in a flag, which the kernels' pointer does not see)
+    return descale.detach().resolve_neg().to(torch.float32).expand(rows).unsqueeze(-1)
 
 
 def kv_descales(
