@@ -11,7 +11,7 @@ one appended token), each without and with an `attncc.plan_paged` plan, and a pa
 forward (`varlen`: the same batch each call, a new one each call, one batch through a
 `plan_varlen` plan), and a padded causal
 prefill and decoding step with key ranges (the transformers integration's padding, B=8, N=2048
-and N=1 M=4096). Medians of
+and N=1 M=4096, each layer's call after the first; a new step's, one key more each call). Medians of
 `--repeats` timings of `--calls` calls.
 
 With `--cuda` (on a GPU machine) the same cases run the real kernels: each timing enqueues
@@ -125,21 +125,31 @@ def varlen(
     return call
 
 
-def padded_with_ranges(N: int, M: int, device: str = "cpu", ranges_on: str | None = None) -> Callable[[], object]:
+def padded_with_ranges(
+    N: int, M: int, device: str = "cpu", ranges_on: str | None = None, growing: bool = False
+) -> Callable[[], object]:
     """The transformers integration's padded batch (a prefill, N = M, or a decoding step,
     N = 1): bottom-right causal with each sequence's key range (`kv_start`, `kv_end` int[B], on
     the CPU as the integration passes them, or on `ranges_on`), B=8, GQA 32/8 (every layer of
-    a model calls it with the same ranges: from the second, a kept launch since session 57)."""
+    a model calls it with the same ranges: from the second, a kept launch since session 57).
+    `growing`: each call one key more, as each decoding step's first layer (a cache's
+    view; new ranges): the full path, its tile classes anew."""
     from attncc.integrations.transformers import LayerNeeds, model_program
 
     program = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=0.0))
     kern = host_path_kernel(program, device)
-    B = 8
+    B, steps = 8, 1000 if growing else 0
     q = torch.randn(B, 32, N, 128, dtype=torch.bfloat16, device=device)
-    k, v = (torch.randn(B, 8, M, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
-    start, end = (torch.full((B,), n, dtype=torch.int64, device=ranges_on or "cpu") for n in (0, M))
-    start[1], end[0] = 300, M - 348  # one left-padded sequence, one right-padded
-    return lambda: kern(q, k, v, kv_start=start, kv_end=end)
+    k, v = (torch.randn(B, 8, M + steps, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
+    calls = itertools.count()
+
+    def call() -> object:
+        keys = M + next(calls) % (steps + 1)
+        start, end = (torch.full((B,), n, dtype=torch.int64, device=ranges_on or "cpu") for n in (0, keys))
+        start[1], end[0] = 300, keys - 348  # one left-padded sequence, one right-padded
+        return kern(q, k[:, :, :keys], v[:, :, :keys], kv_start=start, kv_end=end)
+
+    return call
 
 
 def main() -> None:
@@ -173,6 +183,7 @@ def main() -> None:
         ("padded prefill with key ranges B=8 N=2048", padded_with_ranges(2048, 2048, device)),
         ("  the ranges on q's device (read back)", padded_with_ranges(2048, 2048, device, ranges_on=device)),
         ("padded decode with key ranges B=8 M=4096", padded_with_ranges(1, 4096, device)),
+        ("  one key more each call (a new step)", padded_with_ranges(1, 4096, device, growing=True)),
     ]
     rows = []
     meta = {**cpu_meta(), "torch": torch.__version__, "device": torch.cuda.get_device_name() if args.cuda else "none"}

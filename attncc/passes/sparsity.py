@@ -651,14 +651,18 @@ def _classes_by_position(
         i=torch.arange(N).view(1, 1, -1, 1),
         j=torch.arange(M).view(1, 1, 1, -1),
     )
-    visible = evaluate(predicate, env, tensors).expand(B, H, N, M)  # type: ignore[arg-type]
-    # positions past N and M (the last tiles' padding) count as visible for FULL, not for EMPTY
-    every = torch.ones(B, H, ti * block_rows, tj * block_cols, dtype=torch.bool)
-    every[..., :N, :M] = visible
-    some = torch.zeros_like(every)
-    some[..., :N, :M] = visible
-    tiles = (B, H, ti, block_rows, tj, block_cols)
-    full, seen = every.view(tiles).all(5).all(3), some.view(tiles).any(5).any(3)
+    visible = evaluate(predicate, env, tensors).expand(B, H, N, M).to(torch.int32)  # type: ignore[arg-type]
+    # visible positions per tile, summed over each tile's rows, then its columns (tiles padded
+    # to Br x Bc instead: 3.3 ms at B=8 M=4096 Br=64, where one query row is a decoding step's)
+    if ti == 1:
+        counts = visible.sum(2, keepdim=True, dtype=torch.int32)
+    else:
+        counts = torch.zeros(B, H, ti, M, dtype=torch.int32).index_add_(2, torch.arange(N) // block_rows, visible)
+    counts = torch.zeros(B, H, ti, tj, dtype=torch.int32).index_add_(3, torch.arange(M) // block_cols, counts)
+    rows = (N - torch.arange(ti) * block_rows).clamp(max=block_rows)
+    cols = (M - torch.arange(tj) * block_cols).clamp(max=block_cols)
+    positions = (rows.view(-1, 1) * cols.view(1, -1)).to(torch.int32)
+    full, seen = counts == positions, counts > 0
     return torch.where(seen, torch.where(full, FULL, PARTIAL), EMPTY).to(torch.uint8)
 
 
