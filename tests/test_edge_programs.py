@@ -440,3 +440,45 @@ def test_check_compares_the_gradients_of_unread_operands_with_zero() -> None:
     result = check(kern, Shape(1, 2, 1, 20, 20, 16), torch.float32)
     assert result.ok and result.errors["dq"] == 0 and result.errors["dk"] == 0
     assert math.isfinite(result.limits["dq"]) and math.isfinite(result.limits["dk"])
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_masks_of_narrow_ints_bool_scalars_and_scalars_given_as_tensors(target: str) -> None:
+    """Session 57's review: int tensors of uint8 / int8 / int32 in a mask wrapped in their own
+    dtype where decoding steps were classified by position (whole tiles empty that the kernels
+    showed: 1.6 off), uint16 crashed there, a bool scalar as a `where` condition crashed, a
+    bf16 strided tensor the host reads crashed, and a scalar given as a 0-d tensor repeated the
+    launch kept for another value (2.7 off). Each against float64 torch code."""
+
+    def compiled(body: str) -> attncc.Kernel:
+        if target == "cpu":
+            return attncc.compile(program(body))
+        return attncc.compile(program(body), target=target, emulate=True)
+
+    dtype, tol = (torch.float32, 1e-5) if target == "cpu" else (torch.bfloat16, 2e-2)
+    q, k, v = qkv(N=8, M=8)
+    low = [t.to(dtype) for t in (q, k, v)]
+    i, j = torch.arange(8).view(-1, 1), torch.arange(8).view(1, -1)
+
+    def agrees(out: torch.Tensor, keep: torch.Tensor) -> None:
+        torch.testing.assert_close(
+            out.double(), masked_attention(*(t.to(dtype).double() for t in (q, k, v)), keep), atol=tol, rtol=tol
+        )
+
+    for values, mask, keep in (
+        (torch.tensor([0], dtype=torch.uint8), "j >= x[b] - 1", j >= -1),
+        (torch.tensor([100], dtype=torch.int8), "j <= x[b] * 2", j <= 200),
+        (torch.tensor([50000], dtype=torch.int32), "x[b] * x[b] > j", j < 50000**2),
+        (torch.tensor([3], dtype=torch.uint16), "j >= x[b]", j >= 3),
+    ):
+        kern = compiled(f"input x: int[B]\ns = q @ k.T * scale\nmask {mask}\n")
+        agrees(kern(*low, x=values), keep.expand(8, 8))
+    chosen = compiled("input causal: bool\ns = q @ k.T * scale\nmask where(causal, j <= i, j >= i)\n")
+    for causal in (True, False):
+        agrees(chosen(*low, causal=causal), (j <= i) if causal else (j >= i))
+    thresholds = torch.linspace(-1, 1, 16).bfloat16()[::2]  # (a strided view of a dtype numpy lacks)
+    kern = compiled("input thr: float[M]\ns = q @ k.T * scale\nmask thr[j] > 0.0\n")
+    agrees(kern(*low, thr=thresholds), (thresholds.double() > 0).view(1, 8).expand(8, 8))
+    window = compiled("input w: int\ns = q @ k.T * scale\nmask j <= i and i - j < w\n")
+    for w in (torch.tensor(2), torch.tensor(6), 6, torch.tensor(2)):
+        agrees(window(*low, w=w), (j <= i) & (i - j < int(w)))

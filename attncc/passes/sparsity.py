@@ -642,9 +642,15 @@ def _classes_by_position(
     nodes = list(ex.walk(predicate))
     if B * H * N * M > CLASSES_BY_POSITION_MAX or any(node.ty == ex.FLOAT for node in nodes):
         return None
-    ints = {node.name for node in nodes if isinstance(node, ex.Var) and node.ty == ex.INT}
+    kinds = {node.name: node.ty for node in nodes if isinstance(node, ex.Var)}
+    as_type = {ex.INT: int, ex.BOOL: bool, ex.FLOAT: float}
     env: dict[str, object] = {name: int(getattr(problem, name)) for name in ex.SIZE_VARS}
-    env.update({name: int(value) if name in ints else value for name, value in scalars.items()})
+    env.update({name: as_type[kinds.get(name, ex.FLOAT)](value) for name, value in scalars.items()})
+    # int tensors as the kernels read them, int64 (uint8 / int8 / int32 values wrapped in their
+    # own dtype's arithmetic, and torch has none for uint16-64: review of session 57)
+    tensors = {
+        name: t if t.is_floating_point() or t.dtype == torch.bool else t.to(torch.int64) for name, t in tensors.items()
+    }
     env.update(
         b=torch.arange(B).view(-1, 1, 1, 1),
         h=torch.arange(H).view(1, -1, 1, 1),

@@ -640,17 +640,19 @@ class Kernel:
         strides, dtype and device, and the values of those the host reads (`host_read_tensors`:
         they decide the tile classes and the read checks, `_prepare`), as bytes. A kept launch
         points at each call's tensors (`KeptLaunch.tensor_slots`), so the others' values may
-        change. None where such a call cannot repeat one: a kernel whose kept launches take no
-        tensors (the emulator's), a value neither a number nor a plain tensor, more than
+        change. None where such a call cannot repeat one: a kernel that keeps no launches, a
+        value neither a number nor a plain tensor, a tensor given for a scalar input (its value
+        is the scalar's: it was left out of the key, session 57's review), more than
         PREPARED_VALUES_MAX values to read (the full path classifies those per call), a graph
         to record, a torch.func transform or a negative-bit view (`_untransformed`). A masked
         decoding step's host time (bool mask [1, 1, 1, S]) was ~115 us on the full path."""
         if not self._repeatable:
             return None
         tensors = {}
+        declared = self.tensor_names
         for name, value in runtime.items():
             kind = type(value)
-            if kind is torch.Tensor:
+            if kind is torch.Tensor and name in declared:
                 tensors[name] = value
             elif kind is not int and kind is not float:
                 return None
@@ -2014,7 +2016,7 @@ def values_key(t: torch.Tensor) -> tuple:
     t = t.detach().resolve_neg()
     if t.dtype in _NUMPY_DTYPES:
         return (t.dtype, tuple(t.shape), t.numpy().tobytes())
-    return (t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
 def without_call_tensors(call: dict[str, object], slots: Mapping[str, int]) -> dict[str, object]:
