@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import attncc  # noqa: E402
 from attncc.errors import AttnccError  # noqa: E402
 from attncc.integrations import transformers as integration  # noqa: E402
 
@@ -130,6 +131,29 @@ def test_greedy_generation_through_the_cache(family: str) -> None:
     expected = reference.generate(ids, **kwargs)
     got = ours.generate(ids, **kwargs)
     assert torch.equal(got, expected)
+
+
+def test_each_decoding_steps_later_layers_repeat_the_first_layers_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generating on a padded batch, every layer of a step calls its kernel with the same sizes
+    and key ranges (`kv_start`, `kv_end`: runtime tensors): the first layer's call is checked,
+    the others repeat the launch it kept (no checks, plan or tile classes: ~100 us of host per
+    layer and token, session 57). Tokens as sdpa's."""
+    reference, ours = (m.eval() for m in models("llama"))
+    ids, mask = batch()
+    checked, forwards = [0], [0]
+    validate = attncc.Kernel.validate
+
+    def counting(self: attncc.Kernel, *args: object, **kwargs: object) -> None:
+        checked[0] += 1
+        validate(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attncc.Kernel, "validate", counting)
+    ours.register_forward_pre_hook(lambda *args: forwards.__setitem__(0, forwards[0] + 1))
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected, got = reference.generate(ids, **kwargs), ours.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+    assert ours.config.num_hidden_layers == 2 and forwards[0] == 6 and checked[0] == forwards[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3", "gpt_oss", "llama4"])
