@@ -482,3 +482,38 @@ def test_masks_of_narrow_ints_bool_scalars_and_scalars_given_as_tensors(target: 
     window = compiled("input w: int\ns = q @ k.T * scale\nmask j <= i and i - j < w\n")
     for w in (torch.tensor(2), torch.tensor(6), 6, torch.tensor(2)):
         agrees(window(*low, w=w), (j <= i) & (i - j < int(w)))
+
+
+def test_passed_read_checks_are_kept_by_all_they_depend_on() -> None:
+    """A passed read check is kept by the sizes, scalars, tensor shapes and index tensors' values
+    its reads depend on (session 57: a decoding step's M grows, reads indexed by b do not
+    depend on it): a read by j checks again for another M, a read through an index tensor for
+    its other values, a read shifted by a scalar for its other values, and a failed check
+    fails again."""
+    q, k, v = (t.float() for t in qkv(6, 12))
+    by_key = attncc.compile(program("input bias: float[L]\ns = q @ k.T * scale + bias[j]\n", "read_j"))
+    bias = torch.zeros(10)
+    for keys in (10, 11, 10, 11):
+        if keys > 10:
+            with pytest.raises(InputError, match=r"bias\[j\]: index 0 \(j\) ranges over \[0, 10\]"):
+                by_key(q, k[:, :, :keys], v[:, :, :keys], bias=bias)
+        else:
+            by_key(q, k[:, :, :keys], v[:, :, :keys], bias=bias)
+    through = attncc.compile(
+        program("input idx: int[B]\ninput table: float[T]\ns = q @ k.T * scale + table[idx[b]]\n", "read_idx")
+    )
+    for at in (3, 7, 3, 7):
+        if at > 4:
+            with pytest.raises(InputError, match=r"table\[idx\[b\]\]: index 0"):
+                through(q, k, v, idx=torch.tensor([at]), table=torch.zeros(5))
+        else:
+            through(q, k, v, idx=torch.tensor([at]), table=torch.zeros(5))
+    shifted = attncc.compile(
+        program("input off: int\ninput bias: float[L]\ns = q @ k.T * scale + bias[j + off]\n", "sh")
+    )
+    for off in (0, 2, 0, 2):
+        if off:
+            with pytest.raises(InputError, match=r"bias\[j \+ off\]: index 0 \(j \+ off\) ranges over \[2, 13\]"):
+                shifted(q, k, v, off=off, bias=torch.zeros(12))
+        else:
+            shifted(q, k, v, off=off, bias=torch.zeros(12))

@@ -41,6 +41,7 @@ from attncc.passes.sparsity import (
     host_read_tensors,
     partial_fraction,
     runtime_tensors,
+    values_key,
     visible_keys,
 )
 from attncc.passes.tiling import CPU_AMX_KEY_STEP, CPU_FEW_KEYS_STEP, TilePlan, TilingTable
@@ -1990,33 +1991,6 @@ class KeptLaunch:
                 pointers[slot] = converted[ident].data_ptr()
         self.kernel._launch(self.library, self.entry, (pointers, self.ints, self.reals), q.device)
         return out, lse
-
-
-#: dtypes whose CPU tensors numpy reads as they are (`values_key`)
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-    }
-)
-
-
-def values_key(t: torch.Tensor) -> tuple:
-    """A CPU tensor's values as a key: dtype, shape and bytes (-0.0 is not 0.0 there: a miss,
-    never a wrong hit). numpy's bytes where it takes the dtype (~2 us; the 4096 values of a
-    decoding step's mask were ~60 us as a tuple of Python numbers), else through a byte view
-    (bfloat16); a negative-bit view by its values."""
-    t = t.detach().resolve_neg()
-    if t.dtype in _NUMPY_DTYPES:
-        return (t.dtype, tuple(t.shape), t.numpy().tobytes())
-    return (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
 def without_call_tensors(call: dict[str, object], slots: Mapping[str, int]) -> dict[str, object]:
