@@ -517,3 +517,27 @@ def test_passed_read_checks_are_kept_by_all_they_depend_on() -> None:
                 shifted(q, k, v, off=off, bias=torch.zeros(12))
         else:
             shifted(q, k, v, off=off, bias=torch.zeros(12))
+
+
+def test_packed_reads_through_tensors_and_wide_unsigned_index_tensors() -> None:
+    """Session 57's review: a packed call whose read through an index tensor reaches past its
+    tensor for one sequence raised a RuntimeError from the error's own code (bounds shaped
+    [1, 1, 1, sequences]); an index tensor of uint16 crashed the read checks (torch reduces no
+    uint16). Now the first names sequence b=1, the second runs as int64 does."""
+    shifted = attncc.compile(
+        program("input off: int[B]\ninput bias: float[L]\ns = q @ k.T * scale + bias[j + off[b]]\n")
+    )
+    q, k, v = (torch.randn(12, 1, 16, generator=torch.Generator().manual_seed(n)) for n in range(3))
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    shifted.varlen(q, k, v, cu, cu, off=torch.tensor([0, 0]), bias=torch.zeros(8))
+    with pytest.raises(InputError, match=r"bias\[j \+ off\[b\]\]: index 0 .* ranges over \[1, 8\] for sequence b=1"):
+        shifted.varlen(q, k, v, cu, cu, off=torch.tensor([0, 1]), bias=torch.zeros(8))
+    table = attncc.compile(
+        program("input idx: int[T]\ninput bias: float[L]\ns = q @ k.T * scale + bias[idx[j % T]]\n", "u16")
+    )
+    q, k, v = (t.float() for t in qkv(8, 8))
+    idx, bias = torch.tensor([0, 1, 2, 3]), torch.randn(4, generator=torch.Generator().manual_seed(3))
+    want = table(q, k, v, idx=idx, bias=bias)
+    assert torch.equal(table(q, k, v, idx=idx.to(torch.uint16), bias=bias), want)
+    with pytest.raises(InputError, match=r"bias\[idx\[j % T\]\]: index 0"):
+        table(q, k, v, idx=torch.tensor([0, 1, 2, 9], dtype=torch.uint16), bias=bias)

@@ -558,9 +558,17 @@ def _read_tensor_interval(t: torch.Tensor, index: list[Interval]) -> Interval:
     t = t[tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None) for stride, size in zip(t.stride(), t.shape))]
     # (bool and int tensors reduced as they are, in float64 after: a dense mask's 16 M bools
     # were 128 MB of float64 before)
-    x = (t.view(torch.uint8) if t.dtype == torch.bool else t.double() if t.is_floating_point() else t).reshape(
-        (1, 1, 1, 1, *t.shape)
-    )
+    # (uint16-64 as the kernels read them, int64: torch reduces none of them)
+    wide_unsigned = t.dtype in (torch.uint16, torch.uint32, torch.uint64)
+    x = (
+        t.view(torch.uint8)
+        if t.dtype == torch.bool
+        else t.double()
+        if t.is_floating_point()
+        else t.long()
+        if wide_unsigned
+        else t
+    ).reshape((1, 1, 1, 1, *t.shape))
     lo_x, hi_x = (
         (x.nan_to_num(-math.inf, math.inf, -math.inf), x.nan_to_num(math.inf, math.inf, -math.inf))
         if t.is_floating_point()
@@ -903,9 +911,13 @@ def _check_reads_and_divisors(
                 shown = r.tensor if not r.tensor.startswith("__layout") else "a layout grid"
                 sizes = f"N={problem.N}, M={problem.M}, B={problem.B}, H={problem.H}"
                 if lengths is not None:  # (a packed batch: the first sequence whose sizes reach past it)
-                    outside = ((iv.lo < 0) | (iv.hi > t.shape[dim] - 1)).expand(n.shape).nonzero()
+                    # (per sequence, the last dim: an index reading a tensor has grid-shaped bounds,
+                    # [1, 1, 1, sequences], which expanding to [sequences] failed on)
+                    lo_b, hi_b = (torch.broadcast_tensors(x, n)[0].reshape(-1, n.numel()) for x in (iv.lo, iv.hi))
+                    lo_b, hi_b = lo_b.amin(0), hi_b.amax(0)
+                    outside = ((lo_b < 0) | (hi_b > t.shape[dim] - 1)).nonzero()
                     k = int(outside[0, 0]) if outside.numel() else 0
-                    lo, hi = float(iv.lo.expand(n.shape)[k]), float(iv.hi.expand(n.shape)[k])
+                    lo, hi = float(lo_b[k]), float(hi_b[k])
                     sizes = f"sequence b={int(live[k])} of N={int(n[k])}, M={int(m[k])} (H={problem.H})"
                 raise InputError(
                     f"{shown}[{', '.join(map(str, r.index))}]: index {dim} ({index}) ranges over "
