@@ -1,0 +1,83 @@
+"""Greedy generation through the transformers integration beside sdpa, in one process: a small
+random-init Llama (hidden 256, GQA 8/2 heads of d=32, `--layers` layers) on a left-padded batch
+of `--batch` prompts of `--prompt` tokens, `--new` tokens each; both models hold the same
+weights and must produce the same tokens. Prints milliseconds per generated token (medians of
+`--repeats` alternating runs) and sdpa / attncc. What it shows is the host time of decoding
+steps: every layer's call with the padding's key ranges (`kv_start`, `kv_end`) and a key more
+each step, at sizes where the kernels take tens of microseconds.
+
+    python bench/bench_generate.py [--layers 8 --batch 4 --prompt 200 --new 64 --repeats 5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from attncc.integrations import transformers as integration  # noqa: E402
+from bench.bench_cpu import cpu_meta  # noqa: E402
+
+NAME = "attncc-bench"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=200)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import transformers
+
+    integration.register(NAME)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=args.prompt + args.new + 8,
+    )  # fmt: skip
+    models = {
+        name: transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name).eval()
+        for name in ("sdpa", NAME)
+    }
+    models[NAME].load_state_dict(models["sdpa"].state_dict())
+    ids = torch.randint(1, cfg.vocab_size, (args.batch, args.prompt))
+    mask = torch.ones_like(ids)
+    for row in range(args.batch):  # left padding, as generation pads: 0, 37, 74, ... tokens
+        mask[row, : (37 * row) % max(args.prompt // 2, 1)] = 0
+    options = dict(
+        attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0
+    )
+    times: dict[str, list[float]] = {name: [] for name in models}
+    with torch.inference_mode():
+        tokens = {name: model.generate(ids, **options) for name, model in models.items()}  # (and warm)
+        if not torch.equal(tokens["sdpa"], tokens[NAME]):
+            raise SystemExit("attncc's tokens differ from sdpa's")
+        for _ in range(args.repeats):
+            for name, model in models.items():
+                began = time.perf_counter()
+                model.generate(ids, **options)
+                times[name].append((time.perf_counter() - began) / args.new * 1e3)
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    meta = {**cpu_meta(), "torch": torch.__version__, "transformers": transformers.__version__, **vars(args)}
+    meta.pop("json")
+    print(f"{meta['cpu_model']} ({meta['cpu_family_model']}), torch {torch.__version__}: ms per generated token")
+    print(f"sdpa {ms['sdpa']:.2f}  attncc {ms[NAME]:.2f}  sdpa / attncc {ms['sdpa'] / ms[NAME]:.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "ms_per_token": ms, "runs": times}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
