@@ -761,9 +761,22 @@ def host_read_tensors(predicate: ex.Expr | None, score: ex.Expr) -> frozenset[st
         for node in ex.walk(e):
             if isinstance(node, ex.Read):
                 names.update(r.tensor for index in node.index for r in ex.reads(index))
-            elif isinstance(node, ex.Binary) and node.op in ("floordiv", "mod") and node.ty == ex.INT:
-                names.update(r.tensor for r in ex.reads(node.b))
+            elif _is_int_division(node):
+                names.update(r.tensor for r in ex.reads(node.b))  # type: ignore[attr-defined]
     return frozenset(names)
+
+
+def _is_int_division(node: ex.Expr) -> bool:
+    """An integer `//` or `%`: its divisor must not be 0 (`check_reads_and_divisors`)."""
+    return isinstance(node, ex.Binary) and node.op in ("floordiv", "mod") and node.ty == ex.INT
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_nodes(exprs: tuple[ex.Expr, ...]) -> tuple[tuple[ex.Binary, ...], tuple[ex.Read, ...]]:
+    """The integer divisions and the tensor reads of `exprs` (walked once per expressions, not
+    per call)."""
+    divisions = tuple(node for e in exprs for node in ex.walk(e) if _is_int_division(node))
+    return divisions, tuple(r for e in exprs for r in ex.reads(e))  # type: ignore[return-value]
 
 
 #: Read checks passed, by all they depend on (`_read_check_key`), the last READ_CHECKS_KEPT: a
@@ -780,14 +793,8 @@ def _read_check_inputs(exprs: tuple[ex.Expr, ...]) -> tuple[tuple[str, ...], tup
     integer divisors (b, h, i, j stand for their ranges, B .. D and scalars for their values),
     the tensors read (their shapes bound the indices) and those read inside an index or a
     divisor (their values)."""
-    reads = [r for e in exprs for r in ex.reads(e)]
-    checked = [index for r in reads for index in r.index]
-    checked += [
-        node.b
-        for e in exprs
-        for node in ex.walk(e)
-        if isinstance(node, ex.Binary) and node.op in ("floordiv", "mod") and node.ty == ex.INT
-    ]
+    divisions, reads = _checked_nodes(exprs)
+    checked = [index for r in reads for index in r.index] + [node.b for node in divisions]
     names = sorted(set().union(*(ex.free_vars(e) for e in checked)))
     valued = sorted({r.tensor for e in checked for r in ex.reads(e)})
     return tuple(names), tuple(sorted({r.tensor for r in reads})), tuple(valued)
@@ -851,16 +858,11 @@ def check_reads_and_divisors(
     so a read proven in range needs no check inside the kernel. With `lengths` (a packed batch,
     as in `classify_tiles`) over each sequence that has queries and keys, at its own N and M.
     """
-    divisors = [
-        node
-        for e in predicate_and_score
-        for node in ex.walk(e)
-        if isinstance(node, ex.Binary) and node.op in ("floordiv", "mod") and node.ty == ex.INT
-    ]
-    reads = [r for e in predicate_and_score for r in ex.reads(e)]
+    exprs = tuple(predicate_and_score)
+    divisors, reads = _checked_nodes(exprs)
     if not divisors and not reads:  # nothing to bound (and no intervals to build: ~0.15 ms per packed call)
         return
-    key = _read_check_key(tuple(predicate_and_score), problem, scalars, tensors) if lengths is None else None
+    key = _read_check_key(exprs, problem, scalars, tensors) if lengths is None else None
     if key is not None and key in _READ_CHECKS:
         return
     _check_reads_and_divisors(divisors, reads, problem, scalars, tensors, lengths)
@@ -872,8 +874,8 @@ def check_reads_and_divisors(
 
 
 def _check_reads_and_divisors(
-    divisors: list[ex.Binary],
-    reads: list[ex.Read],
+    divisors: tuple[ex.Binary, ...],
+    reads: tuple[ex.Read, ...],
     problem: Problem,
     scalars: Mapping[str, float],
     tensors: Mapping[str, torch.Tensor],

@@ -1613,7 +1613,7 @@ class Kernel:
         to a GPU kernel (the transformers integration's key ranges) are copied to the device
         with the classes, once per key: no call reads them back from the GPU (a synchronisation
         per layer) nor copies them there."""
-        names = [d.name for d in self.inputs if d.role == "tensor"]
+        names = self.tensor_names
         given, values = tensors, ()
         on_host = frozenset(
             n for n, t in zip(names, tensors) if n in self._host_reads and t.device.type != self.device_type
