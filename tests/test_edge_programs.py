@@ -406,6 +406,21 @@ def test_a_scalar_of_minus_zero_is_not_a_repeat_of_zero() -> None:
 
 
 @pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_a_scale_of_minus_zero_is_not_a_plan_of_zero(target: str) -> None:
+    """The same for the call's `scale=`: the plans (kept by sizes, dtype and scale) took -0.0
+    for 0.0, and the kernel its value from them (session 58: 1.4 off, every key visible)."""
+    q, k, v = (t.float() for t in qkv(40, 40))
+    # (q.k times 0.25: 1/sqrt(D) at D=16, as masked_attention scales)
+    kern = attncc.compile(
+        program("s = q @ k.T * 0.25\nmask 1.0 / scale > 0.0 or j <= i\n", "negscale"), target=target, emulate=True
+    )
+    kern(q, k, v, scale=0.0)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    tol = 2e-6 if target == "cpu" else 3e-2  # (the emulated sm80 kernels multiply in bf16)
+    assert torch.allclose(kern(q, k, v, scale=-0.0), masked_attention(q, k, v, causal), atol=tol)
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
 def test_new_scores_that_do_not_read_the_old_ones(target: str) -> None:
     """`s = 2.0 * bias[h, i, j]` (a Flex score_mod returning a bias alone) replaces the scores:
     it was an error at softmax; q and k get zero gradients, v and the bias theirs."""

@@ -868,3 +868,34 @@ def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, c
         attncc.BuildError, match="ATTNCC_CACHE_LIMIT_MB: expected a number of megabytes >= 0, got 'lots'"
     ):
         build.cache_limit_bytes()
+
+
+NO_NUMPY_SCRIPT = """
+import sys
+sys.modules["numpy"] = None  # (as where it is not installed: torch then has no numpy interop)
+import torch, attncc
+kern = attncc.compile(
+    "attention no_numpy\\ninput L: int[B]\\ns = q @ k.T * scale\\nmask j < L[b] and j <= i\\n"
+    "p = softmax(s)\\no = p @ v\\noutput o\\n"
+)
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 2, 9, 16, generator=gen) for _ in range(3))
+lengths = torch.tensor([4, 9])
+keep = (torch.arange(9).view(1, 1, 1, -1) < lengths.view(-1, 1, 1, 1)) & torch.ones(9, 9, dtype=torch.bool).tril()
+s = (q.double() @ k.double().transpose(-1, -2) / 4.0).masked_fill(~keep, float("-inf"))
+expected = torch.softmax(s, -1) @ v.double()
+for _ in range(2):  # (the second call repeats the first's kept launch)
+    out = kern(q, k, v, L=lengths)
+    assert (out.double() - expected).abs().max() < 1e-5, (out.double() - expected).abs().max()
+print("ok")
+"""
+
+
+def test_runs_without_numpy() -> None:
+    """numpy is not among attncc's dependencies (torch's CPU wheel does not pull it either):
+    the values of a runtime tensor that the host reads (a padding mask's lengths) are keyed
+    without it; they were read through numpy, and every such call raised "Numpy is not
+    available" where it was not installed (session 58)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", NO_NUMPY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -17,12 +17,14 @@ ceil(N/s) x ceil(M/s)), so kernels and reference treat layouts like any other ma
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
+from torch.nn.functional import pad
 
 from attncc.errors import InputError
 from attncc.ir import expr as ex
@@ -633,6 +635,23 @@ def runtime_tensors(
 CLASSES_BY_POSITION_MAX = 1 << 16
 
 
+@functools.lru_cache(maxsize=256)
+def _predicate_types(predicate: ex.Expr) -> tuple[bool, dict[str, str]]:
+    """Whether `predicate` computes with floats, and the type of each name it reads (walked
+    once per predicate, not per call)."""
+    nodes = list(ex.walk(predicate))
+    return any(node.ty == ex.FLOAT for node in nodes), {n.name: n.ty for n in nodes if isinstance(n, ex.Var)}
+
+
+@functools.lru_cache(maxsize=64)
+def _position_axis(size: int, dim: int) -> torch.Tensor:
+    """0 .. size-1 along dimension `dim` of four (b, h, i, j), read only: kept, since a
+    decoding step's classes take the same B, H and N at every token."""
+    shape = [1, 1, 1, 1]
+    shape[dim] = size
+    return torch.arange(size).view(shape)
+
+
 def _classes_by_position(
     predicate: ex.Expr,
     problem: Problem,
@@ -649,10 +668,9 @@ def _classes_by_position(
     precision: an interval keeps such a tile partial, so that they decide each position)."""
     B, H, ti, tj = shape
     N, M = problem.N, problem.M
-    nodes = list(ex.walk(predicate))
-    if B * H * N * M > CLASSES_BY_POSITION_MAX or any(node.ty == ex.FLOAT for node in nodes):
+    computes_floats, kinds = _predicate_types(predicate)
+    if B * H * N * M > CLASSES_BY_POSITION_MAX or computes_floats:
         return None
-    kinds = {node.name: node.ty for node in nodes if isinstance(node, ex.Var)}
     as_type = {ex.INT: int, ex.BOOL: bool, ex.FLOAT: float}
     env: dict[str, object] = {name: int(getattr(problem, name)) for name in ex.SIZE_VARS}
     env.update({name: as_type[kinds.get(name, ex.FLOAT)](value) for name, value in scalars.items()})
@@ -661,25 +679,22 @@ def _classes_by_position(
     tensors = {
         name: t if t.is_floating_point() or t.dtype == torch.bool else t.to(torch.int64) for name, t in tensors.items()
     }
-    env.update(
-        b=torch.arange(B).view(-1, 1, 1, 1),
-        h=torch.arange(H).view(1, -1, 1, 1),
-        i=torch.arange(N).view(1, 1, -1, 1),
-        j=torch.arange(M).view(1, 1, 1, -1),
-    )
-    visible = evaluate(predicate, env, tensors).expand(B, H, N, M).to(torch.int32)  # type: ignore[arg-type]
-    # visible positions per tile, summed over each tile's rows, then its columns (tiles padded
-    # to Br x Bc instead: 3.3 ms at B=8 M=4096 Br=64, where one query row is a decoding step's)
+    env.update(b=_position_axis(B, 0), h=_position_axis(H, 1), i=_position_axis(N, 2), j=_position_axis(M, 3))
+    visible = evaluate(predicate, env, tensors).expand(B, H, N, M)  # type: ignore[arg-type]
+    # visible positions per tile: summed over each tile's rows (one query tile: a decoding
+    # step's row as it is, where padding it to Br took 3.3 ms at B=8 M=4096 Br=64), then over
+    # its columns, padded to whole tiles. Few operations: a decoding step classifies anew for
+    # every token, at 2-5 us of host time each (26 of them took 179 us at B=4 M=401 on Zen 4)
     if ti == 1:
         counts = visible.sum(2, keepdim=True, dtype=torch.int32)
     else:
-        counts = torch.zeros(B, H, ti, M, dtype=torch.int32).index_add_(2, torch.arange(N) // block_rows, visible)
-    counts = torch.zeros(B, H, ti, tj, dtype=torch.int32).index_add_(3, torch.arange(M) // block_cols, counts)
-    rows = (N - torch.arange(ti) * block_rows).clamp(max=block_rows)
-    cols = (M - torch.arange(tj) * block_cols).clamp(max=block_cols)
-    positions = (rows.view(-1, 1) * cols.view(1, -1)).to(torch.int32)
-    full, seen = counts == positions, counts > 0
-    return torch.where(seen, torch.where(full, FULL, PARTIAL), EMPTY).to(torch.uint8)
+        counts = pad(visible.to(torch.int32), (0, 0, 0, ti * block_rows - N)).view(B, H, ti, block_rows, M).sum(3)
+    counts = pad(counts, (0, tj * block_cols - M)).view(B, H, ti, tj, block_cols).sum(4)
+    rows = [min(block_rows, N - first) for first in range(0, N, block_rows)]  # each tile's
+    cols = [min(block_cols, M - first) for first in range(0, M, block_cols)]
+    positions = torch.tensor([[r * c for c in cols] for r in rows])
+    # EMPTY 0 where no position is visible, PARTIAL 1 where some are, FULL 2 where all are
+    return (counts > 0).to(torch.uint8) + (counts == positions)
 
 
 def classify_tiles(
@@ -697,6 +712,14 @@ def classify_tiles(
     ti, tj = -(-problem.N // block_rows), -(-problem.M // block_cols)
     per_batch = info.varies_with_batch or lengths is not None
     shape = (problem.B if per_batch else 1, problem.H if info.varies_with_head else 1, ti, tj)
+    if info.predicate is None and lengths is None:
+        return torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8).expand(shape).contiguous()
+    if 0 in shape:  # (an empty batch or no heads: no tile, and no row of the tensors to read)
+        return torch.empty(shape, dtype=torch.uint8)
+    if lengths is None:
+        exact = _classes_by_position(info.predicate, problem, scalars, tensors, shape, block_rows, block_cols)  # type: ignore[arg-type]
+        if exact is not None:
+            return exact
     rows = torch.arange(ti, dtype=torch.float64).view(1, 1, -1, 1) * block_rows
     cols = torch.arange(tj, dtype=torch.float64).view(1, 1, 1, -1) * block_cols
     last_row, last_col = float(problem.N - 1), float(problem.M - 1)
@@ -705,14 +728,6 @@ def classify_tiles(
         last_row, last_col = n - 1, m - 1
     if info.predicate is None:
         cls = torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8)
-    elif 0 in shape:  # (an empty batch or no heads: no tile, and no row of the tensors to read)
-        return torch.empty(shape, dtype=torch.uint8)
-    elif (
-        lengths is None
-        and (exact := _classes_by_position(info.predicate, problem, scalars, tensors, shape, block_rows, block_cols))
-        is not None
-    ):
-        cls = exact
     else:
         env = problem.size_env()
         if lengths is not None:
@@ -732,15 +747,15 @@ def classify_tiles(
 
 def partial_fraction(classes: torch.Tensor) -> float:
     """Of the visible (non-empty) tiles, the fraction that is partial (the mask evaluated)."""
-    visible = int((classes != EMPTY).sum())
-    return int((classes == PARTIAL).sum()) / visible if visible else 0.0
+    _, partial, full = torch.bincount(classes.reshape(-1), minlength=3).tolist()
+    return partial / (partial + full) if partial + full else 0.0
 
 
 def visible_keys(classes: torch.Tensor, block_cols: int, m: int) -> int:
     """The most keys one query tile sees: its non-empty key tiles times Bc, at most M."""
     if classes.numel() == 0:
         return 0
-    return min(m, int((classes != EMPTY).sum(-1).max()) * block_cols)
+    return min(m, int(torch.count_nonzero(classes, -1).max()) * block_cols)  # (EMPTY is 0)
 
 
 def _reader(tensors: Mapping[str, torch.Tensor]):  # noqa: ANN202
@@ -817,31 +832,18 @@ def _read_check_key(
     return (exprs, tuple(values), tuple(tuple(tensors[name].shape) for name in shaped), contents)
 
 
-#: dtypes whose CPU tensors numpy reads as they are (`values_key`)
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-    }
-)
-
-
 def values_key(t: torch.Tensor) -> tuple:
     """A CPU tensor's values as a key: dtype, shape and bytes (-0.0 is not 0.0 there: a miss,
-    never a wrong hit). numpy's bytes where it takes the dtype (~2 us; the 4096 values of a
-    decoding step's mask were ~60 us as a tuple of Python numbers), else through a byte view
-    (bfloat16); a negative-bit view by its values."""
+    never a wrong hit), copied from its memory (~1 us; the 4096 values of a decoding step's
+    mask were ~60 us as a tuple of Python numbers); a negative-bit view by its values. (Not
+    through numpy, which attncc does not require: without it every call whose host reads a
+    runtime tensor raised "Numpy is not available" until session 58.)"""
     t = t.detach().resolve_neg()
-    if t.dtype in _NUMPY_DTYPES:
-        return (t.dtype, tuple(t.shape), t.numpy().tobytes())
-    return (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
+    if type(t) is not torch.Tensor:  # (a subclass's memory may not be where data_ptr says: its bytes as numbers)
+        return (t.dtype, tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).tolist()))
+    size = t.numel() * t.element_size()
+    return (t.dtype, tuple(t.shape), ctypes.string_at(t.data_ptr(), size) if size else b"")
 
 
 def check_reads_and_divisors(

@@ -29,7 +29,7 @@ import torch
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
-from attncc.ir.expr import python_number
+from attncc.ir.expr import SIZE_VARS, free_vars, python_number
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
 from attncc.passes import Stage, with_rows, with_tiles
@@ -318,7 +318,7 @@ class Kernel:
     backward = "auto"
     #: Attributes `_register` makes, left out of pickles and copies.
     _PER_PROCESS: tuple[str, ...] = (
-        "_libraries", "_lock", "call_key", "_calls", "_calls_by_values", "_plans", "_repeats", "_row_variants",
+        "_libraries", "_lock", "call_key", "_calls", "_calls_by_values", "_plans", "_scales", "_repeats", "_row_variants",
         "_varlen_plans",
     )  # fmt: skip
 
@@ -392,6 +392,7 @@ class Kernel:
         self._calls: dict[tuple, dict] = {}  # prepared calls by shape (see _prepare)
         self._calls_by_values: dict[tuple, dict] = {}  # ... and by host-read values, lengths (see _prepare)
         self._plans: dict[tuple, CallPlan] = {}  # call plans by sizes, dtype and scale (see plan)
+        self._scales: dict[tuple, tuple[float, float]] = {}  # see _scale_values
         self._repeats: dict[tuple, KeptLaunch] = {}  # packed launches of checked calls (see _repeat_key)
         self._row_variants: dict[str, Kernel] = {}  # by name: see _variant
         self._varlen_plans: OrderedDict[tuple, VarlenPlan] = OrderedDict()  # by offsets (see ragged.offsets_plan)
@@ -482,6 +483,9 @@ class Kernel:
             rows = padded_rows(B, H, N, q.device)
             sink = self.sink_rows(rows, _sizes(q, k), scale, runtime, acc_dtype(q.dtype)).expand(B, H, N).contiguous()
         if _plain_call(q, k, v, *tensors, *([sink] if sink is not None else [])):
+            if repeat_key is not None and self._launches_kept(q, v):
+                out, lse = self._launch_and_keep(repeat_key, q, k, v, tensors, scalars, scale, runtime)
+                return (out, lse) if return_lse else out
             out, lse = self.forward_impl(
                 q, k, v, tensors, scalars, scale, dropout, int(seed_value.item()), sink=sink, descale=descale
             )
@@ -749,6 +753,35 @@ class Kernel:
         planned packed call's (`packed`: its plan's sequences, rows [total, heads, D]) in the
         plan's memo, under (call_key, key), as long-lived as the plan. `tensors`: a padded
         call's runtime tensors (declaration order), whose slots the launch fills per call."""
+        self._keep_repeat(key, self._launch_to_keep(q, k, v, out, lse, scalars, scale, packed, tensors), packed)
+
+    def _launches_kept(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether a padded call with a repeat key that finds no kept launch launches as the calls
+        repeating it will (`_launch_and_keep`): the CPU forward's, where out is not empty."""
+        return type(self).forward_impl is Kernel.forward_impl and q.shape[:-1].numel() > 0 and v.shape[-1] > 0
+
+    def _launch_and_keep(
+        self, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+        scalars: list[float], scale: float | None, runtime: Mapping[str, object],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """out and lse of a checked padded call with a repeat key that no kept launch has: its
+        launch prepared and packed once, run as the calls repeating it run it, then kept (the
+        full path, then `_remember_repeat`, prepared and packed it twice: ~100 us of a decoding
+        step's first call, where every token makes a new M)."""
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
+        lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
+        launch = self._launch_to_keep(q, k, v, out, lse, scalars, scale, tensors=tensors)
+        out, lse = launch(q, k, v, runtime=runtime)
+        self._keep_repeat(key, launch)
+        return out, lse
+
+    def _launch_to_keep(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        scalars: list[float], scale: float | None, packed: PackedSequences | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+    ) -> KeptLaunch:  # fmt: skip
+        """The `KeptLaunch` of a checked call (`_remember_repeat`'s arguments): out and lse only
+        give their shapes and strides, each call its own."""
         value_dim = v.shape[-1]
         operands = {"q": q, "k": k, "v": v, "out": out}
         lengths = None
@@ -764,7 +797,7 @@ class Kernel:
         slots = self.per_call_tensor_slots(dict(zip(self.tensor_names, tensors)))
         launch = self._forward_launch(plan, call, ptrs, out, lse, without_call_tensors(call, slots), packed=packed)
         launch.tensor_slots = slots
-        self._keep_repeat(key, launch, packed)
+        return launch
 
     def _forward_launch(
         self, plan: CallPlan, call: dict, ptrs: dict[str, torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
@@ -1075,19 +1108,39 @@ class Kernel:
         with `backward`) and scale factors; kept per (sizes, dtype, scale), since evaluating the
         scale expressions takes ~20 us."""
         problem = _problem(q, k, value_dim)
-        key = (problem, q.dtype, scale, backward)
+        key = (problem, q.dtype, signed_zeros((scale,)), backward)  # (-0.0 == 0.0, but 1 / scale differs)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
         tiles = self._tiles(plan_head_dim(problem), q.dtype, backward)
-        value = scale if scale is not None else self.default_scale(q, k)
-        multiplier = float(evaluate(self.op.scale, {**_sizes(q, k), "scale": value}, {}))
+        value, multiplier = self._scale_values(_sizes(q, k), scale)
         plan = CallPlan(problem, tiles, multiplier, value)
         with self._lock:
             if len(self._plans) >= PREPARED_CALLS_KEPT:
                 self._plans.pop(next(iter(self._plans)))  # the oldest key
             self._plans[key] = plan
         return plan
+
+    def _scale_values(self, sizes: Mapping[str, int], scale: float | None) -> tuple[float, float]:
+        """The name `scale`'s value (`scale`, else the program's default) and the q.k factor,
+        kept by the sizes the two expressions read (D for 1/sqrt(D)): a decoding step plans anew
+        for every token (M grows), and evaluating them took ~17 us of its ~23."""
+        key = (signed_zeros((scale,)), *(sizes[name] for name in self._scale_sizes))
+        values = self._scales.get(key)
+        if values is None:
+            value = scale if scale is not None else float(evaluate(self.op.default_scale, sizes, {}))
+            values = value, float(evaluate(self.op.scale, {**sizes, "scale": value}, {}))
+            with self._lock:
+                if len(self._scales) >= PREPARED_CALLS_KEPT:
+                    self._scales.pop(next(iter(self._scales)))  # the oldest key
+                self._scales[key] = values
+        return values
+
+    @cached_property
+    def _scale_sizes(self) -> tuple[str, ...]:
+        """The sizes (B, H, ...) that the scale expressions read."""
+        names = free_vars(self.op.scale) | free_vars(self.op.default_scale)
+        return tuple(name for name in SIZE_VARS if name in names)
 
     def _tiles(self, head_dim: int, dtype: torch.dtype, backward: bool) -> TilePlan:
         """The plan's tiles for this head dim and dtype (the forward's may then stream:
