@@ -1051,7 +1051,7 @@ class Kernel:
 
     def default_scale(self, q: torch.Tensor, k: torch.Tensor) -> float:
         """The value of the name `scale` when a call gives none: the program's or 1/sqrt(D)."""
-        return float(evaluate(self.op.default_scale, _sizes(q, k), {}))
+        return self._scale_values(_sizes(q, k), None)[0]
 
     def reference(
         self,
