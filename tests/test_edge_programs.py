@@ -556,3 +556,61 @@ def test_packed_reads_through_tensors_and_wide_unsigned_index_tensors() -> None:
     assert torch.equal(table(q, k, v, idx=idx.to(torch.uint16), bias=bias), want)
     with pytest.raises(InputError, match=r"bias\[idx\[j % T\]\]: index 0"):
         table(q, k, v, idx=torch.tensor([0, 1, 2, 9], dtype=torch.uint16), bias=bias)
+
+
+def per_sequence_calls(kern: attncc.Kernel, q, k, v, cu: torch.Tensor, **options: object) -> torch.Tensor:
+    """A packed batch's out [total, H, D] from one padded call per sequence."""
+    outs = []
+    for b in range(len(cu) - 1):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        outs.append(kern(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), **options)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_a_score_factor_reading_n_and_m_is_each_sequences_in_a_packed_call(target: str) -> None:
+    """`s = q @ k.T * (log(M + 1) / sqrt(N))`: N and M are each sequence's own in a packed
+    call; the factor was moved into the launch's one q.k multiplier, at the longest sequence's
+    sizes (0.016 off for the shorter sequence, session 58)."""
+    kern = attncc.compile(
+        program("s = q @ k.T * (log(M + 1.0) / sqrt(N))\n", "lengths_factor"), target=target, emulate=True
+    )
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, 2, 16, generator=gen) * 3 for _ in range(3))
+    cu = torch.tensor([0, 3, 12], dtype=torch.int32)
+    tol = 1e-5 if target == "cpu" else 3e-2
+    assert torch.allclose(kern.varlen(q, k, v, cu, cu), per_sequence_calls(kern, q, k, v, cu), atol=tol)
+
+
+def test_a_default_scale_reading_sequence_sizes_is_refused_in_packed_and_paged_calls() -> None:
+    """`scale = 1 / sqrt(N)`: one scale per launch, which a packed batch's sequences (their own
+    N and M) or a paged cache's (its own M) cannot share: a clear error unless scale= is given
+    (the longest sequence's was taken for all, 0.33 off, session 58)."""
+    kern = attncc.compile(program("scale = 1 / sqrt(N + M)\ns = q @ k.T * scale\n", "lengths_scale"))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, 2, 16, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 3, 12], dtype=torch.int32)
+    with pytest.raises(
+        InputError, match=r"`scale = 1(\.0)? / sqrt\(N \+ M\)` reads N and M, each sequence's own in a packed"
+    ):
+        kern.varlen(q, k, v, cu, cu)
+    assert torch.allclose(kern.varlen(q, k, v, cu, cu, scale=0.3), per_sequence_calls(kern, q, k, v, cu, scale=0.3))
+    cache = torch.randn(4, 16, 2, 16, generator=gen)
+    table, lengths = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([20, 30], dtype=torch.int32)
+    with pytest.raises(InputError, match=r"reads M, each sequence's own in a paged call"):
+        kern.paged(q[:2, None], cache, cache, table, lengths)
+    kern.paged(q[:2, None], cache, cache, table, lengths, scale=0.3)
+
+
+@pytest.mark.parametrize("default", ["scale = 1 / sqrt(N)", "scale = 4.0 / H", "s_factor"])
+def test_folded_gqa_decoding_takes_the_calls_scale(default: str) -> None:
+    """The emulated GQA decoding call folds a group's query heads into rows ([B, Hkv, G N, D]):
+    a default scale or q.k factor reading N or H was evaluated at the folded sizes (0.6-1.2
+    off, session 58's review)."""
+    body = "s = q @ k.T * (4.0 / H)\n" if default == "s_factor" else f"{default}\ns = q @ k.T * scale\n"
+    kern = attncc.compile(program(body, "fold_scale"), target="sm80", emulate=True)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 2, 32, generator=gen) * 3
+    k, v = (torch.randn(1, 2, 20, 32, generator=gen) * s for s in (3, 1))
+    expected, _ = kern.reference(q.double(), k.double(), v.double())
+    assert (kern(q, k, v).double() - expected).abs().max() < 0.15  # (bf16 products of scores ~40)

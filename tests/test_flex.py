@@ -222,6 +222,23 @@ def test_the_same_call_as_torch_flex_attention_with_a_block_mask() -> None:
         flex_attention(q, k, v, softcap, block_mask=mask, enable_gqa=True, return_aux=flex.AuxRequest(max_scores=True))
 
 
+def test_a_block_mask_made_for_other_batch_or_heads_is_a_clear_error() -> None:
+    """A BlockMask of create_block_mask(B=2, H=2) given a call of 3 sequences or 4 heads: the
+    argument and both sizes named (a broadcast RuntimeError from inside until session 58)."""
+    mask = flex.create_block_mask(
+        lambda b, h, q_idx, kv_idx: q_idx >= kv_idx + b, 2, 2, 37, 53, device="cpu", BLOCK_SIZE=16
+    )
+    gen = torch.Generator().manual_seed(0)
+    for batch, heads, what in ((3, 2, "B=2 .* the call has B=3"), (2, 4, "H=2 .* the call has H=4")):
+        q, k, v = (torch.randn(batch, heads, n, 16, generator=gen) for n in (37, 53, 53))
+        with pytest.raises(InputError, match=f"block_mask: made for {what}"):
+            flex_attention(q, k, v, block_mask=mask)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen) for n in (37, 53, 53))
+    keep = torch.arange(37).view(1, 1, -1, 1) >= torch.arange(53).view(1, 1, 1, -1) + torch.arange(2).view(-1, 1, 1, 1)
+    s = (q @ k.transpose(-1, -2) / 4.0).masked_fill(~keep, -math.inf)
+    assert torch.allclose(flex_attention(q, k, v, block_mask=mask), torch.softmax(s, -1).nan_to_num(0.0) @ v, atol=2e-6)
+
+
 def test_a_block_masks_lists_are_the_blocks_attended(monkeypatch) -> None:
     """As compiled Flex runs a BlockMask: keys in its listed blocks only, mask_mod in the partial
     blocks, not in the full ones (the lists were ignored: every causal key was attended, 2.45

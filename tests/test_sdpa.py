@@ -221,3 +221,17 @@ def test_what_sdpa_takes_beyond_the_plain_call() -> None:
     assert out.shape == (2, 0, 5, 17)
     no_keys = scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0], attn_mask=torch.ones(5, 0, dtype=torch.bool))
     assert no_keys.shape == (2, 3, 5, 17) and not no_keys.any()
+
+
+def test_nan_in_a_float_mask_gives_nan_rows_as_torch() -> None:
+    """A NaN entry of a float attn_mask makes its row NaN in torch; the program's `> -inf` mask
+    term dropped the key instead (finite numbers; 0 for an all-NaN row: session 58's review)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 32, generator=gen, dtype=torch.float64) for n in (150, 300, 300))
+    mask = torch.zeros(2, 1, 150, 300, dtype=torch.float64)
+    mask[..., 200:] = float("-inf")  # (whole tiles of -inf stay skipped)
+    mask[1, 0, 7, 250], mask[0, 0, 100, 3], mask[0, 0, 9, :] = float("nan"), float("nan"), float("nan")
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert want.isnan().any() and torch.equal(out.isnan(), want.isnan())
+    assert torch.allclose(out.nan_to_num(), want.nan_to_num(), atol=1e-12)

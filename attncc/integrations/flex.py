@@ -117,6 +117,12 @@ def _mask_function(block_mask: object, query: torch.Tensor, key: torch.Tensor) -
             return mask_mod
     key_blocks = -(-keys // cols)
     partial_blocks = _listed_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, key_blocks)
+    for dim, (size, what) in enumerate(zip(query.shape[:2], ("B", "H"))):
+        if partial_blocks.shape[dim] not in (1, size):  # (a broadcast error from deep inside until session 58)
+            raise InputError(
+                f"block_mask: made for {what}={partial_blocks.shape[dim]} (create_block_mask's {what}), but the call "
+                f"has {what}={size}: make it with {what}={size} or {what}=None"
+            )
     full_blocks = None
     if block_mask.full_kv_num_blocks is not None:
         full_blocks = _listed_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, key_blocks)

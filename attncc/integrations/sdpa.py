@@ -64,8 +64,9 @@ def sdpa_program(options: SdpaOptions) -> str:
     lines.append("s = q @ k.T * scale")
     if options.mask == "float":
         lines.append(f"s = s + {read}")
-    # (a float mask's -inf entries as a mask too: tiles all -inf are skipped, not computed to 0)
-    terms = [read if options.mask == "bool" else f"{read} > -inf"] if name else []
+    # (a float mask's -inf entries as a mask too: tiles all -inf are skipped, not computed to 0;
+    # NaN entries are not -inf: NaN rows, as torch gives, where `> -inf` dropped their keys)
+    terms = [read if options.mask == "bool" else f"{read} != -inf"] if name else []
     terms += ["j <= i"] if options.causal else []
     return "\n".join(lines + masked_softmax_output(terms, options.dropout)) + "\n"
 

@@ -16,8 +16,8 @@ def canonicalize(g: Graph) -> Graph:
     - between the score matmul and the first mask/layout/softmax there is at most one
       `ScoreMap`: consecutive maps are composed, and maps written after a mask are moved
       before it (a masked score is removed whatever the map does, as in FlexAttention);
-    - a constant factor of the score map (``s * c`` or ``s / c`` with c free of indices and
-      inputs) is moved to `ScoreMatmul.scale`, so plain scaled attention has the identity map,
+    - a constant factor of the score map (``s * c`` or ``s / c`` with c free of indices,
+      inputs, N and M) is moved to `ScoreMatmul.scale`, so plain scaled attention has the identity map,
       which is then removed;
     - every expression is constant-folded.
     """
@@ -78,9 +78,16 @@ def _canonicalize_chain(g: Graph, matmul: str) -> None:
         g.add_edge(last, c, operand=port)
 
 
+#: The sizes a factor moved to `ScoreMatmul.scale` may read: one number per launch. N and M are
+#: each sequence's own in packed and paged calls, which the score map reads per sequence
+#: (`s * log(M)` as the q.k factor took the longest sequence's M for every sequence: session 58).
+LAUNCH_SIZES = frozenset(ex.SIZE_VARS) - {"N", "M"}
+
+
 def _is_static(e: ex.Expr) -> bool:
-    """True if `e` depends only on numbers, problem sizes and `scale` (same for every score)."""
-    return not ex.reads(e) and ex.free_vars(e) <= {*ex.SIZE_VARS, "scale"}
+    """True if `e` depends only on numbers, the sizes of LAUNCH_SIZES and `scale` (the same for
+    every score of a launch)."""
+    return not ex.reads(e) and ex.free_vars(e) <= {*LAUNCH_SIZES, "scale"}
 
 
 def _split_factor(e: ex.Expr) -> tuple[ex.Expr, ex.Expr]:

@@ -36,6 +36,7 @@ from attncc.runtime.kernel import (
     Kernel,
     PackedSequences,
     PagedKeys,
+    _sizes,
     acc_dtype,
     delta_rows,
     without_call_tensors,
@@ -318,7 +319,11 @@ class EmulatedKernel(Kernel):
         kern, kernel_lse = self, lse
         keys = ks if paged is None else paged.keys_like(qs, ks)  # [B, Hkv, keys, D], as plans see k
         group = self.query_head_group(qs, keys.shape[1], value_dim, dropout, packed)
+        launch_scales = None
         if group > 1:  # the group's query heads as one head's rows: K/V tiles read once per group
+            # (the scale values at the call's sizes: the default scale and q.k factor may read H,
+            # which folding changes, and were 0.6-1.2 off, session 58)
+            launch_scales = self._scale_values(_sizes(qs, keys), scale)
             kern = self.with_folded_query_heads()
             B, H, N, D = qs.shape
             qs = qs.reshape(B, H // group, group * N, D)
@@ -331,6 +336,8 @@ class EmulatedKernel(Kernel):
         if paged is not None:
             lengths = paged.lengths(qs.shape[2])
         plan = kern.plan(qs, keys, scale, value_dim=value_dim)
+        if launch_scales is not None:
+            plan = replace(plan, scale_value=launch_scales[0], scale=launch_scales[1])
         call = kern._prepare(plan, torch.float32, tensors, scalars, lengths, None if paged is None else paged.prepared)
         call["offset"] = offset
         if rows_out.numel():

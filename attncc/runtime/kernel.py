@@ -30,6 +30,7 @@ from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
 from attncc.ir.expr import SIZE_VARS, free_vars, python_number
+from attncc.ir.expr import render as ex_render
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
 from attncc.ir.ops import Input
 from attncc.passes import Stage, with_rows, with_tiles
@@ -864,6 +865,7 @@ class Kernel:
         checked one's sizes, strides, dtypes, scalars and threads launch what it packed, forward
         and backward (`KeptLaunch`, kept in the plan). See attncc/runtime/ragged.py.
         """
+        self._check_launch_scale(scale, ("N", "M"), "packed")
         lower = autocast_dtype(q)
         if lower is not None:  # (as SDPA under torch.autocast: runtime/amp.py)
             with torch.autocast(q.device.type, enabled=False):
@@ -960,6 +962,7 @@ class Kernel:
         Paged calls are inference: a program's dropout is not applied (train=True with one is
         an error; `train` is taken, as the other calls take it, for code that passes it through).
         """
+        self._check_launch_scale(scale, ("M",), "paged")
         if checked_train(train) and self.op.dropout > 0:
             raise InputError(
                 f"{self.name}: paged calls are inference and apply no dropout; pass train=False (a program's "
@@ -1135,6 +1138,17 @@ class Kernel:
                     self._scales.pop(next(iter(self._scales)))  # the oldest key
                 self._scales[key] = values
         return values
+
+    def _check_launch_scale(self, scale: object, own_sizes: tuple[str, ...], layout: str) -> None:
+        """A clear error where a call that gives no scale would take the program's default
+        scale at sizes its sequences have each their own (`own_sizes`: a packed batch's N and M,
+        a paged cache's M): one launch takes one scale (it was the longest sequence's, session 58)."""
+        if scale is None and (read := [name for name in own_sizes if name in free_vars(self.op.default_scale)]):
+            raise InputError(
+                f"{self.name}: the program's `scale = {ex_render(self.op.default_scale)}` reads {' and '.join(read)}, "
+                f"each sequence's own in a {layout} call, and a launch takes one scale: give scale=, or write the "
+                "factor into the scores (s = q @ k.T * ...), which read each sequence's sizes"
+            )
 
     @cached_property
     def _scale_sizes(self) -> tuple[str, ...]:
