@@ -906,7 +906,8 @@ def backward_plan(target: Target, d: int, br: int, bc: int, columns: int, reason
     return plan, backward_work(d, br, bc, problem, (columns, columns), target.name == "sm90")
 
 
-#: Light plans past GPU_MAX_LIGHT_BACKWARD_STATE for the backward sweep to time (no default):
+#: Light plans past GPU_MAX_LIGHT_BACKWARD_STATE for the backward sweep to time (a default only
+#: where MEASURED_LIGHT_BACKWARD_TILES names one: sm90 d = 128's 64 x 128 r = 96, session 59):
 #: with session 49's backward (the mma accumulating into the register columns) ptxas, sm90
 #: bf16, compiles them without spills for vanilla (d = 128: 64 x 128 r = 96 245 registers,
 #: 48 x 128 r = 128 255; causal 64 x 128 r = 96 252), where r = 128 at 64 x 128 spills 44 B.
@@ -940,14 +941,21 @@ def wide_light_backward_plans(target: Target, d: int) -> Iterator[tuple[TilePlan
 MEASURED_BACKWARD_TILES: dict[str, dict[int, tuple[int, int]]] = {"sm90": {64: (48, 128), 128: (48, 128)}}
 
 
-#: The same for light programs (`is_light_backward`), among `backward_candidates(..., light=True)`:
-#: the H200 of session 49 (bf16 B=4 H=16 N=4096, two sweeps 1% apart,
-#: bench/results/cuda-h200-session49/sweep-backward.log) timed 64 x 128 with 64 dK/dV columns
-#: in registers fastest at both head dims: dense d = 64 4.17-4.20 ms against 48 x 128's
-#: 4.66-4.72 (1.12x), d = 128 7.77-7.79 against 8.77-8.80 (1.13x); causal 2.85 / 4.98-5.00
-#: against 3.10-3.13 / 5.56-5.62 (causal d = 64's fastest, 64 x 64, took 2.63: one entry per
-#: head dim, the dense problem's).
-MEASURED_LIGHT_BACKWARD_TILES: dict[str, dict[int, tuple[int, int]]] = {"sm90": {64: (64, 128), 128: (64, 128)}}
+#: The same for light programs (`is_light_backward`): (Br, Bc, dK/dV register columns) among
+#: `backward_candidates(..., light=True)` and `wide_light_backward_plans`. The H200 of session 49
+#: (bf16 B=4 H=16 N=4096, two sweeps 1% apart, bench/results/cuda-h200-session49/sweep-backward.log)
+#: timed 64 x 128 with 64 columns in registers fastest at both head dims: dense d = 64 4.17-4.20 ms
+#: against 48 x 128's 4.66-4.72 (1.12x), d = 128 7.77-7.79 against 8.77-8.80 (1.13x). Session
+#: 59's H200 (bench/results/cuda-h200-session59/serving/sweep-backward.log; backward/ again,
+#: within 1.5%) timed session 49's backward changes: d = 64 64 x 128 r = 64 still fastest dense (3.95 ms; causal 2.35, 64 x 64 2.34); at
+#: d = 128 the wide plans beat it: 64 x 128 with 96 columns in registers 7.06 ms dense against
+#: 7.42 (1.05x), causal 4.16 against 4.47 (1.07x); 48 x 128 with all 128 took 6.73 / 4.22 but
+#: spills 24-56 B in ptxas (sm90 bf16) for causal, gqa, sliding_window, prefix_lm, strided,
+#: local_blocks and blocksparse_butterfly, where 64 x 128 r = 96 spills in none (244-255
+#: registers). One entry per head dim.
+MEASURED_LIGHT_BACKWARD_TILES: dict[str, dict[int, tuple[int, int, int]]] = {
+    "sm90": {64: (64, 128, 64), 128: (64, 128, 96)}
+}
 
 
 def is_light_backward(op: FusedAttention) -> bool:
@@ -964,25 +972,27 @@ def fastest_backward(target: Target, d: int, light: bool = False) -> TilePlan | 
     """The backward tiles and register accumulator columns with the smallest roofline estimate
     (`backward_work`) at GPU_REFERENCE_PROBLEM among `backward_candidates`, restricted to the
     tiles MEASURED_BACKWARD_TILES names for this target and head dim where it names fitting
-    ones; for a `light` program, first among the light candidates with the tiles that
+    ones; for a `light` program, first among the light candidates and the wide light plans
+    (`wide_light_backward_plans`) with the tiles and register columns that
     MEASURED_LIGHT_BACKWARD_TILES names (light plans without a timing are no default). None
     above d = 128 and for targets without rates (plan_gpu's fallback)."""
     problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
-    tables = [("MEASURED_LIGHT_BACKWARD_TILES", MEASURED_LIGHT_BACKWARD_TILES, True)] if light else []
-    for name, table, light_candidates in [*tables, ("MEASURED_BACKWARD_TILES", MEASURED_BACKWARD_TILES, False)]:
+    tables = []
+    if light:
+        light_plans = [*backward_candidates(target, d, light=True), *wide_light_backward_plans(target, d)]
+        tables.append(("MEASURED_LIGHT_BACKWARD_TILES", MEASURED_LIGHT_BACKWARD_TILES, light_plans))
+    common_plans = list(backward_candidates(target, d))
+    for name, table, plans in [*tables, ("MEASURED_BACKWARD_TILES", MEASURED_BACKWARD_TILES, common_plans)]:
         measured = table.get(target.name, {}).get(d)
         if measured is None:
             continue
-        timed = [
-            (plan, work)
-            for plan, work in backward_candidates(target, d, light=light_candidates)
-            if (plan.block_rows, plan.block_cols) == measured
-        ]
+        shape = lambda plan: (plan.block_rows, plan.block_cols, plan.dk_register_columns)  # noqa: E731
+        timed = [(plan, work) for plan, work in plans if shape(plan)[: len(measured)] == measured]
         if timed:
             chosen = cheapest(target, problem, timed)
             assert chosen is not None
             return replace(chosen, reason=f"the tiles timed fastest on this target ({name}); {chosen.reason}")
-    return cheapest(target, problem, backward_candidates(target, d))
+    return cheapest(target, problem, common_plans)
 
 
 def plan_gpu(
