@@ -97,6 +97,29 @@ def test_merge_rules_and_gradients() -> None:
     assert torch.isnan(merged_nan[2]).all() and torch.isnan(total_nan[2])
     assert not torch.isnan(merged_nan[3]).any()
 
+    # a part far below the others (its weight underflows to 0 in float32) still carries its
+    # NaN rows, as 0 * NaN and the float64 merge do; only an empty part (lse -inf) is dropped
+    far_out, far_lse = torch.randn(2, 1, 4), torch.tensor([[0.0], [-200.0]])
+    far_out[1] = math.nan
+    assert torch.isnan(attncc.merge_states(far_out, far_lse)[0]).all()
+    far_lse[1] = -math.inf
+    assert torch.isfinite(attncc.merge_states(far_out, far_lse)[0]).all()
+    # a part of lse +inf outweighs the finite ones: lse +inf (torch.logsumexp's), out its rows
+    inf_out, inf_lse = (
+        torch.randn(3, 2, 4, dtype=torch.float64),
+        torch.tensor([[math.inf, 0.0], [0.0, 1.0], [2.0, 0.5]]),
+    )
+    inf_lse = inf_lse.double()
+    merged_inf, total_inf = attncc.merge_states(inf_out, inf_lse)
+    assert total_inf[0] == math.inf and torch.equal(merged_inf[0], inf_out[0, 0])
+    assert torch.allclose(total_inf[1], torch.logsumexp(inf_lse[:, 1], 0))
+    assert torch.allclose(merged_inf[1], (torch.softmax(inf_lse[:, 1], 0)[:, None] * inf_out[:, 1]).sum(0))
+    inf_leaf = inf_out.clone().requires_grad_()
+    attncc.merge_states(inf_leaf, inf_lse)[0].sum().backward()
+    assert torch.isfinite(inf_leaf.grad).all() and torch.equal(
+        inf_leaf.grad[:, 0, 0], torch.tensor([1.0, 0, 0]).double()
+    )
+
 
 def test_merge_errors_name_the_argument() -> None:
     out = torch.randn(2, 4, 5)

@@ -711,6 +711,9 @@ def test_varlen_on_the_cuda_emulator(name: str) -> None:
         ({"cu_seqlens_k": torch.tensor([0.0, 4.0, 10.0])}, "cu_seqlens_k: expected dtype int32 or int64"),
         ({"max_seqlen_q": 4}, "max_seqlen_q: expected an int >= the longest sequence, 5"),
         ({"q": torch.randn(10, 2, 1, 16)}, "q: expected 3 dimensions [total_q, H, D]"),
+        # (the kernels read k's rows q's head dim wide: past k's storage, heap corruption in the backward)
+        ({"k": torch.randn(10, 2, 8)}, "k: expected head dim 16 (from q), got shape (10, 2, 8)"),
+        ({"k": torch.randn(10, 2, 32)[..., :24]}, "k: expected head dim 16 (from q), got shape (10, 2, 24)"),
         ({"lengths": torch.tensor([1, 2, 3])}, "lengths: expected shape int[B] with B=2"),
     ],
 )

@@ -415,6 +415,13 @@ def test_mask_functions_are_read_as_dsl_predicates_and_the_rest_is_a_clear_error
     model = transformers.AutoModelForCausalLM.from_config(bloom, attn_implementation=NAME)
     with pytest.raises(AttnccError, match="bloom models compute attention in their own code"):
         model(ids[:1])  # (no padding: it ran without a causal mask, silently)
+    doge = transformers.AutoConfig.for_model(
+        "doge", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(doge, attn_implementation=NAME)
+    with pytest.raises(AttnccError, match="doge models add a learned dynamic mask"):
+        model(ids, attention_mask=mask)  # (an IndexError inside Doge's own mask code before)
 
 
 def gemma3_models() -> tuple[torch.nn.Module, torch.nn.Module]:

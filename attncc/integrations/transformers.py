@@ -132,9 +132,16 @@ def model_program(needs: LayerNeeds) -> str:
     return "\n".join(lines + tail) + "\n"
 
 
-#: Model types that accept any registered attention name but never call the attention function
-#: (their masks, made by the registered mask function, ran without attncc: Bloom silently wrong).
-NO_ATTENTION_INTERFACE = {"bloom", "mpt"}
+#: Model types attncc cannot run, and why: those that accept any registered attention name but
+#: never call the attention function (their masks, made by the registered mask function, ran
+#: without attncc: Bloom silently wrong), and Doge, which adds a learned dynamic mask to the
+#: scores, made in its own code from a 4-D mask (given the 2-D padding mask it failed there
+#: with an IndexError).
+UNSUPPORTED_MODELS = {
+    "bloom": "compute attention in their own code, not through transformers' attention interface",
+    "mpt": "compute attention in their own code, not through transformers' attention interface",
+    "doge": "add a learned dynamic mask, made in their own code from a 4-D attention mask, to the scores",
+}
 #: A layer's call without a `sliding_window=` keyword (PhiMoE's: its window is in the mask only).
 NOT_PASSED = object()
 
@@ -336,10 +343,10 @@ def attncc_attention_mask(
     (FlashAttention's turns it into None, where the layers then read packed sequences from the
     position ids that a given mask rules out)."""
     model_type = getattr(kwargs.get("config"), "model_type", None)
-    if model_type in NO_ATTENTION_INTERFACE:
+    if model_type in UNSUPPORTED_MODELS:
         raise AttnccError(
-            f"{model_type} models compute attention in their own code, not through transformers' attention "
-            "interface: attncc cannot run it (and the mask they would get from this name is not theirs)"
+            f"{model_type} models {UNSUPPORTED_MODELS[model_type]}: attncc cannot run it (and the mask they would "
+            "get from this name is not theirs)"
         )
     padding = None if attention_mask is None else attention_mask[:, -kv_length:]
     term = mask_term(mask_function, kv_offset, kv_length) if mask_function is not None else MaskTerm(None, {}, False)

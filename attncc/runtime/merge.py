@@ -69,14 +69,20 @@ def merge_states(
     acc = torch.promote_types(torch.float32, torch.promote_types(lse_stack.dtype, out_stack.dtype))
     lse_parts = lse_stack.to(acc)
     top = lse_parts.amax(dim=0)
-    # all parts empty (top = -inf): shift by 0 so exp(-inf - 0) = 0 instead of exp(NaN)
-    shift = torch.where(top == -torch.inf, torch.zeros_like(top), top)
-    weights = torch.exp(lse_parts - shift)
+    # all parts empty (top = -inf): shift by 0 so exp(-inf - 0) = 0 instead of exp(NaN); a
+    # part of lse +inf (torch's logsumexp of a +inf score) outweighs every finite one: L = +inf,
+    # O the mean of such parts' rows (exp(inf - inf) would be NaN)
+    infinite = top == torch.inf
+    shift = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    exponents = torch.where(infinite, 0, lse_parts - shift)  # (finite there: no NaN gradient through exp)
+    weights = torch.where(infinite, (lse_parts == torch.inf).to(acc), torch.exp(exponents))
     total = weights.sum(dim=0)
     empty = total == 0
     safe_total = torch.where(empty, torch.ones_like(total), total)
     lse = torch.where(empty, torch.full_like(total, -torch.inf), shift + torch.log(safe_total))
-    # a part that weighs nothing adds nothing, whatever its rows hold (NaN from another producer)
-    parts = torch.where((weights == 0).unsqueeze(-1), 0, out_stack.to(acc))
+    lse = torch.where(infinite, top, lse)
+    # an empty part (lse -inf) adds nothing, whatever its rows hold (NaN from another producer);
+    # one whose weight merely underflows keeps its rows' NaN (0 * NaN)
+    parts = torch.where((lse_parts == -torch.inf).unsqueeze(-1), 0, out_stack.to(acc))
     out = ((weights / safe_total).unsqueeze(-1) * parts).sum(dim=0)
     return out.to(out_stack.dtype), lse

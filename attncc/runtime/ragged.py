@@ -388,6 +388,8 @@ def varlen_attention(
     q = _tensor("q", q, 3, "[total_q, H, D]")
     k = _tensor("k", k, 3, "[total_k, Hkv, D]")
     v = _tensor("v", v, 3, "[total_k, Hkv, Dv]")
+    if k.shape[2] != q.shape[2]:  # (the kernels read k's rows q's head dim wide)
+        raise InputError(f"k: expected head dim {q.shape[2]} (from q), got shape {tuple(k.shape)}")
     if v.shape[:2] != k.shape[:2]:
         raise InputError(
             f"v: expected shape [{k.shape[0]}, {k.shape[1]}, Dv] (that of k but the head dim), got {tuple(v.shape)}"
