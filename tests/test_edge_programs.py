@@ -614,3 +614,30 @@ def test_folded_gqa_decoding_takes_the_calls_scale(default: str) -> None:
     k, v = (torch.randn(1, 2, 20, 32, generator=gen) * s for s in (3, 1))
     expected, _ = kern.reference(q.double(), k.double(), v.double())
     assert (kern(q, k, v).double() - expected).abs().max() < 0.15  # (bf16 products of scores ~40)
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_min_and_max_give_nan_from_either_operand(target: str) -> None:
+    """`min(s, 0.5)` and `max(-0.5, s)` gave a NaN score's row finite (the kernels' min_of(a, b)
+    was `a < b ? a : b`: b where a is NaN), and constant folding took Python's min(4.5, NaN),
+    4.5, where a runtime NaN gave NaN: NaN from either operand everywhere now, as
+    torch.minimum / maximum and eager attention give."""
+    q, k, v = (t.float() for t in qkv(9, 11))
+    q[0, 1, 4, 3] = math.nan
+    nan, t = torch.tensor(math.nan, dtype=torch.float64), torch.tensor([math.nan, 1.0])
+    cases = {  # the line after `s = q @ k.T * scale`: the same on float64 scores
+        "s = min(s, 0.5)": lambda s: torch.minimum(s, torch.tensor(0.5)),
+        "s = min(0.5, s)": lambda s: torch.minimum(torch.tensor(0.5), s),
+        "s = max(s, -0.5)": lambda s: torch.maximum(s, torch.tensor(-0.5)),
+        "s = max(-0.5, s)": lambda s: torch.maximum(torch.tensor(-0.5), s),
+        "s = s + min(4.5, inf - inf)": lambda s: s + torch.minimum(torch.tensor(4.5), nan),  # (folded)
+        "s = s + min(4.5, t[0])": lambda s: s + torch.minimum(torch.tensor(4.5), nan),  # (t[0] NaN)
+    }
+    tol = 2e-6 if target == "cpu" else 3e-2  # (the emulated sm80 kernels multiply in bf16)
+    for line, score in cases.items():
+        body = f"input t: float[2]\ns = q @ k.T * scale\n{line}\n"
+        out = attncc.compile(program(body), target=target, emulate=True)(q, k, v, t=t).double()
+        want = torch.softmax(score(q.double() @ k.double().transpose(-1, -2) / 4.0), -1) @ v.double()
+        assert want.isnan().any(), line
+        assert torch.equal(out.isnan(), want.isnan()), f"{line}: NaN rows {out.isnan().any(-1)}"
+        assert torch.allclose(out.nan_to_num(), want.nan_to_num(), atol=tol), line

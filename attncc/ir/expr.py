@@ -217,8 +217,9 @@ _PY_BINARY: dict[str, Callable[[float, float], float | bool]] = {
     "div": lambda a, b: a / b,
     "floordiv": lambda a, b: a // b,
     "mod": lambda a, b: a % b,
-    "min": min,
-    "max": max,
+    # NaN from either operand, as the kernels and torch.minimum (Python's min(4.5, NaN) is 4.5)
+    "min": lambda a, b: a if a != a else b if b != b else min(a, b),
+    "max": lambda a, b: a if a != a else b if b != b else max(a, b),
     "lt": lambda a, b: a < b,
     "le": lambda a, b: a <= b,
     "gt": lambda a, b: a > b,

@@ -219,7 +219,7 @@ def _clean(lo: torch.Tensor, hi: torch.Tensor) -> Interval:
 def _nan_kept(value: Abstract, *operands: Abstract) -> Abstract:
     """`value` unbounded wherever an operand is: a float that may be NaN has the interval
     [-inf, inf] (`_clean`), and the float functions whose range is bounded (exp, tanh, abs) and
-    min and max (the kernels' min_of(a, b) is `a < b ? a : b`: NaN or b, by operand order) would
+    min and max (NaN from either operand in the kernels: `min_of`, `max_of`) would
     give it finite bounds that a NaN lies outside (floor(NaN) is 0: an index `floor(max(min(4.5,
     x), 3.5)) - 3` was proven in [0, 1] and read t[-3])."""
     assert isinstance(value, Interval)

@@ -98,8 +98,11 @@ inline int64_t pymod(int64_t a, int64_t b) {
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 // Math used by generated expressions (the CUDA header defines the same names for devices).
-template <typename T> inline T min_of(T a, T b) { return a < b ? a : b; }
-template <typename T> inline T max_of(T a, T b) { return a < b ? b : a; }
+// min and max give NaN where either operand is (torch.minimum / maximum's rule; `a < b ? a : b`
+// gave b for min(NaN, b), so a NaN score capped by min(s, 0.5) came out finite); `a != a` is
+// false for integers.
+template <typename T> inline T min_of(T a, T b) { return (a < b || a != a) ? a : b; }
+template <typename T> inline T max_of(T a, T b) { return (b < a || a != a) ? a : b; }
 inline int64_t math_abs(int64_t x) { return x < 0 ? -x : x; }
 inline acc_t math_abs(acc_t x) { return std::abs(x); }
 // exp for a float or a vector of floats: Cody-Waite range reduction and a degree-6 polynomial

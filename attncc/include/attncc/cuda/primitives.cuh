@@ -443,9 +443,9 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ------------------------------------------------------------------------------ math
-// Used by generated expressions (the CPU header defines the same names).
-template <typename T> __device__ __forceinline__ T min_of(T a, T b) { return a < b ? a : b; }
-template <typename T> __device__ __forceinline__ T max_of(T a, T b) { return a < b ? b : a; }
+// Used by generated expressions (the CPU header defines the same names; NaN from either operand).
+template <typename T> __device__ __forceinline__ T min_of(T a, T b) { return (a < b || a != a) ? a : b; }
+template <typename T> __device__ __forceinline__ T max_of(T a, T b) { return (b < a || a != a) ? a : b; }
 __device__ __forceinline__ int64_t math_abs(int64_t x) { return x < 0 ? -x : x; }
 __device__ __forceinline__ float math_abs(float x) { return fabsf(x); }
 __device__ __forceinline__ float math_exp(float x) { return expf(x); }
