@@ -29,6 +29,7 @@
 #   run(command="bash bench/gpu_session.sh ncu", carry=[".whl", ".gpu"])          Nsight Compute, dense d=128
 #   run(command="bash bench/gpu_session.sh ncu --decode", carry=[".whl", ".gpu"]) Nsight Compute, decoding
 #   run(command="bash bench/gpu_session.sh stalls", carry=[".whl", ".gpu"])       the backward's stall reasons per SASS line
+#   run(command="bash bench/gpu_session.sh cpu", carry=[".whl"])                  issue 9's AMX rows on the host's Xeon, 2 cores
 # Results land in $OUT (JSON with the device name and versions; the forwards with the roofline
 # estimate beside them; at most 8 files come back): commit them under bench/results/ with the
 # device name.
@@ -167,6 +168,26 @@ case "${1:-lease}" in
     timeout -k 5 150 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
     timeout -k 5 150 python3 bench/bench_cuda.py --decode --cases dense --dims 128 --sizes 4096 --budget-s 0 \
       --no-flex --repeats 15 --json "$OUT/cuda-$device-decode.json" 2>&1 | tee "$OUT/bench-decode.log"
+    ;;
+  cpu)
+    # Issue 9's AMX rows, which no development machine since session 34 could measure: the
+    # device machine's host is an Intel Xeon with AMX-BF16 and AVX512-FP16 (family 6 model 207,
+    # session 59's host-h200.json). The CPU ISA tests on its 16 cores (the AMX golden tests
+    # skip on AMD machines), then the benchmark on two cores pinned, as the development
+    # machines have: the dense grid to N = 4K (fwd+bwd to 2K), then decoding and the masked
+    # variants. torch there is 2.11 (+cu130), not the 2.13 CPU build: SDPA / attncc ratios of
+    # one process hold; times are not comparable with another machine's.
+    deadline=${2:-540}
+    left() { echo $((deadline - SECONDS)); }
+    lscpu | grep -E "Model name|Flags" | cut -c1-300 | tee "$OUT/cpu.txt"
+    OMP_NUM_THREADS=2 timeout -k 5 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rfEs -W ignore \
+      tests/test_cpu_isa.py 2>&1 | tee "$OUT/test_cpu_isa.log" | tail -15
+    echo "tests done, $(left) s left"
+    timeout -k 5 $(( $(left) * 2 / 3 )) taskset -c 0,1 python3 bench/bench_cpu.py --grid --grid-part dense \
+      --max-n 4096 --max-n-backward 2048 --repeats 3 --no-flex --json "$OUT/cpu-emr-amx-dense.json" 2>&1 \
+      | tee "$OUT/bench-cpu-dense.log"
+    timeout -k 5 $(( $(left) - 5 )) taskset -c 0,1 python3 bench/bench_cpu.py --grid --grid-part extra \
+      --repeats 3 --no-flex --json "$OUT/cpu-emr-amx-extra.json" 2>&1 | tee "$OUT/bench-cpu-extra.log"
     ;;
   host)  # host time per decoding call on the real kernels (launches included), cProfile's top functions
     python3 bench/bench_host.py --cuda --profile --json "$OUT/host-$device.json" 2>&1 | tee "$OUT/host.log"
