@@ -556,6 +556,36 @@ def test_a_packed_calls_factor_per_token_is_never_read_per_sequence() -> None:
     )
 
 
+def test_a_padded_calls_per_kv_head_factor_is_refused_where_packed_and_paged_calls_read_it_otherwise() -> None:
+    """[Hkv, 1] (a padded call's per kv head) is a packed call's per token [total_k, 1], and
+    [1, Hkv, 1, 1] a paged call's per slot of each page [1, page_size, 1]: where total_k, or
+    page_size, equalled Hkv they were taken so, silently (2.7 off). Refused there; the
+    unambiguous forms ([Hkv] per kv head) match the dequantised operands."""
+    kern = kernel("vanilla")
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 16, generator=generator)
+    k, v = (torch.randn(4, 4, 16, generator=generator).to(torch.float8_e4m3fn) for _ in range(2))
+    per_head = torch.tensor([[0.25], [1.0], [4.0], [16.0]])
+    with pytest.raises(InputError, match=r"k_descale: \[4, 1\] is a factor per token .* total_k = Hkv = 4"):
+        kern.varlen(q, k, v, offsets([2]), offsets([4]), k_descale=per_head)
+    torch.testing.assert_close(
+        kern.varlen(q, k, v, offsets([2]), offsets([4]), k_descale=per_head.view(4)),
+        kern.varlen(q, k.float() * per_head.view(1, 4, 1), v.float(), offsets([2]), offsets([4])),
+        atol=2e-6,
+        rtol=2e-6,
+    )
+    k_cache, v_cache = (torch.randn(3, 4, 4, 16, generator=generator).to(torch.float8_e4m3fn) for _ in range(2))
+    table, held, q1 = torch.tensor([[2, 0, 1]], dtype=torch.int32), torch.tensor([10]), q[:1, None]
+    with pytest.raises(InputError, match=r"k_descale: \[1, 4, 1\] is a factor per slot of each page .* = Hkv = 4"):
+        kern.paged(q1, k_cache, v_cache, table, held, k_descale=per_head.view(1, 4, 1, 1))
+    torch.testing.assert_close(
+        kern.paged(q1, k_cache, v_cache, table, held, k_descale=per_head.view(4)),
+        kern.paged(q1, k_cache.float() * per_head.view(1, 1, 4, 1), v_cache.float(), table, held),
+        atol=2e-6,
+        rtol=2e-6,
+    )
+
+
 def test_bad_fp8_paged_and_varlen_calls_are_named() -> None:
     kern = attncc.compile(BOTTOM_RIGHT_CAUSAL)
     k_cache = torch.randn(4, 16, 1, 16).to(torch.float8_e4m3fn)
@@ -570,6 +600,8 @@ def test_bad_fp8_paged_and_varlen_calls_are_named() -> None:
     # FlashAttention 3's per-sequence [B, Hkv] would broadcast as a factor per cache slot
     with pytest.raises(InputError, match=r"per cache row \[num_pages, page_size, Hkv\].*got \(16, 1\)"):
         kern.paged(q, k_cache, k_cache.clone(), table, held, k_descale=torch.ones(16, 1))
+    with pytest.raises(InputError, match="k_descale: the fp8 kernels are forward only, and this factor requires grad"):
+        kern.paged(q, k_cache, k_cache.clone(), table, held, k_descale=torch.tensor(0.5, requires_grad=True))
     with pytest.raises(InputError, match="q, k_cache, v_cache must have one dtype"):
         kern.paged(q, k_cache.float(), k_cache.bfloat16(), table, held)
     packed = torch.randn(7, 1, 16)

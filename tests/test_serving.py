@@ -1102,6 +1102,24 @@ def test_paged_bad_input_is_a_clear_error(change: dict, message: str | None) -> 
     assert message in str(err.value)
 
 
+def test_a_paged_call_with_a_runtime_tensor_requiring_grad_is_a_clear_error() -> None:
+    """Paged calls are forward only: a learnable input (ALiBi's slopes, a sink) requiring grad
+    made an output requiring grad, whose backward failed inside torch ("no autograd formula
+    registered"); refused at the call as q's is, and run under torch.no_grad()."""
+    args = {
+        "q": torch.randn(2, 1, 4, 16),
+        "k_cache": torch.randn(4, 8, 2, 16),
+        "v_cache": torch.randn(4, 8, 2, 16),
+        "block_table": torch.tensor([[0, 1], [2, 3]]),
+        "cache_seqlens": torch.tensor([3, 9]),
+        "slopes": torch.rand(4, requires_grad=True),
+    }
+    with pytest.raises(attncc.InputError, match="slopes: paged calls are forward only"):
+        kernel("alibi").paged(**args)
+    with torch.no_grad():
+        assert not kernel("alibi").paged(**args).requires_grad
+
+
 def test_a_packed_reads_bounds_error_names_the_sequence() -> None:
     """It quoted the padded sizes (N = M = the longest), under which its range cannot occur."""
     kern = attncc.compile(

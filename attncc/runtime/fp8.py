@@ -106,7 +106,13 @@ def descale_rows(
         raise InputError(f"{name}: expected a float32, bfloat16 or float16 tensor, got dtype {descale.dtype}")
     if descale.device != device:
         raise InputError(f"{name}: expected a tensor on {device} (that of q), got device {descale.device}")
-    if descale.dim() == len(rows) + 1 and descale.shape[-1] == 1:  # (the operand's shape, head dim 1)
+    if descale.requires_grad and torch.is_grad_enabled():  # (it was detached: a learned scale got no gradient)
+        raise InputError(
+            f"{name}: the fp8 kernels are forward only, and this factor requires grad; detach it or run under "
+            "torch.no_grad()"
+        )
+    given_dims = descale.dim()
+    if given_dims == len(rows) + 1 and descale.shape[-1] == 1:  # (the operand's shape, head dim 1)
         descale = descale.squeeze(-1)
     try:
         shape = torch.broadcast_shapes(descale.shape, rows)
@@ -124,6 +130,22 @@ def descale_rows(
             f"{name}: {list(descale.shape)} is a factor per sequence of [B, Hkv, M] and per kv head of k's "
             f"[B, Hkv, M, D], and B = Hkv = {rows[0]}: give k's dims, [B, 1, 1, 1] per sequence or [1, Hkv, 1, 1] "
             "per kv head"
+        )
+    # a padded call's per kv head [Hkv, 1] (or [1, Hkv, 1, 1]) is per token in a packed call
+    # ([total_k, 1]) where total_k = Hkv, and per slot of every page in a paged one ([1,
+    # page_size, 1]) where page_size = Hkv: taken so, silently (session 59)
+    ends_in_one = descale.dim() == len(rows) and descale.shape[-1] == 1 and descale.shape[-2] > 1
+    if ends_in_one and layout == "packed" and given_dims == 2 and rows[0] == rows[1]:
+        raise InputError(
+            f"{name}: {list(descale.shape)} is a factor per token ([total_k, 1]) of this packed call and, as padded "
+            f"calls read it, per kv head ([Hkv, 1]), and total_k = Hkv = {rows[0]}: give [total_k, 1, 1] per token "
+            "or [Hkv] per kv head"
+        )
+    if ends_in_one and layout == "paged" and descale.shape[0] == 1 and rows[1] == rows[2]:
+        raise InputError(
+            f"{name}: {list(descale.shape)} is a factor per slot of each page ([1, page_size, 1]) of this paged "
+            f"call and, as padded calls read [1, Hkv, 1, 1], per kv head, and page_size = Hkv = {rows[1]}: give "
+            "[Hkv] per kv head, or [num_pages, page_size, 1] per cache row"
         )
     if shape != rows or (layout == "paged" and descale.dim() == 2) or ambiguous:
         raise InputError(

@@ -822,7 +822,9 @@ def paged_attention(
                 f"{name}: a negative-bit view (x.conj().imag, torch._neg_view) would be read and written in "
                 "place as its stored values; pass a cache without the flag (.resolve_neg() copies it)"
             )
-    tracked = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) if t.requires_grad]
+    operands = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), *runtime.items()]
+    # (a runtime tensor too: a sink requiring grad failed in torch's backward, "no autograd formula")
+    tracked = [name for name, t in operands if isinstance(t, torch.Tensor) and t.requires_grad]
     if tracked and torch.is_grad_enabled():
         raise InputError(
             f"{', '.join(tracked)}: paged calls are forward only (inference), and this requires grad; run them "
