@@ -947,7 +947,8 @@ MEASURED_BACKWARD_TILES: dict[str, dict[int, tuple[int, int]]] = {"sm90": {64: (
 #: timed 64 x 128 with 64 columns in registers fastest at both head dims: dense d = 64 4.17-4.20 ms
 #: against 48 x 128's 4.66-4.72 (1.12x), d = 128 7.77-7.79 against 8.77-8.80 (1.13x). Session
 #: 59's H200 (bench/results/cuda-h200-session59/serving/sweep-backward.log; backward/ again,
-#: within 1.5%) timed session 49's backward changes: d = 64 64 x 128 r = 64 still fastest dense (3.95 ms; causal 2.35, 64 x 64 2.34); at
+#: within 1.5%) timed session 49's backward changes: at d = 64, 64 x 128 r = 64 still fastest
+#: dense (3.95 ms; causal 2.35, 64 x 64 2.34); at
 #: d = 128 the wide plans beat it: 64 x 128 with 96 columns in registers 7.06 ms dense against
 #: 7.42 (1.05x), causal 4.16 against 4.47 (1.07x); 48 x 128 with all 128 took 6.73 / 4.22 but
 #: spills 24-56 B in ptxas (sm90 bf16) for causal, gqa, sliding_window, prefix_lm, strided,
@@ -977,17 +978,22 @@ def fastest_backward(target: Target, d: int, light: bool = False) -> TilePlan | 
     MEASURED_LIGHT_BACKWARD_TILES names (light plans without a timing are no default). None
     above d = 128 and for targets without rates (plan_gpu's fallback)."""
     problem = replace(GPU_REFERENCE_PROBLEM, D=d, Dv=d)
-    tables = []
+    common_plans = list(backward_candidates(target, d))
+    tables: list[tuple[str, dict[str, dict[int, tuple[int, ...]]], list[tuple[TilePlan, Work]]]] = []
     if light:
         light_plans = [*backward_candidates(target, d, light=True), *wide_light_backward_plans(target, d)]
         tables.append(("MEASURED_LIGHT_BACKWARD_TILES", MEASURED_LIGHT_BACKWARD_TILES, light_plans))
-    common_plans = list(backward_candidates(target, d))
-    for name, table, plans in [*tables, ("MEASURED_BACKWARD_TILES", MEASURED_BACKWARD_TILES, common_plans)]:
+    tables.append(("MEASURED_BACKWARD_TILES", MEASURED_BACKWARD_TILES, common_plans))
+    for name, table, plans in tables:
         measured = table.get(target.name, {}).get(d)
         if measured is None:
             continue
-        shape = lambda plan: (plan.block_rows, plan.block_cols, plan.dk_register_columns)  # noqa: E731
-        timed = [(plan, work) for plan, work in plans if shape(plan)[: len(measured)] == measured]
+        # (Br, Bc) for every program; light programs' entries name the register columns too
+        timed = [
+            (plan, work)
+            for plan, work in plans
+            if (plan.block_rows, plan.block_cols, plan.dk_register_columns)[: len(measured)] == measured
+        ]
         if timed:
             chosen = cheapest(target, problem, timed)
             assert chosen is not None
