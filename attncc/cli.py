@@ -7,6 +7,7 @@ and exits with status 1; no traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import sys
 import time
@@ -355,8 +356,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     root = cache_dir()
     if args.trim is not None:
-        if not args.trim >= 0:
-            raise AttnccError(f"--trim: expected megabytes >= 0, got {args.trim}")
+        if not 0 <= args.trim < math.inf:  # (inf: an OverflowError from int() before)
+            raise AttnccError(f"--trim: expected a finite number of megabytes >= 0, got {args.trim}")
         removed, freed = trim_cache(int(args.trim * 1e6))
         print(f"removed {removed} least recently used entries ({freed / 1e6:.1f} MB) from {root}")
         return 0
@@ -474,8 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("cache", help="what the kernel cache holds, or clear it")
-    p.add_argument("--clear", action="store_true", help="remove the whole cache")
-    p.add_argument(
+    either = p.add_mutually_exclusive_group()  # (with both, --clear was ignored silently)
+    either.add_argument("--clear", action="store_true", help="remove the whole cache")
+    either.add_argument(
         "--trim", type=float, default=None, metavar="MB", help="remove the least recently used entries down to MB"
     )
     p.set_defaults(fn=cmd_cache)

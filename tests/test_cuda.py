@@ -1281,3 +1281,22 @@ def test_short_query_calls_run_the_64_row_forward(name: str) -> None:
         assert used == runs_short, f"{shape}: short-query forward used: {used}"
         if variant is not None:
             variant._libraries.clear()  # (so that the next shape's use is its own)
+
+
+def test_true_or_false_settings_refuse_other_values() -> None:
+    """`kern.deterministic = "False"` (a truthy string) switched deterministic mode on, and
+    `kern.fp8_mma = "x"` the fp8 products, silently: each is a clear error at the call."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm80", emulate=True)
+    q = torch.randn(1, 2, 9, 16, requires_grad=True)
+    kern.deterministic = "False"
+    try:
+        with pytest.raises(AttnccError, match="deterministic: expected True or False, got 'False'"):
+            kern(q, q, q).sum().backward()
+    finally:
+        kern.deterministic = False
+    kern.key_split_warps, kern.fp8_mma = True, "x"
+    try:
+        with pytest.raises(AttnccError, match="fp8_mma: expected True or False, got 'x'"):
+            kern(q[:, :, :1].detach(), q.detach(), q.detach())
+    finally:
+        kern.key_split_warps, kern.fp8_mma = False, False

@@ -855,6 +855,12 @@ def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, c
     assert not oldest.exists() and not preamble.exists() and newer.exists()
     assert build.trim_cache(0) == (1, 1000) and recent.exists()  # (used 10 s ago: spared)
     assert main(["cache", "--trim", "0"]) == 0 and "removed 0 least recently used entries" in capsys.readouterr().out
+    # one line, not a traceback (inf overflowed int()); --clear with --trim was ignored silently
+    assert main(["cache", "--trim", "inf"]) != 0
+    assert "--trim: expected a finite number of megabytes >= 0, got inf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["cache", "--clear", "--trim", "5"])
+    assert "argument --trim: not allowed with argument --clear" in capsys.readouterr().err
 
     # a build with the limit set trims the cache; the kernel it built is marked used and stays
     stale = entry(root / "stale-4", 5000, 9000)

@@ -163,6 +163,14 @@ class EmulatedKernel(Kernel):
     #: the result is that of the dequantised operands.
     fp8_mma = False
 
+    def flag(self, name: str) -> bool:
+        """The True/False setting `name` (deterministic, fp8_mma): anything else is an error (a
+        string "False" is truthy: it switched the mode on, silently)."""
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            raise AttnccError(f"{name}: expected True or False, got {value!r}")
+        return value
+
     def multiprocessors(self) -> int:
         """SMs the split-KV choice fills: the target's reference part (the emulator has no device)."""
         return GPUS[self.target].multiprocessors
@@ -190,7 +198,7 @@ class EmulatedKernel(Kernel):
         `short_query_tiles` is on, the rows are at most GPU_SHORT_QUERY_ROWS and the plan's
         forward has more; else this one."""
         assert self.op.tiling is not None
-        if self.key_split_warps and not self.fp8_mma and rows <= GPU_KEY_SPLIT_ROWS[-1]:
+        if self.key_split_warps and not self.flag("fp8_mma") and rows <= GPU_KEY_SPLIT_ROWS[-1]:
             fitting = next(r for r in GPU_KEY_SPLIT_ROWS if rows <= r)
             return self.for_key_split_warps(fitting, self.key_split_stages)  # type: ignore[return-value]
         if not self.short_query_tiles or rows > GPU_SHORT_QUERY_ROWS:
@@ -400,7 +408,7 @@ class EmulatedKernel(Kernel):
         and key tiles too, and one v factor per kv head: `v_descale` ([..., 1], as
         fp8.descale_rows gives it) constant along the layout's token dims, since the kernel
         scales the output by it (a factor per token would have to enter P before its rounding)."""
-        if not (self.fp8_mma and GPUS[self.target].fp8_mma and is_fp8(k) and v_descale is not None):
+        if not (self.flag("fp8_mma") and GPUS[self.target].fp8_mma and is_fp8(k) and v_descale is not None):
             return False
         if self.op.k_rope is not None or plan.tiles.block_cols % FP8_MMA_K:
             return False
@@ -548,7 +556,7 @@ class EmulatedKernel(Kernel):
                 ptrs.update(packed.buffers())
             ptrs.update({f"grad_{self.abi.ident_of(n)}": g for n, g in grads.items()})
             dtype = str(storage).replace("torch.", "")
-            deterministic = self.deterministic or torch.are_deterministic_algorithms_enabled()
+            deterministic = self.flag("deterministic") or torch.are_deterministic_algorithms_enabled()
             if deterministic:  # dQ from its own kernel, no atomics
                 ptrs["dq"] = operands["dq"]
             if deterministic and grads:  # exact sums: first the bounds, then the grid per element
