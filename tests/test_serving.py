@@ -1067,6 +1067,18 @@ def test_a_block_table_of_any_strides_is_read_by_its_values(planned: bool) -> No
         assert torch.equal(got, want)
 
 
+def paged_call(**change: object) -> dict:
+    """A small paged call's arguments (2 sequences of 3 and 9 keys, pages of 8, GQA 4/2), with `change`."""
+    return {
+        "q": torch.randn(2, 1, 4, 16),
+        "k_cache": torch.randn(4, 8, 2, 16),
+        "v_cache": torch.randn(4, 8, 2, 16),
+        "block_table": torch.tensor([[0, 1], [2, 3]]),
+        "cache_seqlens": torch.tensor([3, 9]),
+        **change,
+    }
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -1086,14 +1098,7 @@ def test_a_block_table_of_any_strides_is_read_by_its_values(planned: bool) -> No
     ],
 )
 def test_paged_bad_input_is_a_clear_error(change: dict, message: str | None) -> None:
-    args = {
-        "q": torch.randn(2, 1, 4, 16),
-        "k_cache": torch.randn(4, 8, 2, 16),
-        "v_cache": torch.randn(4, 8, 2, 16),
-        "block_table": torch.tensor([[0, 1], [2, 3]]),
-        "cache_seqlens": torch.tensor([3, 9]),
-        **change,
-    }
+    args = paged_call(**change)
     if message is None:
         kernel("vanilla").paged(**args)
         return
@@ -1106,14 +1111,7 @@ def test_a_paged_call_with_a_runtime_tensor_requiring_grad_is_a_clear_error() ->
     """Paged calls are forward only: a learnable input (ALiBi's slopes, a sink) requiring grad
     made an output requiring grad, whose backward failed inside torch ("no autograd formula
     registered"); refused at the call as q's is, and run under torch.no_grad()."""
-    args = {
-        "q": torch.randn(2, 1, 4, 16),
-        "k_cache": torch.randn(4, 8, 2, 16),
-        "v_cache": torch.randn(4, 8, 2, 16),
-        "block_table": torch.tensor([[0, 1], [2, 3]]),
-        "cache_seqlens": torch.tensor([3, 9]),
-        "slopes": torch.rand(4, requires_grad=True),
-    }
+    args = paged_call(slopes=torch.rand(4, requires_grad=True))
     with pytest.raises(attncc.InputError, match="slopes: paged calls are forward only"):
         kernel("alibi").paged(**args)
     with torch.no_grad():
