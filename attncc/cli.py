@@ -23,7 +23,7 @@ from attncc.ir.graph import fused_node
 from attncc.ir.ops import FusedAttention
 from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
-from attncc.passes.tiling import TilePlan, resident_blocks, split_kv_blocks, split_kv_slots
+from attncc.passes.tiling import CPU_MAX_HEAD_DIM, TilePlan, resident_blocks, split_kv_blocks, split_kv_slots
 from attncc.runtime.check import check
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
@@ -93,7 +93,23 @@ def plan_text(op: FusedAttention, shape: Shape, elt: int = 4) -> str:
     )
 
 
+def check_cpu_head_dims(asked: dict[str, int]) -> None:
+    """Head dims asked of the cpu target (the argument that asks each: its one library per dtype
+    takes every head dim up to CPU_MAX_HEAD_DIM): one above it was accepted and ignored, then
+    refused at the call."""
+    for argument, head_dim in asked.items():
+        if head_dim > CPU_MAX_HEAD_DIM:
+            raise AttnccError(
+                f"{argument}: the cpu target's kernels take head dims in [1, {CPU_MAX_HEAD_DIM}] (one library per "
+                "dtype serves them all)"
+            )
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
+    if args.target == "cpu":
+        shape = args.shape
+        check_cpu_head_dims({**{f"--head-dim {d}": d for d in args.head_dim}, f"--shape D={shape.D}": shape.D})
+        check_cpu_head_dims({f"--shape Dv={shape.Dv}": shape.Dv})
     stages = attncc.lower(args.file, args.target)
     op = _fused(stages)
     print(f"{args.file}: variant `{stages[-1].graph.graph['name']}` for {args.target}")
@@ -320,6 +336,8 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     from attncc.runtime.build import PREBUILT_ENV, prebuilding_into
     from attncc.runtime.gpu import GpuKernel
 
+    if "cpu" in args.targets:
+        check_cpu_head_dims({f"--head-dims {d}": d for d in args.head_dims})
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     dtypes = [DTYPES[d] for d in args.dtypes]

@@ -508,9 +508,9 @@ torch.save(attncc.compile(program)(q, q, q), sys.argv[1])
 
 
 def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> None:
-    """Truncated and foreign (no attncc entry points) libraries in the cache, and a truncated
-    one beside a truncated object: a new process rebuilds each once with a one-line warning,
-    and the kernel's answer is unchanged.
+    """Truncated and foreign (no attncc entry points) libraries in the cache, a truncated one
+    beside a truncated object, and one beside a truncated source: a new process rebuilds each
+    once with a one-line warning, and the kernel's answer is unchanged.
     (Processes of their own: overwriting a library this process has mapped would fault.)"""
     # debug builds (-O0, seconds less each): the cache's recovery is under test, not the code
     env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), ATTNCC_DEBUG_BUILD="1")
@@ -527,16 +527,23 @@ def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> 
     (library,) = (tmp_path / "cache").glob("*/kernel.so")
     good = library.read_bytes()
     foreign = build_library('extern "C" int other() { return 1; }', "foreign").read_bytes()
-    for damaged, with_an_object in ((good[:1000], False), (foreign, False), (good[:1000], True)):
+    source = library.parent / "kernel.cpp"
+    for damaged, beside in (
+        (good[:1000], None),
+        (foreign, None),
+        (good[:1000], "part1.o"),
+        (good[:1000], "kernel.cpp"),
+    ):
         library.write_bytes(damaged)
-        if with_an_object:  # (was relinked as it was: "file too short", in every later process)
-            part = library.parent / "part1.o"
-            part.write_bytes(part.read_bytes()[:1000])
+        if beside is not None:  # (an object was relinked as it was, a source recompiled: failed)
+            other = library.parent / beside
+            other.write_bytes(other.read_bytes()[:1000])
         got, stderr = run("got.pt")
         warned = [line for line in stderr.splitlines() if "failed to load" in line]
         assert len(warned) == 1 and "rebuilding it" in warned[0], stderr
         assert "Traceback" not in stderr and library.read_bytes() != damaged
         assert torch.equal(got, want)
+    assert len(source.read_text()) > 1000  # (rewritten)
 
 
 @pytest.mark.parametrize("isa", LEVELS_HERE)

@@ -3,6 +3,7 @@ the host emulator, golden-tested like the CPU backend."""
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -1300,3 +1301,25 @@ def test_true_or_false_settings_refuse_other_values() -> None:
             kern(q[:, :, :1].detach(), q.detach(), q.detach())
     finally:
         kern.key_split_warps, kern.fp8_mma = False, False
+
+
+def test_a_setting_the_kernel_does_not_have_is_an_error() -> None:
+    """`kern.determinstic = True` (a typo) made a new attribute and left deterministic mode off,
+    silently; a GPU setting on a CPU kernel did nothing either. Both are errors naming the
+    settings; a kernel's own settings and private attributes are still set."""
+    emulated = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm80", emulate=True)
+    with pytest.raises(AttributeError, match="no setting 'determinstic' \\(did you mean 'deterministic'\\?"):
+        emulated.determinstic = True
+    assert not hasattr(emulated, "determinstic") and emulated.deterministic is False
+    cpu = attncc.compile(ROOT / "examples" / "vanilla.attn")
+    with pytest.raises(AttributeError, match=r"'kv_splits' \(a setting of the GPU kernels .*not of target cpu's"):
+        cpu.kv_splits = 2
+    with pytest.raises(
+        AttributeError, match="no setting 'backwards' \\(did you mean 'backward'\\? its settings: backward\\)"
+    ):
+        cpu.backwards = "fused"
+    cpu.backward = "fused"
+    emulated.deterministic, emulated._scratch = True, 1
+    assert emulated.deterministic and emulated._scratch == 1
+    copied = copy.deepcopy(emulated)  # (a copy's registration sets its attributes anew)
+    assert copied.deterministic and copied.call_key != emulated.call_key

@@ -176,6 +176,25 @@ def test_prebuild_errors_are_one_line(tmp_path, capsys) -> None:
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
 
 
+def test_cpu_head_dims_beyond_the_kernels_limit_are_one_line_errors(tmp_path, capsys) -> None:
+    """`compile --head-dim 577` (and `--shape` D or Dv, `prebuild --head-dims`) on the cpu target
+    was accepted and ignored, the kernel then refusing the call; now each says the range."""
+    for args, argument in (
+        (["compile", CAUSAL, "--head-dim", "64", "577"], "--head-dim 577"),
+        (["compile", CAUSAL, "--shape", "1,2,2,8,8,600"], "--shape D=600"),
+        (["compile", CAUSAL, "--shape", "1,2,2,8,8,64,700"], "--shape Dv=700"),
+        (["prebuild", CAUSAL, "--head-dims", "64", "999", "-o", str(tmp_path / "out")], "--head-dims 999"),
+    ):
+        assert cli_main(args) == 1, args
+        err = capsys.readouterr().err
+        assert (
+            err
+            == f"{argument}: the cpu target's kernels take head dims in [1, 576] (one library per dtype serves them all)\n"
+        )
+    assert not (tmp_path / "out").exists()
+    assert cli_main(["compile", CAUSAL, "--head-dim", "576", "--shape", "1,2,2,8,8,576"]) == 0
+
+
 def test_fp8_forwards_prebuild_and_load_from_the_directory(tmp_path, monkeypatch, capsys) -> None:
     """`--kv-dtypes float8_e4m3fn`: the fp8 forward of each q dtype that takes it (not float64)
     is prebuilt beside the plain libraries and an fp8 call loads it from there."""

@@ -35,7 +35,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -85,6 +85,10 @@ LIBRARY_NAME_CHARS = 120
 # cache directory.
 PRECOMPILED_DIR = ".preambles"
 _LOADED: dict[Path, ctypes.CDLL] = {}
+#: How to write a cached library's sources and build it again, for the libraries this process
+#: asked build_library for: load_library's rebuild of a damaged library (its sources beside it
+#: may be damaged too: a rebuild from them alone failed once, a BuildError).
+_REBUILDS: dict[Path, Callable[[], None]] = {}
 _PREBUILDING_INTO: list[Path] = []  # innermost `prebuilding_into` directory last
 _DAMAGED_PREBUILT: set[Path] = set()  # warned about once per process
 _LOAD_LOCK = module_lock(__name__, "_LOAD_LOCK")
@@ -255,12 +259,12 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
         if not header.exists():  # its first kernel: remember the preamble, build without
             _write_if_changed(header, preamble)
             return None
-        partial = directory / f"preamble.h.gch.tmp{os.getpid()}"
-        command = [compiler(), *flags.split(), "-x", "c++-header", str(header), "-o", str(partial)]
+        unfinished = directory / f"preamble.h.gch.tmp{os.getpid()}"
+        command = [compiler(), *flags.split(), "-x", "c++-header", str(header), "-o", str(unfinished)]
         if subprocess.run(command, cwd=directory, capture_output=True, check=False).returncode != 0:
-            partial.unlink(missing_ok=True)
+            unfinished.unlink(missing_ok=True)
             return None  # the kernel's own compile reports what is wrong
-        partial.replace(precompiled)
+        unfinished.replace(precompiled)
         return precompiled
 
 
@@ -411,6 +415,10 @@ def build_library(
             key_text += "\n//--nvcc\n" + nvcc_fingerprint()
         directory = cache_dir() / f"{name}-{cache_key(key_text)}"
     library = directory / "kernel.so"
+    if not _PREBUILDING_INTO:
+        _REBUILDS[library] = partial(
+            _build_in, directory, name, source, includes, cuda_arch, host_flags, parts, before_build
+        )
     if _digest_path(library).exists():  # written after the library: the build is complete
         return library
     with _writing_into_cache(directory, name):  # (`mkdir`, the lock, the sources)
@@ -559,8 +567,9 @@ def _open(path: Path, required_symbol: str | None) -> ctypes.CDLL:
 def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
     """dlopen a built kernel library once per process. A cached library that is not the one
     built (its digest differs: truncated, corrupted, replaced), fails to load or is foreign
-    (without `required_symbol`) is rebuilt once from the sources beside it, with a one-line
-    warning; a second failure is a BuildError."""
+    (without `required_symbol`) is rebuilt once, with a one-line warning: from the sources
+    build_library was given for it (rewritten where they differ), else from those beside it; a
+    second failure is a BuildError."""
     with _LOAD_LOCK:
         if path not in _LOADED:
             if path.parent.parent.resolve() == cache_dir().resolve():  # (not a shipped prebuilt directory)
@@ -581,7 +590,7 @@ def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
                     # (its objects too: a damaged part*.o beside it was relinked as it was)
                     for built in (path, _digest_path(path), *directory.glob("part*.o")):
                         built.unlink(missing_ok=True)
-                    _run_ninja(directory, directory.name)
+                    _REBUILDS.get(path, partial(_run_ninja, directory, directory.name))()
                 try:
                     _LOADED[path] = _open(path, required_symbol)
                 except OSError as again:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import difflib
 import hashlib
 import heapq
 import itertools
@@ -410,6 +411,24 @@ class Kernel:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._register()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """A registered kernel's settings are its class's attributes (ROW_VARIANT_SETTINGS that
+        it has: `backward`, and on the GPU and emulator `deterministic`, `kv_splits`, ...): a
+        public name the kernel does not have is an error, where a typo (`kern.determinstic =
+        True`) made a new attribute that changed nothing, silently."""
+        if (
+            not (name.startswith("_") or name in self.__dict__ or hasattr(type(self), name))
+            and "call_key" in self.__dict__
+        ):
+            settings = [n for n in ROW_VARIANT_SETTINGS if hasattr(type(self), n)]
+            if name in ROW_VARIANT_SETTINGS:
+                why = f"a setting of the GPU kernels and their emulator, not of target {self.target}'s"
+            else:
+                near = difflib.get_close_matches(name, settings, n=1)
+                why = (f"did you mean {near[0]!r}? " if near else "") + f"its settings: {', '.join(settings)}"
+            raise AttributeError(f"{type(self).__name__} {self.name} has no setting {name!r} ({why})")
+        object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ public API
     def __repr__(self) -> str:
