@@ -21,7 +21,8 @@ class SourceLoc:
     path: str
     line: int
     column: int
-    source_line: str = ""
+    source_line: str = ""  # the line's text, or the part of a long line around the column
+    shown_from: int = 0  # where source_line starts in the line (0-based; > 0: a long line's part)
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}:{self.column}"
@@ -40,8 +41,12 @@ class DslError(AttnccError):
             return f"error: {self.message}"
         text = f"{self.loc}: error: {self.message}"
         if self.loc.source_line:
-            caret = " " * (max(self.loc.column, 1) - 1) + "^"
-            text += f"\n  {self.loc.source_line}\n  {caret}"
+            shown, before = self.loc.source_line, max(self.loc.column - 1 - self.loc.shown_from, 0)
+            # (the caret's indent keeps the line's tabs, so it lines up wherever tabs stop)
+            indent = "".join(c if c == "\t" else " " for c in shown[:before]) + " " * (before - len(shown))
+            if self.loc.shown_from:
+                shown, indent = "..." + shown, "   " + indent
+            text += f"\n  {shown}\n  {indent}^"
         return text
 
 

@@ -641,3 +641,40 @@ def test_min_and_max_give_nan_from_either_operand(target: str) -> None:
         assert want.isnan().any(), line
         assert torch.equal(out.isnan(), want.isnan()), f"{line}: NaN rows {out.isnan().any(-1)}"
         assert torch.allclose(out.nan_to_num(), want.nan_to_num(), atol=tol), line
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_abs_of_the_smallest_int64_wraps_as_in_torch(target: str) -> None:
+    """abs(-2^63) is -2^63 in torch (and in folding); the kernels' `x < 0 ? -x : x` overflowed
+    (undefined), and GCC folded `abs(x) > 0` to `x != 0`: the diagonal of the mask below was
+    kept (a uniform row where torch masks it). The mask is `i != j or j == 0`, written so that
+    i - j - 2^63 reaches -2^63 on the diagonal."""
+    mask = "mask abs(i - j - 9223372036854775807 - 1) > 0 or j == 0\n"
+    kern = attncc.compile(program(f"s = q @ k.T * scale\n{mask}"), target=target, emulate=True)
+    q, k, v = qkv(9, 9)
+    i, j = torch.arange(9).view(-1, 1), torch.arange(9).view(1, -1)
+    want = masked_attention(q, k, v, (i != j) | (j == 0))
+    tol = 1e-5 if target == "cpu" else 3e-2
+    assert torch.allclose(kern(q.float(), k.float(), v.float()).double(), want, atol=tol)
+    assert torch.allclose(kern.reference(q, k, v)[0], want, atol=1e-12)
+
+
+def test_a_sinks_or_scales_zero_divisor_and_a_non_finite_program_scale_are_clear_errors() -> None:
+    """An integer // or % by 0 in a sink or in the program's scale raised torch's bare
+    RuntimeError("ZeroDivisionError") from the reference evaluator (a score map's was an
+    InputError already); a program scale that is inf or NaN at the call's sizes gave every
+    output NaN where `scale=inf` is refused."""
+    q, k, v = (t.float() for t in qkv(5, 6, 8))
+    sink = program("s = q @ k.T * scale\n", "sink_div").replace("softmax(s)", "softmax(s, sink=1 // (i - 2) * 1.0)")
+    with pytest.raises(InputError, match=r"`1 // \(i - 2\)`: the divisor `i - 2` is 0"):
+        attncc.compile(sink)(q, k, v)
+    with pytest.raises(InputError, match=r"`N % \(M - 6\)`: the divisor `M - 6` is 0"):
+        attncc.compile(program("scale = 1.0 * (N % (M - 6))\ns = q @ k.T * scale\n", "scale_mod"))(q, k, v)
+    kern = attncc.compile(program("scale = 1.0 / (M - 6)\ns = q @ k.T * scale\n", "scale_inf"))
+    with pytest.raises(
+        InputError, match=r"the program's `scale = 1(\.0)? / \(M - 6\)` is inf at M=6: expected a finite"
+    ):
+        kern(q, k, v)
+    q7, k7, v7 = (t.float() for t in qkv(5, 7, 8))  # (M = 7: scale 1, plain attention)
+    want = torch.softmax(q7.double() @ k7.double().transpose(-1, -2), -1) @ v7.double()
+    assert torch.allclose(kern(q7, k7, v7).double(), want, atol=1e-5)

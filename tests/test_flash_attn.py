@@ -147,6 +147,29 @@ def test_flash_attn_varlen_func_is_each_sequence_alone(case: str) -> None:
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
 
 
+def test_varlen_rows_past_the_last_offset_belong_to_no_sequence() -> None:
+    """Buffers padded past cu_seqlens' last offsets (servers keep a fixed size for CUDA graphs;
+    FlashAttention leaves those rows alone) were refused; their out is 0, their lse -inf and
+    they get no gradient, the sequences' rows are those of the exact buffers. A 0-d tensor
+    max_seqlen is its value (it was refused, "expected an int >= ..., got tensor(9)")."""
+    generator = torch.Generator().manual_seed(2)
+    cu_q, cu_k = torch.tensor([0, 4, 13], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    q = torch.randn(13 + 3, 4, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(9 + 2, 2, 16, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, torch.tensor(9), torch.tensor(6), causal=True, return_attn_probs=True
+    )  # fmt: skip
+    assert out.shape == (16, 4, 16) and lse.shape == (4, 16)
+    for b in range(2):
+        rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        want, want_lse = reference(q[None, rows], k[None, cols], v[None, cols], causal=True)
+        torch.testing.assert_close(out[rows], want[0], atol=1e-11, rtol=1e-11)
+        torch.testing.assert_close(lse[:, rows], want_lse[0], atol=1e-11, rtol=1e-11)
+    assert torch.equal(out[13:], torch.zeros(3, 4, 16, dtype=torch.float64)) and bool(lse[:, 13:].isneginf().all())
+    dq, dk, dv = torch.autograd.grad(out.sum(), [q, k, v])
+    assert not dq[13:].any() and not dk[9:].any() and not dv[9:].any() and dq[:13].abs().sum() > 0
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_flash_attn_with_kvcache_appends_and_attends(paged: bool) -> None:
     """Two new tokens per sequence appended into a cache holding 5 / 0 / 17 tokens (rows of the
@@ -265,6 +288,9 @@ def test_bad_calls_name_the_argument() -> None:
         flash_attn_with_kvcache(q[:, :1], cache, cache, q[:, :1, :1], q[:, :1, :1], cache_seqlens=torch.tensor([24]))
     with pytest.raises(InputError, match=r"k, v: expected \[B, M, Hkv, D\] with the same leading sizes"):
         flash_attn_func(q, q, q[:, :3])
+    # (a one-element tensor was every sequence's length: FlashAttention takes an int or [B])
+    with pytest.raises(InputError, match=r"cache_seqlens: expected 2 sequences \(q's batch\), got 2 and 1"):
+        flash_attn_with_kvcache(q.expand(2, -1, -1, -1), cache[:2], cache[:2], cache_seqlens=torch.tensor([5]))
     with pytest.raises(InputError, match="cache_batch_idx: goes with a contiguous cache"):
         flash_attn_with_kvcache(
             q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), cache_batch_idx=torch.zeros(1)

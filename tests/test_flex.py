@@ -220,6 +220,11 @@ def test_the_same_call_as_torch_flex_attention_with_a_block_mask() -> None:
     assert torch.equal(again, out) and torch.equal(aux.lse, lse)
     with pytest.raises(InputError, match="max_scores is not kept"):
         flex_attention(q, k, v, softcap, block_mask=mask, enable_gqa=True, return_aux=flex.AuxRequest(max_scores=True))
+    # torch refuses both (ValueError, as InputError is); return_lse was dropped, silently
+    with pytest.raises(ValueError, match="return_lse and return_aux: give one"):
+        flex_attention(
+            q, k, v, block_mask=mask, enable_gqa=True, return_lse=True, return_aux=flex.AuxRequest(lse=False)
+        )
 
 
 def test_a_block_mask_made_for_other_batch_or_heads_is_a_clear_error() -> None:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import attncc
 from attncc.errors import AttnccError, DslError
@@ -105,6 +106,30 @@ def test_graph_printer_lists_statements_in_order() -> None:
         ("attention t\ns = q @ k.T\ns = s ** 2\n", 3, 8, "the DSL has no power"),
         ("attention t\nmask i < j\n", 2, 6, "no scores to mask yet"),
         ("attention t\ns = q @ k.T\nq = s\n", 3, 1, "reserved"),
+        # session 60's review: each was accepted (the last keyword, the assignment won, silently),
+        # NaN / inf everywhere, or a ValueError / misleading "used only once" from inside
+        ("attention t\ninput a: float\na = 3.0\n", 3, 1, "`a` is an input and cannot be assigned"),
+        ("attention t\nconst c = 2\nc = 3\n", 3, 1, "`c` is a constant and cannot be assigned"),
+        ("attention t\ns = q @ k.T\nlayout local(block=32, width=1, width=3)\n", 3, 33, "`width` given twice"),
+        ("attention t\nq = rope(q, theta=inf - inf)\n", 2, 19, "theta must be a finite number above 1"),
+        ("attention t\nq = rope(q, theta=inf)\n", 2, 19, "theta must be a finite number above 1"),
+        ("attention t\nscale = inf - inf\n", 2, 9, "the scale must be a finite number"),
+        ("attention t\nscale = 1 // 0\n", 2, 9, "the scale must be a finite number"),
+        pytest.param(
+            "attention t\ns = q @ k.T + " + "9" * 5000 + "\n",
+            2,
+            15,
+            "integer `99999999999999999999...99999999 (5000",
+            id="5000-digit integer",
+        ),
+        pytest.param(
+            "attention t\ninput x: float[" + "1" * 4400 + "]\n",
+            2,
+            16,
+            "dimension `11111111111111111111...11111111",
+            id="4400-digit dimension",
+        ),
+        ("attention t\ns = q @ k.T\np = softmax(s)\no = p @ v\noutput o\nmask j <= i\n", 6, 6, "`output` is the last"),
     ],
 )
 def test_semantic_errors_name_the_place(source: str, line: int, column: int, message: str) -> None:
@@ -114,8 +139,25 @@ def test_semantic_errors_name_the_place(source: str, line: int, column: int, mes
     assert message in err.message
     rendered = err.render().splitlines()
     assert rendered[0].startswith(f"<string>:{line}:{column}: error: ")
-    assert rendered[1].strip() == source.splitlines()[line - 1].strip()
-    assert rendered[2].index("^") - 2 == column - 1  # caret under the column
+    shown = source.splitlines()[line - 1]
+    if len(shown) <= 200:
+        assert rendered[1].strip() == shown.strip()
+        assert rendered[2].index("^") - 2 == column - 1  # caret under the column
+    else:  # a window of the line, the caret under the column's character
+        assert rendered[1][rendered[2].index("^")] == shown[column - 1]
+
+
+def test_a_caret_lines_up_under_tabs_and_in_long_lines() -> None:
+    """The caret's indent copies the line's tabs (spaces put it one column per tab); a line
+    longer than the 200 characters shown is shown around the column (the caret pointed past
+    its cut end); a byte-order mark before `attention` is skipped (it was an error at 1:1)."""
+    err = error_of("attention t\n\t\ts = q @ k.T * scael\n")
+    assert err.render().splitlines()[1:] == ["  \t\ts = q @ k.T * scael", "  \t\t" + " " * 14 + "^"]
+    long = "attention t\ns = q @ k.T * scale + (1.0 " + " " * 400 + "* zz)\n"
+    err = error_of(long)
+    line, caret = err.render().splitlines()[1:]
+    assert len(line) <= 210 and line[caret.index("^") : caret.index("^") + 2] == "zz"
+    assert parse_program("\ufeff" + GOOD).graph["name"] == "t"
 
 
 @pytest.mark.parametrize(
@@ -136,6 +178,22 @@ def test_unfusable_programs_say_what_and_where(source: str, message: str) -> Non
     err = error_of(source)
     assert message in err.message
     assert err.loc is not None and err.loc.line > 1
+
+
+def test_scores_renamed_and_rebound_are_masked_where_they_now_are() -> None:
+    """`t = s * 2; s = t + 1; mask ...` was refused ("used only once": the mask went after t,
+    whose name was the last bound); the mask follows the newest scores, as an alias's does."""
+    q, k, v = (
+        torch.randn(1, 2, 7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(n)) for n in range(3)
+    )
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    for body in ("t = s * 2\ns = t + 1\n", "a = s\ns = a * 2 + 1\n"):
+        kern = attncc.compile(
+            f"attention t\ns = q @ k.T * scale\n{body}mask j <= i\np = softmax(s)\no = p @ v\noutput o\n"
+        )
+        scores = (q @ k.transpose(-1, -2) / 8**0.5 * 2 + 1).masked_fill(~causal, -torch.inf)
+        want = torch.softmax(scores, -1) @ v
+        assert torch.allclose(kern(q.float(), k.float(), v.float()).double(), want, atol=1e-5), body
 
 
 def test_syntax_error_expected_tokens() -> None:

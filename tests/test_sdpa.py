@@ -174,8 +174,8 @@ def test_bad_calls_name_the_argument() -> None:
         scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.bool))
     with pytest.raises(InputError, match="attn_mask: expected a bool or float tensor"):
         scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 6, dtype=torch.int64))
-    with pytest.raises(InputError, match="pass enable_gqa=True"):
-        scaled_dot_product_attention(q, k[:, :1], v[:, :1])
+    with pytest.raises(InputError, match="pass enable_gqa=True"):  # (one key head broadcasts, two do not)
+        scaled_dot_product_attention(q.repeat(1, 2, 1, 1), k, v)
     with pytest.raises(InputError, match="dropout_p: expected a number in"):
         scaled_dot_product_attention(q, k, v, dropout_p=1.5)
     with pytest.raises(InputError, match=r"query: expected a dense tensor \[\.\.\., rows, E\] of 2 dims or more"):
@@ -235,3 +235,23 @@ def test_nan_in_a_float_mask_gives_nan_rows_as_torch() -> None:
     out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert want.isnan().any() and torch.equal(out.isnan(), want.isnan())
     assert torch.allclose(out.nan_to_num(), want.nan_to_num(), atol=1e-12)
+
+
+def test_a_compiled_call_takes_a_new_scale_and_one_key_head_broadcasts() -> None:
+    """Under torch.compile(fullgraph=True) a second scale recompiles with the scale symbolic,
+    where `math.isfinite` failed on it ("Unsupported torch.* op returned non-Tensor"); a key
+    and value of one head broadcast over the query's heads without enable_gqa, as torch's
+    batch dims do (session 60's review: both were errors where torch runs)."""
+    q, k, v = operands((2, 3), 9, 11)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return scaled_dot_product_attention(q, k, v, scale=scale)
+
+    for scale in (0.3, 0.5, 0.7):
+        with torch.no_grad():
+            want = F.scaled_dot_product_attention(q, k, v, scale=scale)
+            torch.testing.assert_close(attend(q, k, v, scale), want, atol=1e-11, rtol=1e-11)
+    one_head = [t[:, :1].detach().requires_grad_() for t in (k, v)]
+    check({}, q, *one_head, [q, *one_head])
+    check({"is_causal": True, "enable_gqa": True}, q, *one_head, [q, *one_head])

@@ -69,6 +69,7 @@ class _Context:
     scale_set_at: SourceLoc | None = None
     scale_read_at: SourceLoc | None = None  # (the first statement reading the name `scale`)
     output: str | None = None
+    fixed: dict[str, str] = field(default_factory=dict)  # names no statement may assign: what each is
     # what the passes will compose, kept to bound its size: the score map ending at each score
     # node (in terms of the matmul's scores) and the conjunction of the masks so far
     composed_scores: dict[str, ex.Expr] = field(default_factory=dict)
@@ -83,6 +84,8 @@ def lower(tree: Ast, path: str) -> Graph:
         node = add_op(ctx.g, Input(role, role, "float", _QKV_DIMS[role]))
         ctx.names[role] = TensorRef(node, role)
     for stmt in tree.children[1:]:
+        if ctx.output is not None and stmt.kind != "output":  # (it failed as a reused intermediate)
+            raise DslError("`output` is the last statement: nothing after it reaches the result", stmt.loc)
         _STATEMENTS[stmt.kind](ctx, stmt)
     if ctx.output is None:
         last = tree.children[-1]
@@ -122,6 +125,7 @@ def _input(ctx: _Context, stmt: Ast) -> None:
         role = "tensor"
         dims = tuple(_dim(d) for d in stmt.children[2].children)
     node = add_op(ctx.g, Input(name.value, role, dtype.value, dims, loc=name.loc))
+    ctx.fixed[name.value] = "an input"
     ctx.names[name.value] = (
         TensorRef(node, "tensor") if role == "tensor" else ex.var(name.value, _scalar_type(dtype.value))
     )
@@ -129,10 +133,10 @@ def _input(ctx: _Context, stmt: Ast) -> None:
 
 def _dim(d: Ast) -> str | int:
     if d.value.isdigit():
-        if int(d.value) < 1:
+        if _int_literal(d.value) < 1:
             raise DslError("a dimension must be at least 1", d.loc)
-        if int(d.value) > INT64_MAX:
-            raise DslError(f"dimension `{d.value}` is out of range (at most {INT64_MAX})", d.loc)
+        if _int_literal(d.value) > INT64_MAX:
+            raise DslError(f"dimension `{_shown(d.value)}` is out of range (at most {INT64_MAX})", d.loc)
         return int(d.value)
     if not d.value.isidentifier():
         raise DslError(f"a dimension is a name or a positive integer, not `{d.value}`", d.loc)
@@ -151,6 +155,7 @@ def _const(ctx: _Context, stmt: Ast) -> None:
     if not isinstance(folded, ex.Const):
         raise DslError("a `const` must be computable from numbers alone", value_ast.start)
     ctx.names[name.value] = folded
+    ctx.fixed[name.value] = "a constant"
 
 
 def _assign(ctx: _Context, stmt: Ast) -> None:
@@ -170,16 +175,18 @@ def _assign(ctx: _Context, stmt: Ast) -> None:
         if ex.free_vars(value) - set(ex.SIZE_VARS) or ex.reads(value):
             raise DslError("the scale may depend only on numbers and the sizes B, H, Hkv, N, M, D", value_ast.start)
         ctx.scale = ex.fold(value)
+        if not ex.free_vars(ctx.scale) and not (
+            isinstance(ctx.scale, ex.Const) and math.isfinite(float(ctx.scale.value))
+        ):  # (numbers alone that fold to inf or NaN, or do not fold: an integer // or % by 0)
+            raise DslError("the scale must be a finite number (it multiplies every score)", value_ast.start)
         return
     if name.value in ("q", "k") and value_ast.kind == "call" and value_ast.value == "rope":
         _rope(ctx, name, value_ast)
         return
-    if name.value in RESERVED or (
-        name.value in ctx.names
-        and isinstance(ctx.names[name.value], TensorRef)
-        and ctx.names[name.value].kind == "tensor"
-    ):  # type: ignore[union-attr]
+    if name.value in RESERVED:
         raise DslError(f"`{name.value}` is reserved or an input and cannot be assigned", name.loc)
+    if name.value in ctx.fixed:  # (a scalar input's call value was ignored after `a = 3.0`)
+        raise DslError(f"`{name.value}` is {ctx.fixed[name.value]} and cannot be assigned", name.loc)
     value = _lower_expr(ctx, value_ast)
     current = ctx.names.get(name.value)
     if isinstance(value, ex.Expr) and isinstance(current, TensorRef) and current.kind == "scores":
@@ -215,7 +222,12 @@ def _layout(ctx: _Context, stmt: Ast) -> None:
     if name.value not in LAYOUTS:
         raise DslError(f"unknown layout `{name.value}`; expected one of {', '.join(LAYOUTS)}", name.loc)
     positional = [a for a in args if a.kind != "keyword"]
-    keywords = {a.value: a for a in args if a.kind == "keyword"}
+    keywords: dict[str, Ast] = {}
+    for a in args:
+        if a.kind == "keyword":
+            if a.value in keywords:  # (the last one won, silently)
+                raise DslError(f"`{name.value}`: keyword argument `{a.value}` given twice", a.loc)
+            keywords[a.value] = a
     tensor = None
     if name.value == "blocks":
         if len(positional) != 1 or positional[0].kind != "name":
@@ -324,10 +336,13 @@ def _positive_int(ctx: _Context, a: Ast, what: str) -> int:
 
 def _apply_to_scores(ctx: _Context, op: Mask | Layout, loc: SourceLoc, reads: set[str]) -> None:
     """Insert `op` after the newest score tensor and rebind every name that referred to it."""
-    scores = [n for n, v in ctx.names.items() if isinstance(v, TensorRef) and v.kind == "scores"]
+    scores = [v for v in ctx.names.values() if isinstance(v, TensorRef) and v.kind == "scores"]
     if not scores:
         raise DslError("no scores to mask yet: write `s = q @ k.T * scale` first", loc)
-    target = ctx.names[scores[-1]]
+    # newest by the graph's order (nodes in the order the statements made them): by the names'
+    # order, `t = s * 2; s = t + 1; mask ...` masked t, whose name came last (`s` kept its place)
+    made = {node: n for n, node in enumerate(ctx.g.nodes)}
+    target = max(scores, key=lambda ref: made[ref.node])
     assert isinstance(target, TensorRef)
     node = add_op(ctx.g, op, [target.node], reads)
     if target.node in ctx.composed_scores:  # masks and layouts pass the scores through
@@ -373,15 +388,27 @@ def _lower_expr(ctx: _Context, a: Ast) -> Value:
     return handler(ctx, a)
 
 
+def _int_literal(text: str) -> int:
+    """A decimal literal's value, INT64_MAX + 1 for any longer than int64's 19 digits (Python's
+    int() refuses more than 4300 digits: a ValueError from deep inside)."""
+    digits = text.lstrip("0")
+    return INT64_MAX + 1 if len(digits) > len(str(INT64_MAX)) else int(digits or "0")
+
+
+def _shown(text: str) -> str:
+    """A literal as an error quotes it: at most 40 characters."""
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
 def _number(ctx: _Context, a: Ast) -> Value:
     text = a.value
     if text.isdigit():
-        if int(text) > INT64_MAX:
-            raise DslError(f"integer `{text}` is out of range (integers are int64: at most {INT64_MAX})", a.loc)
+        if _int_literal(text) > INT64_MAX:
+            raise DslError(f"integer `{_shown(text)}` is out of range (integers are int64: at most {INT64_MAX})", a.loc)
         return ex.const(int(text))
     value = float(text)
     if not math.isfinite(value):
-        raise DslError(f"number `{text}` is out of range", a.loc)
+        raise DslError(f"number `{_shown(text)}` is out of range", a.loc)
     return ex.const(value)
 
 
@@ -570,8 +597,8 @@ def _rope(ctx: _Context, name: Ast, call: Ast) -> None:
         return float(value.value)  # type: ignore[union-attr]
 
     theta = constant("theta", ROPE_DEFAULT_THETA, "float")
-    if not theta or theta <= 1.0:
-        raise DslError("rope's theta must be a number above 1 (10000 in most models)", keywords["theta"].start)
+    if not (theta and 1.0 < theta < math.inf):  # (NaN and inf: every output NaN)
+        raise DslError("rope's theta must be a finite number above 1 (10000 in most models)", keywords["theta"].start)
     dims = constant("dims", None, "int")
     if dims is not None and (dims <= 0 or dims % 2):
         raise DslError("rope's dims must be a positive even number of head dims", keywords["dims"].start)

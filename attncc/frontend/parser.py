@@ -148,6 +148,10 @@ class _Builder(Transformer):
         return self._leaf("name", items[0])
 
 
+#: Characters of a source line an error shows (a window around the column in longer lines).
+SHOWN_CHARS = 200
+
+
 class _Source:
     def __init__(self, text: str, path: str) -> None:
         self.text = text
@@ -156,7 +160,10 @@ class _Source:
 
     def loc(self, line: int, column: int) -> SourceLoc:
         src = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
-        return SourceLoc(self.path, line, column, src[:200])
+        # (at most SHOWN_CHARS of the line, the column among them: a caret past a line cut at
+        # 200 characters pointed at nothing)
+        start = 0 if column <= SHOWN_CHARS - 40 else column - 1 - (SHOWN_CHARS // 2)
+        return SourceLoc(self.path, line, column, src[start : start + SHOWN_CHARS], start)
 
 
 def decode_source(data: bytes, path: str) -> str:
@@ -175,6 +182,7 @@ def decode_source(data: bytes, path: str) -> str:
 def parse(text: str, path: str = "<string>") -> Ast:
     """Parse a program; raises DslError (with file:line:col and a caret) on any bad input."""
     text = text.replace("\r\n", "\n").replace("\r", "\n")  # (Windows and old Mac line ends)
+    text = text.removeprefix("\ufeff")  # (a byte-order mark some Windows editors write)
     src = _Source(text, path)
     if len(text) > MAX_SOURCE_CHARS:
         raise DslError(f"program too large ({len(text)} characters, limit {MAX_SOURCE_CHARS})", src.loc(1, 1))

@@ -89,8 +89,11 @@ UNBOUNDED_WINDOW = 2**40
 
 
 def _integer(value: object) -> int | None:
-    """An int (numpy's too; not a bool), or None."""
+    """An int (numpy's, a 0-d integer tensor's too; not a bool), or None (a one-element tensor
+    of one dim too: cache_seqlens [1] for a batch of 2 was read as every sequence's length)."""
     if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]
@@ -230,7 +233,9 @@ def flash_attn_varlen_func(
     """FlashAttention's `flash_attn_varlen_func`: q [total_q, H, D], k [total_k, Hkv, D],
     v [total_k, Hkv, Dv], sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1]; out
     [total_q, H, Dv], with `return_attn_probs` (out, softmax_lse [H, total_q] float32, None).
-    Each sequence's causal mask is bottom-right in its own lengths."""
+    Each sequence's causal mask is bottom-right in its own lengths. Rows past the last offset
+    (a buffer padded to a fixed size, as servers keep for CUDA graphs) belong to no sequence,
+    as in FlashAttention: their out is 0 and their lse -inf (FlashAttention leaves them unset)."""
     if block_table is not None:
         raise InputError(
             "block_table: a paged cache in the varlen call has no attncc mapping; use flash_attn_with_kvcache "
@@ -243,10 +248,31 @@ def flash_attn_varlen_func(
     batch = cu_seqlens_q.shape[0] - 1
     options, inputs = _options_and_inputs(q, batch, q.shape[1], dropout_p, causal, window_size, softcap, alibi_slopes)
     kern = _kernel(options, q.device)
+    rows_q = q.shape[0]  # (keys past cu_seqlens_k's last offset are read by no sequence)
+    q, k, v = (
+        _up_to_last_offset(q, cu_seqlens_q),
+        _up_to_last_offset(k, cu_seqlens_k),
+        _up_to_last_offset(v, cu_seqlens_k),
+    )
     out, lse = kern.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=softmax_scale, **inputs
     )  # fmt: skip
+    if out.shape[0] < rows_q:  # (differentiable: the rows of no sequence get no gradient)
+        out = torch.cat([out, out.new_zeros(rows_q - out.shape[0], *out.shape[1:])])
+        lse = torch.cat([lse, lse.new_full((rows_q - lse.shape[0], *lse.shape[1:]), -math.inf)])
     return (out, lse.t().contiguous(), None) if return_attn_probs else out
+
+
+def _up_to_last_offset(rows: torch.Tensor, cu_seqlens: object) -> torch.Tensor:
+    """`rows` [total, heads, D] without those past cu_seqlens' last offset, where that is an
+    int offset inside them (the varlen call checks the offsets: anything else goes to it as
+    given, and is named there)."""
+    if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel()):
+        return rows
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        return rows
+    last = int(cu_seqlens[-1])
+    return rows[:last] if 0 <= last < rows.shape[0] else rows
 
 
 def flash_attn_with_kvcache(

@@ -16,9 +16,10 @@ The score and mask functions are traced into a DSL program (`attncc.frontend.fle
 once per program text and target and run with the tensors they read as runtime inputs, so
 `attncc.flex_program(score_mod, mask_mod).source` is the program a `.attn` file would hold.
 The block structure is attncc's own, derived from the mask function by its sparsity analysis:
-a BlockMask is read for its `mask_mod` (and its sequence lengths, which must be the call's),
-as `create_block_mask` makes it from that function; a BlockMask of block lists with no mask
-function (`BlockMask.from_kv_blocks`) is an error. `kernel_options` (Triton tile choices) are
+a BlockMask means what compiled Flex runs (`_mask_function`): keys in its listed blocks only,
+its `mask_mod` in the partial blocks and not in the full ones (its mask_mod alone where the
+lists are those `create_block_mask` makes from it; `BlockMask.from_kv_blocks` lists, with or
+without a mask function, as lists); its sequence lengths must be the call's. `kernel_options` (Triton tile choices) are
 accepted and have no effect: the tiles are the target's. Under torch.compile the tracing runs
 eagerly (a graph break before the kernel's call); `torch.compile(fullgraph=True)` takes the
 program's kernel, `attncc.compile(attncc.flex_program(score_mod, mask_mod).source)`, called
@@ -242,6 +243,10 @@ def flex_attention(
     mask = mask_mod if mask_mod is not None else _mask_function(block_mask, query, key)
     program = _traced(score_mod, mask)
     kern = _kernel(program.source, query.device)
+    if return_aux is not None and return_lse:  # (torch's rule; return_lse was dropped, silently)
+        raise InputError(
+            "return_lse and return_aux: give one (return_lse is deprecated in torch: return_aux=AuxRequest(lse=True))"
+        )
     if return_aux is None:
         return kern(query, key, value, scale=scale, return_lse=return_lse, **program.inputs)
     from torch.nn.attention.flex_attention import AuxOutput

@@ -17,9 +17,9 @@ process and target, cached on disk):
 q [..., L, E], k [..., S, E], v [..., S, Ev]: the leading dims are (batch..., heads) (three-dim
 inputs have one head), the same for q, k and v but the heads with `enable_gqa`; a mask
 broadcastable to [..., L, S] is read through a stride-0 view (never copied to full size), and
-a float mask that requires grad gets its gradient. Differences from torch, by design: rows that
-see no key give 0 (torch's math path gives NaN there); what is not SDPA's (nested tensors: call
-the kernel, which takes them) is an InputError naming the argument.
+a float mask that requires grad gets its gradient; rows that see no key give 0, as torch's
+(2.13). Differences from torch, by design: what is not SDPA's (nested tensors: call the
+kernel, which takes them) is an InputError naming the argument.
 """
 
 from __future__ import annotations
@@ -126,14 +126,18 @@ def scaled_dot_product_attention(
         )
     if q.shape[1] == 0:  # (no heads: nothing to attend, as SDPA returns)
         return query.new_zeros(*query.shape[:-1], value.shape[-1])
-    if q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
+    # (one key head broadcasts over the query heads as torch's batch dims do, enable_gqa or not)
+    if q.shape[1] != k.shape[1] and k.shape[1] != 1 and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
         raise InputError(
             f"key: {k.shape[1]} heads for query's {q.shape[1]}: pass enable_gqa=True where the query heads are "
             "groups of the key heads (a multiple)"
         )
     if not isinstance(is_causal, bool):
         raise InputError(f"is_causal: expected a bool, got {is_causal!r}")
-    given_dropout, dropout_p, scale = dropout_p, _number(dropout_p), checked_scale(scale)
+    given_dropout, dropout_p = dropout_p, _number(dropout_p)
+    # (while torch.compile traces, the kernel's call_scale takes a scale as given, symbolic
+    # after a recompile for a new value: math.isfinite here failed on it)
+    scale = scale if torch.compiler.is_compiling() else checked_scale(scale)
     if dropout_p is None or not 0 <= dropout_p < 1:
         raise InputError(f"dropout_p: expected a number in [0, 1), got {given_dropout!r}")
     inputs: dict[str, torch.Tensor] = {}
@@ -166,7 +170,7 @@ def scaled_dot_product_attention(
             tuple(slice(None) if d in mask_dims else 0 for d in MASK_DIMS)
         ]
     kern = _kernel(SdpaOptions(is_causal, kind, float(dropout_p), mask_dims if kind else ()), q.device)
-    out = kern(q, k, v, scale=None if scale is None else float(scale), **inputs)
+    out = kern(q, k, v, scale=scale, **inputs)
     return out.reshape(*query.shape[:-1], v.shape[-1])
 
 

@@ -341,6 +341,7 @@ class Kernel:
         # traces one: attributes, where a cached_property takes a lock dynamo cannot trace)
         self.reads_scale: bool = self.op.reads_scale
         self._host_reads: frozenset[str] = host_read_tensors(self.op.mask, self.op.score)
+        self._default_scale_reads: frozenset[str] = frozenset(free_vars(self.op.default_scale))
         text = print_graph(self.graph) + repr(self.op) + self.target
         self.key = f"{self.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
@@ -1151,6 +1152,12 @@ class Kernel:
         values = self._scales.get(key)
         if values is None:
             value = scale if scale is not None else float(evaluate(self.op.default_scale, sizes, {}))
+            if not math.isfinite(value):  # (as a call's scale=: every output was NaN)
+                read = ", ".join(f"{name}={sizes[name]}" for name in self._scale_sizes)
+                raise InputError(
+                    f"{self.name}: the program's `scale = {ex_render(self.op.default_scale)}` is {value} at {read}: "
+                    "expected a finite number"
+                )
             values = value, float(evaluate(self.op.scale, {**sizes, "scale": value}, {}))
             with self._lock:
                 if len(self._scales) >= PREPARED_CALLS_KEPT:
@@ -1162,7 +1169,7 @@ class Kernel:
         """A clear error where a call that gives no scale would take the program's default
         scale at sizes its sequences have each their own (`own_sizes`: a packed batch's N and M,
         a paged cache's M): one launch takes one scale (it was the longest sequence's, session 58)."""
-        if scale is None and (read := [name for name in own_sizes if name in free_vars(self.op.default_scale)]):
+        if scale is None and (read := [name for name in own_sizes if name in self._default_scale_reads]):
             raise InputError(
                 f"{self.name}: the program's `scale = {ex_render(self.op.default_scale)}` reads {' and '.join(read)}, "
                 f"each sequence's own in a {layout} call, and a launch takes one scale: give scale=, or write the "

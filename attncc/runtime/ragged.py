@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attncc.errors import InputError
+from attncc.ir.expr import python_number
 from attncc.runtime.fp8 import check_operand_dtypes, kv_descales
 from attncc.runtime.sinks import padded_rows
 
@@ -88,6 +89,9 @@ def _cumulative(name: str, cu: torch.Tensor, total: int, rows: str) -> list[int]
 def _longest(name: str, given: int | None, longest: int) -> int:
     if given is None:
         return longest
+    given = python_number(given)  # (numpy's integers; a 0-d integer tensor as its value, below)
+    if isinstance(given, torch.Tensor) and given.dim() == 0 and not (given.is_floating_point() or given.is_complex()):
+        given = int(given) if given.dtype != torch.bool else given
     if isinstance(given, bool) or not isinstance(given, int) or given < longest:
         raise InputError(f"{name}: expected an int >= the longest sequence, {longest}; got {given!r}")
     return given

@@ -76,10 +76,14 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
         a, b = evaluate(e.a, env, tensors), evaluate(e.b, env, tensors)
         if e.op == "div":
             return a.double() / b.double()
-        if e.op == "floordiv":
-            return torch.div(a, b, rounding_mode="floor")
-        if e.op == "mod":
-            return torch.remainder(a, b)
+        if e.op in ("floordiv", "mod"):
+            a, b = _t(a), _t(b)
+            # (an integer // or % by 0 has no value: torch raised a bare "ZeroDivisionError"
+            # RuntimeError from a sink's or a scale's; score maps and masks meet the same check
+            # before their kernels run, passes/sparsity.py check_reads_and_divisors)
+            if not (b.is_floating_point() or torch.compiler.is_compiling()) and bool((b == 0).any()):
+                raise InputError(f"`{ex.render(e)}`: the divisor `{ex.render(e.b)}` is 0 at these sizes and inputs")
+            return torch.div(a, b, rounding_mode="floor") if e.op == "floordiv" else torch.remainder(a, b)
         if e.op == "min":
             return torch.minimum(*torch.broadcast_tensors(*_promote(a, b)))
         if e.op == "max":

@@ -103,7 +103,9 @@ inline int64_t pymod(int64_t a, int64_t b) {
 // false for integers.
 template <typename T> inline T min_of(T a, T b) { return (a < b || a != a) ? a : b; }
 template <typename T> inline T max_of(T a, T b) { return (b < a || a != a) ? a : b; }
-inline int64_t math_abs(int64_t x) { return x < 0 ? -x : x; }
+// |INT64_MIN| wraps to itself as in torch, through uint64 (-x overflowed: undefined, and GCC
+// folded abs(x) > 0 to x != 0)
+inline int64_t math_abs(int64_t x) { return x < 0 ? int64_t(uint64_t(0) - uint64_t(x)) : x; }
 inline acc_t math_abs(acc_t x) { return std::abs(x); }
 // exp for a float or a vector of floats: Cody-Waite range reduction and a degree-6 polynomial
 // for 2^f (relative error < 2e-7), exactly 0 below the underflow threshold (so for -inf).

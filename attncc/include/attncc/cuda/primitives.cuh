@@ -446,7 +446,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // Used by generated expressions (the CPU header defines the same names; NaN from either operand).
 template <typename T> __device__ __forceinline__ T min_of(T a, T b) { return (a < b || a != a) ? a : b; }
 template <typename T> __device__ __forceinline__ T max_of(T a, T b) { return (b < a || a != a) ? a : b; }
-__device__ __forceinline__ int64_t math_abs(int64_t x) { return x < 0 ? -x : x; }
+__device__ __forceinline__ int64_t math_abs(int64_t x) { return x < 0 ? int64_t(uint64_t(0) - uint64_t(x)) : x; }  // wraps, as torch
 __device__ __forceinline__ float math_abs(float x) { return fabsf(x); }
 __device__ __forceinline__ float math_exp(float x) { return expf(x); }
 __device__ __forceinline__ float math_log(float x) { return logf(x); }
