@@ -297,6 +297,18 @@ def test_bad_calls_name_the_argument() -> None:
         )
 
 
+def test_flash_attn_varlen_func_under_torch_compile_fullgraph() -> None:
+    """The trim of rows past the last offset reads the offset's value: while dynamo traces it
+    is skipped (a guard on the value failed fullgraph), and the op reads the offsets."""
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(10, 2, 16, generator=generator) for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    call = torch.compile(
+        lambda q, k, v, cu: flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True), fullgraph=True, backend="eager"
+    )
+    torch.testing.assert_close(call(q, k, v, cu), flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True))
+
+
 def test_flash_attn_func_under_torch_compile_fullgraph() -> None:
     """A made kernel is looked up without the lock on a hit (dynamo refused the lock's context
     manager: fullgraph failed for every call)."""

@@ -123,6 +123,9 @@ def test_graph_printer_lists_statements_in_order() -> None:
             id="5000-digit integer",
         ),
         pytest.param(
+            "attention t\nconst c = " + "0" * 5000 + "1\nc = 2\n", 3, 1, "`c` is a constant", id="5000 leading zeros"
+        ),
+        pytest.param(
             "attention t\ninput x: float[" + "1" * 4400 + "]\n",
             2,
             16,

@@ -6,6 +6,8 @@ from attncc): no mask, causal (top-left, L < S and L > S), bool and float masks 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -252,6 +254,8 @@ def test_a_compiled_call_takes_a_new_scale_and_one_key_head_broadcasts() -> None
         with torch.no_grad():
             want = F.scaled_dot_product_attention(q, k, v, scale=scale)
             torch.testing.assert_close(attend(q, k, v, scale), want, atol=1e-11, rtol=1e-11)
+    with pytest.raises(InputError, match="scale: expected a finite number, got inf"):  # (not the program's)
+        attend(q, k, v, math.inf)
     one_head = [t[:, :1].detach().requires_grad_() for t in (k, v)]
     check({}, q, *one_head, [q, *one_head])
     check({"is_causal": True, "enable_gqa": True}, q, *one_head, [q, *one_head])

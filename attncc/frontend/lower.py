@@ -133,11 +133,12 @@ def _input(ctx: _Context, stmt: Ast) -> None:
 
 def _dim(d: Ast) -> str | int:
     if d.value.isdigit():
-        if _int_literal(d.value) < 1:
+        size = _int_literal(d.value)
+        if size < 1:
             raise DslError("a dimension must be at least 1", d.loc)
-        if _int_literal(d.value) > INT64_MAX:
+        if size > INT64_MAX:
             raise DslError(f"dimension `{_shown(d.value)}` is out of range (at most {INT64_MAX})", d.loc)
-        return int(d.value)
+        return size
     if not d.value.isidentifier():
         raise DslError(f"a dimension is a name or a positive integer, not `{d.value}`", d.loc)
     return d.value
@@ -343,7 +344,6 @@ def _apply_to_scores(ctx: _Context, op: Mask | Layout, loc: SourceLoc, reads: se
     # order, `t = s * 2; s = t + 1; mask ...` masked t, whose name came last (`s` kept its place)
     made = {node: n for n, node in enumerate(ctx.g.nodes)}
     target = max(scores, key=lambda ref: made[ref.node])
-    assert isinstance(target, TensorRef)
     node = add_op(ctx.g, op, [target.node], reads)
     if target.node in ctx.composed_scores:  # masks and layouts pass the scores through
         ctx.composed_scores[node] = ctx.composed_scores[target.node]
@@ -403,9 +403,10 @@ def _shown(text: str) -> str:
 def _number(ctx: _Context, a: Ast) -> Value:
     text = a.value
     if text.isdigit():
-        if _int_literal(text) > INT64_MAX:
+        value = _int_literal(text)
+        if value > INT64_MAX:
             raise DslError(f"integer `{_shown(text)}` is out of range (integers are int64: at most {INT64_MAX})", a.loc)
-        return ex.const(int(text))
+        return ex.const(value)
     value = float(text)
     if not math.isfinite(value):
         raise DslError(f"number `{_shown(text)}` is out of range", a.loc)

@@ -162,7 +162,7 @@ class _Source:
         src = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
         # (at most SHOWN_CHARS of the line, the column among them: a caret past a line cut at
         # 200 characters pointed at nothing)
-        start = 0 if column <= SHOWN_CHARS - 40 else column - 1 - (SHOWN_CHARS // 2)
+        start = 0 if len(src) <= SHOWN_CHARS or column <= SHOWN_CHARS // 2 else column - 1 - SHOWN_CHARS // 2
         return SourceLoc(self.path, line, column, src[start : start + SHOWN_CHARS], start)
 
 

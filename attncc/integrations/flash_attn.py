@@ -248,25 +248,25 @@ def flash_attn_varlen_func(
     batch = cu_seqlens_q.shape[0] - 1
     options, inputs = _options_and_inputs(q, batch, q.shape[1], dropout_p, causal, window_size, softcap, alibi_slopes)
     kern = _kernel(options, q.device)
-    rows_q = q.shape[0]  # (keys past cu_seqlens_k's last offset are read by no sequence)
-    q, k, v = (
-        _up_to_last_offset(q, cu_seqlens_q),
-        _up_to_last_offset(k, cu_seqlens_k),
-        _up_to_last_offset(v, cu_seqlens_k),
-    )
+    rows_q = q.shape[0]
+    q = _up_to_last_offset(q, cu_seqlens_q)  # (keys past cu_seqlens_k's last offset are read by no sequence)
+    k, v = _up_to_last_offset(k, cu_seqlens_k), _up_to_last_offset(v, cu_seqlens_k)
     out, lse = kern.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=softmax_scale, **inputs
     )  # fmt: skip
     if out.shape[0] < rows_q:  # (differentiable: the rows of no sequence get no gradient)
         out = torch.cat([out, out.new_zeros(rows_q - out.shape[0], *out.shape[1:])])
-        lse = torch.cat([lse, lse.new_full((rows_q - lse.shape[0], *lse.shape[1:]), -math.inf)])
+        if return_attn_probs:
+            lse = torch.cat([lse, lse.new_full((rows_q - lse.shape[0], *lse.shape[1:]), -math.inf)])
     return (out, lse.t().contiguous(), None) if return_attn_probs else out
 
 
 def _up_to_last_offset(rows: torch.Tensor, cu_seqlens: object) -> torch.Tensor:
     """`rows` [total, heads, D] without those past cu_seqlens' last offset, where that is an
     int offset inside them (the varlen call checks the offsets: anything else goes to it as
-    given, and is named there)."""
+    given, and is named there; while torch.compile traces, all of them)."""
+    if torch.compiler.is_compiling():  # (a guard on the offset's value: no fullgraph; the op checks it)
+        return rows
     if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel()):
         return rows
     if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:

@@ -240,13 +240,13 @@ def flex_attention(
         )
     if mask_mod is not None and block_mask is not None:
         raise InputError("mask_mod and block_mask: give one (a BlockMask carries its mask_mod)")
-    mask = mask_mod if mask_mod is not None else _mask_function(block_mask, query, key)
-    program = _traced(score_mod, mask)
-    kern = _kernel(program.source, query.device)
     if return_aux is not None and return_lse:  # (torch's rule; return_lse was dropped, silently)
         raise InputError(
             "return_lse and return_aux: give one (return_lse is deprecated in torch: return_aux=AuxRequest(lse=True))"
         )
+    mask = mask_mod if mask_mod is not None else _mask_function(block_mask, query, key)
+    program = _traced(score_mod, mask)
+    kern = _kernel(program.source, query.device)
     if return_aux is None:
         return kern(query, key, value, scale=scale, return_lse=return_lse, **program.inputs)
     from torch.nn.attention.flex_attention import AuxOutput

@@ -126,7 +126,7 @@ def scaled_dot_product_attention(
         )
     if q.shape[1] == 0:  # (no heads: nothing to attend, as SDPA returns)
         return query.new_zeros(*query.shape[:-1], value.shape[-1])
-    # (one key head broadcasts over the query heads as torch's batch dims do, enable_gqa or not)
+    # (a key and value of one head broadcast over the query heads, enable_gqa or not, as in torch)
     if q.shape[1] != k.shape[1] and k.shape[1] != 1 and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
         raise InputError(
             f"key: {k.shape[1]} heads for query's {q.shape[1]}: pass enable_gqa=True where the query heads are "

@@ -33,6 +33,7 @@ import stat
 import subprocess
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from functools import cache, partial
@@ -85,10 +86,13 @@ LIBRARY_NAME_CHARS = 120
 # cache directory.
 PRECOMPILED_DIR = ".preambles"
 _LOADED: dict[Path, ctypes.CDLL] = {}
-#: How to write a cached library's sources and build it again, for the libraries this process
-#: asked build_library for: load_library's rebuild of a damaged library (its sources beside it
-#: may be damaged too: a rebuild from them alone failed once, a BuildError).
-_REBUILDS: dict[Path, Callable[[], None]] = {}
+#: How to write a cached library's sources and build it again, for the last REBUILDS_KEPT
+#: libraries this process asked build_library for: load_library's rebuild of a damaged library
+#: (its sources beside it may be damaged too: a rebuild from them alone failed once, a
+#: BuildError). Each holds its source (~100 KB), so only the latest are kept: load_library
+#: runs right after build_library.
+_REBUILDS: OrderedDict[Path, Callable[[], None]] = OrderedDict()
+REBUILDS_KEPT = 32
 _PREBUILDING_INTO: list[Path] = []  # innermost `prebuilding_into` directory last
 _DAMAGED_PREBUILT: set[Path] = set()  # warned about once per process
 _LOAD_LOCK = module_lock(__name__, "_LOAD_LOCK")
@@ -416,9 +420,13 @@ def build_library(
         directory = cache_dir() / f"{name}-{cache_key(key_text)}"
     library = directory / "kernel.so"
     if not _PREBUILDING_INTO:
-        _REBUILDS[library] = partial(
-            _build_in, directory, name, source, includes, cuda_arch, host_flags, parts, before_build
-        )
+        with _LOAD_LOCK:
+            _REBUILDS[library] = partial(
+                _build_in, directory, name, source, includes, cuda_arch, host_flags, parts, before_build
+            )
+            _REBUILDS.move_to_end(library)
+            if len(_REBUILDS) > REBUILDS_KEPT:
+                _REBUILDS.popitem(last=False)  # (the oldest)
     if _digest_path(library).exists():  # written after the library: the build is complete
         return library
     with _writing_into_cache(directory, name):  # (`mkdir`, the lock, the sources)

@@ -1152,11 +1152,14 @@ class Kernel:
         values = self._scales.get(key)
         if values is None:
             value = scale if scale is not None else float(evaluate(self.op.default_scale, sizes, {}))
-            if not math.isfinite(value):  # (as a call's scale=: every output was NaN)
+            if not math.isfinite(value):  # (every output was NaN; a call's scale= is checked before,
+                # but where torch.compile traces, passed as given)
+                if scale is not None:
+                    raise InputError(f"scale: expected a finite number, got {scale!r}")
                 read = ", ".join(f"{name}={sizes[name]}" for name in self._scale_sizes)
                 raise InputError(
-                    f"{self.name}: the program's `scale = {ex_render(self.op.default_scale)}` is {value} at {read}: "
-                    "expected a finite number"
+                    f"{self.name}: the program's `scale = {ex_render(self.op.default_scale)}` is {value}"
+                    f"{f' at {read}' if read else ''}: expected a finite number"
                 )
             values = value, float(evaluate(self.op.scale, {**sizes, "scale": value}, {}))
             with self._lock:

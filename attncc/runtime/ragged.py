@@ -86,7 +86,7 @@ def _cumulative(name: str, cu: torch.Tensor, total: int, rows: str) -> list[int]
     return values
 
 
-def _longest(name: str, given: int | None, longest: int) -> int:
+def _longest(name: str, given: object, longest: int) -> int:
     if given is None:
         return longest
     given = python_number(given)  # (numpy's integers; a 0-d integer tensor as its value, below)

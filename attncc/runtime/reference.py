@@ -78,11 +78,15 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
             return a.double() / b.double()
         if e.op in ("floordiv", "mod"):
             a, b = _t(a), _t(b)
-            # (an integer // or % by 0 has no value: torch raised a bare "ZeroDivisionError"
-            # RuntimeError from a sink's or a scale's; score maps and masks meet the same check
-            # before their kernels run, passes/sparsity.py check_reads_and_divisors)
-            if not (b.is_floating_point() or torch.compiler.is_compiling()) and bool((b == 0).any()):
-                raise InputError(f"`{ex.render(e)}`: the divisor `{ex.render(e.b)}` is 0 at these sizes and inputs")
+            if not b.is_floating_point():
+                # An integer // or % by 0 has no value: torch raised a bare "ZeroDivisionError"
+                # RuntimeError from a sink's or a scale's (host values). As the kernels' check
+                # (passes/sparsity.py check_reads_and_divisors, which a device call meets before
+                # its kernels run: no synchronisation here), at every position, whatever `where`
+                # surrounds it: the vectorised kernels compute both branches.
+                if b.device.type == "cpu" and not torch.compiler.is_compiling() and bool((b == 0).any()):
+                    raise InputError(f"`{ex.render(e)}`: the divisor `{ex.render(e.b)}` is 0 at these sizes and inputs")
+                b = torch.where(b == 0, 1, b)  # (a device's: refused by that check, not torch's garbage)
             return torch.div(a, b, rounding_mode="floor") if e.op == "floordiv" else torch.remainder(a, b)
         if e.op == "min":
             return torch.minimum(*torch.broadcast_tensors(*_promote(a, b)))
