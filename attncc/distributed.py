@@ -44,8 +44,9 @@ from attncc.ir import expr as ex
 from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
 from attncc.passes.sparsity import EMPTY, FULL, PARTIAL, Problem, check_reads_and_divisors, classify_tiles
 from attncc.passes.sparsity import runtime_tensors as with_layout_grids
+from attncc.runtime.amp import autocast_dtype, cast_operands
 from attncc.runtime.fp8 import is_fp8
-from attncc.runtime.kernel import Kernel, checked_train, no_double_backward, seed_tensor
+from attncc.runtime.kernel import Kernel, _resolved, checked_train, no_double_backward, seed_tensor
 from attncc.runtime.merge import merge_states
 from attncc.runtime.reference import evaluate
 
@@ -612,6 +613,19 @@ def context_parallel(
             raise InputError(f"{name}: expected this rank's slice [B, heads, rows, D], a dense tensor, got {shape}")
         if is_fp8(t):
             raise InputError(f"{name}: fp8 K/V are forward-only serving inputs; context_parallel takes float q, k, v")
+    lower = autocast_dtype(q)
+    if lower is not None:  # (as the single-process call under torch.autocast: runtime/amp.py; it ran in fp32)
+        with torch.autocast(q.device.type, enabled=False):
+            return context_parallel(
+                kern, *cast_operands(lower, q, k, v), group=group, layout=layout, return_lse=return_lse, scale=scale,
+                train=train, seed=seed, **inputs,
+            )  # fmt: skip
+    if v.shape[:3] != k.shape[:3]:  # (the checks below see each chunk: v's extra rows were ignored)
+        raise InputError(
+            f"v: expected shape [{', '.join(map(str, k.shape[:3]))}, Dv] (that of k but the head dim), got "
+            f"{tuple(v.shape)}"
+        )
+    q, k, v = _resolved(q, k, v)  # (a negative-bit view's values: the ring's kernels read storage)
     _check_same_call(group, world_size, rank, layout, (q, k, v), scale, inputs)
     per_rank = chunks_per_rank(layout)
     B, H, N_local, D = q.shape

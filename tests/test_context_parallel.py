@@ -414,6 +414,29 @@ def test_bad_calls_are_named(one_rank: None) -> None:
         )
 
 
+def test_negative_bit_views_longer_values_and_autocast_are_the_plain_call_s(one_rank: None) -> None:
+    """Session 60's review: q given as a negative-bit view (z.conj().imag) was read unnegated
+    by the ring's kernels (2.39 off), a v of more rows than k was taken (its first rows; a
+    shorter one a RuntimeError from torch's narrow), and under torch.autocast the ring ran in
+    fp32 (and refused fp32 q, k beside a bf16 v) where the plain call runs in bf16."""
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(1, 2, 8, 16, dtype=torch.complex64, generator=gen)
+    k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(2))
+    q = z.conj().imag
+    assert q.is_neg()
+    scores = (-z.imag.double()) @ k.double().transpose(-1, -2) / 4.0
+    want = torch.softmax(scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), -math.inf), -1) @ v.double()
+    assert torch.allclose(cp.context_parallel(kern, q, k, v).double(), want, atol=1e-5)
+    for rows in (16, 6):
+        with pytest.raises(attncc.InputError, match=rf"v: expected shape \[1, 2, 8, Dv\] .*got \(1, 2, {rows}, 16\)"):
+            cp.context_parallel(kern, k, k, torch.randn(1, 2, rows, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for operands in ((k, k, v), (k, k, v.bfloat16())):
+            out = cp.context_parallel(kern, *operands)
+            assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), kern(*operands).float(), atol=2e-2)
+
+
 def test_scale_and_runtime_inputs_are_checked_as_in_the_plain_call(
     one_rank: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
