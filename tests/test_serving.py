@@ -1304,6 +1304,20 @@ def test_a_planned_call_is_checked_against_its_plan() -> None:
             kern.paged(**args)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_a_plan_keeps_the_table_it_was_made_from(dtype: torch.dtype) -> None:
+    """A server reusing its block-table buffer for the next step: a CPU int64 table was the
+    plan's own (an int32 one a copy), so the kernel read the new page ids, unchecked (a page id
+    past the cache: a segfault). The plan holds copies, whatever the dtypes."""
+    q, pages = torch.randn(2, 1, 4, 16), torch.randn(8, 8, 2, 16)
+    table, lengths = torch.tensor([[0, 1], [2, 3]], dtype=dtype), torch.tensor([3, 9], dtype=dtype)
+    kern = kernel("vanilla")
+    want = kern.paged(q, pages, pages, table, lengths)
+    plan = attncc.plan_paged(pages, table, lengths)
+    table[1], lengths[0] = torch.tensor([10**9, 5]), 16  # (the next step's, in the same buffers)
+    assert torch.equal(kern.paged(q, pages, pages, plan=plan), want)
+
+
 def test_vanilla_and_causal_references_differ_here() -> None:
     """The packed shapes make the causal mask bite (else the tests above could not tell)."""
     shape = CASES["causal"].shape

@@ -537,8 +537,10 @@ def plan_paged(
         raise InputError(f"k_cache: expected pages of at least one row, got shape {tuple(k_cache.shape)}")
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
         raise InputError(f"new_tokens: expected an int >= 0, got {new_tokens!r}")
-    table = _host_ints("block_table", block_table, 2, "[B, max_pages]", k_cache.device)
-    lengths = _host_ints("cache_seqlens", cache_seqlens, 1, "[B]", k_cache.device)
+    # copies, always (the caller may reuse its tensors for the next step's table): a CPU int64
+    # table was the caller's own, so a page id written after the plan was read unchecked
+    table = _host_ints("block_table", block_table, 2, "[B, max_pages]", k_cache.device).clone()
+    lengths = _host_ints("cache_seqlens", cache_seqlens, 1, "[B]", k_cache.device).clone()
     if table.shape[0] != lengths.shape[0]:
         raise InputError(
             f"block_table, cache_seqlens: expected one sequence count, got {table.shape[0]} and {lengths.shape[0]}"
