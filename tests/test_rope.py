@@ -295,7 +295,7 @@ def test_rotated_dims_beyond_the_head_dim_are_named() -> None:
     [
         ("v = rope(v, theta=10000)", "`v` is reserved or an input and cannot be assigned"),
         ("q = rope(k, theta=10000)", "`q = rope(q, ...)` rotates q itself"),
-        ("q = rope(q, theta=0.5)", "rope's theta must be a number above 1"),
+        ("q = rope(q, theta=0.5)", "rope's theta must be a finite number above 1"),
         ("q = rope(q, dims=7)", "rope's dims must be a positive even number"),
         ("q = rope(q, interleaved=2)", "rope's interleaved is 0"),
         ("q = rope(q, position=j)", "rope's position of q's rows may use b, i, the sizes and inputs, not j"),
