@@ -678,3 +678,25 @@ def test_a_sinks_or_scales_zero_divisor_and_a_non_finite_program_scale_are_clear
     q7, k7, v7 = (t.float() for t in qkv(5, 7, 8))  # (M = 7: scale 1, plain attention)
     want = torch.softmax(q7.double() @ k7.double().transpose(-1, -2), -1) @ v7.double()
     assert torch.allclose(kern(q7, k7, v7).double(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("init", [(0.0, 0.0), (0.3, -0.2), (-0.3, 0.2)], ids=["ties", "a_above", "b_above"])
+def test_gradients_at_ties_and_at_abs_zero_follow_torch(init: tuple[float, float]) -> None:
+    """`max(a, b)` at a tie gave a all the gradient and abs'(0) was 1, where torch.maximum /
+    minimum give half to each and abs' is the sign (0 at 0): a learnable input starting at 0
+    (session 60's review: dw [-1.65, 0] where torch gives [-0.17, -0.17]); away from ties both
+    agree. The reference: torch's autograd on float64 scores."""
+    body = (
+        "input w: float[2]\ns = q @ k.T * scale\n"
+        "s = s * (1.0 + abs(w[0])) + max(w[0], w[1]) * (i - j) / 8.0 + min(w[1], w[0]) * (i + j) / 16.0\n"
+    )
+    kern = attncc.compile(program(body, "ties"))
+    q, k, v = qkv(8, 8)
+    w = torch.tensor(init, dtype=torch.float64, requires_grad=True)
+    kern(q, k, v, w=w).sum().backward()
+    want = torch.tensor(init, dtype=torch.float64, requires_grad=True)
+    i, j = torch.arange(8.0).view(-1, 1), torch.arange(8.0).view(1, -1)
+    scores = q @ k.transpose(-1, -2) / 4.0 * (1 + want[0].abs())
+    scores = scores + torch.maximum(want[0], want[1]) * (i - j) / 8 + torch.minimum(want[1], want[0]) * (i + j) / 16
+    (torch.softmax(scores, -1) @ v).sum().backward()
+    assert torch.allclose(w.grad, want.grad, atol=1e-6), (w.grad, want.grad)

@@ -352,7 +352,10 @@ def diff(e: Expr, wrt: Expr) -> Expr:
     """The symbolic derivative d e / d wrt, where `wrt` is a float Var or Read leaf.
 
     Comparisons, floor division and modulo are piecewise constant, so their derivative is 0;
-    `min`, `max`, `abs` and `where` take the derivative of the branch they select.
+    `where` takes the derivative of the branch it selects, `min` and `max` of the operand they
+    select and half of each at a tie, `abs` the sign (0 at 0): torch's conventions, which the
+    reference's autograd and Flex's score_mod follow (session 60: a tie gave one operand all of
+    it, abs'(0) was 1, so a learnable input starting at 0 got other gradients).
     """
     return fold(_diff(e, wrt))
 
@@ -388,7 +391,9 @@ def _diff(e: Expr, wrt: Expr) -> Expr:
         dx = _diff(e.x, wrt)
         rules = {
             "neg": lambda: _sub(zero, dx),
-            "abs": lambda: _mul(Where(Binary("lt", e.x, const(0)), const(-1.0), one), dx),
+            "abs": lambda: _mul(
+                Where(Binary("lt", e.x, zero), const(-1.0), Where(Binary("gt", e.x, zero), one, zero)), dx
+            ),
             "exp": lambda: _mul(e, dx),
             "log": lambda: Binary("div", dx, e.x),
             "tanh": lambda: _mul(Binary("sub", one, Binary("mul", e, e)), dx),
@@ -408,10 +413,10 @@ def _diff(e: Expr, wrt: Expr) -> Expr:
             if _is_const(db, 0):
                 return Binary("div", da, b)
             return Binary("div", _sub(_mul(da, b), _mul(a, db)), Binary("mul", b, b))
-        if e.op == "min":
-            return Where(Binary("le", a, b), da, db)
-        if e.op == "max":
-            return Where(Binary("ge", a, b), da, db)
+        if e.op in ("min", "max"):
+            first, second = (a, b) if e.op == "min" else (b, a)  # (min picks a where a < b, max where b < a)
+            tie = _mul(_add(da, db), const(0.5))
+            return Where(Binary("lt", first, second), da, Where(Binary("lt", second, first), db, tie))
         return zero  # floordiv, mod: piecewise constant
     if isinstance(e, Where):
         return Where(e.cond, _diff(e.a, wrt), _diff(e.b, wrt))
