@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -41,8 +40,10 @@ def _shape(text: str) -> Shape:
         raise argparse.ArgumentTypeError(
             "expected B,H,Hkv,N,M,D[,Dv] such as 1,8,8,2048,2048,64 (Dv: v's head dim, default D)"
         ) from None
-    if min(values) < 0 or shape.H < 1 or shape.Hkv < 1 or shape.D < 1 or shape.H % shape.Hkv:
-        raise argparse.ArgumentTypeError(f"expected sizes >= 0, H, Hkv and D >= 1 and H a multiple of Hkv, got {text}")
+    if min(values) < 0 or shape.H < 1 or shape.Hkv < 1 or shape.D < 1 or shape.Dv < 1 or shape.H % shape.Hkv:
+        raise argparse.ArgumentTypeError(
+            f"expected sizes >= 0, H, Hkv, D and Dv >= 1 and H a multiple of Hkv, got {text}"
+        )
     return shape
 
 
@@ -263,7 +264,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         from attncc.codegen.cuda import storage_dtypes
 
-        dtypes = [d for d in args.dtype if d in storage_dtypes(args.target)] or ["float16"]
+        dtypes = [d for d in args.dtype if d in storage_dtypes(args.target)]
+        if not dtypes:  # (float16 was checked instead, silently)
+            raise AttnccError(
+                f"--dtype {' '.join(args.dtype)}: the {args.target} kernels take {' and '.join(storage_dtypes(args.target))}"
+            )
     backward = not args.forward_only
     failures = 0
     for shape in shapes:
@@ -370,19 +375,22 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     """What the kernel cache holds (libraries, their objects, precompiled preambles), or clear
     or trim it."""
-    from attncc.runtime.build import CACHE_LIMIT_ENV, PRECOMPILED_DIR, cache_dir, trim_cache
+    from attncc.runtime.build import CACHE_LIMIT_ENV, PRECOMPILED_DIR, cache_dir, cache_entries, trim_cache
 
     root = cache_dir()
-    if args.trim is not None:
-        if not 0 <= args.trim < math.inf:  # (inf: an OverflowError from int() before)
+    if args.trim is not None or args.clear:
+        # Only attncc's entries (kernels' and precompiled preambles' directories, by their names)
+        # go: an ATTNCC_CACHE_DIR shared with other files lost them all. Safe beside running
+        # processes: a loaded library stays mapped; the next call rebuilds.
+        if args.trim is not None and not 0 <= args.trim < math.inf:  # (inf: an OverflowError from int())
             raise AttnccError(f"--trim: expected a finite number of megabytes >= 0, got {args.trim}")
-        removed, freed = trim_cache(int(args.trim * 1e6))
-        print(f"removed {removed} least recently used entries ({freed / 1e6:.1f} MB) from {root}")
-        return 0
-    if args.clear:
-        # (safe beside running processes: a loaded library stays mapped; the next call rebuilds)
-        shutil.rmtree(root, ignore_errors=True)
-        print(f"cleared {root}")
+        limit, spare = (0, 0.0) if args.clear else (int(args.trim * 1e6), None)
+        removed, freed = trim_cache(limit, spare_seconds=spare) if spare is not None else trim_cache(limit)
+        kept = len(cache_entries()) if args.clear else 0
+        if kept:  # (rmtree's failures were reported as removed)
+            raise AttnccError(f"attncc cache --clear: {kept} entries of {root} could not be removed (read-only?)")
+        what = "entries" if args.clear else "least recently used entries"
+        print(f"removed {removed} {what} ({freed / 1e6:.1f} MB) from {root}")
         return 0
     sizes: dict[str, list[int]] = {"libraries": [], "objects": [], "precompiled preambles": []}
     for path in root.rglob("*") if root.is_dir() else ():

@@ -195,6 +195,16 @@ def test_cpu_head_dims_beyond_the_kernels_limit_are_one_line_errors(tmp_path, ca
     assert cli_main(["compile", CAUSAL, "--head-dim", "576", "--shape", "1,2,2,8,8,576"]) == 0
 
 
+def test_cli_refusals_of_session_60s_review(capsys) -> None:
+    """`check --target sm80 --emulate --dtype float32` checked float16 instead, silently; a
+    `--shape` with Dv = 0 was taken ("0.2x less traffic")."""
+    assert cli_main(["check", CAUSAL, "--target", "sm80", "--emulate", "--dtype", "float32"]) == 1
+    assert "--dtype float32: the sm80 kernels take bfloat16 and float16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["explain", CAUSAL, "--shape", "1,1,1,4,4,8,0"])
+    assert "H, Hkv, D and Dv >= 1" in capsys.readouterr().err
+
+
 def test_fp8_forwards_prebuild_and_load_from_the_directory(tmp_path, monkeypatch, capsys) -> None:
     """`--kv-dtypes float8_e4m3fn`: the fp8 forward of each q dtype that takes it (not float64)
     is prebuilt beside the plain libraries and an fp8 call loads it from there."""

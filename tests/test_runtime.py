@@ -24,7 +24,9 @@ from attncc.runtime.build import (
     PRECOMPILED_DIR,
     _compiler_is_gcc,
     build_library,
+    cache_dir,
     load_library,
+    optimization_flags,
 )
 from attncc.runtime.inputs import Shape, make_inputs
 from attncc.runtime.philox import philox4x32_10
@@ -708,6 +710,26 @@ def test_debug_builds_are_unoptimised_with_debug_info_and_cached_apart(monkeypat
         assert (" -O0 -g " in command) == (value == "1") and optimised == (value != "1"), command
         assert load_library(paths[value]).debug_build_probe() == 7
     assert paths[""] == paths["0"] != paths["1"]
+    # the usual spellings of off are off (`false` built -O0 kernels, ~7x slower), of on on; others an error
+    for value, flags in (
+        ("false", OPTIMIZED_FLAGS),
+        ("Off", OPTIMIZED_FLAGS),
+        ("no", OPTIMIZED_FLAGS),
+        ("yes", ("-O0", "-g")),
+    ):
+        monkeypatch.setenv(DEBUG_BUILD_ENV, value)
+        assert optimization_flags() == flags, value
+    monkeypatch.setenv(DEBUG_BUILD_ENV, "maybe")
+    with pytest.raises(attncc.BuildError, match=r"ATTNCC_DEBUG_BUILD: expected 1, true, yes or on .*got 'maybe'"):
+        build_library(source, "debug-build-probe")
+
+
+def test_a_relative_cache_directory_is_made_absolute(tmp_path, monkeypatch) -> None:
+    """A relative ATTNCC_CACHE_DIR: the precompiled preamble's compile runs in its own
+    directory, where the relative header path named nothing, so every build ran without it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", "relative/cache")
+    assert cache_dir() == tmp_path / "relative" / "cache"
 
 
 def test_calls_skip_the_op_dispatch_only_where_nothing_observes_it() -> None:
@@ -822,7 +844,8 @@ def test_cli_cache_reports_and_clears_the_kernel_cache(tmp_path, monkeypatch, ca
     report = capsys.readouterr().out
     assert f"{tmp_path / 'cache'}:" in report and "     1 libraries" in report, report
     assert main(["cache", "--clear"]) == 0
-    assert not (tmp_path / "cache").exists()
+    assert "removed 2 entries" in capsys.readouterr().out  # (the kernel's directory and its preamble's)
+    assert not any(d.is_dir() and d.name.startswith("vanilla-") for d in (tmp_path / "cache").iterdir())
 
 
 def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, capsys) -> None:
@@ -844,12 +867,16 @@ def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, c
         os.utime(path, (time.time() - age, time.time() - age))
         return path
 
-    oldest = entry(root / "alibi-1", 3000, 5000)
-    preamble = entry(root / build.PRECOMPILED_DIR / "p1", 2000, 4000)
-    newer = entry(root / "causal-2", 1000, 3000)
+    key = "0123456789abcdef0123"  # (a cache key's 20 hex digits: what marks an entry as attncc's)
+    oldest = entry(root / f"alibi-{key}", 3000, 5000)
+    preamble = entry(root / build.PRECOMPILED_DIR / key, 2000, 4000)
+    newer = entry(root / f"causal-{key}", 1000, 3000)
+    # another program's files in a shared cache directory (set to ~/.cache, say), older than
+    # every entry: trimmed and cleared with the cache's, until session 60
+    foreign = [entry(root / "my_project", 7000, 9000), entry(root / "alibi-1", 10, 9000)]
     (newer / "preamble.h.gch").symlink_to(preamble / "kernel.so")
     os.utime(newer, (time.time() - 3000, time.time() - 3000))  # (the link's creation touched it)
-    recent = entry(root / "vanilla-3", 4000, 10)
+    recent = entry(root / f"vanilla-{key}", 4000, 10)
     assert [size for _, size, _ in build.cache_entries()] == [3000, 2000, 1000, 4000]
     assert build.trim_cache(6000) == (2, 5000)  # the oldest two; 5000 bytes left
     assert not oldest.exists() and not preamble.exists() and newer.exists()
@@ -863,7 +890,7 @@ def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, c
     assert "argument --trim: not allowed with argument --clear" in capsys.readouterr().err
 
     # a build with the limit set trims the cache; the kernel it built is marked used and stays
-    stale = entry(root / "stale-4", 5000, 9000)
+    stale = entry(root / f"stale-{key}", 5000, 9000)
     monkeypatch.setenv(build.CACHE_LIMIT_ENV, "0.001")
     kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
     q = torch.randn(1, 1, 5, 8, dtype=torch.float64)
@@ -874,6 +901,9 @@ def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, c
         attncc.BuildError, match="ATTNCC_CACHE_LIMIT_MB: expected a number of megabytes >= 0, got 'lots'"
     ):
         build.cache_limit_bytes()
+    monkeypatch.delenv(build.CACHE_LIMIT_ENV)
+    assert main(["cache", "--clear"]) == 0 and "removed " in capsys.readouterr().out
+    assert build.cache_entries() == [] and all(path.exists() for path in foreign)
 
 
 NO_NUMPY_SCRIPT = """

@@ -100,7 +100,16 @@ _LOAD_LOCK = module_lock(__name__, "_LOAD_LOCK")
 
 def cache_dir() -> Path:
     root = os.environ.get("ATTNCC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "attncc")
-    return Path(root)
+    # (absolute: a relative one made the precompiled preamble's compile, run in its directory,
+    # miss its header, and every build ran without it)
+    return Path(os.path.abspath(os.path.expanduser(root)))
+
+
+#: A kernel's cache directory (`build_library`: name, a dash, its key) and a precompiled
+#: preamble's (its key): what the cache's trimming and clearing may remove, and nothing else
+#: (a cache directory set to a shared one, ~/.cache, held other programs' files).
+KERNEL_ENTRY = re.compile(r"^.+-[0-9a-f]{20}$")
+PREAMBLE_ENTRY = re.compile(r"^[0-9a-f]{20}$")
 
 
 # ATTNCC_CACHE_LIMIT_MB=N: after each build the cache is trimmed to N MB, least recently used
@@ -127,9 +136,9 @@ def cache_entries(root: Path | None = None) -> list[tuple[float, int, Path]]:
     if not root.is_dir():
         return []
     entries = []
-    directories = [d for d in root.iterdir() if d.is_dir() and d.name != PRECOMPILED_DIR]
+    directories = [d for d in root.iterdir() if d.is_dir() and KERNEL_ENTRY.match(d.name)]
     if (root / PRECOMPILED_DIR).is_dir():
-        directories += [d for d in (root / PRECOMPILED_DIR).iterdir() if d.is_dir()]
+        directories += [d for d in (root / PRECOMPILED_DIR).iterdir() if d.is_dir() and PREAMBLE_ENTRY.match(d.name)]
     for directory in directories:
         size = 0
         for folder, _, files in os.walk(directory):
@@ -142,19 +151,22 @@ def cache_entries(root: Path | None = None) -> list[tuple[float, int, Path]]:
     return sorted(entries, key=lambda entry: entry[0])
 
 
-def trim_cache(limit_bytes: int, root: Path | None = None) -> tuple[int, int]:
+def trim_cache(
+    limit_bytes: int, root: Path | None = None, spare_seconds: float = TRIM_SPARES_SECONDS
+) -> tuple[int, int]:
     """Remove the least recently used entries of the cache (`cache_entries`) until it holds at
-    most `limit_bytes`, keeping those used in the last TRIM_SPARES_SECONDS. Returns (entries
-    removed, bytes freed). Safe beside running processes: a loaded library stays mapped, and a
-    removed kernel is rebuilt on its next call."""
+    most `limit_bytes`, keeping those used in the last `spare_seconds`. Returns (entries
+    removed, bytes freed), those actually gone (a read-only cache's stay). Safe beside running
+    processes: a loaded library stays mapped, and a removed kernel is rebuilt on its next call."""
     entries = cache_entries(root)
     total, removed, freed = sum(size for _, size, _ in entries), 0, 0
-    spared_from = time.time() - TRIM_SPARES_SECONDS
+    spared_from = time.time() - spare_seconds
     for last_use, size, directory in entries:
         if total - freed <= limit_bytes or last_use >= spared_from:
             break
         shutil.rmtree(directory, ignore_errors=True)
-        removed, freed = removed + 1, freed + size
+        if not directory.exists():
+            removed, freed = removed + 1, freed + size
     return removed, freed
 
 
@@ -173,8 +185,14 @@ def cache_limit_bytes() -> int | None:
 
 
 def optimization_flags(optimized: tuple[str, ...] = OPTIMIZED_FLAGS) -> tuple[str, ...]:
-    """`optimized`, or DEBUG_FLAGS where ATTNCC_DEBUG_BUILD is set to anything but "" or "0"."""
-    return DEBUG_FLAGS if os.environ.get(DEBUG_BUILD_ENV, "").strip() not in ("", "0") else optimized
+    """`optimized`, or DEBUG_FLAGS where ATTNCC_DEBUG_BUILD is on (1, true, yes, on); off: unset,
+    0, false, no, off; anything else is an error (`false` built -O0 kernels, ~7x slower)."""
+    given = os.environ.get(DEBUG_BUILD_ENV, "").strip()
+    if given.lower() in ("", "0", "false", "no", "off"):
+        return optimized
+    if given.lower() in ("1", "true", "yes", "on"):
+        return DEBUG_FLAGS
+    raise BuildError(f"{DEBUG_BUILD_ENV}: expected 1, true, yes or on (or 0, false, no, off), got {given!r}")
 
 
 def compiler() -> str:
@@ -394,6 +412,7 @@ def build_library(
     """
     includes = includes or {}
     name = name[:LIBRARY_NAME_CHARS]  # (the key, not the name, tells libraries apart)
+    limit = cache_limit_bytes()  # (checked at every build: a bad value failed a new build's call alone)
     key_text = source + "".join(f"\n//--{n}\n{t}" for n, t in sorted(includes.items())) + f"\n//--arch {cuda_arch}"
     host_flags = FLAGS + optimization_flags(optimized) + isa_flags
     key_text += "\n//--flags " + " ".join(host_flags)
@@ -435,14 +454,13 @@ def build_library(
             if _digest_path(library).exists():
                 return library
             _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
-    limit = cache_limit_bytes()
     if limit is not None and not _PREBUILDING_INTO:
         trim_cache(limit)
     return library
 
 
 #: What writing into a cache that is not ours to write fails with: read-only, not permitted, full.
-UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
+UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST}
 
 
 @contextmanager
@@ -454,6 +472,11 @@ def _writing_into_cache(directory: Path, name: str):  # noqa: ANN202 - context m
     except OSError as error:
         if error.errno not in UNWRITABLE:
             raise
+        if _PREBUILDING_INTO:
+            raise BuildError(
+                f"kernel {name}: cannot write to the prebuild directory {directory.parent} ({error.strerror or error}): "
+                "give `attncc prebuild -o` a writable directory"
+            ) from None
         raise BuildError(
             f"kernel {name}: cannot write to the kernel cache {directory.parent} ({error.strerror or error}): set "
             f"ATTNCC_CACHE_DIR to a writable directory, or ship the kernels prebuilt ({PREBUILT_ENV}, "
@@ -476,6 +499,10 @@ def _build_in(
     and the kernel built without it, with a one-line warning: every later build of its dtype
     and ISA failed on it before."""
     source_name = "kernel.cu" if cuda_arch else "kernel.cpp"
+    # A library without its digest (written after a complete build) is unfinished or damaged:
+    # ninja took a truncated one as up to date, its digest was recorded, and dlopen died of SIGBUS.
+    for built in (directory / "kernel.so", *directory.glob("part*.o")):
+        built.unlink(missing_ok=True)
     _write_if_changed(directory / source_name, source)
     for file_name, text in includes.items():
         _write_if_changed(directory / file_name, text)
