@@ -375,7 +375,14 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     """What the kernel cache holds (libraries, their objects, precompiled preambles), or clear
     or trim it."""
-    from attncc.runtime.build import CACHE_LIMIT_ENV, PRECOMPILED_DIR, cache_dir, cache_entries, trim_cache
+    from attncc.runtime.build import (
+        CACHE_LIMIT_ENV,
+        PRECOMPILED_DIR,
+        TRIM_SPARES_SECONDS,
+        cache_dir,
+        cache_entries,
+        trim_cache,
+    )
 
     root = cache_dir()
     if args.trim is not None or args.clear:
@@ -384,8 +391,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         # processes: a loaded library stays mapped; the next call rebuilds.
         if args.trim is not None and not 0 <= args.trim < math.inf:  # (inf: an OverflowError from int())
             raise AttnccError(f"--trim: expected a finite number of megabytes >= 0, got {args.trim}")
-        limit, spare = (0, 0.0) if args.clear else (int(args.trim * 1e6), None)
-        removed, freed = trim_cache(limit, spare_seconds=spare) if spare is not None else trim_cache(limit)
+        limit, spare = (0, 0.0) if args.clear else (int(args.trim * 1e6), TRIM_SPARES_SECONDS)
+        removed, freed = trim_cache(limit, spare_seconds=spare)
         kept = len(cache_entries()) if args.clear else 0
         if kept:  # (rmtree's failures were reported as removed)
             raise AttnccError(f"attncc cache --clear: {kept} entries of {root} could not be removed (read-only?)")

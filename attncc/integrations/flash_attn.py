@@ -249,8 +249,9 @@ def flash_attn_varlen_func(
     options, inputs = _options_and_inputs(q, batch, q.shape[1], dropout_p, causal, window_size, softcap, alibi_slopes)
     kern = _kernel(options, q.device)
     rows_q = q.shape[0]
-    q = _up_to_last_offset(q, cu_seqlens_q)  # (keys past cu_seqlens_k's last offset are read by no sequence)
-    k, v = _up_to_last_offset(k, cu_seqlens_k), _up_to_last_offset(v, cu_seqlens_k)
+    # (rows past each last offset belong to no sequence: their keys are read by none)
+    used_q, used_k = _rows_in_use(q, cu_seqlens_q), _rows_in_use(k, cu_seqlens_k)
+    q, k, v = q[:used_q], k[:used_k], v[:used_k]
     out, lse = kern.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=softmax_scale, **inputs
     )  # fmt: skip
@@ -261,18 +262,18 @@ def flash_attn_varlen_func(
     return (out, lse.t().contiguous(), None) if return_attn_probs else out
 
 
-def _up_to_last_offset(rows: torch.Tensor, cu_seqlens: object) -> torch.Tensor:
-    """`rows` [total, heads, D] without those past cu_seqlens' last offset, where that is an
-    int offset inside them (the varlen call checks the offsets: anything else goes to it as
-    given, and is named there; while torch.compile traces, all of them)."""
+def _rows_in_use(rows: torch.Tensor, cu_seqlens: object) -> int:
+    """How many of `rows` [total, heads, D] the sequences hold: cu_seqlens' last offset, where
+    that is an int offset inside them, else all (the varlen call checks the offsets: anything
+    else goes to it as given, and is named there; while torch.compile traces, all of them)."""
     if torch.compiler.is_compiling():  # (a guard on the offset's value: no fullgraph; the op checks it)
-        return rows
+        return rows.shape[0]
     if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel()):
-        return rows
+        return rows.shape[0]
     if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-        return rows
-    last = int(cu_seqlens[-1])
-    return rows[:last] if 0 <= last < rows.shape[0] else rows
+        return rows.shape[0]
+    last = int(cu_seqlens[-1])  # (read once for k and v alike: a synchronisation on a GPU)
+    return last if 0 <= last < rows.shape[0] else rows.shape[0]
 
 
 def flash_attn_with_kvcache(
