@@ -8,6 +8,7 @@ attncc.flex_program(score_mod, mask_mod).source         # FlexAttention's functi
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 from attncc.errors import AttnccError, BuildError, DslError, FlexTraceError, InputError
@@ -50,8 +51,10 @@ def read_program(path_or_source: str | Path) -> tuple[str, str]:
             return text, "<string>"  # (lines ended by \r alone: old Mac text)
         if path.is_dir():
             raise AttnccError(f"{text}: a directory, not a program file")
-        if not path.is_file():
+        if not path.exists():
             raise AttnccError(f"{text}: no such program file")
+        if not (path.is_file() or stat.S_ISFIFO(path.stat().st_mode)):  # (a pipe: `attncc explain <(...)`)
+            raise AttnccError(f"{text}: not a program file (a device or socket, not a regular file or a pipe)")
         return decode_source(path.read_bytes(), text), text
     return text, "<string>"
 

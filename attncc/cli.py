@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,17 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    """An argument that counts what to show (source lines): an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text}")
     return value
 
 
@@ -344,6 +356,8 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     if "cpu" in args.targets:
         check_cpu_head_dims({f"--head-dims {d}": d for d in args.head_dims})
     output = Path(args.output)
+    if output.exists() and not output.is_dir():  # (mkdir's own error: "[Errno 17] File exists")
+        raise AttnccError(f"attncc prebuild: -o {args.output}: exists and is not a directory")
     output.mkdir(parents=True, exist_ok=True)
     dtypes = [DTYPES[d] for d in args.dtypes]
     kv_dtypes = [getattr(torch, d) for d in args.kv_dtypes]
@@ -510,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-heads", type=_pair, default=None, metavar="B,H",
         help="estimate for B x H: the emulated sequences' counts repeated (programs whose work is alike per (b, h))",
     )  # fmt: skip
-    p.add_argument("--lines", type=int, default=8, help="costliest source lines to show per kernel")
+    p.add_argument("--lines", type=_count, default=8, help="costliest source lines to show per kernel")
     p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("cache", help="what the kernel cache holds, or clear it")
@@ -538,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     except AttnccError as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    except BrokenPipeError:  # (`attncc explain ... | head`: the reader left; quiet, as other tools are)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as exc:  # (an output directory that cannot be made or written)
         print(f"attncc {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from attncc.runtime import build
 from attncc.runtime.build import PREBUILT_ENV
 from attncc.runtime.gpu import GpuKernel
 from attncc.runtime.nvcc import find_nvcc
+from attncc.targets import ISA_ENV, best_cpu_isa, cpu_features
 from tests.conftest import ROOT
 
 try:
@@ -79,7 +81,9 @@ def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_directory(tmp
         assert "is not an executable" in error and PREBUILT_ENV in error, error
         # (which kernel the directory lacks: the bfloat16 one of the program prebuilt for float32)
         assert re.search(
-            rf"^kernel alibi-bfloat16: not among the prebuilt kernels in {re.escape(str(prebuilt))}, and", error
+            rf"^kernel alibi-bfloat16: not among the prebuilt kernels in {re.escape(str(prebuilt))} "
+            r"\(none named alibi-bfloat16: prebuild this program for this dtype\), and",
+            error,
         )
         assert _files(prebuilt) == before  # nothing written: no lock, no rebuild
         assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
@@ -100,6 +104,43 @@ def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_directory(tmp
     finally:
         for path in [prebuilt, *prebuilt.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_a_directory_prebuilt_for_another_isa_says_so_and_a_missing_one_is_named(tmp_path, monkeypatch) -> None:
+    """A server whose prebuilt directory was built for another ISA level (or torch) heard only
+    "not among the prebuilt kernels"; now which fact differs. An ATTNCC_PREBUILT_DIR that is not
+    a directory (a typo) built every kernel silently where a compiler exists: now a warning."""
+    if "avx2" not in cpu_features() or best_cpu_isa(cpu_features()) == "avx2":
+        pytest.skip("needs a machine above the avx2 level (a lower level is forced for the prebuild)")
+    prebuilt = tmp_path / "prebuilt"
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert cli_main(["prebuild", CAUSAL, "--dtypes", "float32", "-o", str(prebuilt)]) == 0
+    monkeypatch.delenv(ISA_ENV)
+    (manifest,) = prebuilt.glob(f"*/{build.PREBUILT_MANIFEST}")
+    assert manifest.read_text() == f"built for: -march=x86-64-v3\ntorch: {torch.__version__}\n"
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        ATTNCC_CACHE_DIR=str(tmp_path / "cache"),
+        CXX=str(tmp_path / "no-compiler" / "g++"),
+        **{PREBUILT_ENV: str(prebuilt)},
+    )
+    call = "import torch, attncc; x = torch.randn(1, 1, 3, 8); attncc.compile(__import__('sys').argv[1])(x, x, x)"
+    proc = subprocess.run([sys.executable, "-c", call, CAUSAL], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert (
+        "(1 named causal-float32, for another machine: built for '-march=x86-64-v3', this machine '-march=x86-64-v4"
+        in proc.stderr
+    ), proc.stderr
+    monkeypatch.setattr(build, "_MISSING_PREBUILT_DIRS", set())
+    monkeypatch.setenv(PREBUILT_ENV, f"{prebuilt}{os.pathsep}{tmp_path / 'typo'}")
+    with pytest.warns(
+        UserWarning, match=f"{PREBUILT_ENV} lists {re.escape(str(tmp_path / 'typo'))}, which is not a directory"
+    ):
+        assert build.prebuilt_dirs() == [prebuilt, tmp_path / "typo"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once)
+        build.prebuilt_dirs()
 
 
 def test_a_damaged_prebuilt_library_is_skipped_with_a_warning(tmp_path, monkeypatch) -> None:
@@ -203,6 +244,37 @@ def test_cli_refusals_of_session_60s_review(capsys) -> None:
     with pytest.raises(SystemExit):
         cli_main(["explain", CAUSAL, "--shape", "1,1,1,4,4,8,0"])
     assert "H, Hkv, D and Dv >= 1" in capsys.readouterr().err
+
+
+def test_cli_refusals_of_session_61(tmp_path, capsys) -> None:
+    """`profile --lines -2` was taken (and showed every line but the last two); `explain /dev/null`
+    said "no such program file" of a file that exists; `prebuild -o FILE` said "[Errno 17] File
+    exists"; a program given as a pipe (`attncc explain <(...)`) is read; a reader leaving the
+    pipe early (`attncc explain ... | head`) ended in a BrokenPipeError traceback."""
+    with pytest.raises(SystemExit):
+        cli_main(["profile", CAUSAL, "--emulate", "--lines", "-2"])
+    assert "argument --lines: expected an int >= 0, got -2" in capsys.readouterr().err
+    assert cli_main(["explain", os.devnull]) == 1
+    assert (
+        capsys.readouterr().err
+        == f"{os.devnull}: not a program file (a device or socket, not a regular file or a pipe)\n"
+    )
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert cli_main(["prebuild", CAUSAL, "--dtypes", "float32", "-o", str(a_file)]) == 1
+    assert capsys.readouterr().err == f"attncc prebuild: -o {a_file}: exists and is not a directory\n"
+    fifo = tmp_path / "program"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["sh", "-c", f"cat {CAUSAL} > {fifo}"])
+    assert cli_main(["explain", str(fifo)]) == 0
+    writer.wait(timeout=30)
+    assert "graph causal {" in capsys.readouterr().out
+    head = "import sys; from attncc.cli import main; sys.exit(main(['explain', sys.argv[1]]))"
+    explain = subprocess.Popen([sys.executable, "-c", head, CAUSAL], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert explain.stdout is not None
+    explain.stdout.close()  # (the reader leaves before the first line: every write fails)
+    assert explain.wait(timeout=120) == 141
+    assert explain.stderr is not None and b"Traceback" not in explain.stderr.read()
 
 
 def test_fp8_forwards_prebuild_and_load_from_the_directory(tmp_path, monkeypatch, capsys) -> None:

@@ -24,6 +24,7 @@ import _ctypes
 import ctypes
 import errno
 import fcntl
+import glob
 import hashlib
 import os
 import re
@@ -95,6 +96,8 @@ _REBUILDS: OrderedDict[Path, Callable[[], None]] = OrderedDict()
 REBUILDS_KEPT = 32
 _PREBUILDING_INTO: list[Path] = []  # innermost `prebuilding_into` directory last
 _DAMAGED_PREBUILT: set[Path] = set()  # warned about once per process
+_MISSING_PREBUILT_DIRS: set[Path] = set()  # warned about once per process
+PREBUILT_MANIFEST = "prebuilt.txt"  # what a prebuilt library was built for (`_prebuilt_facts`)
 _LOAD_LOCK = module_lock(__name__, "_LOAD_LOCK")
 
 
@@ -327,8 +330,45 @@ def portable_key(key_text: str, gpu: bool = False) -> str:
 
 
 def prebuilt_dirs() -> list[Path]:
-    """The directories ATTNCC_PREBUILT_DIR lists (os.pathsep-separated), searched in order."""
-    return [Path(p) for p in os.environ.get(PREBUILT_ENV, "").split(os.pathsep) if p.strip()]
+    """The directories ATTNCC_PREBUILT_DIR lists (os.pathsep-separated), searched in order; one
+    that does not exist is named in a warning, once (a typo built every kernel, silently)."""
+    listed = [Path(p) for p in os.environ.get(PREBUILT_ENV, "").split(os.pathsep) if p.strip()]
+    for missing in (d for d in listed if d not in _MISSING_PREBUILT_DIRS and not d.is_dir()):
+        _MISSING_PREBUILT_DIRS.add(missing)
+        warnings.warn(f"attncc: {PREBUILT_ENV} lists {missing}, which is not a directory", stacklevel=3)
+    return listed
+
+
+def _prebuilt_facts(host_flags: tuple[str, ...], cuda_arch: str | None) -> str:
+    """What a prebuilt library was built for, as `attncc prebuild` records it beside the library
+    (PREBUILT_MANIFEST): the machine it loads on is told which fact differs when it has no match."""
+    isa_flags = (f for f in host_flags if f.startswith(("-march", "-mavx", "-mamx")))
+    built_for = f"cuda {cuda_arch}" if cuda_arch else " ".join(isa_flags)
+    return f"built for: {built_for}\ntorch: {'-' if cuda_arch else torch.__version__}\n"
+
+
+def _why_not_prebuilt(name: str, host_flags: tuple[str, ...]) -> str:
+    """Why no prebuilt library matched this machine's host kernel `name`: none of that name, or
+    the facts (ISA flags, torch version) of those there that differ from this machine's."""
+    found = [d for root in prebuilt_dirs() if root.is_dir() for d in root.glob(f"{glob.escape(name)}-*") if d.is_dir()]
+    if not found:
+        return f"none named {name}: prebuild this program for this dtype"
+    wanted = dict(line.split(": ", 1) for line in _prebuilt_facts(host_flags, None).splitlines())
+    differences, unrecorded = set(), 0
+    for directory in found:
+        try:
+            facts = dict(line.split(": ", 1) for line in (directory / PREBUILT_MANIFEST).read_text().splitlines())
+        except (OSError, ValueError):
+            unrecorded += 1
+            continue
+        differences |= {
+            f"{k} {facts.get(k)!r}, this machine {wanted[k]!r}" for k in wanted if facts.get(k) != wanted[k]
+        }
+    if differences:
+        return f"{len(found)} named {name}, for another machine: " + "; ".join(sorted(differences))
+    if unrecorded == len(found):
+        return f"{len(found)} named {name}, prebuilt by an attncc that did not record what for ({PREBUILT_MANIFEST})"
+    return f"{len(found)} named {name}, from other sources or headers: another attncc, or another machine's cache sizes"
 
 
 @contextmanager
@@ -429,9 +469,12 @@ def build_library(
         if not cuda_arch and prebuilt_dirs():
             try:
                 compiler()
-            except BuildError as missing:  # (which kernel a server's prebuilt set lacks)
+            except BuildError as missing:  # (which kernel a server's prebuilt set lacks, and why)
                 where = os.pathsep.join(map(str, prebuilt_dirs()))
-                raise BuildError(f"kernel {name}: not among the prebuilt kernels in {where}, and {missing}") from None
+                raise BuildError(
+                    f"kernel {name}: not among the prebuilt kernels in {where} ({_why_not_prebuilt(name, host_flags)}), "
+                    f"and {missing}"
+                ) from None
         if cuda_arch:
             from attncc.runtime.nvcc import nvcc_fingerprint
 
@@ -454,6 +497,8 @@ def build_library(
             if _digest_path(library).exists():
                 return library
             _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
+            if _PREBUILDING_INTO:
+                (directory / PREBUILT_MANIFEST).write_text(_prebuilt_facts(host_flags, cuda_arch))
     if limit is not None and not _PREBUILDING_INTO:
         trim_cache(limit)
     return library
