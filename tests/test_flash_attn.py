@@ -7,6 +7,8 @@ dims, packed lengths 0 and 1, a KV cache with appends, shuffled pages."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -291,6 +293,18 @@ def test_bad_calls_name_the_argument() -> None:
     # (a one-element tensor was every sequence's length: FlashAttention takes an int or [B])
     with pytest.raises(InputError, match=r"cache_seqlens: expected 2 sequences \(q's batch\), got 2 and 1"):
         flash_attn_with_kvcache(q.expand(2, -1, -1, -1), cache[:2], cache[:2], cache_seqlens=torch.tensor([5]))
+    # (a softmax_scale tensor requiring grad was told to declare a DSL input: the scale's own name and API now)
+    learnable = torch.tensor(0.3, requires_grad=True)
+    for call in (
+        lambda: flash_attn_func(q, q, q, softmax_scale=learnable),
+        lambda: flash_attn_varlen_func(
+            q[0], q[0], q[0], torch.tensor([0, 4]), torch.tensor([0, 4]), softmax_scale=learnable
+        ),
+    ):  # (flash_attn_with_kvcache is forward only, as FlashAttention's: it takes the value)
+        with pytest.raises(InputError, match=r"^softmax_scale: this tensor requires grad, but flash_attn takes"):
+            call()
+    with pytest.raises(InputError, match=r"^softmax_scale: expected a finite number, got nan"):
+        flash_attn_func(q, q, q, softmax_scale=math.nan)
     with pytest.raises(InputError, match="cache_batch_idx: goes with a contiguous cache"):
         flash_attn_with_kvcache(
             q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), cache_batch_idx=torch.zeros(1)

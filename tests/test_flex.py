@@ -361,6 +361,8 @@ def test_call_errors_name_the_argument() -> None:
     q, k, v = (t.detach() for t in leaves(torch.float64))
     with pytest.raises(InputError, match="pass enable_gqa=True"):
         flex_attention(q, k, v)
+    with pytest.raises(InputError, match=r"^scale: this tensor requires grad, but flex_attention takes scale"):
+        flex_attention(q, k, v, scale=torch.tensor(0.3, requires_grad=True), enable_gqa=True)
     mask = flex.create_block_mask(document_causal, B, None, 40, 53, device="cpu")
     with pytest.raises(
         InputError, match=r"block_mask: made for \(Q_LEN, KV_LEN\) = \(40, 53\), called with query length 37"

@@ -259,3 +259,28 @@ def test_a_compiled_call_takes_a_new_scale_and_one_key_head_broadcasts() -> None
     one_head = [t[:, :1].detach().requires_grad_() for t in (k, v)]
     check({}, q, *one_head, [q, *one_head])
     check({"is_causal": True, "enable_gqa": True}, q, *one_head, [q, *one_head])
+
+
+@pytest.mark.parametrize(
+    ("q_lead", "k_lead", "v_lead"),
+    [
+        ((2, 4), (2, 1), (2, 4)),  # k of one head, v of four
+        ((2, 4), (2, 4), (2, 1)),
+        ((1, 4), (2, 4), (2, 4)),  # q of one batch element
+        ((2, 1), (2, 4), (2, 4)),  # q of one head
+        ((4,), (2, 4), (2, 4)),  # q of three dims
+        ((3, 1, 2), (1, 2, 2), (3, 2, 1)),  # five dims, each broadcasting somewhere
+    ],
+)
+def test_query_key_and_value_broadcast_over_each_others_leading_dims(q_lead, k_lead, v_lead) -> None:
+    """torch's SDPA broadcasts the leading dims of q, k and v over each other (its products do);
+    the drop-in broadcast k and v over q's batch dims only and refused the rest (session 60's
+    known-left list: k of one head beside v of H heads)."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(*q_lead, 7, 9, generator=generator, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(*lead, 11, 9, generator=generator, dtype=torch.float64, requires_grad=True)
+        for lead in (k_lead, v_lead)
+    )
+    check({}, q, k, v, [q, k, v])
+    check({"is_causal": True}, q, k, v, [q, k, v])

@@ -108,15 +108,24 @@ def scaled_dot_product_attention(
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_nested:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) and not t.is_nested else type(t).__name__
             raise InputError(f"{name}: expected a dense tensor [..., rows, E] of 2 dims or more, got {shape}")
-    # k and v broadcast over q's batch dims as SDPA's do (stride 0: no copy); the heads, dim -3,
-    # may differ with enable_gqa
-    lead = query.shape[:-3]
+    # q, k and v broadcast over each other's leading dims as SDPA's products do (stride 0: no
+    # copy). The heads, dim -3, of a k and v alike are the kernels' GQA groups where they differ
+    # from q's (with enable_gqa, or one head: torch broadcasts it), not broadcast copies.
+    grouped = (
+        min(t.dim() for t in (query, key, value)) >= 3
+        and key.shape[-3] == value.shape[-3] != query.shape[-3]
+        and (enable_gqa or key.shape[-3] == 1)
+    )
+    kept = 3 if grouped else 2
     try:
-        key, value = (t.expand(*lead, *t.shape[-3:]) if t.dim() >= 3 and lead else t for t in (key, value))
+        lead = torch.broadcast_shapes(*(t.shape[:-kept] for t in (query, key, value)))
+        query, key, value = (t.expand(*lead, *t.shape[-kept:]) for t in (query, key, value))
     except RuntimeError:
+        groups = not grouped and key.dim() >= 3 and query.dim() >= 3 and query.shape[-3] % key.shape[-3] == 0
         raise InputError(
-            f"key, value: expected leading dims broadcastable to query's {tuple(query.shape[:-2])} (heads may "
-            f"differ with enable_gqa), got key {tuple(key.shape[:-2])}, value {tuple(value.shape[:-2])}"
+            f"query, key, value: expected leading dims that broadcast, got query {tuple(query.shape[:-2])}, key "
+            f"{tuple(key.shape[:-2])}, value {tuple(value.shape[:-2])}"
+            + ("; pass enable_gqa=True where the query heads are groups of the key heads" if groups else "")
         ) from None
     q, k, v = (_as_four_dims(name, t) for name, t in (("query", query), ("key", key), ("value", value)))
     if k.shape[:2] != v.shape[:2] or q.shape[0] != k.shape[0] or key.shape[:-3] != value.shape[:-3]:
@@ -137,7 +146,7 @@ def scaled_dot_product_attention(
     given_dropout, dropout_p = dropout_p, _number(dropout_p)
     # (while torch.compile traces, the kernel's call_scale takes a scale as given, symbolic
     # after a recompile for a new value: math.isfinite here failed on it)
-    scale = scale if torch.compiler.is_compiling() else checked_scale(scale)
+    scale = scale if torch.compiler.is_compiling() else checked_scale(scale, "scale", "scaled_dot_product_attention")
     if dropout_p is None or not 0 <= dropout_p < 1:
         raise InputError(f"dropout_p: expected a number in [0, 1), got {given_dropout!r}")
     inputs: dict[str, torch.Tensor] = {}

@@ -2135,12 +2135,19 @@ def traced_tensor_number(name: str) -> InputError:
     )
 
 
-def checked_scale(scale: object) -> float | None:
+def checked_scale(scale: object, argument: str = "scale", drop_in: str | None = None) -> float | None:
     """A call's `scale=`: None (the program's default) or a finite number (a one-element tensor's
-    value, where no gradient is asked of it: the kernels take the scale as a number)."""
+    value, where no gradient is asked of it: the kernels take the scale as a number). A drop-in
+    (`drop_in`, the API it stands for) names its own `argument`; a tensor requiring grad there is
+    an error without the DSL's advice (its callers write no program)."""
     if scale is None:
         return None
     if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+        if drop_in:
+            raise InputError(
+                f"{argument}: this tensor requires grad, but {drop_in} takes {argument} as a number, which gets "
+                "no gradient; pass a float or a detached tensor"
+            )
         raise InputError(
             "scale: this tensor requires grad, but a call's scale gets no gradient; pass it detached, or "
             "declare `input temperature: float[1]` and write `s = q @ k.T * scale * temperature[0]` to learn it"
@@ -2153,10 +2160,10 @@ def checked_scale(scale: object) -> float | None:
         shown = (
             f"a {scale.dtype} tensor of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else repr(scale)
         )
-        raise InputError(f"scale: expected a real number (or a one-element tensor of one), got {shown}")
+        raise InputError(f"{argument}: expected a real number (or a one-element tensor of one), got {shown}")
     value = float(scale)  # type: ignore[arg-type]
     if not math.isfinite(value):
-        raise InputError(f"scale: expected a finite number, got {scale!r}")
+        raise InputError(f"{argument}: expected a finite number, got {scale!r}")
     return value
 
 
