@@ -1202,6 +1202,90 @@ def test_appended_keys_land_in_the_callers_cache_whatever_its_strides(
         assert _error(out, expected) <= 1e-6
 
 
+def test_sequences_of_2_to_the_31_keys_are_refused_by_the_cuda_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA kernels count a sequence's keys in 32 bits: one of 2^31 keys or more had its
+    early key tiles masked (the emulated sm80 call gave attention over its last keys alone, with
+    no error; session 61's review). Padded, paged (planned or not) and packed calls are refused
+    before any launch (views of a few pages: no memory)."""
+    from attncc.runtime.emulate import EmulatedKernel
+
+    def launched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(EmulatedKernel, "_launch", launched)
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn", target="sm80", emulate=True)
+    keys = 2**31 + 5
+    q = torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
+    row = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 2**16, 1, 16, dtype=torch.bfloat16)
+    table, lengths = torch.zeros(1, -(-keys // 2**16), dtype=torch.int32), torch.tensor([keys])
+    message = f"a sequence of {keys} keys; the CUDA kernels take fewer than 2\\^31 per sequence"
+    with pytest.raises(attncc.InputError, match=f"^k: {message}"):
+        kern(q, row.expand(1, 1, keys, 16), row.expand(1, 1, keys, 16))
+    with torch.no_grad(), pytest.raises(attncc.InputError, match=f"^cache_seqlens: {message}"):
+        kern.paged(q, cache, cache, table, lengths)
+    with torch.no_grad(), pytest.raises(attncc.InputError, match=f"^cache_seqlens: {message}"):
+        kern.paged(q, cache, cache, plan=attncc.plan_paged(cache, table, lengths))
+    with pytest.raises(attncc.InputError, match=f"^cu_seqlens_k: {message}"):
+        packed = row[0, 0].expand(keys, 1, 16)
+        kern.varlen(
+            q[0].transpose(0, 1), packed, packed, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, keys])
+        )
+
+
+def test_a_compiled_decoding_step_takes_a_new_plan_each_step_without_recompiling() -> None:
+    """torch.compile(fullgraph=True) of a paged decoding step given a fresh `plan_paged` each
+    step (the plan-per-step pattern): the graph guarded on the plan's key, a new constant per
+    step, and recompiled every step until the limit failed the 9th (session 61's review). Now one
+    graph serves every step, and each step's output and appended cache rows are the eager call's."""
+    from torch._dynamo.utils import counters
+
+    kern = attncc.compile(BOTTOM_RIGHT_CAUSAL)
+    gen = torch.Generator().manual_seed(61)
+    B, H, Hkv, D, page_size = 2, 4, 2, 16, 4
+    table = torch.randperm(16, generator=gen).view(B, 8).int()
+    caches = [torch.randn(16, page_size, Hkv, D, generator=gen) for _ in range(2)]
+    eager_caches = [c.clone() for c in caches]
+    lengths = torch.tensor([3, 9], dtype=torch.int32)
+    step = torch.compile(
+        lambda q, kc, vc, plan, kn, vn: kern.paged(q, kc, vc, plan=plan, k_new=kn, v_new=vn), fullgraph=True
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        for _ in range(10):
+            q = torch.randn(B, 1, H, D, generator=gen)
+            new = [torch.randn(B, 1, Hkv, D, generator=gen) for _ in range(2)]
+            plan = attncc.plan_paged(caches[0], table, lengths, new_tokens=1)
+            out = step(q, *caches, plan, *new)
+            want = kern.paged(q, *eager_caches, table, lengths, k_new=new[0], v_new=new[1])
+            torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+            assert all(torch.equal(a, b) for a, b in zip(caches, eager_caches))
+            lengths = lengths + 1
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_packed_call_without_fp8_factors_exports_with_a_dynamic_token_count() -> None:
+    """The fp8 factors' ambiguity check compared total_k with the sequence count on every packed
+    call, so a traced call guarded `total_k != B`: torch.export with Dim("T") failed and a
+    compiled call recompiled for a batch of one-token sequences (session 61's review)."""
+    kern = attncc.compile(ROOT / "examples" / "vanilla.attn")
+
+    class Packed(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+            return kern.varlen(q, k, v, cu, cu)
+
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.export.Dim("T")
+    operands = [torch.randn(10, 2, 16, generator=gen) for _ in range(3)]
+    exported = torch.export.export(
+        Packed(), (*operands, torch.tensor([0, 4, 10], dtype=torch.int32)), dynamic_shapes=({0: tokens},) * 3 + (None,)
+    )
+    one_token_each = [torch.randn(2, 2, 16, generator=gen) for _ in range(3)]
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    torch.testing.assert_close(exported.module()(*one_token_each, cu), kern.varlen(*one_token_each, cu, cu))
+
+
 @pytest.mark.parametrize(("backend", "page_size", "queries"), [("cpu", 16, 1), ("cpu", 5, 3), ("sm80", 16, 1)])
 def test_a_paged_plan_serves_every_layer_without_reading_back(
     backend: str, page_size: int, queries: int, monkeypatch: pytest.MonkeyPatch

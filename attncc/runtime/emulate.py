@@ -115,6 +115,25 @@ def library_dims(head_dim: int, value_dim: int | None) -> tuple[int, int, bool]:
     return rounded_head_dim(head_dim), rounded_head_dim(value_dim), head_dim == value_dim
 
 
+def _check_lengths_fit_32_bits(
+    q: torch.Tensor, k: torch.Tensor, paged: PagedKeys | None, packed: PackedSequences | None
+) -> None:
+    """The CUDA kernels count a sequence's queries and keys in 32 bits (`n_b`, `m_b`, tile
+    column counts): a sequence of 2^31 keys or more had its key tiles read as negative widths
+    and masked, silently (the answer of its last keys alone). Refused, naming the argument."""
+    if packed is not None:
+        counts = {"cu_seqlens_q": packed.longest[0], "cu_seqlens_k": packed.longest[1]}
+    else:
+        counts = {"q": q.shape[2], "cache_seqlens" if paged is not None else "k": paged.keys if paged else k.shape[2]}
+    for name, count in counts.items():
+        if count >= 2**31:
+            what = "queries" if name.endswith("q") else "keys"
+            raise InputError(
+                f"{name}: a sequence of {count} {what}; the CUDA kernels take fewer than 2^31 per sequence "
+                "(the cpu target takes more)"
+            )
+
+
 class EmulatedKernel(Kernel):
     """Forward and backward CUDA kernels run on the host emulator (CPU tensors)."""
 
@@ -302,6 +321,7 @@ class EmulatedKernel(Kernel):
             if new_rows is not None:
                 return launch(q, k, v, *new_rows)
             return launch(q, k, v, runtime=dict(zip(self.tensor_names, tensors)))
+        _check_lengths_fit_32_bits(q, k, paged, packed)
         storage = self.storage_dtype(q.dtype)
         qs = rows_of(q, storage, "q")
 

@@ -343,6 +343,8 @@ def _check_unambiguous_descales(
     """A packed call's factor [total_k, Hkv] is one per token; where total_k is also the number
     of sequences B it has FlashAttention 3's per-sequence shape [B, Hkv] too, and the two differ
     unless every sequence has one key (read from the offsets; refused while traced)."""
+    if not any(isinstance(given, torch.Tensor) and given.dim() == 2 for given in (k_descale, v_descale)):
+        return  # (first: traced, comparing total_k with B added a shape guard to every packed call)
     sequences = cu_seqlens_k.numel() - 1
     if sequences != total_k or sequences < 2:
         return
@@ -874,7 +876,9 @@ def paged_attention(
         out, lse = torch.ops.attncc.paged_attention(
             kern.call_key, q_bhnd, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new,
             tensors, scalars, scale, sink, descale.get("k_descale"), descale.get("v_descale"),
-            "" if plan is None else plan.key,
+            # (traced: the plan's table and lengths as tensors, the op reading them as an
+            # unplanned call's; its key, a new constant per step, recompiled every step)
+            "" if plan is None or torch.compiler.is_compiling() else plan.key,
         )  # fmt: skip
     return _in_layout(out, lse, layout, return_lse)
 
