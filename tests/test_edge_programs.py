@@ -93,6 +93,15 @@ def test_integer_division_by_a_divisor_that_can_be_zero_is_an_input_error() -> N
     out = masked(q, k, v, w=torch.tensor([3]))
     keep = (torch.arange(40)[None, :] % 3 == 0) & (torch.arange(40)[None, :] <= torch.arange(40)[:, None])
     assert torch.allclose(out, masked_attention(q, k, v, keep), atol=1e-12)
+    # a table of both signs spans an interval holding 0 but has no 0 entry: Python's floor
+    # division by each (it was refused as "can be 0"); a 0 among the entries read still is
+    signed = attncc.compile(program("input m: int[N]\ns = q @ k.T * scale\ns = s + 7 // m[i]\n"))
+    m = torch.tensor([-2, 2, -3, 5] * 10)
+    bias = torch.tensor([7 // int(x) for x in m], dtype=torch.float64)[:, None]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(16) + bias
+    assert torch.allclose(signed(q, k, v, m=m), torch.softmax(s, -1) @ v, atol=1e-12)
+    with pytest.raises(InputError, match="the divisor `m\\[i\\]` can be 0"):
+        signed(q, k, v, m=torch.cat([m[:39], torch.tensor([0])]))
 
 
 @pytest.mark.parametrize("value", [-1, 256, 3])
@@ -236,6 +245,25 @@ def test_huge_finite_scores_are_softmaxed_exactly(dtype: torch.dtype) -> None:
     out = attncc.compile("examples/vanilla.attn")(q, k, v, scale=1e10)
     best = (q.double() @ k.double().transpose(-1, -2)).argmax(-1)  # [1, 2, N]
     assert torch.equal(out.double(), torch.gather(v.double(), 2, best.unsqueeze(-1).expand(-1, -1, -1, 16)))
+
+
+def test_the_float64_reference_softmaxes_rows_of_huge_equal_scores() -> None:
+    """`Kernel.reference` (what `attncc check` compares with) took P = exp(s - lse), and lse = m +
+    log l loses log l beside an m of 1e30: keys tied at 1e30 or rows of -1e30 fills each got
+    P = 1, the sum of their values rather than the mean (3.8 off; session 61's review). Forward
+    and the gradients of q and k against float64 eager attention."""
+    biased = attncc.compile(program(BIASED, "biased"))
+    q, k, v = (t.requires_grad_() for t in qkv(N=8, M=20))
+    bias = torch.zeros(1, 2, 8, 20, dtype=torch.float64)
+    bias[0, :, 2, :] = -1e30  # a row of equal huge fills
+    bias[0, :, 5, :3] = 1e30  # three keys tied far above the rest
+    out, lse = biased.reference(q, k, v, bias=bias)
+    want, want_lse = filled_reference(q, k, v, 0.0, bias)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, want_lse)
+    torch.testing.assert_close(out[0, :, 5], v[0, :, :3].mean(1))
+    for got, expected in zip(torch.autograd.grad(out.sum(), (q, k)), torch.autograd.grad(want.sum(), (q, k))):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
 
 
 def test_a_program_with_a_very_long_name_builds_and_runs() -> None:

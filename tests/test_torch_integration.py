@@ -40,6 +40,46 @@ def test_compile_fullgraph_with_changing_shapes_scalars_and_scale() -> None:
         assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(grad, ref_grad, atol=1e-5)
 
 
+def test_a_value_new_every_step_compiles_once_as_a_tensor_input() -> None:
+    """What the error for a tensor given as a scalar under torch.compile advises (a graph per
+    value of a scalar, dynamic=True or not; the 9th a hard failure under fullgraph=True: session
+    61's review): a value new at every step (a window, a cache length) declared `int[1]` is read
+    inside the op, one graph for every value, padded (forward and backward), packed and paged,
+    each value's answer the eager one."""
+    from torch._dynamo.utils import counters
+
+    stepped = attncc.compile(TEMPERED.replace("input n: int\n", "input n: int[1]\n").replace("n + i", "n[0] + i"))
+    padded = torch.compile(lambda q, n: stepped(q, q, q, n=n, t=0.5), fullgraph=True, dynamic=True)
+    packed = torch.compile(lambda q, cu, n: stepped.varlen(q, q, q, cu, cu, n=n, t=0.5), fullgraph=True, dynamic=True)
+    paged = torch.compile(
+        lambda q, cache, table, lengths, n: stepped.paged(q, cache, cache, table, lengths, n=n, t=0.5),
+        fullgraph=True,
+        dynamic=True,
+    )
+    gen = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cache, table = torch.randn(6, 4, 2, 8, generator=gen), torch.arange(6, dtype=torch.int32).view(2, 3)
+    lengths = torch.tensor([5, 11], dtype=torch.int32)
+    torch._dynamo.reset()
+    counters.clear()
+    for value in range(-2, 10):
+        n = torch.tensor([value])
+        q = torch.randn(1, 2, 9, 8, generator=gen, requires_grad=True)
+        out = padded(q, n)
+        ref = stepped(q, q, q, n=n, t=0.5)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        for got, want in zip(torch.autograd.grad(out.sum(), q), torch.autograd.grad(ref.sum(), q)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        rows = q.detach()[0].transpose(0, 1)  # [9 tokens, 2 heads, 8]
+        want = stepped.varlen(rows, rows, rows, cu, cu, n=n, t=0.5)
+        torch.testing.assert_close(packed(rows, cu, n), want, atol=1e-6, rtol=1e-6)
+        with torch.no_grad():
+            step = q.detach()[:, :, :2].expand(2, -1, -1, -1).transpose(1, 2)  # [2, 2 rows, 2 heads, 8]
+            want = stepped.paged(step, cache, cache, table, lengths, n=n, t=0.5)
+            torch.testing.assert_close(paged(step, cache, table, lengths, n), want, atol=1e-6, rtol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 3  # (padded, packed, paged: one each)
+
+
 def test_compile_fullgraph_as_a_fresh_kernels_first_use_with_runtime_tensors() -> None:
     """A model compiled from the start: the kernel's first call is traced (its per-program
     properties were cached_propertys, whose lock dynamo cannot trace)."""
@@ -536,6 +576,38 @@ def test_nan_propagates_like_eager(emulate: bool) -> None:
     ref, ref_lse = kern.reference(x.double(), x.double(), x.double())
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(lse.isnan(), ref_lse.isnan())
     assert torch.isfinite(out[0, 1]).all()
+
+
+def test_an_exported_program_runs_on_the_live_kernel_of_its_program(tmp_path) -> None:
+    """A torch.export'ed (or saved and loaded) graph names its kernel by `call_key`, whose `#n`
+    counts the kernels made before it in the exporting process: once that kernel was freed, or
+    in another process, the graph raised KeyError('vanilla_...#0') (session 61's review). The
+    one live kernel of the same program serves it now; with none, an error says what to do."""
+    source = (ROOT / "examples" / "vanilla.attn").read_text().replace("attention vanilla", "attention exported")
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kern = attncc.compile(source)
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.kern(q, k, v)
+
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(n)) for n in range(3))
+    module = Attention()
+    want = module(q, k, v)
+    torch.export.save(torch.export.export(module, (q, k, v)), tmp_path / "attention.pt2")
+    del module
+    gc.collect()
+    loaded = torch.export.load(tmp_path / "attention.pt2").module()
+    with pytest.raises(attncc.AttnccError, match=r"calls kernel exported_\w+, and none is alive in this process"):
+        loaded(q, k, v)
+    kern = attncc.compile(source)  # (another `#n`)
+    torch.testing.assert_close(loaded(q, k, v), want, atol=0, rtol=0)
+    twin = attncc.compile(source)
+    with pytest.raises(attncc.AttnccError, match="and 2 are, and which one this graph was made with is not known"):
+        loaded(q, k, v)
+    del kern, twin
 
 
 def test_kernels_pickle_deepcopy_and_are_freed() -> None:

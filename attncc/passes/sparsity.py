@@ -875,6 +875,21 @@ def check_reads_and_divisors(
             _READ_CHECKS[key] = None
 
 
+def _nonzero_read(divisor: ex.Expr, evaluator: IntervalEvaluator, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether `divisor` is a table read none of whose entries in reach (the box its index
+    intervals span) is 0: a table of both signs, [-2, 2], spans an interval holding 0 and was
+    refused, though no entry divides by it."""
+    if not isinstance(divisor, ex.Read):
+        return False
+    table = tensors[divisor.tensor]
+    box = []
+    for dim, index in enumerate(divisor.index):
+        reach = _as_interval(evaluator(index))
+        lo, hi = max(math.floor(float(reach.lo.min())), 0), min(math.ceil(float(reach.hi.max())), table.shape[dim] - 1)
+        box.append(slice(lo, hi + 1))
+    return not bool((table[tuple(box)] == 0).any())
+
+
 def _check_reads_and_divisors(
     divisors: tuple[ex.Binary, ...],
     reads: tuple[ex.Read, ...],
@@ -901,7 +916,7 @@ def _check_reads_and_divisors(
     evaluator = IntervalEvaluator(env, reader)
     for node in divisors:  # an integer // or % by 0 has no value (Python raises)
         divisor = _as_interval(evaluator(node.b))
-        if bool(((divisor.lo <= 0) & (divisor.hi >= 0)).any()):
+        if bool(((divisor.lo <= 0) & (divisor.hi >= 0)).any()) and not _nonzero_read(node.b, evaluator, tensors):
             raise InputError(
                 f"`{ex.render(node)}`: the divisor `{ex.render(node.b)}` can be 0 for N={problem.N}, "
                 f"M={problem.M}, B={problem.B}, H={problem.H} and these inputs"

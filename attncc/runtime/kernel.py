@@ -86,6 +86,27 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "
 # call_key -> kernel, weakly: a kernel nobody holds is freed (autograd contexts hold theirs)
 _REGISTRY: weakref.WeakValueDictionary[str, Kernel] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
+
+
+def registered(key: str) -> Kernel:
+    """The kernel an op call names by `call_key` ("NAME_<digest>#<n>"). A graph that outlives
+    its kernel or another process's (torch.export, a saved program) names a kernel not held
+    here, and `#n` counts the kernels made before it: the one live kernel of the same program
+    (digest) serves it; none, or several with their own settings, is an error saying why."""
+    kern = _REGISTRY.get(key)
+    if kern is not None:
+        return kern
+    program = key.rpartition("#")[0]
+    alive = [k for k in list(_REGISTRY.values()) if k.key == program]
+    if len(alive) == 1:
+        return alive[0]
+    why = "none is" if not alive else f"{len(alive)} are, and which one this graph was made with is not known"
+    raise AttnccError(
+        f"attncc: this graph calls kernel {program}, and {why} alive in this process: compile the program "
+        "(attncc.compile) and hold the kernel where a saved, exported or compiled graph runs, one per program"
+    )
+
+
 #: Learnable-input gradients get one buffer per thread (reproducible sums) up to this size in
 #: all; beyond it, one shared buffer with atomics, or fewer threads (`Kernel.backward_threads`).
 PER_THREAD_GRAD_BUFFERS_MAX = 256 * 2**20
@@ -2036,7 +2057,7 @@ class KeptLaunch:
             or launch.layout != operand_layout(q, k, v, out, dout)
             or launch.settings != (max(1, torch.get_num_threads()), self.kernel.backward)
         ):
-            return _REGISTRY[key].backward_impl(
+            return registered(key).backward_impl(
                 q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs,
                 packed=self.packed, kept_by=self,
             )  # fmt: skip
@@ -2130,8 +2151,8 @@ def traced_tensor_number(name: str) -> InputError:
     """A tensor given for a number while torch.compile traces the call: its value would reach
     the kernel only through a graph break (and failed deep inside the op's schema check)."""
     return InputError(
-        f"{name}: a tensor under torch.compile; pass a Python number (a compiled graph recompiles for a new "
-        "value, or treats it as symbolic with dynamic=True)"
+        f"{name}: a tensor under torch.compile; pass a Python number (a compiled graph recompiles for each "
+        "new value, dynamic=True or not: declare a value that changes every step as a tensor, `int[1]`)"
     )
 
 
@@ -2207,7 +2228,7 @@ def attention_op(
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kern = _REGISTRY[key]
+    kern = registered(key)
     repeat_key = None
     if not tensors and dropout == 0 and sink is None and k_descale is None and v_descale is None:
         repeat_key = kern.op_repeat_key(q, k, v, scalars, scale)
@@ -2260,7 +2281,7 @@ def _attention_backward(
     """The backward op's implementation, also called directly (`_EagerAttention`): the kept
     backward launch of the forward's kept launch where there is one (`op_repeat_key`), else the
     full path."""
-    kern = _REGISTRY[key]
+    kern = registered(key)
     if not tensors and dropout == 0:
         repeat_key = kern.op_repeat_key(q, k, v, scalars, scale)
         launch = kern._repeats.get(repeat_key) if repeat_key is not None else None
@@ -2331,7 +2352,7 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 -
     ctx.save_for_backward(q, k, v, out, lse, seed, sink, *tensors)
     ctx.key, ctx.scalars, ctx.scale, ctx.dropout = key, scalars, scale, dropout
     ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
-    ctx.kernel = _REGISTRY[key]  # alive until the backward ran
+    ctx.kernel = registered(key)  # alive until the backward ran
 
 
 def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor, backward: Callable[..., tuple] | None = None) -> tuple:  # noqa: ANN001 - autograd ctx
@@ -2361,7 +2382,7 @@ class _EagerAttention(torch.autograd.Function):
         if launch is not None:
             out, lse = launch(q, k, v)
         else:
-            out, lse = _REGISTRY[key].forward_impl(q, k, v, list(tensors), scalars, scale, dropout, int(seed.item()))
+            out, lse = registered(key).forward_impl(q, k, v, list(tensors), scalars, scale, dropout, int(seed.item()))
         _setup_context(ctx, (key, q, k, v, list(tensors), scalars, scale, dropout, seed, None, None, None), (out, lse))
         ctx.launch = launch
         ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no zeros to subtract from delta
@@ -2413,7 +2434,7 @@ def _varlen_call(
     """The kernel, the plan of the offsets (read and checked, or the kernel's plan of the same
     values: `ragged.offsets_plan`) and the shared options of a varlen op's call (forward or
     backward). The runtime inputs are the caller's to check (`_varlen_sequences`)."""
-    kern = _REGISTRY[key]
+    kern = registered(key)
     with kern._lock:
         plan = offsets_plan(kern._varlen_plans, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return kern, plan, CallOptions(scalars, scale, dropout, int(seed.item()))
@@ -2557,7 +2578,7 @@ def _setup_varlen_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: A
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, sink, *tensors)
     ctx.key, ctx.lengths, ctx.scalars, ctx.scale, ctx.dropout = key, (max_q, max_k), scalars, scale, dropout
     ctx.grad_inputs = [t.requires_grad and t.is_floating_point() for t in tensors]
-    ctx.kernel = _REGISTRY[key]  # alive until the backward ran
+    ctx.kernel = registered(key)  # alive until the backward ran
 
 
 def _varlen_backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # noqa: ANN001 - autograd ctx
@@ -2603,7 +2624,7 @@ class _EagerVarlen(torch.autograd.Function):
         if launch is not None:
             out, lse = launch(q, k, v)
         else:
-            out, lse = varlen_forward(_REGISTRY[key], packed, options, q, k, v, None, list(tensors))
+            out, lse = varlen_forward(registered(key), packed, options, q, k, v, None, list(tensors))
         inputs = (
             key, q, k, v, cu_q, cu_k, max_q, max_k, list(tensors), scalars, scale, dropout, seed, None, None, None,
         )  # fmt: skip
@@ -2659,7 +2680,7 @@ def paged_op(
     options = CallOptions(scalars, scale, 0.0, 0)
     descale = by_name(k_descale, v_descale)
     return paged_forward(
-        _REGISTRY[key], q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, options, tensors, sink, descale,
+        registered(key), q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, options, tensors, sink, descale,
         planned(plan_key),
     )  # fmt: skip
 

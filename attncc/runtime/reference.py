@@ -148,13 +148,17 @@ def reference_attention(
     if op.mask is not None:
         visible = evaluate(op.mask, env, tensors).expand(B, H, N, M)
         s = s.masked_fill(~visible, -math.inf)
-    if op.sink is None:
-        lse = torch.logsumexp(s, dim=-1)
-    else:  # one more logit per row, with no value row
-        sink = evaluate(op.sink, env, tensors).to(dtype).expand(B, H, N, 1)
-        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
-    dead = torch.isneginf(lse)
-    p = torch.exp(s - torch.where(dead, 0.0, lse).unsqueeze(-1)).masked_fill(dead.unsqueeze(-1), 0.0)
+    logits = s
+    if op.sink is not None:  # one more logit per row, with no value row
+        logits = torch.cat([s, evaluate(op.sink, env, tensors).to(dtype).expand(B, H, N, 1)], dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    # P by the row's max, not exp(s - lse): lse = m + log l cannot hold log l beside an |m| of
+    # 1e30, and rows of equal huge scores gave each key P = 1 (their sum, not their mean).
+    # (P does not depend on m: detached, it adds no gradient.)
+    top = logits.amax(dim=-1, keepdim=True).detach()
+    dead = torch.isneginf(top)
+    weights = torch.exp(logits - torch.where(dead, 0.0, top))
+    p = (weights / weights.sum(dim=-1, keepdim=True))[..., :M].masked_fill(dead, 0.0)
     p = p.to(dtype)
     rate = op.dropout if dropout is None else dropout
     if rate > 0:
