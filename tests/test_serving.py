@@ -1202,6 +1202,63 @@ def test_appended_keys_land_in_the_callers_cache_whatever_its_strides(
         assert _error(out, expected) <= 1e-6
 
 
+def test_a_planned_paged_call_takes_scalar_inputs_and_its_plans_memo_is_bounded() -> None:
+    """A planned paged CPU call of a program with a scalar input raised TypeError (its kept
+    launch's key took the values for (name, value) pairs); a plan held for calls of ever new
+    scales kept two entries a call in its memo, unbounded (~11 KB a call; session 61's review).
+    Each value's answer is the unplanned call's, and the memo keeps PREPARED_CALLS_KEPT."""
+    from attncc.runtime.kernel import PREPARED_CALLS_KEPT
+
+    kern = attncc.compile(
+        "attention tempered_paged\ninput t: float\ns = q @ k.T * scale / t\nmask j <= i + M - N\n"
+        "p = softmax(s)\no = p @ v\noutput o\n"
+    )
+    gen = torch.Generator().manual_seed(7)
+    caches = [torch.randn(4, 16, 2, 32, generator=gen) for _ in range(2)]
+    table, lengths = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32), torch.tensor([60], dtype=torch.int32)
+    q = torch.randn(1, 3, 4, 32, generator=gen)
+    plan = attncc.plan_paged(caches[0], table, lengths)
+    with torch.no_grad():
+        for t in (2.0, 0.5, 2.0, 0.5):  # (the second pair repeats the kept launches)
+            torch.testing.assert_close(
+                kern.paged(q, *caches, plan=plan, t=t), kern.paged(q, *caches, table, lengths, t=t), atol=0, rtol=0
+            )
+        for n in range(3 * PREPARED_CALLS_KEPT):
+            kern.paged(q, *caches, plan=plan, t=1.0, scale=0.1 + n / 1000)
+    assert plan.keys.prepared is not None and len(plan.keys.prepared) <= PREPARED_CALLS_KEPT
+    # the CUDA forward (emulated) kept a planned packed call's launches unbounded too
+    emulated = attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    rows = torch.randn(12, 2, 32, generator=gen).bfloat16()
+    packed = attncc.plan_varlen(cu, cu)
+    with torch.no_grad():
+        for n in range(PREPARED_CALLS_KEPT + 8):
+            emulated.varlen(rows, rows, rows, plan=packed, scale=0.1 + n / 1000)
+    assert len(packed.packed.prepared) <= PREPARED_CALLS_KEPT
+
+
+def test_read_checks_keep_no_copies_of_large_tables() -> None:
+    """A read check's key held the bytes of every table read inside an index: a decoding loop
+    (a new M each step) over a 1 MiB bucket table pinned 256 copies, 256 MiB (session 61's
+    review). Tables past READ_CHECK_VALUES_MAX values are checked each call instead."""
+    from attncc.passes import sparsity
+
+    kern = attncc.compile(
+        "attention bucketed\ninput bias: float[32, H]\ninput bucket: int[L]\ns = q @ k.T * scale\n"
+        "s = s + bias[bucket[min(max(j - i + L // 2, 0), L - 1)], h]\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    gen = torch.Generator().manual_seed(8)
+    bias, k = torch.randn(32, 2, generator=gen), torch.randn(1, 2, 40, 16, generator=gen)
+    for length, kept in ((101, True), (sparsity.READ_CHECK_VALUES_MAX + 1, False)):
+        bucket = (torch.arange(length) - length // 2).abs().clamp(max=31)
+        sparsity._READ_CHECKS.clear()
+        for m in (30, 35, 40):
+            kern(k[:, :, :1], k[:, :, :m], k[:, :, :m], bias=bias, bucket=bucket)
+        assert (len(sparsity._READ_CHECKS) == 3) == kept
+        with pytest.raises(attncc.InputError, match="bucket"):  # (checked all the same)
+            kern(k[:, :, :1], k[:, :, :40], k[:, :, :40], bias=bias, bucket=bucket.clone().fill_(99))
+
+
 def test_sequences_of_2_to_the_31_keys_are_refused_by_the_cuda_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA kernels count a sequence's keys in 32 bits: one of 2^31 keys or more had its
     early key tiles masked (the emulated sm80 call gave attention over its last keys alone, with

@@ -799,6 +799,7 @@ def _checked_nodes(exprs: tuple[ex.Expr, ...]) -> tuple[tuple[ex.Binary, ...], t
 #: integration's key ranges) do not depend on it; their intervals took ~100 us per new step.
 _READ_CHECKS: dict[tuple, None] = {}
 READ_CHECKS_KEPT = 256
+READ_CHECK_VALUES_MAX = 4096  # values of the tensors a check reads, kept in its key: at most 8 MiB in all
 _READ_CHECKS_LOCK = module_lock(__name__, "_READ_CHECKS_LOCK")
 
 
@@ -828,6 +829,8 @@ def _read_check_key(
         values.append((name, value, math.copysign(1.0, value) if isinstance(value, float) else None))
     if any(tensors[name].device.type != "cpu" for name in valued):
         return None
+    if sum(tensors[name].numel() for name in valued) > READ_CHECK_VALUES_MAX:
+        return None  # (checked every call: READ_CHECKS_KEPT keys held copies of a 1 MiB table each)
     contents = tuple(values_key(tensors[name]) for name in valued)
     return (exprs, tuple(values), tuple(tuple(tensors[name].shape) for name in shaped), contents)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import lru_cache
 
 from attncc.errors import AttnccError
 from attncc.ir import expr as ex
@@ -1159,7 +1159,7 @@ def split_kv_slots(tiles: TilePlan, target: Target, multiprocessors: int) -> int
     return multiprocessors * min(resident_blocks(tiles, target), GPU_SPLIT_BLOCKS_PER_SM)
 
 
-@cache  # (ints in, an int out: called per GPU forward)
+@lru_cache(maxsize=4096)  # (ints in, an int out: called per GPU forward; a server's sizes are many)
 def choose_kv_splits(query_blocks: int, key_tiles: int, slots: int) -> int:
     """Split-KV for the GPU forward: how many blocks share the key tiles of one query tile.
 

@@ -39,6 +39,7 @@ from attncc.runtime.kernel import (
     _sizes,
     acc_dtype,
     delta_rows,
+    keep_bounded,
     without_call_tensors,
 )
 from attncc.runtime.locks import module_lock
@@ -412,7 +413,7 @@ class EmulatedKernel(Kernel):
                     self._keep_repeat(launch_key, launch)
                 else:  # the plan's memo: as long-lived as the plan
                     with self._lock:
-                        launches[launch_key] = launch
+                        keep_bounded(launches, launch_key, launch)
         if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
             with torch.no_grad():
                 sink_lse = sink.to(lse.dtype).expand(lse.shape)

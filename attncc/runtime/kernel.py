@@ -177,6 +177,17 @@ def packed_key_chunks(
 PACKED_BALANCE_TASKS = 1024
 #: Prepared calls (tile classes, layout grids) kept per kernel where no runtime tensor decides them.
 PREPARED_CALLS_KEPT = 32
+
+
+def keep_bounded(memo: dict, key: object, value: object, kept: int = PREPARED_CALLS_KEPT) -> None:
+    """`memo[key] = value`, the oldest entry dropped beyond `kept` (a plan's memo: a server holding
+    one plan, a shared prefix's, for calls of ever new scales or query counts grew it by ~11 KB
+    a call). The caller holds the kernel's lock."""
+    if key not in memo and len(memo) >= kept:
+        memo.pop(next(iter(memo)))  # the oldest key
+    memo[key] = value
+
+
 #: ... and the largest tile classes (bytes) kept of a call whose classes follow its sequences'
 #: lengths (packed and unplanned paged calls) or runtime tensors' values, keyed by them, and the
 #: most elements of host-read runtime tensors whose values key a prepared call.
@@ -861,14 +872,9 @@ class Kernel:
         PREPARED_CALLS_KEPT; a planned packed call's in its plan's memo (`packed.prepared`)."""
         with self._lock:
             if packed is not None:  # (the plan's memo holds every kernel's: capped all the same)
-                memo: dict = packed.prepared  # type: ignore[assignment]
-                if len(memo) >= PREPARED_CALLS_KEPT:
-                    memo.pop(next(iter(memo)))  # the oldest key
-                memo[(self.call_key, key)] = launch
+                keep_bounded(packed.prepared, (self.call_key, key), launch)  # type: ignore[arg-type]
                 return
-            if len(self._repeats) >= PREPARED_CALLS_KEPT:
-                self._repeats.pop(next(iter(self._repeats)))  # the oldest key
-            self._repeats[key] = launch
+            keep_bounded(self._repeats, key, launch)
 
     def varlen(
         self,
@@ -1035,7 +1041,8 @@ class Kernel:
             scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
             checked = CheckedPagedCall(checked_scale(scale), scalars)
             if checked.launch(self, plan, q, k_cache, v_cache, layout) is not None:
-                memo[key] = checked
+                with self._lock:
+                    keep_bounded(memo, key, checked)
         return result
 
     def kept_launch(
@@ -1058,7 +1065,8 @@ class Kernel:
         `_launch_signature` of q [B, H, N, D] and the caches. None where none is kept (`_repeatable`)."""
         if not self._repeatable or k.dtype in FP8_DTYPES:
             return None
-        return ("paged forward", self.call_key, *self._launch_signature(q, k, v, scale, tuple(scalars)))
+        names = [d.name for d in self.inputs if d.role == "scalar"]  # (pairs, as `op_repeat_key`'s)
+        return ("paged forward", self.call_key, *self._launch_signature(q, k, v, scale, tuple(zip(names, scalars))))
 
     def _keep_paged_launch(
         self, key: tuple, paged: PagedKeys, plan: CallPlan, call: dict, ptrs: dict[str, torch.Tensor],
@@ -1070,7 +1078,7 @@ class Kernel:
         D=64 fp32 decoding 129 us a call, where a padded call repeating a kept launch took 17."""
         launch = self._forward_launch(plan, call, ptrs, out, lse, (call, paged), strides)
         with self._lock:
-            paged.prepared[key] = launch  # type: ignore[index]
+            keep_bounded(paged.prepared, key, launch)  # type: ignore[arg-type]
 
     def call_scale(self, scale: object) -> float | None:
         """A call's `scale=` (padded, packed, paged): a finite number that the program reads
