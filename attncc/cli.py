@@ -548,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "shape", None) is None:
         args.shape = AWKWARD_SHAPES[0]
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # (here: a reader gone before the interpreter's own flush at exit is a BrokenPipeError)
+        return code
     except AttnccError as exc:
         print(str(exc), file=sys.stderr)
         return 1

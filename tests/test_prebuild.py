@@ -115,8 +115,10 @@ def test_a_directory_prebuilt_for_another_isa_says_so_and_a_missing_one_is_named
     prebuilt = tmp_path / "prebuilt"
     monkeypatch.setenv(ISA_ENV, "avx2")
     assert cli_main(["prebuild", CAUSAL, "--dtypes", "float32", "-o", str(prebuilt)]) == 0
-    monkeypatch.delenv(ISA_ENV)
     (manifest,) = prebuilt.glob(f"*/{build.PREBUILT_MANIFEST}")
+    manifest.unlink()  # (a directory prebuilt before manifests, or one lost: a second prebuild writes it)
+    assert cli_main(["prebuild", CAUSAL, "--dtypes", "float32", "-o", str(prebuilt)]) == 0
+    monkeypatch.delenv(ISA_ENV)
     assert manifest.read_text() == f"built for: -march=x86-64-v3\ntorch: {torch.__version__}\n"
     env = dict(
         os.environ,
@@ -270,7 +272,10 @@ def test_cli_refusals_of_session_61(tmp_path, capsys) -> None:
     writer.wait(timeout=30)
     assert "graph causal {" in capsys.readouterr().out
     head = "import sys; from attncc.cli import main; sys.exit(main(['explain', sys.argv[1]]))"
-    explain = subprocess.Popen([sys.executable, "-c", head, CAUSAL], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (as a terminal user's)
+    explain = subprocess.Popen(
+        [sys.executable, "-c", head, CAUSAL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=buffered
+    )
     assert explain.stdout is not None
     explain.stdout.close()  # (the reader leaves before the first line: every write fails)
     assert explain.wait(timeout=120) == 141

@@ -178,6 +178,13 @@ def test_bad_calls_name_the_argument() -> None:
         scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 6, dtype=torch.int64))
     with pytest.raises(InputError, match="pass enable_gqa=True"):  # (one key head broadcasts, two do not)
         scaled_dot_product_attention(q.repeat(1, 2, 1, 1), k, v)
+    # (no advice to pass enable_gqa to a call that did, nor a ZeroDivisionError for key heads of 0)
+    with pytest.raises(InputError, match=r"got query \(1, 4\), key \(1, 2\), value \(1, 1\)$"):
+        scaled_dot_product_attention(q.repeat(1, 2, 1, 1), k, v[:, :1], enable_gqa=True)
+    with pytest.raises(InputError, match="with enable_gqa the query heads are groups of the key heads"):
+        scaled_dot_product_attention(q[:, :1], k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), enable_gqa=True)
+    with pytest.raises(InputError, match=r"key \(1, 0\), value \(1, 0\)$"):
+        scaled_dot_product_attention(q, k[:, :0], v[:, :0])
     with pytest.raises(InputError, match="dropout_p: expected a number in"):
         scaled_dot_product_attention(q, k, v, dropout_p=1.5)
     with pytest.raises(InputError, match=r"query: expected a dense tensor \[\.\.\., rows, E\] of 2 dims or more"):

@@ -1202,12 +1202,19 @@ def test_appended_keys_land_in_the_callers_cache_whatever_its_strides(
         assert _error(out, expected) <= 1e-6
 
 
-def test_a_planned_paged_call_takes_scalar_inputs_and_its_plans_memo_is_bounded() -> None:
+def test_a_planned_paged_call_takes_scalar_inputs_and_its_plans_memo_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A planned paged CPU call of a program with a scalar input raised TypeError (its kept
     launch's key took the values for (name, value) pairs); a plan held for calls of ever new
     scales kept two entries a call in its memo, unbounded (~11 KB a call; session 61's review).
-    Each value's answer is the unplanned call's, and the memo keeps PREPARED_CALLS_KEPT."""
-    from attncc.runtime.kernel import PREPARED_CALLS_KEPT
+    Each value's answer is the unplanned call's, and the memo keeps PLAN_MEMO_KEPT (made small)."""
+    from attncc.runtime import emulate
+    from attncc.runtime import kernel as kernel_module
+
+    kept = 12
+    monkeypatch.setattr(kernel_module, "PLAN_MEMO_KEPT", kept)
+    monkeypatch.setattr(emulate, "PLAN_MEMO_KEPT", kept)
 
     kern = attncc.compile(
         "attention tempered_paged\ninput t: float\ns = q @ k.T * scale / t\nmask j <= i + M - N\n"
@@ -1223,24 +1230,25 @@ def test_a_planned_paged_call_takes_scalar_inputs_and_its_plans_memo_is_bounded(
             torch.testing.assert_close(
                 kern.paged(q, *caches, plan=plan, t=t), kern.paged(q, *caches, table, lengths, t=t), atol=0, rtol=0
             )
-        for n in range(3 * PREPARED_CALLS_KEPT):
+        for n in range(3 * kept):
             kern.paged(q, *caches, plan=plan, t=1.0, scale=0.1 + n / 1000)
-    assert plan.keys.prepared is not None and len(plan.keys.prepared) <= PREPARED_CALLS_KEPT
+    assert plan.keys.prepared is not None and len(plan.keys.prepared) == kept
     # the CUDA forward (emulated) kept a planned packed call's launches unbounded too
     emulated = attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     rows = torch.randn(12, 2, 32, generator=gen).bfloat16()
     packed = attncc.plan_varlen(cu, cu)
     with torch.no_grad():
-        for n in range(PREPARED_CALLS_KEPT + 8):
+        for n in range(kept + 8):
             emulated.varlen(rows, rows, rows, plan=packed, scale=0.1 + n / 1000)
-    assert len(packed.packed.prepared) <= PREPARED_CALLS_KEPT
+    assert len(packed.packed.prepared) == kept
 
 
 def test_read_checks_keep_no_copies_of_large_tables() -> None:
     """A read check's key held the bytes of every table read inside an index: a decoding loop
     (a new M each step) over a 1 MiB bucket table pinned 256 copies, 256 MiB (session 61's
-    review). Tables past READ_CHECK_VALUES_MAX values are checked each call instead."""
+    review). Past READ_CHECK_VALUES_MAX values a table is kept as a digest; a changed table is
+    still checked."""
     from attncc.passes import sparsity
 
     kern = attncc.compile(
@@ -1249,14 +1257,18 @@ def test_read_checks_keep_no_copies_of_large_tables() -> None:
     )
     gen = torch.Generator().manual_seed(8)
     bias, k = torch.randn(32, 2, generator=gen), torch.randn(1, 2, 40, 16, generator=gen)
-    for length, kept in ((101, True), (sparsity.READ_CHECK_VALUES_MAX + 1, False)):
+    for length in (101, sparsity.READ_CHECK_VALUES_MAX + 1):
         bucket = (torch.arange(length) - length // 2).abs().clamp(max=31)
         sparsity._READ_CHECKS.clear()
         for m in (30, 35, 40):
             kern(k[:, :, :1], k[:, :, :m], k[:, :, :m], bias=bias, bucket=bucket)
-        assert (len(sparsity._READ_CHECKS) == 3) == kept
-        with pytest.raises(attncc.InputError, match="bucket"):  # (checked all the same)
-            kern(k[:, :, :1], k[:, :, :40], k[:, :, :40], bias=bias, bucket=bucket.clone().fill_(99))
+        assert len(sparsity._READ_CHECKS) == 3
+        held = sum(len(part) for key in sparsity._READ_CHECKS for _, _, part in key[3])
+        assert held == 3 * (length * 8 if length <= sparsity.READ_CHECK_VALUES_MAX else 32)
+        changed = bucket.clone()
+        changed[length // 2] = 99  # (the entry every row reads at j = i: out of bias's range)
+        with pytest.raises(attncc.InputError, match="bucket"):
+            kern(k[:, :, :1], k[:, :, :40], k[:, :, :40], bias=bias, bucket=changed)
 
 
 def test_sequences_of_2_to_the_31_keys_are_refused_by_the_cuda_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,10 +118,16 @@ def scaled_dot_product_attention(
     )
     kept = 3 if grouped else 2
     try:
-        lead = torch.broadcast_shapes(*(t.shape[:-kept] for t in (query, key, value)))
-        query, key, value = (t.expand(*lead, *t.shape[-kept:]) for t in (query, key, value))
+        if not query.shape[:-kept] == key.shape[:-kept] == value.shape[:-kept]:  # (~20 us: not on every call)
+            lead = torch.broadcast_shapes(*(t.shape[:-kept] for t in (query, key, value)))
+            query, key, value = (t.expand(*lead, *t.shape[-kept:]) for t in (query, key, value))
     except RuntimeError:
-        groups = not grouped and key.dim() >= 3 and query.dim() >= 3 and query.shape[-3] % key.shape[-3] == 0
+        groups = (
+            not enable_gqa
+            and min(key.dim(), query.dim()) >= 3
+            and key.shape[-3] > 0
+            and query.shape[-3] % key.shape[-3] == 0
+        )
         raise InputError(
             f"query, key, value: expected leading dims that broadcast, got query {tuple(query.shape[:-2])}, key "
             f"{tuple(key.shape[:-2])}, value {tuple(value.shape[:-2])}"
@@ -138,8 +144,12 @@ def scaled_dot_product_attention(
     # (a key and value of one head broadcast over the query heads, enable_gqa or not, as in torch)
     if q.shape[1] != k.shape[1] and k.shape[1] != 1 and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
         raise InputError(
-            f"key: {k.shape[1]} heads for query's {q.shape[1]}: pass enable_gqa=True where the query heads are "
-            "groups of the key heads (a multiple)"
+            f"key: {k.shape[1]} heads for query's {q.shape[1]}: "
+            + (
+                "with enable_gqa the query heads are groups of the key heads, a multiple of them"
+                if enable_gqa
+                else "pass enable_gqa=True where the query heads are groups of the key heads (a multiple)"
+            )
         )
     if not isinstance(is_causal, bool):
         raise InputError(f"is_causal: expected a bool, got {is_causal!r}")

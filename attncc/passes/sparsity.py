@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -799,7 +800,7 @@ def _checked_nodes(exprs: tuple[ex.Expr, ...]) -> tuple[tuple[ex.Binary, ...], t
 #: integration's key ranges) do not depend on it; their intervals took ~100 us per new step.
 _READ_CHECKS: dict[tuple, None] = {}
 READ_CHECKS_KEPT = 256
-READ_CHECK_VALUES_MAX = 4096  # values of the tensors a check reads, kept in its key: at most 8 MiB in all
+READ_CHECK_VALUES_MAX = 4096  # values of a table a check's key keeps as they are (beyond: a digest)
 _READ_CHECKS_LOCK = module_lock(__name__, "_READ_CHECKS_LOCK")
 
 
@@ -829,10 +830,18 @@ def _read_check_key(
         values.append((name, value, math.copysign(1.0, value) if isinstance(value, float) else None))
     if any(tensors[name].device.type != "cpu" for name in valued):
         return None
-    if sum(tensors[name].numel() for name in valued) > READ_CHECK_VALUES_MAX:
-        return None  # (checked every call: READ_CHECKS_KEPT keys held copies of a 1 MiB table each)
-    contents = tuple(values_key(tensors[name]) for name in valued)
+    contents = tuple(_table_key(tensors[name]) for name in valued)
     return (exprs, tuple(values), tuple(tuple(tensors[name].shape) for name in shaped), contents)
+
+
+def _table_key(t: torch.Tensor) -> tuple:
+    """`values_key`, or past READ_CHECK_VALUES_MAX values a digest of them: READ_CHECKS_KEPT keys
+    held a copy of a 1 MiB bucket table each (256 MiB), and checking such a table on every call
+    instead took 2-8x the host time of a digest."""
+    if t.numel() <= READ_CHECK_VALUES_MAX:
+        return values_key(t)
+    dtype, shape, data = values_key(t)
+    return (dtype, shape, hashlib.blake2b(data, digest_size=32).digest())
 
 
 def values_key(t: torch.Tensor) -> tuple:

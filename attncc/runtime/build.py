@@ -490,15 +490,17 @@ def build_library(
             if len(_REBUILDS) > REBUILDS_KEPT:
                 _REBUILDS.popitem(last=False)  # (the oldest)
     if _digest_path(library).exists():  # written after the library: the build is complete
+        if _PREBUILDING_INTO:  # (prebuilt before, by an attncc that wrote no manifest, or it was lost)
+            with _writing_into_cache(directory, name):
+                _write_if_changed(directory / PREBUILT_MANIFEST, _prebuilt_facts(host_flags, cuda_arch))
         return library
     with _writing_into_cache(directory, name):  # (`mkdir`, the lock, the sources)
         directory.mkdir(parents=True, exist_ok=True)
         with _file_lock(directory / ".lock"):
-            if _digest_path(library).exists():
-                return library
-            _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
+            if not _digest_path(library).exists():
+                _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
             if _PREBUILDING_INTO:
-                (directory / PREBUILT_MANIFEST).write_text(_prebuilt_facts(host_flags, cuda_arch))
+                _write_if_changed(directory / PREBUILT_MANIFEST, _prebuilt_facts(host_flags, cuda_arch))
     if limit is not None and not _PREBUILDING_INTO:
         trim_cache(limit)
     return library

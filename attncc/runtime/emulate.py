@@ -31,6 +31,7 @@ from attncc.runtime.build import EMULATOR_FLAGS, build_library
 from attncc.runtime.fp8 import is_fp8, library_dtype
 from attncc.runtime.kernel import (
     CALL_OPERANDS,
+    PLAN_MEMO_KEPT,
     CallPlan,
     KeptLaunch,
     Kernel,
@@ -413,7 +414,7 @@ class EmulatedKernel(Kernel):
                     self._keep_repeat(launch_key, launch)
                 else:  # the plan's memo: as long-lived as the plan
                     with self._lock:
-                        keep_bounded(launches, launch_key, launch)
+                        keep_bounded(launches, launch_key, launch, PLAN_MEMO_KEPT)
         if sink is not None:  # merged on the host with an empty part of lse `sink` (runtime/sinks.py)
             with torch.no_grad():
                 sink_lse = sink.to(lse.dtype).expand(lse.shape)

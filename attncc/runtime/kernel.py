@@ -103,7 +103,8 @@ def registered(key: str) -> Kernel:
     why = "none is" if not alive else f"{len(alive)} are, and which one this graph was made with is not known"
     raise AttnccError(
         f"attncc: this graph calls kernel {program}, and {why} alive in this process: compile the program "
-        "(attncc.compile) and hold the kernel where a saved, exported or compiled graph runs, one per program"
+        "(attncc.compile) and hold the kernel where a saved, exported or compiled graph runs, one per program "
+        "(a drop-in's kernels: one eager call of the drop-in with the graph's options makes them)"
     )
 
 
@@ -179,12 +180,18 @@ PACKED_BALANCE_TASKS = 1024
 PREPARED_CALLS_KEPT = 32
 
 
+#: Entries of a plan's memo (`PagedPlan.keys.prepared`, `VarlenPlan.packed.prepared`): each
+#: kernel calling with the plan keeps ~3 (prepared call, kept launch, checked call), so every
+#: layer's kernel of a model fits; a plan held for calls of ever new scales or query counts
+#: (a shared prefix's) grew by ~11 KB a call before it was bounded.
+PLAN_MEMO_KEPT = 1024
+
+
 def keep_bounded(memo: dict, key: object, value: object, kept: int = PREPARED_CALLS_KEPT) -> None:
-    """`memo[key] = value`, the oldest entry dropped beyond `kept` (a plan's memo: a server holding
-    one plan, a shared prefix's, for calls of ever new scales or query counts grew it by ~11 KB
-    a call). The caller holds the kernel's lock."""
+    """`memo[key] = value`, the oldest entry dropped beyond `kept`. The caller holds its kernel's
+    lock; a plan's memo is shared by kernels, whose locks differ (hence `pop(..., None)`)."""
     if key not in memo and len(memo) >= kept:
-        memo.pop(next(iter(memo)))  # the oldest key
+        memo.pop(next(iter(memo), None), None)  # the oldest key
     memo[key] = value
 
 
@@ -872,7 +879,7 @@ class Kernel:
         PREPARED_CALLS_KEPT; a planned packed call's in its plan's memo (`packed.prepared`)."""
         with self._lock:
             if packed is not None:  # (the plan's memo holds every kernel's: capped all the same)
-                keep_bounded(packed.prepared, (self.call_key, key), launch)  # type: ignore[arg-type]
+                keep_bounded(packed.prepared, (self.call_key, key), launch, PLAN_MEMO_KEPT)  # type: ignore[arg-type]
                 return
             keep_bounded(self._repeats, key, launch)
 
@@ -1004,7 +1011,9 @@ class Kernel:
         `plan` (`attncc.plan_paged(k_cache, block_table, cache_seqlens, new_tokens)`) in place of
         block_table and cache_seqlens: the table and lengths read and checked once for every
         call that shares them (each layer of a decoding step), so the call reads nothing back
-        from the device and its tile classes are prepared once per kernel and plan.
+        from the device and its tile classes are prepared once per kernel and plan (under
+        torch.compile the op takes the plan's table and lengths and reads them, as an unplanned
+        call's: one graph for every step's plan).
 
         Paged calls are inference: a program's dropout is not applied (train=True with one is
         an error; `train` is taken, as the other calls take it, for code that passes it through).
@@ -1042,7 +1051,7 @@ class Kernel:
             checked = CheckedPagedCall(checked_scale(scale), scalars)
             if checked.launch(self, plan, q, k_cache, v_cache, layout) is not None:
                 with self._lock:
-                    keep_bounded(memo, key, checked)
+                    keep_bounded(memo, key, checked, PLAN_MEMO_KEPT)
         return result
 
     def kept_launch(
@@ -1078,7 +1087,7 @@ class Kernel:
         D=64 fp32 decoding 129 us a call, where a padded call repeating a kept launch took 17."""
         launch = self._forward_launch(plan, call, ptrs, out, lse, (call, paged), strides)
         with self._lock:
-            keep_bounded(paged.prepared, key, launch)  # type: ignore[arg-type]
+            keep_bounded(paged.prepared, key, launch, PLAN_MEMO_KEPT)  # type: ignore[arg-type]
 
     def call_scale(self, scale: object) -> float | None:
         """A call's `scale=` (padded, packed, paged): a finite number that the program reads
@@ -1772,10 +1781,8 @@ class Kernel:
             }  # layout grids
             classes: torch.Tensor = call["classes"]  # type: ignore[assignment]
             if calls is not self._calls_by_values or classes.numel() <= PREPARED_LENGTHS_BYTES:
-                with self._lock:
-                    if len(calls) >= PREPARED_CALLS_KEPT:
-                        calls.pop(next(iter(calls)))  # the oldest key
-                    calls[key] = call
+                with self._lock:  # (a plan's memo holds every kernel's entries: PLAN_MEMO_KEPT)
+                    keep_bounded(calls, key, call, PLAN_MEMO_KEPT if calls is memo else PREPARED_CALLS_KEPT)
         fresh = self._kernel_tensors({n: t for n, t in zip(names, given) if n not in on_host}, acc_dtype(dtype))
         return dict(call, tensors={**call["tensors"], **fresh})
 
