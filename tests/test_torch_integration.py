@@ -604,7 +604,9 @@ def test_an_exported_program_runs_on_the_live_kernel_of_its_program(tmp_path) ->
     del module
     gc.collect()
     loaded = torch.export.load(tmp_path / "attention.pt2").module()
-    with pytest.raises(attncc.AttnccError, match=r"calls kernel exported_\w+, and none is alive in this process"):
+    with pytest.raises(
+        attncc.AttnccError, match=r"calls kernel exported_\w+ \(a Kernel\), and none is alive in this process"
+    ):
         loaded(q, k, v)
     kern = attncc.compile(source)  # (another `#n`)
     torch.testing.assert_close(loaded(q, k, v), want, atol=0, rtol=0)

@@ -89,20 +89,22 @@ _KEYS = itertools.count()
 
 
 def registered(key: str) -> Kernel:
-    """The kernel an op call names by `call_key` ("NAME_<digest>#<n>"). A graph that outlives
-    its kernel or another process's (torch.export, a saved program) names a kernel not held
-    here, and `#n` counts the kernels made before it: the one live kernel of the same program
-    (digest) serves it; none, or several with their own settings, is an error saying why."""
+    """The kernel an op call names by `call_key` ("NAME_<digest>#<class>#<n>"). A graph that
+    outlives its kernel or another process's (torch.export, a saved program) names a kernel not
+    held here, and `#n` counts the kernels made before it: the one live kernel of the same
+    program (digest) and class serves it; none, or several with their own settings, is an error
+    saying why."""
     kern = _REGISTRY.get(key)
     if kern is not None:
         return kern
     program = key.rpartition("#")[0]
-    alive = [k for k in list(_REGISTRY.values()) if k.key == program]
+    alive = [k for k in list(_REGISTRY.values()) if k.call_key.rpartition("#")[0] == program]
     if len(alive) == 1:
         return alive[0]
     why = "none is" if not alive else f"{len(alive)} are, and which one this graph was made with is not known"
     raise AttnccError(
-        f"attncc: this graph calls kernel {program}, and {why} alive in this process: compile the program "
+        f"attncc: this graph calls kernel {program.partition('#')[0]} (a {program.partition('#')[2]}), and {why} "
+        "alive in this process: compile the program "
         "(attncc.compile) and hold the kernel where a saved, exported or compiled graph runs, one per program "
         "(a drop-in's kernels: one eager call of the drop-in with the graph's options makes them)"
     )
@@ -440,7 +442,7 @@ class Kernel:
         self._varlen_plans: OrderedDict[tuple, VarlenPlan] = OrderedDict()  # by offsets (see ragged.offsets_plan)
         # The op dispatches on this key; one per object, so per-object settings (an emulated
         # kernel's schedule or deterministic mode) reach the right implementation.
-        self.call_key = f"{self.key}#{next(_KEYS)}"
+        self.call_key = f"{self.key}#{type(self).__name__}#{next(_KEYS)}"  # (the class: an emulated or GPU kernel)
         _REGISTRY[self.call_key] = self
 
     def __getstate__(self) -> dict[str, object]:
