@@ -7,6 +7,7 @@ with q and k 24 wide and v 12: v has a head dim of its own)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -582,6 +583,48 @@ def test_bidirectional_layers_mask_padding_on_both_sides() -> None:
     expected = torch.nn.functional.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=allowed, scale=0.3)
     assert weights is None and out.shape == (2, 9, 4, 16)
     assert (out.double() - expected.transpose(1, 2)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("mask_says", "flag", "padded"),
+    [("bidirectional", True, False), ("bidirectional", True, True), ("causal", False, True)],
+)
+def test_layers_follow_the_mask_functions_causality_over_their_flag(mask_says: str, flag: bool, padded: bool) -> None:
+    """Step3p7's full layers keep is_causal=True under a bidirectional mask (causal OR all), and
+    Aimv2's text layers is_causal=False under the causal mask its model makes: eager and sdpa
+    read the mask, attncc read the flag (4.1 and 3.7 off eager, a future token leaking into the
+    past; session 61's review). The mask function's causality rides on the mask it hands out."""
+    from transformers import masking_utils as masks
+
+    function = (
+        masks.or_masks(masks.causal_mask_function, masks.bidirectional_mask_function)
+        if mask_says == "bidirectional"
+        else masks.causal_mask_function
+    )
+    batch, length = 2, 7
+    padding = torch.ones(batch, length, dtype=torch.bool)
+    padding[1, :2] = False
+    given = integration.attncc_attention_mask(
+        batch, length, length, 0, 0, mask_function=function, attention_mask=padding if padded else None
+    )
+    module = torch.nn.Module()
+    module.is_causal = flag
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(batch, 4, length, 16, generator=gen)
+    k, v = (torch.randn(batch, 2, length, 16, generator=gen) for _ in range(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        attend = integration.ModelAttention()
+        out, _ = attend(module, q, k, v, given, output_attentions=True)
+        attend(module, q, k, v, given, output_attentions=True)
+    assert len([w for w in caught if "output_attentions=True" in str(w.message)]) == 1  # (once, not dropped silently)
+    keep = (padding if padded else torch.ones_like(padding))[:, None, None, :].expand(batch, 1, length, length)
+    if mask_says == "causal":
+        keep = keep & torch.ones(length, length, dtype=torch.bool).tril()
+    kk, vv = (t.repeat_interleave(2, 1).double() for t in (k, v))
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=keep)
+    rows = keep.any(-1)[:, :, :, None].transpose(1, 2)  # (rows of no key: 0 here, NaN in torch's)
+    assert (out.double() - expected.transpose(1, 2)).where(rows, 0.0).abs().max() < 1e-5
 
 
 def test_the_training_example_runs_and_learns() -> None:

@@ -38,6 +38,7 @@ transformers is an optional dependency: `pip install 'attncc[transformers]'`.
 from __future__ import annotations
 
 import dis
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,6 +188,12 @@ class ModelMask:
     predicate: str | None
     inputs: dict[str, tuple[str, object]]
     packed_offsets: torch.Tensor | None = None
+    #: whether the mask function's mask is causal (None: not known here; the predicate says it):
+    #: the layers follow it over their `is_causal`, as eager and sdpa, which read the mask, do
+    #: (Step3p7's bidirectional full layers keep is_causal=True, Aimv2's causal text model False)
+    causal: bool | None = None
+    #: the carrier stands for no mask at all (a bidirectional mask without padding): read as None
+    no_padding: bool = False
 
 
 #: The patterns of the masks the mask function handed out, by the mask tensor's id, with a weak
@@ -357,7 +364,15 @@ def attncc_attention_mask(
         if keys is not None:  # a mask of ones over the filled columns: the layer cuts the rest off
             padding = torch.ones(batch_size, keys, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
     if not term.pattern and term.packed is None:
-        return padding
+        if mask_function is None:
+            return padding
+        causal = CAUSAL_TERM in (term.text or "")
+        if padding is not None:  # (what the mask says of causality rides on it: `ModelMask.causal`)
+            return carried(padding, ModelMask(None, {}, causal=causal))
+        if causal:  # (no mask: the layers' own causal flag, as ever; nothing to hand out)
+            return None
+        ones = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
+        return carried(ones, ModelMask(None, {}, causal=False, no_padding=True))
     predicate = (term.text or "j >= 0") if term.pattern else None  # ("j >= 0": every key column)
     offsets = None if term.packed is None else sequence_offsets(term.packed)
     if padding is None:  # (packed sequences, or a pattern without padding: a carrier of ones)
@@ -453,6 +468,7 @@ class ModelAttention:
 
     def __init__(self, program: str | Path | None = None) -> None:
         self.program = program
+        self.warned_attentions = False
         self._lock = instance_lock(self)
         self._kernels: dict[tuple[LayerNeeds, str], Kernel] = {}
         self._given: dict[str, Kernel] = {}
@@ -555,10 +571,21 @@ class ModelAttention:
         for name, what in UNMAPPED_KWARGS.items():
             if kwargs.get(name) is not None:
                 raise AttnccError(f"{type(module).__name__}: `{name}` ({what}) has no attncc mapping")
+        if kwargs.get("output_attentions") and not self.warned_attentions:  # (it was dropped silently)
+            self.warned_attentions = True
+            warnings.warn(
+                "attncc: output_attentions=True: the kernels never form the attention weights, so none are "
+                "returned (as with sdpa); use attn_implementation='eager' for them",
+                stacklevel=2,
+            )
         sliding_window = layer_window(module, sliding_window)
         sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         pattern = mask_pattern(attention_mask)
+        if pattern is not None and pattern.causal is not None:
+            causal = pattern.causal
+        if pattern is not None and pattern.no_padding:
+            attention_mask = None
         windowed = pattern is not None and "window" in pattern.inputs
         if sliding_window is not None and not causal and not windowed:
             raise AttnccError(
