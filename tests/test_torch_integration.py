@@ -582,6 +582,36 @@ def test_nan_propagates_like_eager(emulate: bool) -> None:
     assert torch.isfinite(out[0, 1]).all()
 
 
+def test_fake_tensors_give_every_calls_output_shapes() -> None:
+    """Under FakeTensorMode (shape propagation, outside torch.compile) a program with a sink, a
+    packed and a paged call ended in torch's DataDependentOutputException /
+    DynamicOutputShapeException (their checks read values on the host; session 61's review):
+    they take the op's path, whose fake implementation gives the shapes, as while traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sink = attncc.compile(ROOT / "examples" / "gpt_oss.attn")
+    vanilla = attncc.compile(ROOT / "examples" / "vanilla.attn")
+    mode = FakeTensorMode()
+    real = dict(
+        q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 12, 16), v=torch.randn(2, 2, 12, 8), sinks=torch.randn(4),
+        packed_q=torch.randn(8, 4, 16), packed_k=torch.randn(12, 2, 16), packed_v=torch.randn(12, 2, 8),
+        cu_q=torch.tensor([0, 3, 8], dtype=torch.int32), cu_k=torch.tensor([0, 5, 12], dtype=torch.int32),
+        step=torch.randn(2, 1, 4, 16), k_cache=torch.randn(6, 4, 2, 16), v_cache=torch.randn(6, 4, 2, 8),
+        table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), lengths=torch.tensor([5, 9], dtype=torch.int32),
+        k_new=torch.randn(2, 1, 2, 16), v_new=torch.randn(2, 1, 2, 8),
+    )  # fmt: skip
+    f = {name: mode.from_tensor(t) for name, t in real.items()}
+    with mode:
+        out, lse = sink(f["q"], f["k"], f["v"], sinks=f["sinks"], window=4, return_lse=True)
+        assert (out.shape, lse.shape) == ((2, 4, 8, 8), (2, 4, 8))
+        packed = vanilla.varlen(f["packed_q"], f["packed_k"], f["packed_v"], f["cu_q"], f["cu_k"], 5, 7)
+        assert packed.shape == (8, 4, 8)
+        paged = vanilla.paged(
+            f["step"], f["k_cache"], f["v_cache"], f["table"], f["lengths"], k_new=f["k_new"], v_new=f["v_new"]
+        )
+        assert paged.shape == (2, 1, 4, 8)
+
+
 def test_an_exported_program_runs_on_the_live_kernel_of_its_program(tmp_path) -> None:
     """A torch.export'ed (or saved and loaded) graph names its kernel by `call_key`, whose `#n`
     counts the kernels made before it in the exporting process: once that kernel was freed, or

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
@@ -930,7 +931,12 @@ class Kernel:
                     return_lse=return_lse, scale=scale, train=train, seed=seed, k_descale=k_descale,
                     v_descale=v_descale, **runtime,
                 )  # fmt: skip
-        if plan is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not _is_compiling():
+        if (
+            plan is None
+            and cu_seqlens_q is not None
+            and cu_seqlens_k is not None
+            and not (_is_compiling() or isinstance(q, FakeTensor))  # (fake: FakeTensorMode's shapes, no values)
+        ):
             if all(type(t) is torch.Tensor for t in (q, k, v)) and not _untransformed(q, k, v):
                 # (the clear error, before the offsets are read)
                 _reject_transforms({"q": q, "k": k, "v": v})

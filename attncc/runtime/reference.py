@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from attncc.errors import InputError
 from attncc.ir import expr as ex
@@ -52,9 +53,9 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
     if isinstance(e, ex.Read):
         index = tuple(evaluate(i, env, tensors).long() for i in e.index)
         t = tensors[e.tensor]
-        # (torch reads t[-1] as the last: a clear error instead; traced and device calls meet the
-        # op's own check of the same reads, passes/sparsity.py check_reads_and_divisors)
-        for d, i in enumerate(() if torch.compiler.is_compiling() else index):
+        # (torch reads t[-1] as the last: a clear error instead; traced, fake and device calls meet
+        # the op's own check of the same reads, passes/sparsity.py check_reads_and_divisors)
+        for d, i in enumerate(() if torch.compiler.is_compiling() or isinstance(t, FakeTensor) else index):
             if i.device.type == "cpu" and i.numel() and (int(i.min()) < 0 or int(i.max()) >= t.shape[d]):
                 raise InputError(
                     f"{ex.render(e)}: index {d} ({ex.render(e.index[d])}) ranges over [{int(i.min())}, "
