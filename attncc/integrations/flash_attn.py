@@ -40,7 +40,7 @@ import torch
 from attncc.errors import InputError
 from attncc.integrations.made import MadeKernels, masked_softmax_output
 from attncc.ir.expr import python_number
-from attncc.runtime.kernel import checked_scale
+from attncc.runtime.kernel import drop_in_scale
 
 
 @dataclass(frozen=True)
@@ -107,14 +107,6 @@ def _checked_window(window_size: object) -> tuple[int, int]:
     if len(sizes) != 2 or any(w is None or w < -1 for w in sizes):
         raise InputError(f"window_size: expected (left, right), two ints >= -1 (-1: unbounded), got {window_size!r}")
     return tuple(-1 if w >= UNBOUNDED_WINDOW else w for w in sizes)  # type: ignore[return-value]
-
-
-def _scale(softmax_scale: object) -> object:
-    """softmax_scale checked as FlashAttention takes it (a number), or as given while torch.compile
-    traces (a symbolic float: the kernel's call takes it as it is)."""
-    if torch.compiler.is_compiling():
-        return softmax_scale
-    return checked_scale(softmax_scale, "softmax_scale", "flash_attn")
 
 
 def _options_and_inputs(
@@ -215,7 +207,7 @@ def flash_attn_func(
     )
     kern = _kernel(options, q.device)
     out, lse = kern(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_lse=True, scale=_scale(softmax_scale), **inputs
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_lse=True, scale=drop_in_scale(softmax_scale, "softmax_scale", "flash_attn"), **inputs
     )  # fmt: skip
     out = out.transpose(1, 2).contiguous()
     return (out, lse, None) if return_attn_probs else out
@@ -262,7 +254,7 @@ def flash_attn_varlen_func(
     used_q, used_k = _rows_in_use(q, cu_seqlens_q), _rows_in_use(k, cu_seqlens_k)
     q, k, v = q[:used_q], k[:used_k], v[:used_k]
     out, lse = kern.varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=_scale(softmax_scale), **inputs
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=drop_in_scale(softmax_scale, "softmax_scale", "flash_attn"), **inputs
     )  # fmt: skip
     if out.shape[0] < rows_q:  # (differentiable: the rows of no sequence get no gradient)
         out = torch.cat([out, out.new_zeros(rows_q - out.shape[0], *out.shape[1:])])
@@ -362,7 +354,7 @@ def flash_attn_with_kvcache(
     kern = _kernel(options, q.device)
     with torch.no_grad():  # (forward only, as FlashAttention's: no graph, whatever requires grad)
         out, lse = kern.paged(
-            q, k_cache, v_cache, block_table, cache_seqlens, k_new=k, v_new=v, return_lse=True, scale=_scale(softmax_scale),
+            q, k_cache, v_cache, block_table, cache_seqlens, k_new=k, v_new=v, return_lse=True, scale=drop_in_scale(softmax_scale, "softmax_scale", "flash_attn"),
             **inputs,
         )  # fmt: skip
     return (out, lse.transpose(1, 2)) if return_softmax_lse else out

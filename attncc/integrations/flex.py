@@ -37,7 +37,7 @@ import attncc
 from attncc.errors import InputError
 from attncc.frontend.flex import FlexProgram, flex_program
 from attncc.passes.sparsity import EMPTY, FULL, Problem, classify_tiles, runtime_tensors
-from attncc.runtime.kernel import Kernel, checked_scale
+from attncc.runtime.kernel import Kernel, drop_in_scale
 from attncc.runtime.locks import module_lock
 
 _KERNELS: dict[tuple[str, str], Kernel] = {}
@@ -244,8 +244,7 @@ def flex_attention(
         raise InputError(
             "return_lse and return_aux: give one (return_lse is deprecated in torch: return_aux=AuxRequest(lse=True))"
         )
-    if not torch.compiler.is_compiling():  # (a symbolic scale while tracing is the kernel call's to take)
-        scale = checked_scale(scale, "scale", "flex_attention")
+    scale = drop_in_scale(scale, "scale", "flex_attention")
     mask = mask_mod if mask_mod is not None else _mask_function(block_mask, query, key)
     program = _traced(score_mod, mask)
     kern = _kernel(program.source, query.device)

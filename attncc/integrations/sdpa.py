@@ -34,7 +34,7 @@ import torch
 
 from attncc.errors import InputError
 from attncc.integrations.made import MadeKernels, masked_softmax_output
-from attncc.runtime.kernel import checked_scale
+from attncc.runtime.kernel import drop_in_scale
 from attncc.runtime.locks import module_lock
 
 
@@ -156,7 +156,7 @@ def scaled_dot_product_attention(
     given_dropout, dropout_p = dropout_p, _number(dropout_p)
     # (while torch.compile traces, the kernel's call_scale takes a scale as given, symbolic
     # after a recompile for a new value: math.isfinite here failed on it)
-    scale = scale if torch.compiler.is_compiling() else checked_scale(scale, "scale", "scaled_dot_product_attention")
+    scale = drop_in_scale(scale, "scale", "scaled_dot_product_attention")
     if dropout_p is None or not 0 <= dropout_p < 1:
         raise InputError(f"dropout_p: expected a number in [0, 1), got {given_dropout!r}")
     inputs: dict[str, torch.Tensor] = {}

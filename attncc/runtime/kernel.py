@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
@@ -78,7 +77,7 @@ from attncc.runtime.ragged import (
     varlen_backward,
     varlen_forward,
 )
-from attncc.runtime.reference import evaluate, reference_attention
+from attncc.runtime.reference import evaluate, reference_attention, values_unreadable
 from attncc.runtime.rope import rope_tables, rotate_padded
 from attncc.runtime.sinks import padded_rows, sink_gradient, sink_logits
 from attncc.targets import ISA_ENV
@@ -379,6 +378,7 @@ class Kernel:
         self.abi: KernelAbi = kernel_abi(self.graph, cuda=self.cuda_abi)
         self.inputs: list[Input] = runtime_inputs(self.graph)
         self._size_inputs = tuple(d for d in self.inputs if d.size_of is not None)
+        self._scalar_names = tuple(d.name for d in self.inputs if d.role == "scalar")  # (the ops' scalars' order)
         # (properties of the program read by every call's checks, also while torch.compile
         # traces one: attributes, where a cached_property takes a lock dynamo cannot trace)
         self.reads_scale: bool = self.op.reads_scale
@@ -779,8 +779,7 @@ class Kernel:
         ~280 per forward and backward (fp32 B=1 H=8 N=16 d=64, 2 Zen 5 cores)."""
         if not self._repeatable or k.dtype in FP8_DTYPES:
             return None
-        names = [d.name for d in self.inputs if d.role == "scalar"]
-        return self._launch_signature(q, k, v, scale, tuple(zip(names, scalars)))
+        return self._launch_signature(q, k, v, scale, tuple(zip(self._scalar_names, scalars)))
 
     @cached_property
     def tensor_names(self) -> tuple[str, ...]:
@@ -931,12 +930,7 @@ class Kernel:
                     return_lse=return_lse, scale=scale, train=train, seed=seed, k_descale=k_descale,
                     v_descale=v_descale, **runtime,
                 )  # fmt: skip
-        if (
-            plan is None
-            and cu_seqlens_q is not None
-            and cu_seqlens_k is not None
-            and not (_is_compiling() or isinstance(q, FakeTensor))  # (fake: FakeTensorMode's shapes, no values)
-        ):
+        if plan is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not values_unreadable(q):
             if all(type(t) is torch.Tensor for t in (q, k, v)) and not _untransformed(q, k, v):
                 # (the clear error, before the offsets are read)
                 _reject_transforms({"q": q, "k": k, "v": v})
@@ -1082,8 +1076,8 @@ class Kernel:
         `_launch_signature` of q [B, H, N, D] and the caches. None where none is kept (`_repeatable`)."""
         if not self._repeatable or k.dtype in FP8_DTYPES:
             return None
-        names = [d.name for d in self.inputs if d.role == "scalar"]  # (pairs, as `op_repeat_key`'s)
-        return ("paged forward", self.call_key, *self._launch_signature(q, k, v, scale, tuple(zip(names, scalars))))
+        pairs = tuple(zip(self._scalar_names, scalars))  # (as `op_repeat_key`'s)
+        return ("paged forward", self.call_key, *self._launch_signature(q, k, v, scale, pairs))
 
     def _keep_paged_launch(
         self, key: tuple, paged: PagedKeys, plan: CallPlan, call: dict, ptrs: dict[str, torch.Tensor],
@@ -1185,9 +1179,7 @@ class Kernel:
         value, multiplier = self._scale_values(_sizes(q, k), scale)
         plan = CallPlan(problem, tiles, multiplier, value)
         with self._lock:
-            if len(self._plans) >= PREPARED_CALLS_KEPT:
-                self._plans.pop(next(iter(self._plans)))  # the oldest key
-            self._plans[key] = plan
+            keep_bounded(self._plans, key, plan)
         return plan
 
     def _scale_values(self, sizes: Mapping[str, int], scale: float | None) -> tuple[float, float]:
@@ -1209,9 +1201,7 @@ class Kernel:
                 )
             values = value, float(evaluate(self.op.scale, {**sizes, "scale": value}, {}))
             with self._lock:
-                if len(self._scales) >= PREPARED_CALLS_KEPT:
-                    self._scales.pop(next(iter(self._scales)))  # the oldest key
-                self._scales[key] = values
+                keep_bounded(self._scales, key, values)
         return values
 
     def _check_launch_scale(self, scale: object, own_sizes: tuple[str, ...], layout: str) -> None:
@@ -2177,6 +2167,12 @@ def traced_tensor_number(name: str) -> InputError:
         f"{name}: a tensor under torch.compile; pass a Python number (a compiled graph recompiles for each "
         "new value, dynamic=True or not: declare a value that changes every step as a tensor, `int[1]`)"
     )
+
+
+def drop_in_scale(scale: object, argument: str, drop_in: str) -> object:
+    """A drop-in's scale argument checked as its API takes it (`checked_scale`), or as given
+    while torch.compile traces (a symbolic float: the kernel's call takes it as it is)."""
+    return scale if torch.compiler.is_compiling() else checked_scale(scale, argument, drop_in)
 
 
 def checked_scale(scale: object, argument: str = "scale", drop_in: str | None = None) -> float | None:

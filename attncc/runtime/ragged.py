@@ -29,11 +29,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from attncc.errors import InputError
 from attncc.ir.expr import python_number
 from attncc.runtime.fp8 import check_operand_dtypes, kv_descales
+from attncc.runtime.reference import values_unreadable
 from attncc.runtime.sinks import padded_rows
 
 if TYPE_CHECKING:
@@ -403,8 +403,7 @@ def varlen_attention(
         )
     _check_operands(q, (("k", k), ("v", v)), runtime)
     kern.check_input_names(runtime)
-    # the offsets' values: only the op reads them when traced (or fake: FakeTensorMode's shapes)
-    traced = torch.compiler.is_compiling() or isinstance(q, FakeTensor)
+    traced = values_unreadable(q)  # the offsets' values: only the op reads them then
     packed = None
     if plan is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None or max_seqlen_q is not None or max_seqlen_k is not None:
@@ -851,7 +850,7 @@ def paged_attention(
     # dispatch of an op that mutates its inputs costs ~100 us of host time per call), checking
     # the table before it appends; else the table is checked here first, where nothing is traced.
     plain = _plain_call(q, k_cache, v_cache, block_table, cache_seqlens, *tensors)
-    if not (torch.compiler.is_compiling() or isinstance(q, FakeTensor)):  # (only the op reads values then)
+    if not values_unreadable(q):  # the table's values: only the op reads them otherwise
         if plan is None and not plain:
             paged_totals(kern, q_bhnd, k_cache, block_table, cache_seqlens, appended, runtime)
     scale = kern.call_scale(scale)

@@ -29,6 +29,12 @@ _UNARY = {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.
 _ROUNDING = {"floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round}
 
 
+def values_unreadable(t: torch.Tensor) -> bool:
+    """Whether a tensor's values cannot be read on the host: torch.compile traces the call, or
+    it is a fake tensor (FakeTensorMode's shape propagation). Only the ops read values then."""
+    return torch.compiler.is_compiling() or isinstance(t, FakeTensor)
+
+
 def _saturated_int64(rounded: torch.Tensor) -> torch.Tensor:
     """Integral float64 values as int64 the way expr.ROUNDING_OPS define it: saturated, NaN 0."""
     limit = 2.0**63
@@ -55,7 +61,7 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
         t = tensors[e.tensor]
         # (torch reads t[-1] as the last: a clear error instead; traced, fake and device calls meet
         # the op's own check of the same reads, passes/sparsity.py check_reads_and_divisors)
-        for d, i in enumerate(() if torch.compiler.is_compiling() or isinstance(t, FakeTensor) else index):
+        for d, i in enumerate(() if values_unreadable(t) else index):
             if i.device.type == "cpu" and i.numel() and (int(i.min()) < 0 or int(i.max()) >= t.shape[d]):
                 raise InputError(
                     f"{ex.render(e)}: index {d} ({ex.render(e.index[d])}) ranges over [{int(i.min())}, "
