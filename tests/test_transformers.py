@@ -172,6 +172,49 @@ def test_training_gradients(family: str) -> None:
         assert (got.grad - expected.grad).abs().max() / scale < 1e-3, name
 
 
+def test_a_compiled_forward_generates_through_a_static_cache_as_eager_does() -> None:
+    """`torch.compile(model.forward, fullgraph=True)` with a static cache, transformers' recipe
+    for fast generation: generate makes the masks before each compiled forward (causal and
+    sliding, with padding) and the layers read their causality from the mask's dtype (a traced
+    mask has no id) and build their kernels while the graph is traced (`layer_kernel_name`).
+    It failed at the first layer until session 62 (the inference-mode read, then the kernels'
+    lock, the host read of the padding). Gemma 2: sliding and full layers, soft-capping."""
+    reference, ours = (m.eval() for m in models("gemma2"))
+    ids, mask = batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    expected = reference.generate(ids, **kwargs)
+    torch._dynamo.reset()
+    ours.forward = torch.compile(ours.forward, fullgraph=True)
+    got = ours.generate(ids, **kwargs, cache_implementation="static")
+    assert torch.equal(got, expected)
+
+
+def test_a_compiled_training_step_matches_eager_and_patterns_are_refused_under_compile() -> None:
+    """A fullgraph-compiled Llama forward and backward over a padded batch: the mask function
+    and the layers traced, the padding's key ranges made in the graph and checked when it runs
+    (no host read), gradients as eager sdpa's. What torch.compile cannot carry is a clear
+    error: a pattern recorded beside a mask made outside the graph (Llama 4's chunks, where a
+    traced layer would have run plain causal attention: other tokens), and a mask function
+    made in the graph whose closure attncc must read (a sliding window's `and_masks`)."""
+    reference, ours = (m.train() for m in models("llama"))
+    ids, mask = batch(right_padding=3)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:][mask[:, :-1] == 0] = -100
+    torch._dynamo.reset()
+    reference(ids, attention_mask=mask, labels=labels).loss.backward()
+    torch.compile(ours.forward, fullgraph=True)(ids, attention_mask=mask, labels=labels).loss.backward()
+    for (name, expected), got in zip(reference.named_parameters(), ours.parameters()):
+        scale = expected.grad.abs().max().clamp_min(1e-6)
+        assert (got.grad - expected.grad).abs().max() / scale < 1e-3, name
+    chunked = models("llama4")[1].eval()
+    chunked.forward = torch.compile(chunked.forward, fullgraph=True)
+    with pytest.raises(Exception, match="attncc maps it in eager mode only, not under torch"):
+        chunked.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, cache_implementation="static")
+    windowed = models("mistral")[1].train()
+    with pytest.raises(Exception, match="made its attention mask from `and_mask` in the graph"):
+        torch.compile(windowed.forward, fullgraph=True)(ids, attention_mask=mask, labels=labels)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "llama4"])
 def test_a_static_cache_without_padding_attends_its_filled_slots_only(family: str) -> None:
     """generate drops an all-ones mask, so with a static cache the layers got its whole buffer

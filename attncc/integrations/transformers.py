@@ -51,7 +51,7 @@ import attncc
 from attncc.errors import AttnccError
 from attncc.integrations.made import masked_softmax_output
 from attncc.runtime.kernel import Kernel
-from attncc.runtime.locks import instance_lock
+from attncc.runtime.locks import instance_lock, module_lock
 from attncc.runtime.ragged import VarlenPlan
 
 T = TypeVar("T")
@@ -180,10 +180,10 @@ class ModelMask:
     chunks, Gemma 3's image blocks, bidirectional windows; None: the layer's own causal /
     window) and the runtime inputs it reads (on the host); the offsets of sequences packed into
     the rows (cu_seqlens over the flattened tokens, on the host), which not every model passes
-    its layers as position ids. The mask function hands the layers a plain bool tensor [B, keys]
-    (`carried`) and keeps this beside it (`mask_pattern`): transformers passes masks it made
-    back into its mask functions (generate, with a static cache) and copies them
-    (`.contiguous()`), where it takes tensors only."""
+    its layers as position ids. The mask function hands the layers a plain tensor [B, keys]
+    (`carried`: its dtype says causal, bidirectional or this beside it) and keeps this beside it
+    (`mask_pattern`): transformers passes masks it made back into its mask functions (generate,
+    with a static cache) and copies them (`.contiguous()`), where it takes tensors only."""
 
     predicate: str | None
     inputs: dict[str, tuple[str, object]]
@@ -201,17 +201,58 @@ class ModelMask:
 _MASK_PATTERNS: dict[int, tuple[weakref.ref, ModelMask]] = {}
 
 
+#: The dtypes of the masks the mask function hands out (`carried`), which tell the layers what
+#: they hold: a causal or a bidirectional padding mask, or one with a pattern recorded beside it
+#: (transformers makes no 2-D mask of these dtypes). The dtype is what a traced layer can read
+#: under torch.compile, where a mask, made in the graph or given to it, has no id to look up.
+CARRIER_DTYPES = {"causal": torch.int8, "bidirectional": torch.uint8, "pattern": torch.int16}
+
+
 def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
-    """`mask` (contiguous, so transformers' `.contiguous()` returns this very tensor) with
-    `pattern` recorded beside it for the layers (`mask_pattern`), as long as the tensor lives."""
-    mask = mask.contiguous()
+    """`mask` as a carrier (`CARRIER_DTYPES`, contiguous, so transformers' `.contiguous()`
+    returns this very tensor): a plain causal or bidirectional mask by its dtype alone; one that
+    says more (a predicate, packed sequences, no padding at all) with `pattern` recorded beside
+    it for the layers (`mask_pattern`) as long as the tensor lives, which torch.compile cannot
+    trace: a clear error there."""
+    # (no padding at all reads as no mask in eager mode; a bidirectional mask of ones under
+    # torch.compile, where every key's range is the same)
+    plain = pattern.predicate is None and pattern.packed_offsets is None
+    plain = plain and not (pattern.no_padding and not torch.compiler.is_compiling())
+    if plain and pattern.causal is not None:
+        return mask.to(CARRIER_DTYPES["causal" if pattern.causal else "bidirectional"]).contiguous()
+    if torch.compiler.is_compiling():
+        raise AttnccError(refused_under_compile(pattern))
+    mask = mask.to(CARRIER_DTYPES["pattern"]).contiguous()
     key = id(mask)
     _MASK_PATTERNS[key] = (weakref.ref(mask, lambda _: _MASK_PATTERNS.pop(key, None)), pattern)
     return mask
 
 
+def refused_under_compile(pattern: ModelMask | None) -> str:
+    """Why a layer's mask cannot run under torch.compile."""
+    what = (
+        f"the mask `{pattern.predicate}`"
+        if pattern is not None and pattern.predicate is not None
+        else "sequences packed into rows"
+        if pattern is not None and pattern.packed_offsets is not None
+        else "a pattern beyond causal, bidirectional and sliding-window masks"
+    )
+    return (
+        f"the model's attention mask holds {what}: attncc maps it in eager mode only, not under torch.compile "
+        "(which maps causal, bidirectional and sliding-window masks with padding)"
+    )
+
+
 def mask_pattern(mask: object) -> ModelMask | None:
-    """The pattern recorded beside a mask the mask function handed out (`carried`), else None."""
+    """What a mask the mask function handed out holds (`carried`), else None (a mask of
+    another dtype is none of its)."""
+    kind = getattr(mask, "dtype", None)
+    if kind in (CARRIER_DTYPES["causal"], CARRIER_DTYPES["bidirectional"]):
+        return ModelMask(None, {}, causal=kind == CARRIER_DTYPES["causal"])
+    if kind != CARRIER_DTYPES["pattern"]:
+        return None
+    if torch.compiler.is_compiling():  # (made outside the graph, given to it: generate's masks)
+        raise AttnccError(refused_under_compile(None))
     entry = _MASK_PATTERNS.get(id(mask))
     return entry[1] if entry is not None and entry[0]() is mask else None
 
@@ -285,6 +326,12 @@ def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> Ma
         return MaskTerm(CAUSAL_TERM, {}, False)
     if mask_function is masks.bidirectional_mask_function:
         return MaskTerm(None, {}, False)
+    if torch.compiler.is_compiling():  # (a function made in the graph: its closure cannot be read there)
+        raise AttnccError(
+            f"under torch.compile the model made its attention mask from `{mask_function.__name__}` in the graph, "
+            "where attncc reads causal and bidirectional mask functions only: make the masks before the compiled "
+            "forward (transformers' generate does, with a static cache), or compile without fullgraph=True"
+        )
     made_by = getattr(mask_function, "__qualname__", type(mask_function).__name__).split(".<locals>")[0]
     cells = (
         {
@@ -402,12 +449,20 @@ def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch
         )
     # read on the host once per model forward: the kernels classify their tiles by these ranges
     # there (copying them to a GPU once per distinct ranges), so no layer's call reads them back
-    valid = padding_mask[:, -keys:].to("cpu", torch.bool)
+    compiling = torch.compiler.is_compiling()
+    valid = padding_mask[:, -keys:].to(padding_mask.device if compiling else "cpu", torch.bool)
     length = valid.shape[1]
     position = torch.arange(length, device=valid.device).expand(batch, length)
     any_valid = valid.any(1)
     start = torch.where(any_valid, position.masked_fill(~valid, length).amin(1), 0)
     end = torch.where(any_valid, position.masked_fill(~valid, -1).amax(1) + 1, 0)
+    if compiling:  # (in a graph: checked when it runs, without a read on the host)
+        torch._assert_async(
+            (valid.sum(1) == end - start).all(),
+            "attention_mask: a row has padding between real tokens (packed sequences?); attncc maps left or "
+            "right padding only, one contiguous run of keys per sequence",
+        )
+        return start.to(torch.int64), end.to(torch.int64)
     if not torch.equal(valid.sum(1), end - start):
         rows = torch.nonzero(valid.sum(1) != end - start).flatten().tolist()
         raise AttnccError(
@@ -463,6 +518,41 @@ def layer_needs(
     )
 
 
+class LayerKernels:
+    """The layers' kernels, shared by every registered attention, each an attribute named by
+    `layer_kernel_name` (under torch.compile a graph reads each as it first asks for it: a
+    dict read into a traced layer keeps the entries it held then, and a later layer's new
+    kernel is not among them)."""
+
+    def __init__(self) -> None:
+        self.names: dict[tuple[tuple, str], str] = {}
+
+
+_LAYER_KERNELS = LayerKernels()
+_LAYER_KERNELS_LOCK = module_lock(__name__, "_LAYER_KERNELS_LOCK")
+
+
+@torch.compiler.assume_constant_result
+def layer_kernel_name(key: tuple, target: str) -> str:
+    """The attribute of `_LAYER_KERNELS` holding the kernel of a layer's program key
+    (`ModelAttention.kernel`: a given program's (its text or path, whether a path), a made one's
+    `LayerNeeds` fields) for `target`, built here where it is not there yet. Under torch.compile
+    this runs when the model is traced, not in the graph (a function of constants whose result
+    is taken as a constant): a build cannot be traced, and a graph break in every layer would
+    rule out `fullgraph=True`."""
+    with _LAYER_KERNELS_LOCK:
+        if (key, target) not in _LAYER_KERNELS.names:
+            if len(key) == 2:
+                text_or_path, is_path = key
+                program: str | Path = Path(text_or_path) if is_path else text_or_path
+            else:
+                program = model_program(LayerNeeds(*key))
+            name = f"kernel_{len(_LAYER_KERNELS.names)}"
+            setattr(_LAYER_KERNELS, name, attncc.compile(program, target=target))
+            _LAYER_KERNELS.names[key, target] = name
+        return _LAYER_KERNELS.names[key, target]
+
+
 class ModelAttention:
     """The function registered with transformers' AttentionInterface: one call per layer."""
 
@@ -470,8 +560,8 @@ class ModelAttention:
         self.program = program
         self.warned_attentions = False
         self._lock = instance_lock(self)
-        self._kernels: dict[tuple[LayerNeeds, str], Kernel] = {}
-        self._given: dict[str, Kernel] = {}
+        #: the given program as constants (text or path, whether a path), for `layer_kernel_name`
+        self._program_key = None if program is None else (str(program), isinstance(program, Path))
         # per kind ("ranges", "plan"): the last result, with copies of the tensors it was made from
         # and the sizes
         self._last: dict[str, tuple[tuple[torch.Tensor, ...], tuple, object]] = {}
@@ -482,6 +572,8 @@ class ModelAttention:
         hold the values it was made from, at these sizes. (By value: a server's preallocated
         position ids rewritten through numpy or `.data` keep their object and version counter,
         and inference tensors have no version counter.)"""
+        if torch.compiler.is_compiling():  # (in a graph: made each run, from the run's tensors)
+            return make()
         # (what inference mode made holds inference tensors, which a recorded graph cannot save)
         sizes = (*sizes, torch.is_inference_mode_enabled())
         with self._lock:
@@ -508,6 +600,8 @@ class ModelAttention:
 
         def make() -> tuple[torch.Tensor, torch.Tensor] | None:
             start, end = key_ranges(padding_mask, batch, keys)
+            if torch.compiler.is_compiling():  # (the values are the run's: ranges whatever they are)
+                return start, end
             return None if bool((start == 0).all() and (end == keys).all()) else (start, end)
 
         return self.once_per_forward("ranges", (padding_mask,), (batch, keys), make)
@@ -544,15 +638,13 @@ class ModelAttention:
         return self.once_per_forward("plan", (position_ids,), (device, batch, keys), from_positions)  # type: ignore[arg-type]
 
     def kernel(self, needs: LayerNeeds, device: torch.device) -> Kernel:
+        """The layer's kernel: the given program's, else the one made from its needs (a plain
+        tuple of them: what torch.compile hands to `layer_kernel_name` as a constant)."""
+        key = self._program_key or (
+            needs.causal, needs.window, needs.softcap, needs.padding, needs.dropout, needs.sinks, needs.pattern
+        )  # fmt: skip
         target = "cuda" if device.type == "cuda" else "cpu"
-        with self._lock:
-            if self.program is not None:
-                if target not in self._given:
-                    self._given[target] = attncc.compile(self.program, target=target)
-                return self._given[target]
-            if (needs, target) not in self._kernels:
-                self._kernels[needs, target] = attncc.compile(model_program(needs), target=target)
-            return self._kernels[needs, target]
+        return getattr(_LAYER_KERNELS, layer_kernel_name(key, target))
 
     def __call__(
         self,
