@@ -133,6 +133,22 @@ def test_graph_printer_lists_statements_in_order() -> None:
             id="4400-digit dimension",
         ),
         ("attention t\ns = q @ k.T\np = softmax(s)\no = p @ v\noutput o\nmask j <= i\n", 6, 6, "`output` is the last"),
+        # session 62's fuzzing: `not` declared, never readable (`not[h]` failed at each read); the
+        # end of file at the last token's start; a const named like a free dimension, which it was
+        # not (any size taken); 330 layouts a RecursionError in the sparsity pass
+        ("attention t\ninput not: bool[H]\n", 2, 7, "`not` is an operator, not a name"),
+        ("attention t\ns = q @ k.T\nor = 2\n", 3, 1, "`or` is an operator, not a name"),
+        ("attention t\ns = q @ k.T\nmask j <=", 3, 10, "unexpected end of file"),
+        ("attention t\ns = q @ k.T\noutput", 3, 7, "unexpected end of file; expected a name"),
+        ("attention t\ninput x: float[L]\nconst L = 3\n", 3, 7, "`L` names a dimension before this (line 2)"),
+        ("attention t\nconst L = 2.5\ninput x: float[L]\n", 3, 16, "dimension `L` is a constant 2.5"),
+        pytest.param(
+            "attention t\ns = q @ k.T\n" + "layout local(block=32, width=1)\n" * 17,
+            19,
+            8,
+            "at most 16 `layout` statements",
+            id="17 layouts",
+        ),
     ],
 )
 def test_semantic_errors_name_the_place(source: str, line: int, column: int, message: str) -> None:
@@ -148,6 +164,22 @@ def test_semantic_errors_name_the_place(source: str, line: int, column: int, mes
         assert rendered[2].index("^") - 2 == column - 1  # caret under the column
     else:  # a window of the line, the caret under the column's character
         assert rendered[1][rendered[2].index("^")] == shown[column - 1]
+
+
+def test_lines_are_counted_at_newlines_alone_and_brackets_in_comments_are_text() -> None:
+    """A form feed (whitespace) or U+2028 in a comment split the quoted lines a line early
+    (`str.splitlines`), so the error quoted the line before its own; brackets in comments
+    counted to the nesting limit (201 `(` in a comment refused the program); a const names a
+    dimension's size (`const L = 3`, `float[L]`: 3)."""
+    for odd in ("\f", "\u2028", "\x1c", "\x85"):
+        err = error_of(f"attention t\ns = q @ k.T # a{odd}b\nmask j <= $\n")
+        assert (err.loc.line, err.loc.column) == (3, 11)
+        assert err.render().splitlines()[1].strip() == "mask j <= $"
+    deep = GOOD.replace("s = q @ k.T", "s = q @ k.T  # " + "(" * 201 + "\n# [" * 201)
+    assert parse_program(deep).graph["name"] == "t"
+    sized = parse_program("attention t\nconst L = 3\ninput x: float[L]\n" + GOOD.split("\n", 1)[1])
+    (x,) = [d["op"] for _, d in sized.nodes(data=True) if getattr(d["op"], "name", None) == "x"]
+    assert x.dims == (3,)
 
 
 def test_a_caret_lines_up_under_tabs_and_in_long_lines() -> None:

@@ -38,6 +38,7 @@ LAYOUT_PARAMETER_MAX = 2**31 - 1
 # and differentiate it recurse, so its depth stays well inside Python's recursion limit.
 COMPOSED_MAX_DEPTH = MAX_DEPTH
 COMPOSED_MAX_SIZE = 20_000
+MAX_LAYOUTS = 16
 RESERVED = set(ex.INDEX_VARS + ex.SIZE_VARS) | {"q", "k", "v", "scale", "inf", "softmax", "dropout"}
 
 
@@ -74,6 +75,8 @@ class _Context:
     # node (in terms of the matmul's scores) and the conjunction of the masks so far
     composed_scores: dict[str, ex.Expr] = field(default_factory=dict)
     composed_mask: ex.Expr | None = None
+    dim_names: dict[str, SourceLoc] = field(default_factory=dict)  # names in inputs' shapes: where first
+    layouts: int = 0
 
 
 def lower(tree: Ast, path: str) -> Graph:
@@ -123,7 +126,7 @@ def _input(ctx: _Context, stmt: Ast) -> None:
     role = "scalar"
     if len(stmt.children) > 2:
         role = "tensor"
-        dims = tuple(_dim(d) for d in stmt.children[2].children)
+        dims = tuple(_dim(ctx, d) for d in stmt.children[2].children)
     node = add_op(ctx.g, Input(name.value, role, dtype.value, dims, loc=name.loc))
     ctx.fixed[name.value] = "an input"
     ctx.names[name.value] = (
@@ -131,7 +134,17 @@ def _input(ctx: _Context, stmt: Ast) -> None:
     )
 
 
-def _dim(d: Ast) -> str | int:
+def _dim(ctx: _Context, d: Ast) -> str | int:
+    """A declared dimension: a size, a name bound by the call (a size name, an int input's
+    value, a tensor's size), or an int `const` declared before it, which is its value (a name
+    free in the shape but 3 in the expressions took a table of any length, silently)."""
+    known = ctx.names.get(d.value)
+    if d.value in ctx.fixed and ctx.fixed[d.value] == "a constant" and isinstance(known, ex.Const):
+        if known.ty != ex.INT or int(known.value) < 1:
+            raise DslError(f"dimension `{d.value}` is a constant {known.value!r}, not a positive int", d.loc)
+        return int(known.value)
+    if d.value.isidentifier():
+        ctx.dim_names.setdefault(d.value, d.loc)
     if d.value.isdigit():
         size = _int_literal(d.value)
         if size < 1:
@@ -151,6 +164,12 @@ def _scalar_type(dtype: str) -> str:
 def _const(ctx: _Context, stmt: Ast) -> None:
     name, value_ast = stmt.children
     _check_new_name(ctx, name)
+    if name.value in ctx.dim_names:  # (the dimension stayed free: any size was taken)
+        raise DslError(
+            f"`{name.value}` names a dimension before this (line {ctx.dim_names[name.value].line}): declare the "
+            "constant before the inputs whose shape it gives",
+            name.loc,
+        )
     value = _scalar(ctx, value_ast, "a constant")
     folded = ex.fold(value)
     if not isinstance(folded, ex.Const):
@@ -220,6 +239,9 @@ def _mask(ctx: _Context, stmt: Ast) -> None:
 
 def _layout(ctx: _Context, stmt: Ast) -> None:
     name, *args = stmt.children
+    ctx.layouts += 1
+    if ctx.layouts > MAX_LAYOUTS:  # (the sparsity pass ANDs them into one predicate: 330 overflowed the stack)
+        raise DslError(f"at most {MAX_LAYOUTS} `layout` statements in a program", stmt.loc)
     if name.value not in LAYOUTS:
         raise DslError(f"unknown layout `{name.value}`; expected one of {', '.join(LAYOUTS)}", name.loc)
     positional = [a for a in args if a.kind != "keyword"]

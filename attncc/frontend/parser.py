@@ -23,6 +23,7 @@ from attncc.runtime.locks import module_lock
 #: flat sum of n terms is n levels deep (generated bucket tables, polynomial biases), so the
 #: limit is the lowering's bound on a composed expression, which the passes recurse through.
 MAX_DEPTH = 200
+OPERATOR_WORDS = ("and", "or", "not")
 #: Python's and torch's spellings of operators the DSL writes as words (the parser's hint).
 PYTHON_OPERATORS = {
     "&": " (the DSL writes `and`)", "|": " (the DSL writes `or`)", "~": " (the DSL writes `not`)",
@@ -84,8 +85,16 @@ class _Builder(Transformer):
     def header(self, items: list[Token]) -> Ast:
         return self._leaf("header", items[0])
 
+    def _declared(self, item: Ast | Token) -> Ast:
+        """A name a statement declares or assigns; the lexer takes the operators `and`, `or`,
+        `not` as names there, but a name so declared could never be read (`not[h]`)."""
+        name = self._as_ast(item)
+        if name.value in OPERATOR_WORDS:
+            raise DslError(f"`{name.value}` is an operator, not a name", name.loc)
+        return name
+
     def input_decl(self, items: list[Token | Ast]) -> Ast:
-        name, dtype = self._as_ast(items[0]), self._as_ast(items[1])
+        name, dtype = self._declared(items[0]), self._as_ast(items[1])
         kids = [name, dtype] + ([items[2]] if len(items) > 2 else [])  # type: ignore[list-item]
         return self._node("input", name.loc, kids)
 
@@ -94,11 +103,11 @@ class _Builder(Transformer):
         return self._node("shape", dims[0].loc, dims)
 
     def const_decl(self, items: list[Token | Ast]) -> Ast:
-        name = self._as_ast(items[0])
+        name = self._declared(items[0])
         return self._node("const", name.loc, [name, items[1]])  # type: ignore[list-item]
 
     def assign(self, items: list[Token | Ast]) -> Ast:
-        name = self._as_ast(items[0])
+        name = self._declared(items[0])
         return self._node("assign", name.loc, [name, items[1]])  # type: ignore[list-item]
 
     def mask_stmt(self, items: list[Ast]) -> Ast:
@@ -156,7 +165,15 @@ class _Source:
     def __init__(self, text: str, path: str) -> None:
         self.text = text
         self.path = path
-        self.lines = text.splitlines() or [""]
+        # (lines as lark counts them, at "\n" alone: splitlines also splits at form feeds and
+        # U+2028, which put the quoted line and caret a line off)
+        self.lines = [line.removesuffix("\r") for line in text.split("\n")]
+        if len(self.lines) > 1 and not self.lines[-1]:
+            self.lines.pop()
+
+    def end(self) -> SourceLoc:
+        """Just past the last line's text."""
+        return self.loc(len(self.lines), len(self.lines[-1]) + 1)
 
     def loc(self, line: int, column: int) -> SourceLoc:
         src = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
@@ -207,12 +224,10 @@ def parse(text: str, path: str = "<string>") -> Ast:
         power = str(tok) == "*" and text[max(tok.start_pos - 1, 0)] == "*"  # (`x ** 2`)
         hint = " (comparisons do not chain: write `a <= b and b < c`)" if chained else _expected(exc.expected)
         hint = PYTHON_OPERATORS["**"] if power else hint
-        raise DslError(f"unexpected {what}{hint}", src.loc(tok.line, tok.column)) from None
+        at = src.end() if tok.type == "$END" else src.loc(tok.line, tok.column)  # (lark puts $END at the last token)
+        raise DslError(f"unexpected {what}{hint}", at) from None
     except UnexpectedEOF as exc:
-        last = len(src.lines)
-        raise DslError(
-            f"unexpected end of file{_expected(exc.expected)}", src.loc(last, len(src.lines[-1]) + 1)
-        ) from None
+        raise DslError(f"unexpected end of file{_expected(exc.expected)}", src.end()) from None
     except UnexpectedInput as exc:  # any other lark error still has a position
         raise DslError("syntax error", src.loc(getattr(exc, "line", 1), getattr(exc, "column", 1))) from None
     except DslError:
@@ -229,7 +244,7 @@ def parse(text: str, path: str = "<string>") -> Ast:
 _TOKEN_NAMES = {
     "NAME": "a name", "NUMBER": "a number", "LPAR": "`(`", "RPAR": "`)`", "LSQB": "`[`",
     "RSQB": "`]`", "COMMA": "`,`", "EQUAL": "`=`", "COLON": "`:`", "_NL": "end of line",
-    "ADD": "`+`/`-`", "MUL": "an operator", "CMP": "a comparison", "DOT": "`.`",
+    "ADD": "`+`/`-`", "MUL": "an operator", "CMP": "a comparison", "DOT": "`.`", "$END": "end of file",
 }  # fmt: skip
 
 
@@ -244,10 +259,13 @@ def _check_bracket_depth(src: _Source) -> None:
     """Reject absurd nesting before the parser sees it (bounded work, clean error)."""
     level = 0
     line, column = 1, 0
+    in_comment = False  # (brackets in comments are text: 201 `(` there refused the program)
     for ch in src.text:
         column += 1
         if ch == "\n":
-            line, column = line + 1, 0
+            line, column, in_comment = line + 1, 0, False
+        elif in_comment or ch == "#":
+            in_comment = True
         elif ch in "([":
             level += 1
             if level > MAX_DEPTH:

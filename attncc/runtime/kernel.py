@@ -1436,7 +1436,8 @@ class Kernel:
             want = dim if isinstance(dim, int) else sizes.get(dim, bound.get(dim))
             if want is not None and want != actual:
                 raise InputError(
-                    f"{decl.name}: expected shape {_declared(decl)} with {dim}={want}, got {tuple(value.shape)} (dimension {axis})"
+                    f"{decl.name}: expected shape {_declared(decl)}{'' if isinstance(dim, int) else f' with {dim}={want}'}, "
+                    f"got {tuple(value.shape)} (dimension {axis})"
                 )
             if isinstance(dim, str):
                 bound[dim] = actual
