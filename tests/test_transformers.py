@@ -172,6 +172,37 @@ def test_training_gradients(family: str) -> None:
         assert (got.grad - expected.grad).abs().max() / scale < 1e-3, name
 
 
+def test_gemma4_kv_shared_layers_take_the_masks_sliced_to_their_queries() -> None:
+    """Gemma 4's KV-shared layers run a prefill's last token alone, slicing each mask as an
+    sdpa mask, `mask[:, :, -1:, :]`: on attncc's 2-D masks an IndexError until session 62; the
+    masks handed out are [B, 1, 1, keys] now. Prefill logits with padding and generation
+    (dynamic and static caches) against eager; a mask holding a pattern, sliced, is an error
+    (its pattern is kept by the tensor's identity: it ran without it)."""
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=6, initializer_range=0.3,
+        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    ours.load_state_dict(reference.state_dict())
+    ids, mask = batch()
+    with torch.no_grad():
+        expected, got = (model(ids, attention_mask=mask).logits for model in (reference, ours))
+    assert (got - expected)[mask.bool()].abs().max() < 1e-4
+    for cache in ("dynamic", "static"):
+        kwargs = dict(
+            attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache
+        )
+        assert torch.equal(ours.generate(ids, **kwargs), reference.generate(ids, **kwargs)), cache
+    chunks = integration.ModelMask("j >= 0", {})
+    carrier = integration.carried(torch.ones(2, 5, dtype=torch.bool), chunks)
+    assert integration.mask_pattern(carrier) is chunks
+    with pytest.raises(AttnccError, match="sliced or copied an attention mask that holds a pattern"):
+        integration.mask_pattern(carrier[:, :, -1:, :])
+
+
 def test_a_compiled_forward_generates_through_a_static_cache_as_eager_does() -> None:
     """`torch.compile(model.forward, fullgraph=True)` with a static cache, transformers' recipe
     for fast generation: generate makes the masks before each compiled forward (causal and

@@ -10,7 +10,7 @@ transformers calls the registered function per layer with q [B, H, N, D], k, v [
 `scaling`, `sliding_window`, `softcap`, `dropout`, learned sinks (GPT-OSS's `s_aux`) and its
 padding mask. The mask function
 registered beside it (`attncc_attention_mask`) reads transformers' mask function (`mask_term`)
-instead of evaluating it: it hands over the 2-D padding mask [B, M] (None where the model was
+instead of evaluating it: it hands over the padding mask's rows [B, 1, 1, M] (None where the model was
 given none) instead of a dense [B, 1, N, M] mask where the pattern is causal, bidirectional or
 a sliding window, and beside it (a `ModelMask`, kept by the mask tensor) the pattern as a DSL
 predicate and the runtime inputs it reads where it says more: Llama 4's attention chunks, Gemma
@@ -209,8 +209,10 @@ CARRIER_DTYPES = {"causal": torch.int8, "bidirectional": torch.uint8, "pattern":
 
 
 def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
-    """`mask` as a carrier (`CARRIER_DTYPES`, contiguous, so transformers' `.contiguous()`
-    returns this very tensor): a plain causal or bidirectional mask by its dtype alone; one that
+    """`mask` [B, keys] as a carrier [B, 1, 1, keys] (`CARRIER_DTYPES`; contiguous, so
+    transformers' `.contiguous()` returns this very tensor; 4-D, so a model's own slicing of
+    sdpa-like masks, `mask[:, :, -n:, :]`, takes it: Gemma 4's KV-shared layers' queries, an
+    IndexError on a 2-D mask): a plain causal or bidirectional mask by its dtype alone; one that
     says more (a predicate, packed sequences, no padding at all) with `pattern` recorded beside
     it for the layers (`mask_pattern`) as long as the tensor lives, which torch.compile cannot
     trace: a clear error there."""
@@ -219,10 +221,10 @@ def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
     plain = pattern.predicate is None and pattern.packed_offsets is None
     plain = plain and not (pattern.no_padding and not torch.compiler.is_compiling())
     if plain and pattern.causal is not None:
-        return mask.to(CARRIER_DTYPES["causal" if pattern.causal else "bidirectional"]).contiguous()
+        return mask.to(CARRIER_DTYPES["causal" if pattern.causal else "bidirectional"]).contiguous()[:, None, None]
     if torch.compiler.is_compiling():
         raise AttnccError(refused_under_compile(pattern))
-    mask = mask.to(CARRIER_DTYPES["pattern"]).contiguous()
+    mask = mask.to(CARRIER_DTYPES["pattern"]).contiguous()[:, None, None]
     key = id(mask)
     _MASK_PATTERNS[key] = (weakref.ref(mask, lambda _: _MASK_PATTERNS.pop(key, None)), pattern)
     return mask
@@ -254,7 +256,20 @@ def mask_pattern(mask: object) -> ModelMask | None:
     if torch.compiler.is_compiling():  # (made outside the graph, given to it: generate's masks)
         raise AttnccError(refused_under_compile(None))
     entry = _MASK_PATTERNS.get(id(mask))
-    return entry[1] if entry is not None and entry[0]() is mask else None
+    if entry is None or entry[0]() is not mask:  # (a slice or copy: it ran without the pattern, silently)
+        raise AttnccError(
+            "the model sliced or copied an attention mask that holds a pattern beyond causal, bidirectional and "
+            "sliding-window masks (kept beside the mask handed out): no attncc mapping"
+        )
+    return entry[1]
+
+
+def padding_of(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The 2-D padding mask [B, keys] of a carrier [B, 1, 1, keys] (`carried`), or of any
+    mask [B, keys] given as it is."""
+    if mask is not None and mask.dim() == 4 and mask.dtype in CARRIER_DTYPES.values():
+        return mask[:, 0, 0]
+    return mask
 
 
 def same_value(a: object, b: object) -> bool:
@@ -402,6 +417,7 @@ def attncc_attention_mask(
             f"{model_type} models {UNSUPPORTED_MODELS[model_type]}: attncc cannot run it (and the mask they would "
             "get from this name is not theirs)"
         )
+    attention_mask = padding_of(attention_mask)  # (one handed out before, passed back: static caches)
     padding = None if attention_mask is None else attention_mask[:, -kv_length:]
     term = mask_term(mask_function, kv_offset, kv_length) if mask_function is not None else MaskTerm(None, {}, False)
     if padding is None and CAUSAL_TERM in (term.text or ""):
@@ -674,6 +690,7 @@ class ModelAttention:
         sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         pattern = mask_pattern(attention_mask)
+        attention_mask = padding_of(attention_mask)
         if pattern is not None and pattern.causal is not None:
             causal = pattern.causal
         if pattern is not None and pattern.no_padding:

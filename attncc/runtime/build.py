@@ -489,19 +489,17 @@ def build_library(
             _REBUILDS.move_to_end(library)
             if len(_REBUILDS) > REBUILDS_KEPT:
                 _REBUILDS.popitem(last=False)  # (the oldest)
-    if _digest_path(library).exists():  # written after the library: the build is complete
-        if _PREBUILDING_INTO:  # (prebuilt before, by an attncc that wrote no manifest, or it was lost)
-            with _writing_into_cache(directory, name):
-                _write_if_changed(directory / PREBUILT_MANIFEST, _prebuilt_facts(host_flags, cuda_arch))
-        return library
-    with _writing_into_cache(directory, name):  # (`mkdir`, the lock, the sources)
-        directory.mkdir(parents=True, exist_ok=True)
-        with _file_lock(directory / ".lock"):
-            if not _digest_path(library).exists():
-                _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
-            if _PREBUILDING_INTO:
-                _write_if_changed(directory / PREBUILT_MANIFEST, _prebuilt_facts(host_flags, cuda_arch))
-    if limit is not None and not _PREBUILDING_INTO:
+    built = not _digest_path(library).exists()  # (the digest is written after the library: complete)
+    if built:
+        with _writing_into_cache(directory, name):  # (`mkdir`, the lock, the sources)
+            directory.mkdir(parents=True, exist_ok=True)
+            with _file_lock(directory / ".lock"):
+                if not _digest_path(library).exists():
+                    _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
+    if _PREBUILDING_INTO:  # (also where prebuilt before, by an attncc that wrote no manifest, or it was lost)
+        with _writing_into_cache(directory, name):
+            _write_if_changed(directory / PREBUILT_MANIFEST, _prebuilt_facts(host_flags, cuda_arch))
+    elif built and limit is not None:
         trim_cache(limit)
     return library
 
