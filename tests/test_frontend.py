@@ -198,7 +198,9 @@ def test_a_caret_lines_up_under_tabs_and_in_long_lines() -> None:
 @pytest.mark.parametrize(
     ("source", "message"),
     [
-        ("attention t\ns = q @ k.T\np = softmax(s)\nx = softmax(s)\no = p @ v\noutput o\n", "used only once"),
+        # (both were "can be used only once", at the chain's next step, before session 62)
+        ("attention t\ns = q @ k.T\np = softmax(s)\nx = softmax(s)\no = p @ v\noutput o\n", "line 4: never used"),
+        ("attention t\ns = q @ k.T\nt = s * 2\np = softmax(s)\no = p @ v\noutput o\n", "line 3: never used"),
         (
             "attention t\ns = q @ k.T\ns2 = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n",
             "not part of the attention chain",
@@ -211,8 +213,10 @@ def test_a_caret_lines_up_under_tabs_and_in_long_lines() -> None:
 )
 def test_unfusable_programs_say_what_and_where(source: str, message: str) -> None:
     err = error_of(source)
+    line, _, message = message.rpartition(": ") if message.startswith("line ") else ("", "", message)
     assert message in err.message
     assert err.loc is not None and err.loc.line > 1
+    assert not line or err.loc.line == int(line.split()[1])
 
 
 def test_scores_renamed_and_rebound_are_masked_where_they_now_are() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import networkx as nx
+
 from attncc.errors import DslError
 from attncc.ir import expr as ex
 from attncc.ir.graph import Graph, add_op, clone, nodes_of, op_of, operands
@@ -80,6 +82,9 @@ def fuse_attention(g: Graph) -> Graph:
     for n in chain[:-1]:
         users = list(g.successors(n))
         if len(users) != 1:
+            dead = [u for u in users if u not in chain and not set(nx.descendants(g, u)) & set(chain)]
+            if dead:  # (`t = s * 2` left over: "used only once" pointed at the chain's next step)
+                _fail(g, dead[0], "the result of this statement is never used (the output does not depend on it)")
             _fail(g, users[-1], "each intermediate of the attention chain can be used only once")
     stray = [n for n in g.nodes if n not in chain and not isinstance(op_of(g, n), Input)]
     if stray:
