@@ -6,7 +6,10 @@ weights and must produce the same tokens. Prints milliseconds per generated toke
 steps: every layer's call with the padding's key ranges (`kv_start`, `kv_end`) and a key more
 each step, at sizes where the kernels take tens of microseconds.
 
-    python bench/bench_generate.py [--layers 8 --batch 4 --prompt 200 --new 64 --repeats 5] [--json FILE]
+With `--compile` both models run transformers' recipe for fast generation: a static cache and
+`torch.compile(model.forward, fullgraph=True)` (compiled before the timed runs).
+
+    python bench/bench_generate.py [--layers 8 --batch 4 --prompt 200 --new 64 --repeats 5] [--compile] [--json FILE]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=200)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="static caches, forwards compiled with fullgraph=True")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import transformers
@@ -59,6 +63,10 @@ def main() -> None:
     options = dict(
         attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0
     )
+    if args.compile:
+        options["cache_implementation"] = "static"
+        for model in models.values():
+            model.forward = torch.compile(model.forward, fullgraph=True)
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.inference_mode():
         tokens = {name: model.generate(ids, **options) for name, model in models.items()}  # (and warm)

@@ -107,7 +107,7 @@ def test_fp16_scores_gradient_keeps_its_range_on_the_cuda_path() -> None:
 
 def test_gpu_tile_overrides_beyond_the_template_are_clear_errors() -> None:
     for tiles in ((64, 128), (128, 64), (64, 256)):
-        with pytest.raises(AttnccError, match=r"GPU tiles need Br and Bc in 16, 32, 48 or 64"):
+        with pytest.raises(AttnccError, match=r"override on a GPU target takes Br and Bc in 16, 32, 48 or 64"):
             attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True, tiles=tiles)
 
 

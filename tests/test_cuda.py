@@ -1301,6 +1301,13 @@ def test_true_or_false_settings_refuse_other_values() -> None:
             kern(q[:, :, :1].detach(), q.detach(), q.detach())
     finally:
         kern.key_split_warps, kern.fp8_mma = False, False
+    for setting in ("key_split_warps", "short_query_tiles"):  # (session 62: read as truthy, "False" was on)
+        setattr(kern, setting, "False")
+        try:
+            with pytest.raises(AttnccError, match=f"{setting}: expected True or False, got 'False'"):
+                kern(q[:, :, :1].detach(), q.detach(), q.detach())
+        finally:
+            setattr(kern, setting, False)
 
 
 def test_a_setting_the_kernel_does_not_have_is_an_error() -> None:

@@ -312,15 +312,67 @@ def test_bad_calls_name_the_argument() -> None:
 
 
 def test_flash_attn_varlen_func_under_torch_compile_fullgraph() -> None:
-    """The trim of rows past the last offset reads the offset's value: while dynamo traces it
-    is skipped (a guard on the value failed fullgraph), and the op reads the offsets."""
+    """The trim of rows past the last offset reads the offset's value: while dynamo traces, the
+    rows past the last offsets are one more sequence whose rows get out 0 and lse -inf (until
+    session 62 the op refused a padded buffer under torch.compile: "the last offset 10 must equal
+    q's rows, 13"). Padded q and k, alibi per sequence, lse and gradients as the eager call's."""
     generator = torch.Generator().manual_seed(9)
-    q, k, v = (torch.randn(10, 2, 16, generator=generator) for _ in range(3))
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    call = torch.compile(
-        lambda q, k, v, cu: flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True), fullgraph=True, backend="eager"
-    )
-    torch.testing.assert_close(call(q, k, v, cu), flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True))
+    cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    q = torch.randn(13, 4, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(11, 2, 16, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    slopes = (torch.rand(2, 4, generator=generator, dtype=torch.float64) + 0.1).requires_grad_()
+
+    def call(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, slopes: torch.Tensor
+    ) -> tuple:
+        return flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, 6, 6, causal=True, alibi_slopes=slopes, return_attn_probs=True
+        )
+
+    compiled = torch.compile(call, fullgraph=True, backend="eager")
+    results = [f(q, k, v, cu_q, cu_k, slopes)[:2] for f in (call, compiled)]
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert not results[1][0][10:].any() and bool(results[1][1][:, 10:].isneginf().all())
+    grads = [torch.autograd.grad(out.sum() + lse[:, :10].sum(), [q, k, v, slopes]) for out, lse in results]
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_flash_attn_with_kvcache_decodes_in_one_graph() -> None:
+    """A decoding loop under torch.compile(fullgraph=True): a contiguous cache's checks read
+    cache_batch_idx and cache_seqlens on the host (a data-dependent guard: fullgraph failed, and
+    torch.export), and an int cache_seqlens of a paged cache was specialised, a graph per step
+    (the 9th a hard failure). One graph past the first recompile now; outputs and the cache
+    appended in place as the eager calls'."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 4, 16, generator=generator)
+    caches = [torch.randn(2, 16, 2, 16, generator=generator) for _ in range(2)]
+    pages = [torch.randn(8, 4, 2, 16, generator=generator) for _ in range(2)]
+    table = torch.randperm(8, generator=generator).view(2, 4).int()
+
+    def contiguous(
+        q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        return flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lengths, causal=True)
+
+    def paged(
+        q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        return flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=length, block_table=table, causal=True)
+
+    for step, cache, length in ((contiguous, caches, lambda t: torch.tensor([3, 7]) + t), (paged, pages, int)):
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        compiled = torch.compile(step, fullgraph=True, backend="eager")
+        ours, eager = [t.clone() for t in cache], [t.clone() for t in cache]
+        for t in range(9):
+            new = [torch.randn(2, 1, 2, 16, generator=generator) for _ in range(2)]
+            got = compiled(q, *ours, *new, length(t))
+            torch.testing.assert_close(got, step(q, *eager, *new, length(t)), atol=1e-6, rtol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(ours, eager))
+        assert counters["stats"]["unique_graphs"] <= 2, step.__name__
 
 
 def test_flash_attn_func_under_torch_compile_fullgraph() -> None:

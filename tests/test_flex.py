@@ -278,6 +278,42 @@ def test_a_block_masks_lists_are_the_blocks_attended(monkeypatch) -> None:
         assert torch.allclose(g, w, atol=1e-10)
 
 
+def test_an_exported_call_reads_the_block_lists_it_is_given() -> None:
+    """torch.export of a call with a BlockMask: the lists' values cannot be read while it traces
+    (a GuardOnDataDependentSymNode inside attncc until session 62), so the exported program
+    reads them when it runs: lists other than the example's give their own attention."""
+
+    class Listed(torch.nn.Module):
+        def forward(
+            self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor
+        ) -> torch.Tensor:
+            mask = flex.BlockMask.from_kv_blocks(
+                counts, indices, BLOCK_SIZE=16, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, seq_lengths=(N, M)
+            )
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+    q, k, v = (t.detach() for t in leaves(torch.float64))
+    query_blocks, key_blocks = -(-N // 16), -(-M // 16)
+
+    def lists(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = dense.sum(-1).to(torch.int32)
+        return counts, dense.to(torch.int32).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+    every = torch.ones(B, H, query_blocks, key_blocks, dtype=torch.bool)
+    exported = torch.export.export(Listed(), (q, k, v, *lists(every))).module()
+    diagonal = torch.zeros_like(every)
+    for block in range(query_blocks):
+        diagonal[:, :, block, block] = True
+    diagonal[1, 1::2, 2, 0] = True  # the second sequence's odd heads: one more block
+    rows, cols = torch.arange(N).view(-1, 1), torch.arange(M).view(1, -1)
+    groups = H // HKV
+    for dense in (every, diagonal):
+        keep = dense[:, :, rows // 16, cols // 16] & (rows >= cols)
+        scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) / math.sqrt(D)
+        want = torch.softmax(scores.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0) @ v.repeat_interleave(groups, 1)
+        torch.testing.assert_close(exported(q, k, v, *lists(dense)), want, atol=1e-12, rtol=1e-12)
+
+
 def test_lists_proven_to_be_the_mask_are_not_read_and_the_proof_follows_values(monkeypatch) -> None:
     """create_block_mask's lists are its mask function's: proven so (no reads of the lists in
     the kernel), the proof kept by value; document ids rewritten in place through numpy (no

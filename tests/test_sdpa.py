@@ -291,3 +291,25 @@ def test_query_key_and_value_broadcast_over_each_others_leading_dims(q_lead, k_l
     )
     check({}, q, k, v, [q, k, v])
     check({"is_causal": True}, q, k, v, [q, k, v])
+
+
+def test_an_exported_call_reads_every_mask_it_is_given_whatever_the_example_s_strides() -> None:
+    """torch.export guards on no strides: exported with an [L, S] mask expanded over B and H
+    (stride 0 there), the program read mask[0, 0] of every later mask until session 62 (2.0
+    off torch's SDPA for a per-head mask of the same shape); under export the mask's dims are
+    chosen by its sizes."""
+
+    class Attention(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    shared = torch.rand(16, 16, generator=generator) > 0.5
+    shared[:, 0] = True
+    exported = torch.export.export(Attention(), (q, k, v, shared.expand(2, 2, 16, 16))).module()
+    per_head = torch.rand(2, 2, 16, 16, generator=generator) > 0.5
+    per_head[..., 0] = True
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=per_head)
+    torch.testing.assert_close(exported(q, k, v, per_head), want, atol=1e-11, rtol=1e-11)

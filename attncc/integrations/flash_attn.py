@@ -41,6 +41,7 @@ from attncc.errors import InputError
 from attncc.integrations.made import MadeKernels, masked_softmax_output
 from attncc.ir.expr import python_number
 from attncc.runtime.kernel import drop_in_scale
+from attncc.runtime.reference import values_unreadable
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ def _integer(value: object) -> int | None:
         return None
     if isinstance(value, torch.Tensor) and value.dim() != 0:
         return None
+    if torch.compiler.is_compiling() and isinstance(value, int):  # (traced: operator.index guarded on its value)
+        return value
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
@@ -250,11 +253,26 @@ def flash_attn_varlen_func(
     options, inputs = _options_and_inputs(q, batch, q.shape[1], dropout_p, causal, window_size, softcap, alibi_slopes)
     kern = _kernel(options, q.device)
     rows_q = q.shape[0]
+    scale = drop_in_scale(softmax_scale, "softmax_scale", "flash_attn")
+    if values_unreadable(cu_seqlens_q) and _offsets(cu_seqlens_q) and _offsets(cu_seqlens_k):
+        # traced, the last offsets cannot be read (a guard on their values: no single graph):
+        # rows past them are one more sequence, attended within itself, whose rows are then
+        # given out 0 and lse -inf (a padded buffer was refused under torch.compile)
+        cu_q, cu_k = (
+            torch.cat([cu, cu.new_full((1,), rows.shape[0])]) for cu, rows in ((cu_seqlens_q, q), (cu_seqlens_k, k))
+        )
+        if options.alibi == "B, H":
+            inputs["alibi_slopes"] = torch.cat([alibi_slopes, alibi_slopes.new_zeros(1, alibi_slopes.shape[1])])  # type: ignore[union-attr]
+        out, lse = kern.varlen(q, k, v, cu_q, cu_k, return_lse=True, scale=scale, **inputs)
+        held = torch.arange(rows_q, device=q.device) < cu_seqlens_q[-1]
+        out = torch.where(held[:, None, None], out, 0.0)
+        lse = torch.where(held[:, None], lse, -math.inf)
+        return (out, lse.t().contiguous(), None) if return_attn_probs else out
     # (rows past each last offset belong to no sequence: their keys are read by none)
     used_q, used_k = _rows_in_use(q, cu_seqlens_q), _rows_in_use(k, cu_seqlens_k)
     q, k, v = q[:used_q], k[:used_k], v[:used_k]
     out, lse = kern.varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=drop_in_scale(softmax_scale, "softmax_scale", "flash_attn"), **inputs
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=scale, **inputs
     )  # fmt: skip
     if out.shape[0] < rows_q:  # (differentiable: the rows of no sequence get no gradient)
         out = torch.cat([out, out.new_zeros(rows_q - out.shape[0], *out.shape[1:])])
@@ -263,17 +281,21 @@ def flash_attn_varlen_func(
     return (out, lse.t().contiguous(), None) if return_attn_probs else out
 
 
+def _offsets(cu_seqlens: object) -> bool:
+    """Whether `cu_seqlens` is a 1-d int tensor of one offset or more (else the varlen call
+    names what it is)."""
+    if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel()):
+        return False
+    return not (cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool)
+
+
 def _rows_in_use(rows: torch.Tensor, cu_seqlens: object) -> int:
     """How many of `rows` [total, heads, D] the sequences hold: cu_seqlens' last offset, where
     that is an int offset inside them, else all (the varlen call checks the offsets: anything
-    else goes to it as given, and is named there; while torch.compile traces, all of them)."""
-    if torch.compiler.is_compiling():  # (a guard on the offset's value: no fullgraph; the op checks it)
+    else goes to it as given, and is named there)."""
+    if not _offsets(cu_seqlens):
         return rows.shape[0]
-    if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel()):
-        return rows.shape[0]
-    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-        return rows.shape[0]
-    last = int(cu_seqlens[-1])  # (read once for k and v alike: a synchronisation on a GPU)
+    last = int(cu_seqlens[-1])  # type: ignore[index]  # (read once for k and v alike: a synchronisation on a GPU)
     return last if 0 <= last < rows.shape[0] else rows.shape[0]
 
 
@@ -328,7 +350,9 @@ def flash_attn_with_kvcache(
             raise InputError(f"cache_batch_idx: expected an int tensor [B={batch}], got {cache_batch_idx!r}")
         else:
             rows = cache_batch_idx
-        if batch and not 0 <= int(rows.min()) <= int(rows.max()) < k_cache.shape[0]:
+        # (traced: the paged op checks the rows as block-table entries when it runs; a read here
+        # was a data-dependent guard, no single graph under torch.compile nor an export)
+        if batch and not values_unreadable(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < k_cache.shape[0]:
             raise InputError(
                 f"cache_batch_idx: rows {rows.tolist()} of a cache of {k_cache.shape[0]} sequences [B_cache, M_max, "
                 f"Hkv, D]" + ("" if cache_batch_idx is not None else f": {batch} queries' sequences for it")
@@ -342,7 +366,13 @@ def flash_attn_with_kvcache(
         cache_seqlens = block_table.shape[1] * k_cache.shape[1]
     if _integer(cache_seqlens) is not None:
         cache_seqlens = torch.full((batch,), _integer(cache_seqlens), dtype=torch.int32, device=k_cache.device)
-    if contiguous and isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.numel() == batch and batch:
+    if (
+        contiguous
+        and isinstance(cache_seqlens, torch.Tensor)
+        and cache_seqlens.numel() == batch
+        and batch
+        and not values_unreadable(cache_seqlens)
+    ):
         appended = 0 if k is None else k.shape[1]
         held = int(cache_seqlens.max())
         if held + appended > k_cache.shape[1]:

@@ -39,6 +39,7 @@ from attncc.frontend.flex import FlexProgram, flex_program
 from attncc.passes.sparsity import EMPTY, FULL, Problem, classify_tiles, runtime_tensors
 from attncc.runtime.kernel import Kernel, drop_in_scale
 from attncc.runtime.locks import module_lock
+from attncc.runtime.reference import values_unreadable
 
 _KERNELS: dict[tuple[str, str], Kernel] = {}
 #: The last PROOFS_KEPT BlockMasks proven to be their mask function alone (`_lists_implied`), by
@@ -107,8 +108,11 @@ def _mask_function(block_mask: object, query: torch.Tensor, key: torch.Tensor) -
         )
         if t is not None
     )
+    # (torch.export traces this: the lists' values cannot be read, so no shortcut by them and no
+    # proof; the mask is the lists' and mask_mod's, read by the kernel when it runs)
+    traced = torch.compiler.is_exporting() or values_unreadable(counts)
     proof = None
-    if mask_mod is not noop_mask:  # (a proof of these lists' and tensors' values is kept: `_PROVEN`)
+    if mask_mod is not noop_mask and not traced:  # (a proof of these lists' and tensors' values is kept: `_PROVEN`)
         mask_program = _traced(None, mask_mod)
         proof = (mask_program.source, tuple(query.shape), tuple(key.shape), str(query.device), rows, cols)
         values = (*lists, *mask_program.inputs.values())
@@ -127,10 +131,10 @@ def _mask_function(block_mask: object, query: torch.Tensor, key: torch.Tensor) -
     full_blocks = None
     if block_mask.full_kv_num_blocks is not None:
         full_blocks = _listed_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, key_blocks)
-    if full_blocks is not None and bool(full_blocks.all()):
+    if full_blocks is not None and not traced and bool(full_blocks.all()):
         return None
     listed = partial_blocks if full_blocks is None else partial_blocks | full_blocks
-    if mask_mod is noop_mask and bool(listed.all()):
+    if mask_mod is noop_mask and not traced and bool(listed.all()):
         return None
     if proof is not None and _lists_implied(mask_program, listed, full_blocks, query, key, (rows, cols)):
         with _LOCK:

@@ -180,9 +180,14 @@ def scaled_dot_product_attention(
         kind = "bool" if attn_mask.dtype == torch.bool else "float"
         view = broadcast.reshape(batch, heads, rows, cols) if broadcast.dim() != 4 else broadcast
         # its dims that do not broadcast (stride 0) nor have one element: the kernels take
-        # their tensors contiguous, an [L, S] mask as [B, H, L, S] was B x H copies
+        # their tensors contiguous, an [L, S] mask as [B, H, L, S] was B x H copies. An exported
+        # program takes masks of any strides (torch.export does not guard on them: one exported
+        # with an expanded mask read mask[0, 0] of every later one), so there by sizes alone.
+        by_strides = not torch.compiler.is_exporting()
         mask_dims = tuple(
-            d for d, size, stride in zip(MASK_DIMS, view.shape, view.stride()) if size == 0 or (size > 1 and stride)
+            d
+            for d, size, stride in zip(MASK_DIMS, view.shape, view.stride())
+            if size == 0 or (size > 1 and (stride or not by_strides))
         )
         mask_dims = mask_dims or ("M",)
         inputs["attn_mask" if kind == "bool" else "attn_bias"] = view[

@@ -1039,7 +1039,10 @@ def plan_gpu(
         reason = "override"
         if br % GPU_ROWS_PER_WARP or bc % 16 or not (0 < br <= GPU_MAX_TILE and 0 < bc <= GPU_MAX_TILE):
             raise AttnccError(
-                f"GPU tiles need Br and Bc in 16, 32, 48 or 64 (multiples of 16 up to {GPU_MAX_TILE}), got {override}"
+                f"a tiles= override on a GPU target takes Br and Bc in 16, 32, 48 or 64 (multiples of 16 up to "
+                f"{GPU_MAX_TILE}), got {override}; the planner's own plans go past 64 (128 x 128 at d = 64 on sm80: "
+                "32-row warps, split key tiles in the backward), which an override does not choose: leave tiles= out "
+                "for them"
             )
         if br % warp_rows:
             raise AttnccError(f"GPU tiles {override}: Br must be a multiple of warp_rows={warp_rows}")

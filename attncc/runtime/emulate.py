@@ -185,7 +185,8 @@ class EmulatedKernel(Kernel):
     fp8_mma = False
 
     def flag(self, name: str) -> bool:
-        """The True/False setting `name` (deterministic, fp8_mma): anything else is an error (a
+        """The True/False setting `name` (deterministic, fp8_mma, key_split_warps,
+        short_query_tiles): anything else is an error (a
         string "False" is truthy: it switched the mode on, silently)."""
         value = getattr(self, name)
         if not isinstance(value, bool):
@@ -219,10 +220,10 @@ class EmulatedKernel(Kernel):
         `short_query_tiles` is on, the rows are at most GPU_SHORT_QUERY_ROWS and the plan's
         forward has more; else this one."""
         assert self.op.tiling is not None
-        if self.key_split_warps and not self.flag("fp8_mma") and rows <= GPU_KEY_SPLIT_ROWS[-1]:
+        if self.flag("key_split_warps") and not self.flag("fp8_mma") and rows <= GPU_KEY_SPLIT_ROWS[-1]:
             fitting = next(r for r in GPU_KEY_SPLIT_ROWS if rows <= r)
             return self.for_key_split_warps(fitting, self.key_split_stages)  # type: ignore[return-value]
-        if not self.short_query_tiles or rows > GPU_SHORT_QUERY_ROWS:
+        if not self.flag("short_query_tiles") or rows > GPU_SHORT_QUERY_ROWS:
             return self
         if self.op.tiling.for_head_dim(head_dim).block_rows <= GPU_SHORT_QUERY_ROWS:
             return self
