@@ -209,41 +209,54 @@ def test_a_compiled_forward_generates_through_a_static_cache_as_eager_does() -> 
     sliding, with padding) and the layers read their causality from the mask's dtype (a traced
     mask has no id) and build their kernels while the graph is traced (`layer_kernel_name`).
     It failed at the first layer until session 62 (the inference-mode read, then the kernels'
-    lock, the host read of the padding). Gemma 2: sliding and full layers, soft-capping."""
-    reference, ours = (m.eval() for m in models("gemma2"))
-    ids, mask = batch()
-    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    expected = reference.generate(ids, **kwargs)
-    torch._dynamo.reset()
-    ours.forward = torch.compile(ours.forward, fullgraph=True)
-    got = ours.generate(ids, **kwargs, cache_implementation="static")
-    assert torch.equal(got, expected)
+    lock, the host read of the padding). Gemma 2 with padding: sliding and full layers,
+    soft-capping; Mistral without: its sliding layers' masks made in the graph once the window
+    is full (no mask handed out: `dense_mask`; refused until session 62)."""
+    for family, padded in (("gemma2", True), ("mistral", False)):
+        reference, ours = (m.eval() for m in models(family))
+        ids, mask = batch()
+        ids = ids if padded else ids[:1, 5:].clamp_min(1)
+        kwargs = dict(attention_mask=mask if padded else None, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        expected = reference.generate(ids, **kwargs)
+        torch._dynamo.reset()
+        ours.forward = torch.compile(ours.forward, fullgraph=True)
+        got = ours.generate(ids, **kwargs, cache_implementation="static")
+        assert torch.equal(got, expected), family
 
 
-def test_a_compiled_training_step_matches_eager_and_patterns_are_refused_under_compile() -> None:
-    """A fullgraph-compiled Llama forward and backward over a padded batch: the mask function
-    and the layers traced, the padding's key ranges made in the graph and checked when it runs
-    (no host read), gradients as eager sdpa's. What torch.compile cannot carry is a clear
-    error: a pattern recorded beside a mask made outside the graph (Llama 4's chunks, where a
-    traced layer would have run plain causal attention: other tokens), and a mask function
-    made in the graph whose closure attncc must read (a sliding window's `and_masks`)."""
-    reference, ours = (m.train() for m in models("llama"))
+def compiled_gradients_match(family: str, with_mask: bool, **compile_options: object) -> None:
+    """A fullgraph-compiled forward and backward of `family` (padded batch, or no mask and no
+    cache) has the reference's gradients."""
+    reference, ours = (m.train() for m in models(family))
     ids, mask = batch(right_padding=3)
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, 1:][mask[:, :-1] == 0] = -100
+    kwargs = dict(attention_mask=mask, labels=labels) if with_mask else dict(labels=ids, use_cache=False)
     torch._dynamo.reset()
-    reference(ids, attention_mask=mask, labels=labels).loss.backward()
-    torch.compile(ours.forward, fullgraph=True)(ids, attention_mask=mask, labels=labels).loss.backward()
+    reference(ids, **kwargs).loss.backward()
+    torch.compile(ours.forward, fullgraph=True, **compile_options)(ids, **kwargs).loss.backward()
     for (name, expected), got in zip(reference.named_parameters(), ours.parameters()):
         scale = expected.grad.abs().max().clamp_min(1e-6)
         assert (got.grad - expected.grad).abs().max() / scale < 1e-3, name
+
+
+def test_a_compiled_training_step_matches_eager_and_patterns_made_outside_are_refused() -> None:
+    """Fullgraph-compiled training steps: Llama over a padded batch (the mask function and the
+    layers traced, the padding's key ranges made in the graph and checked when it runs: no host
+    read); Mistral's sliding window with padding and dynamic sizes, and without any mask (its
+    mask function an `and_masks` closure, of the window or of packed sequences found from the
+    position ids, which dynamo cannot read: the layers get sdpa's dense mask made in the graph,
+    `dense_mask`; refused until session 62, and dynamic=True's symbolic dropout rate failed the
+    kernel's constant key). A pattern recorded beside a mask made outside the graph is a clear
+    error (Llama 4's chunks in a compiled generate: a traced layer ran plain causal attention)."""
+    compiled_gradients_match("llama", with_mask=True)
+    compiled_gradients_match("mistral", with_mask=True, dynamic=True)
+    compiled_gradients_match("mistral", with_mask=False)
+    ids, mask = batch()
     chunked = models("llama4")[1].eval()
     chunked.forward = torch.compile(chunked.forward, fullgraph=True)
     with pytest.raises(Exception, match="attncc maps it in eager mode only, not under torch"):
         chunked.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, cache_implementation="static")
-    windowed = models("mistral")[1].train()
-    with pytest.raises(Exception, match="made its attention mask from `and_mask` in the graph"):
-        torch.compile(windowed.forward, fullgraph=True)(ids, attention_mask=mask, labels=labels)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "llama4"])

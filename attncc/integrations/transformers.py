@@ -76,6 +76,8 @@ FILLED_INPUTS = {
     "token (chunks start there, after left padding)",
     "blocks": "int[B, M]: each key column's image block (Gemma 3's token groups, -1 for text; queries are the "
     "last N columns)",
+    "kept": "bool[B, N, M]: the keys each query attends to, a dense mask made under torch.compile from a mask "
+    "function attncc cannot read there",
 }
 #: The keyword arguments that carry a layer's learned sinks ([H], one logit per query head).
 SINK_KWARGS = ("s_aux", "sinks")
@@ -101,6 +103,8 @@ CAUSAL_TERM = "j <= i + M - N"
 WINDOW_TERM = "i + M - N - j < window"
 CHUNK_TERM = "(j + first_key[b]) // chunk == (i + M - N + first_key[b]) // chunk"
 BLOCK_TERM = "blocks[b, i + M - N] >= 0 and blocks[b, i + M - N] == blocks[b, j]"
+#: A dense mask [B, N, M] made in a compiled graph (`dense_mask`): the whole pattern, padding in it.
+DENSE_TERM = "kept[b, i, j]"
 
 
 def model_program(needs: LayerNeeds) -> str:
@@ -341,12 +345,6 @@ def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> Ma
         return MaskTerm(CAUSAL_TERM, {}, False)
     if mask_function is masks.bidirectional_mask_function:
         return MaskTerm(None, {}, False)
-    if torch.compiler.is_compiling():  # (a function made in the graph: its closure cannot be read there)
-        raise AttnccError(
-            f"under torch.compile the model made its attention mask from `{mask_function.__name__}` in the graph, "
-            "where attncc reads causal and bidirectional mask functions only: make the masks before the compiled "
-            "forward (transformers' generate does, with a static cache), or compile without fullgraph=True"
-        )
     made_by = getattr(mask_function, "__qualname__", type(mask_function).__name__).split(".<locals>")[0]
     cells = (
         {
@@ -394,6 +392,37 @@ def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> Ma
     raise AttnccError(f"the model's attention mask is the mask function `{name}`{where}: no attncc mapping")
 
 
+def plain_mask_function(mask_function: Callable | None) -> bool:
+    """Whether a mask function is none, transformers' causal or its bidirectional one (read by
+    identity: torch.compile can read no other function's closure)."""
+    from transformers import masking_utils as masks
+
+    return mask_function is None or mask_function in (masks.causal_mask_function, masks.bidirectional_mask_function)
+
+
+def dense_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    mask_function: Callable,
+    attention_mask: torch.Tensor | None,
+    **kwargs: object,
+) -> torch.Tensor:
+    """The mask [B, 1, N, M] (bool, True: kept) that sdpa gets, made in the graph where
+    torch.compile traces a mask function attncc cannot read (a closure: a sliding window's
+    `and_masks`, packed sequences found from position ids): the layers read it as a runtime input
+    (`DENSE_TERM`), at sdpa's cost of one N x M mask per mask function and forward."""
+    from transformers.masking_utils import sdpa_mask
+
+    padding = None if attention_mask is None else attention_mask.to(torch.bool)
+    return sdpa_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, padding,
+        allow_is_causal_skip=False, allow_is_bidirectional_skip=False, device=kwargs.get("device", "cpu"),
+    )  # fmt: skip
+
+
 def attncc_attention_mask(
     batch_size: int,
     q_length: int,
@@ -418,6 +447,8 @@ def attncc_attention_mask(
             "get from this name is not theirs)"
         )
     attention_mask = padding_of(attention_mask)  # (one handed out before, passed back: static caches)
+    if torch.compiler.is_compiling() and not plain_mask_function(mask_function):
+        return dense_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     padding = None if attention_mask is None else attention_mask[:, -kv_length:]
     term = mask_term(mask_function, kv_offset, kv_length) if mask_function is not None else MaskTerm(None, {}, False)
     if padding is None and CAUSAL_TERM in (term.text or ""):
@@ -522,7 +553,7 @@ def layer_needs(
     """What a layer's call asks of its program; a mask's pattern declares its own inputs (its
     window among them: the layer's `window` term is then the pattern's)."""
     pattern = pattern if pattern is not None and pattern.predicate is not None else None
-    declared = tuple((name, kind) for name, (kind, _) in sorted(pattern.inputs.items())) if pattern else ()
+    declared = tuple((name, pattern.inputs[name][0]) for name in sorted(pattern.inputs)) if pattern else ()
     return LayerNeeds(
         causal,
         sliding_window is not None and "window" not in dict(declared),
@@ -633,6 +664,13 @@ class ModelAttention:
         cu_q, cu_k, position_ids = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids")
         if (cu_q is None) != (cu_k is None):
             raise AttnccError(f"{layer}: cu_seq_lens_q and cu_seq_lens_k go together, got one")
+        if torch.compiler.is_compiling():  # (planning reads offsets on the host: a data-dependent guard)
+            if cu_q is not None:
+                raise AttnccError(
+                    f"{layer}: sequences packed by cu_seq_lens_q / cu_seq_lens_k run in eager mode only, not under "
+                    "torch.compile (their plan reads the offsets on the host)"
+                )
+            return None  # (packing from position ids is in transformers' mask there, as sdpa's: `dense_mask`)
         device, (batch, _, length, _) = query.device, query.shape
         if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
             longest = tuple(
@@ -686,8 +724,16 @@ class ModelAttention:
                 "returned (as with sdpa); use attn_implementation='eager' for them",
                 stacklevel=2,
             )
-        sliding_window = layer_window(module, sliding_window)
+        if dropout == 0:  # (a float torch.compile(dynamic=True) made symbolic: the kernel's key takes constants)
+            dropout = 0.0
         sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
+        if (
+            isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dtype == torch.bool
+            and attention_mask.dim() == 4
+        ):
+            return self.dense(module, query, key, value, attention_mask, dropout, scaling, softcap, sinks)
+        sliding_window = layer_window(module, sliding_window)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         pattern = mask_pattern(attention_mask)
         attention_mask = padding_of(attention_mask)
@@ -761,6 +807,33 @@ class ModelAttention:
         if self.program is not None:
             check_given_program(kern, declared, runtime, needs, type(module).__name__)
         return kern, runtime
+
+    def dense(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor,
+        dropout: float,
+        scaling: float | None,
+        softcap: float | None,
+        sinks: object,
+    ) -> tuple[torch.Tensor, None]:
+        """The layer under a dense bool mask [B, 1, N, M] (`dense_mask`): its pattern whole (causal,
+        window, padding, packed sequences), read as the runtime input `kept`."""
+        batch, _, queries, _ = query.shape
+        keys = key.shape[2]
+        if mask.shape[1] != 1 or mask.shape[2] != queries or mask.shape[3] < keys:
+            raise AttnccError(
+                f"{type(module).__name__}: a dense attention mask [B, 1, N={queries}, M={keys}] expected, got "
+                f"{tuple(mask.shape)}: no attncc mapping"
+            )
+        pattern = ModelMask(DENSE_TERM, {"kept": ("bool[B, N, M]", mask[:, 0, :, :keys].expand(batch, queries, keys))})
+        needs = layer_needs(False, None, softcap, False, dropout, sinks, pattern)
+        kern, runtime = self.layer_call(module, needs, query.device, lambda: (), None, softcap, sinks, pattern)  # type: ignore[arg-type, return-value]
+        out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
+        return out.transpose(1, 2).contiguous(), None
 
     def packed(
         self,
