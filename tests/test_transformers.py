@@ -203,6 +203,21 @@ def test_gemma4_kv_shared_layers_take_the_masks_sliced_to_their_queries() -> Non
         integration.mask_pattern(carrier[:, :, -1:, :])
 
 
+def test_a_custom_4d_bool_mask_is_read_as_a_dense_mask() -> None:
+    """A 4-D bool mask given to the model (transformers passes one through to the layers as it
+    is: two documents per row here) runs as a dense mask, the runtime input `kept`; it was an
+    error ("expected the 2-D padding mask") until session 62. Logits as sdpa's."""
+    reference, ours = (m.eval() for m in models("llama"))
+    ids = batch()[0]
+    n = ids.shape[1]
+    position = torch.arange(n)
+    document = (position >= 9).long()
+    dense = (document[:, None] == document[None, :]) & (position[None, :] <= position[:, None])
+    with torch.no_grad():
+        expected, got = (m(ids, attention_mask=dense.expand(2, 1, n, n)).logits for m in (reference, ours))
+    assert (got - expected).abs().max() < 1e-4
+
+
 def test_a_compiled_forward_generates_through_a_static_cache_as_eager_does() -> None:
     """`torch.compile(model.forward, fullgraph=True)` with a static cache, transformers' recipe
     for fast generation: generate makes the masks before each compiled forward (causal and

@@ -184,8 +184,8 @@ class ModelMask:
     chunks, Gemma 3's image blocks, bidirectional windows; None: the layer's own causal /
     window) and the runtime inputs it reads (on the host); the offsets of sequences packed into
     the rows (cu_seqlens over the flattened tokens, on the host), which not every model passes
-    its layers as position ids. The mask function hands the layers a plain tensor [B, keys]
-    (`carried`: its dtype says causal, bidirectional or this beside it) and keeps this beside it
+    its layers as position ids. The mask function hands the layers a tensor [B, 1, 1, keys]
+    (`carried`: its dtype says causal, bidirectional or a pattern) and keeps this beside it
     (`mask_pattern`): transformers passes masks it made back into its mask functions (generate,
     with a static cache) and copies them (`.contiguous()`), where it takes tensors only."""
 
@@ -244,8 +244,9 @@ def refused_under_compile(pattern: ModelMask | None) -> str:
         else "a pattern beyond causal, bidirectional and sliding-window masks"
     )
     return (
-        f"the model's attention mask holds {what}: attncc maps it in eager mode only, not under torch.compile "
-        "(which maps causal, bidirectional and sliding-window masks with padding)"
+        f"the model's attention mask, made outside the compiled graph, holds {what}: attncc maps it in eager mode "
+        "only, not under torch.compile, which reads such a mask's dtype alone (masks the compiled forward makes "
+        "itself run as sdpa's dense mask)"
     )
 
 
