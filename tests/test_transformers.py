@@ -222,7 +222,7 @@ def test_a_compiled_forward_generates_through_a_static_cache_as_eager_does() -> 
     """`torch.compile(model.forward, fullgraph=True)` with a static cache, transformers' recipe
     for fast generation: generate makes the masks before each compiled forward (causal and
     sliding, with padding) and the layers read their causality from the mask's dtype (a traced
-    mask has no id) and build their kernels while the graph is traced (`layer_kernel_name`).
+    mask has no id) and build their kernels while the graph is traced (`MadeKernels`).
     It failed at the first layer until session 62 (the inference-mode read, then the kernels'
     lock, the host read of the padding). Gemma 2 with padding: sliding and full layers,
     soft-capping; Mistral without: its sliding layers' masks made in the graph once the window

@@ -49,9 +49,9 @@ import torch
 
 import attncc
 from attncc.errors import AttnccError
-from attncc.integrations.made import masked_softmax_output
+from attncc.integrations.made import MadeKernels, masked_softmax_output
 from attncc.runtime.kernel import Kernel
-from attncc.runtime.locks import instance_lock, module_lock
+from attncc.runtime.locks import instance_lock
 from attncc.runtime.ragged import VarlenPlan
 
 T = TypeVar("T")
@@ -566,39 +566,24 @@ def layer_needs(
     )
 
 
-class LayerKernels:
-    """The layers' kernels, shared by every registered attention, each an attribute named by
-    `layer_kernel_name` (under torch.compile a graph reads each as it first asks for it: a
-    dict read into a traced layer keeps the entries it held then, and a later layer's new
-    kernel is not among them)."""
+@dataclass(frozen=True)
+class GivenProgram:
+    """A program given to `register`: its text, or its path (whether `source` is a path)."""
 
-    def __init__(self) -> None:
-        self.names: dict[tuple[tuple, str], str] = {}
+    source: str
+    is_path: bool
 
 
-_LAYER_KERNELS = LayerKernels()
-_LAYER_KERNELS_LOCK = module_lock(__name__, "_LAYER_KERNELS_LOCK")
+def given_program(given: GivenProgram) -> str:
+    """What `attncc.compile` takes of a given program (a path as a Path)."""
+    return Path(given.source) if given.is_path else given.source  # type: ignore[return-value]
 
 
-@torch.compiler.assume_constant_result
-def layer_kernel_name(key: tuple, target: str) -> str:
-    """The attribute of `_LAYER_KERNELS` holding the kernel of a layer's program key
-    (`ModelAttention.kernel`: a given program's (its text or path, whether a path), a made one's
-    `LayerNeeds` fields) for `target`, built here where it is not there yet. Under torch.compile
-    this runs when the model is traced, not in the graph (a function of constants whose result
-    is taken as a constant): a build cannot be traced, and a graph break in every layer would
-    rule out `fullgraph=True`."""
-    with _LAYER_KERNELS_LOCK:
-        if (key, target) not in _LAYER_KERNELS.names:
-            if len(key) == 2:
-                text_or_path, is_path = key
-                program: str | Path = Path(text_or_path) if is_path else text_or_path
-            else:
-                program = model_program(LayerNeeds(*key))
-            name = f"kernel_{len(_LAYER_KERNELS.names)}"
-            setattr(_LAYER_KERNELS, name, attncc.compile(program, target=target))
-            _LAYER_KERNELS.names[key, target] = name
-        return _LAYER_KERNELS.names[key, target]
+#: The layers' kernels, shared by every registered attention: made from a layer's needs, or a
+#: given program's (looked up and built as the drop-ins' are: under torch.compile while the graph
+#: is traced, not in it, so a layer's first call needs no eager call before and holds no lock).
+_MADE_KERNELS = MadeKernels(LayerNeeds, model_program)
+_GIVEN_KERNELS = MadeKernels(GivenProgram, given_program)
 
 
 class ModelAttention:
@@ -608,8 +593,7 @@ class ModelAttention:
         self.program = program
         self.warned_attentions = False
         self._lock = instance_lock(self)
-        #: the given program as constants (text or path, whether a path), for `layer_kernel_name`
-        self._program_key = None if program is None else (str(program), isinstance(program, Path))
+        self._given = None if program is None else GivenProgram(str(program), isinstance(program, Path))
         # per kind ("ranges", "plan"): the last result, with copies of the tensors it was made from
         # and the sizes
         self._last: dict[str, tuple[tuple[torch.Tensor, ...], tuple, object]] = {}
@@ -693,13 +677,8 @@ class ModelAttention:
         return self.once_per_forward("plan", (position_ids,), (device, batch, keys), from_positions)  # type: ignore[arg-type]
 
     def kernel(self, needs: LayerNeeds, device: torch.device) -> Kernel:
-        """The layer's kernel: the given program's, else the one made from its needs (a plain
-        tuple of them: what torch.compile hands to `layer_kernel_name` as a constant)."""
-        key = self._program_key or (
-            needs.causal, needs.window, needs.softcap, needs.padding, needs.dropout, needs.sinks, needs.pattern
-        )  # fmt: skip
-        target = "cuda" if device.type == "cuda" else "cpu"
-        return getattr(_LAYER_KERNELS, layer_kernel_name(key, target))
+        """The layer's kernel: the given program's, else the one made from its needs."""
+        return _GIVEN_KERNELS(self._given, device) if self._given is not None else _MADE_KERNELS(needs, device)
 
     def __call__(
         self,
@@ -725,8 +704,6 @@ class ModelAttention:
                 "returned (as with sdpa); use attn_implementation='eager' for them",
                 stacklevel=2,
             )
-        if dropout == 0:  # (a float torch.compile(dynamic=True) made symbolic: the kernel's key takes constants)
-            dropout = 0.0
         sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
         if (
             isinstance(attention_mask, torch.Tensor)
