@@ -351,15 +351,15 @@ def test_the_program_names_what_the_functions_read_and_is_compiled_once(monkeypa
     assert set(program.inputs) == {"bias", "doc"} and program.inputs["bias"] is BIAS
     q, k, v = (t.detach() for t in leaves(torch.float64))
     first = flex_attention(q, k, v, relative_bias, mask_mod=document_causal, enable_gqa=True)
-    kernels = dict(flex_integration._KERNELS)
+    kernels = dict(flex_integration._KERNELS._kernels)
     monkeypatch.setitem(globals(), "bias", BIAS * 3)  # the same shape: the same program, new values
     again = flex_attention(q, k, v, relative_bias, mask_mod=document_causal, enable_gqa=True)
-    assert flex_integration._KERNELS == kernels and not torch.allclose(first, again)
+    assert flex_integration._KERNELS._kernels == kernels and not torch.allclose(first, again)
     assert torch.allclose(again, reference(q, k, v, relative_bias, document_causal)[0], atol=1e-12)
     # another shape (document ids of a longer batch): the same program and kernel, sizes bound per call
     monkeypatch.setitem(globals(), "doc", torch.randint(0, 3, (2, 80), generator=GEN).sort(-1).values)
     longer = flex_attention(q, k, v, relative_bias, mask_mod=document_causal, enable_gqa=True)
-    assert flex_integration._KERNELS == kernels
+    assert flex_integration._KERNELS._kernels == kernels
     assert torch.allclose(longer, reference(q, k, v, relative_bias, document_causal)[0], atol=1e-12)
 
 

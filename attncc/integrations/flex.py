@@ -29,19 +29,19 @@ with the program's `inputs`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-import attncc
 from attncc.errors import InputError
 from attncc.frontend.flex import FlexProgram, flex_program
+from attncc.integrations.made import MadeKernels
 from attncc.passes.sparsity import EMPTY, FULL, Problem, classify_tiles, runtime_tensors
 from attncc.runtime.kernel import Kernel, drop_in_scale
 from attncc.runtime.locks import module_lock
 from attncc.runtime.reference import values_unreadable
 
-_KERNELS: dict[tuple[str, str], Kernel] = {}
 #: The last PROOFS_KEPT BlockMasks proven to be their mask function alone (`_lists_implied`), by
 #: the mask's program, the call's sizes and device and the block size: copies of the lists and
 #: of the tensors the mask reads, from which the proof was made (0.3 ms of host work per call).
@@ -57,12 +57,20 @@ def _traced(score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] |
     return flex_program(score_mod, mask_mod)
 
 
+@dataclass(frozen=True)
+class TracedProgram:
+    """The DSL text traced from a call's score_mod and mask_mod."""
+
+    source: str
+
+
+#: The traced programs' kernels (under torch.compile built while the graph is traced, as the other
+#: drop-ins' are: a lock here was one more graph break per call).
+_KERNELS = MadeKernels(TracedProgram, lambda program: program.source)
+
+
 def _kernel(source: str, device: torch.device) -> Kernel:
-    target = "cuda" if device.type == "cuda" else "cpu"
-    with _LOCK:
-        if (source, target) not in _KERNELS:
-            _KERNELS[source, target] = attncc.compile(source, target=target)
-        return _KERNELS[source, target]
+    return _KERNELS(TracedProgram(source), device)
 
 
 @torch.compiler.disable  # (host work on the lists' values: eager under torch.compile, as `_traced`)
