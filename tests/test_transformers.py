@@ -262,11 +262,24 @@ def test_a_compiled_training_step_matches_eager_and_patterns_made_outside_are_re
     mask function an `and_masks` closure, of the window or of packed sequences found from the
     position ids, which dynamo cannot read: the layers get sdpa's dense mask made in the graph,
     `dense_mask`; refused until session 62, and dynamic=True's symbolic dropout rate failed the
-    kernel's constant key). A pattern recorded beside a mask made outside the graph is a clear
+    kernel's constant key); sequences packed into a row. A pattern recorded beside a mask made outside the graph is a clear
     error (Llama 4's chunks in a compiled generate: a traced layer ran plain causal attention)."""
     compiled_gradients_match("llama", with_mask=True)
     compiled_gradients_match("mistral", with_mask=True, dynamic=True)
     compiled_gradients_match("mistral", with_mask=False)
+    # sequences packed into a row, by position ids (Llama: in transformers' dense mask) or by
+    # cu_seq_lens (gpt-oss, whose masks do not see the position ids: each sequence its own, as in
+    # eager mode, the varlen op reading the offsets; refused until session 62, a plan reads them)
+    ids, positions, offsets = packed_row()
+    flash_kwargs = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=9, max_length_k=9)
+    for family, kwargs in (("llama", {}), ("gpt_oss", flash_kwargs)):
+        reference, ours = (m.eval() for m in models(family))
+        torch._dynamo.reset()
+        compiled = torch.compile(ours.forward, fullgraph=True)
+        with torch.no_grad():
+            alone = torch.cat([reference(part).logits for part in ids.split(PACKED_LENGTHS, 1)], 1)
+            got = compiled(ids, position_ids=positions, use_cache=False, **kwargs).logits
+        assert (got - alone).abs().max() < 2e-4, family
     ids, mask = batch()
     chunked = models("llama4")[1].eval()
     chunked.forward = torch.compile(chunked.forward, fullgraph=True)

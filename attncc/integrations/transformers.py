@@ -586,6 +586,15 @@ _MADE_KERNELS = MadeKernels(LayerNeeds, model_program)
 _GIVEN_KERNELS = MadeKernels(GivenProgram, given_program)
 
 
+@dataclass(frozen=True)
+class TracedOffsets:
+    """A layer's packed sequences under torch.compile: transformers' cu_seq_lens_q / _k on q's
+    device, unplanned (a plan reads them on the host; the varlen op reads them when it runs)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
 class ModelAttention:
     """The function registered with transformers' AttentionInterface: one call per layer."""
 
@@ -640,21 +649,19 @@ class ModelAttention:
 
     def packed_plan(
         self, layer: str, query: torch.Tensor, keys: int, mask_offsets: torch.Tensor | None, **kwargs: object
-    ) -> VarlenPlan | None:
+    ) -> VarlenPlan | TracedOffsets | None:
         """The packed sequences of a layer without a padding mask, as a `VarlenPlan` on q's
         device (once per model forward): from `cu_seq_lens_q` / `_k` (and `max_length_*`) where
         the model was given them, else from the offsets its mask read (`ModelMask`), else from
         plain position ids (`packed_offsets`) where a row holds several sequences and no cache
-        precedes its queries; None otherwise."""
+        precedes its queries; None otherwise. Under torch.compile the given offsets alone, unplanned
+        (`TracedOffsets`)."""
         cu_q, cu_k, position_ids = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids")
         if (cu_q is None) != (cu_k is None):
             raise AttnccError(f"{layer}: cu_seq_lens_q and cu_seq_lens_k go together, got one")
         if torch.compiler.is_compiling():  # (planning reads offsets on the host: a data-dependent guard)
-            if cu_q is not None:
-                raise AttnccError(
-                    f"{layer}: sequences packed by cu_seq_lens_q / cu_seq_lens_k run in eager mode only, not under "
-                    "torch.compile (their plan reads the offsets on the host)"
-                )
+            if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
+                return TracedOffsets(cu_q.to(query.device), cu_k.to(query.device))  # (the op reads them)
             return None  # (packing from position ids is in transformers' mask there, as sdpa's: `dense_mask`)
         device, (batch, _, length, _) = query.device, query.shape
         if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
@@ -710,7 +717,9 @@ class ModelAttention:
             and attention_mask.dtype == torch.bool
             and attention_mask.dim() == 4
         ):
-            return self.dense(module, query, key, value, attention_mask, dropout, scaling, softcap, sinks)
+            if kwargs.get("cu_seq_lens_q") is None:
+                return self.dense(module, query, key, value, attention_mask, dropout, scaling, softcap, sinks)
+            attention_mask = None  # (packed by cu_seq_lens: each sequence its own, as FlashAttention's varlen call)
         sliding_window = layer_window(module, sliding_window)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         pattern = mask_pattern(attention_mask)
@@ -819,7 +828,7 @@ class ModelAttention:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        plan: VarlenPlan,
+        plan: VarlenPlan | TracedOffsets,
         dropout: float,
         scaling: float | None,
         sliding_window: int | None,
@@ -834,7 +843,9 @@ class ModelAttention:
         attending within itself (its N and M its own, so the made programs' bottom-right causal
         mask is each sequence's, and its chunks count from its first token)."""
         batch, heads, length, _ = query.shape
-        lengths = plan.packed.lengths[1]  # (on the host) each sequence's keys, all valid
+        traced = isinstance(plan, TracedOffsets)
+        # each sequence's keys, all valid (on the host; in the graph under torch.compile)
+        lengths = (plan.cu_k[1:] - plan.cu_k[:-1]).to(torch.int64) if traced else plan.packed.lengths[1]  # type: ignore[union-attr]
         if pattern is not None:
             if "blocks" in pattern.inputs:
                 raise AttnccError(
@@ -852,7 +863,8 @@ class ModelAttention:
         )  # fmt: skip
         # [B, H, N, D] -> the tokens row after row, [B N, H, D] (a view of the layer's projections)
         q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
-        out = kern.varlen(q, k, v, plan=plan, scale=scaling, train=dropout > 0, **runtime)
+        offsets = dict(cu_seqlens_q=plan.cu_q, cu_seqlens_k=plan.cu_k) if traced else dict(plan=plan)  # type: ignore[union-attr]
+        out = kern.varlen(q, k, v, **offsets, scale=scaling, train=dropout > 0, **runtime)
         return out.view(batch, length, heads, out.shape[-1]), None
 
 
