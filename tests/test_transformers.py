@@ -196,11 +196,36 @@ def test_gemma4_kv_shared_layers_take_the_masks_sliced_to_their_queries() -> Non
             attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache
         )
         assert torch.equal(ours.generate(ids, **kwargs), reference.generate(ids, **kwargs)), cache
+    # packed sequences (a pattern beside the mask): Gemma 4 slices every mask, a view of the same
+    # rows, which lost the pattern kept by the mask's identity (an AttnccError until session 62)
+    positions = torch.cat([torch.arange(7), torch.arange(9)])[None]
+    with torch.no_grad():
+        expected, got = (m(ids[:1, :16], position_ids=positions, use_cache=False).logits for m in (reference, ours))
+    assert (got - expected).abs().max() < 1e-4
     chunks = integration.ModelMask("j >= 0", {})
     carrier = integration.carried(torch.ones(2, 5, dtype=torch.bool), chunks)
-    assert integration.mask_pattern(carrier) is chunks
-    with pytest.raises(AttnccError, match="sliced or copied an attention mask that holds a pattern"):
-        integration.mask_pattern(carrier[:, :, -1:, :])
+    assert integration.mask_pattern(carrier) is chunks and integration.mask_pattern(carrier[:, :, -1:, :]) is chunks
+    for changed in (carrier.clone(), carrier[..., :3], carrier[:1]):
+        with pytest.raises(AttnccError, match="copied an attention mask that holds a pattern"):
+            integration.mask_pattern(changed)
+
+
+def test_a_mask_narrower_than_the_keys_is_cut_to_only_where_the_mask_function_said_so() -> None:
+    """A static cache's mask covers the tokens so far, its later slots empty: the layer cuts its
+    keys to the mask's width. MiniMax's decoding layers got masks made for a linear-attention
+    layer's sizes (1 key of 17) and were cut to 1 key, silently (logits 6.8 off sdpa's); only a
+    mask the mask function made narrower than the keys it was asked for is cut now."""
+    module = models("llama")[1].model.layers[0].self_attn
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 17, 16)
+    made_for_one = integration.carried(torch.ones(2, 1, dtype=torch.bool), integration.ModelMask(None, {}, causal=True))
+    with pytest.raises(AttnccError, match="the attention mask covers 1 keys, the call has 17"):
+        integration.ModelAttention()(module, q, k, k, made_for_one, scaling=0.25)
+    empty_after = integration.ModelMask(None, {}, causal=True, empty_after=True)
+    filled = integration.carried(torch.ones(2, 5, dtype=torch.bool), empty_after)
+    out, _ = integration.ModelAttention()(module, q, k, k, filled, scaling=0.25)
+    keys = k[:, :, :5].repeat_interleave(2, 1)
+    want = torch.softmax(q @ keys.transpose(-1, -2) * 0.25, -1) @ keys
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
 def test_a_custom_4d_bool_mask_is_read_as_a_dense_mask() -> None:

@@ -198,6 +198,9 @@ class ModelMask:
     causal: bool | None = None
     #: the carrier stands for no mask at all (a bidirectional mask without padding): read as None
     no_padding: bool = False
+    #: the call's keys past the mask's columns are a static cache's empty slots (the mask function
+    #: was asked for more keys than the tokens so far): the layer cuts them off
+    empty_after: bool = False
 
 
 #: The patterns of the masks the mask function handed out, by the mask tensor's id, with a weak
@@ -209,7 +212,14 @@ _MASK_PATTERNS: dict[int, tuple[weakref.ref, ModelMask]] = {}
 #: they hold: a causal or a bidirectional padding mask, or one with a pattern recorded beside it
 #: (transformers makes no 2-D mask of these dtypes). The dtype is what a traced layer can read
 #: under torch.compile, where a mask, made in the graph or given to it, has no id to look up.
-CARRIER_DTYPES = {"causal": torch.int8, "bidirectional": torch.uint8, "pattern": torch.int16}
+CARRIER_DTYPES = {
+    "causal": torch.int8,
+    "bidirectional": torch.uint8,
+    "pattern": torch.int16,
+    # the same, the call's keys past the mask's columns a static cache's empty slots (`empty_after`)
+    "causal, empty slots after": torch.int32,
+    "bidirectional, empty slots after": torch.int64,
+}
 
 
 def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
@@ -225,13 +235,21 @@ def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
     plain = pattern.predicate is None and pattern.packed_offsets is None
     plain = plain and not (pattern.no_padding and not torch.compiler.is_compiling())
     if plain and pattern.causal is not None:
-        return mask.to(CARRIER_DTYPES["causal" if pattern.causal else "bidirectional"]).contiguous()[:, None, None]
+        kind = ("causal" if pattern.causal else "bidirectional") + (
+            ", empty slots after" if pattern.empty_after else ""
+        )
+        return mask.to(CARRIER_DTYPES[kind]).contiguous()[:, None, None]
     if torch.compiler.is_compiling():
         raise AttnccError(refused_under_compile(pattern))
-    mask = mask.to(CARRIER_DTYPES["pattern"]).contiguous()[:, None, None]
-    key = id(mask)
-    _MASK_PATTERNS[key] = (weakref.ref(mask, lambda _: _MASK_PATTERNS.pop(key, None)), pattern)
-    return mask
+    # (kept by the 2-D tensor the carrier is a view of: a model's slices of the carrier, Gemma 4's
+    # `mask[:, :, -n:, :]` even where n is every row, are views of it too)
+    # (and by the carrier itself: under torch.inference_mode a view keeps no `_base`)
+    base = mask.to(CARRIER_DTYPES["pattern"]).contiguous()
+    carrier = base[:, None, None]
+    for kept in (base, carrier):
+        key = id(kept)
+        _MASK_PATTERNS[key] = (weakref.ref(kept, lambda _, key=key: _MASK_PATTERNS.pop(key, None)), pattern)  # type: ignore[misc]
+    return carrier
 
 
 def refused_under_compile(pattern: ModelMask | None) -> str:
@@ -253,18 +271,23 @@ def refused_under_compile(pattern: ModelMask | None) -> str:
 def mask_pattern(mask: object) -> ModelMask | None:
     """What a mask the mask function handed out holds (`carried`), else None (a mask of
     another dtype is none of its)."""
-    kind = getattr(mask, "dtype", None)
-    if kind in (CARRIER_DTYPES["causal"], CARRIER_DTYPES["bidirectional"]):
-        return ModelMask(None, {}, causal=kind == CARRIER_DTYPES["causal"])
-    if kind != CARRIER_DTYPES["pattern"]:
+    kind = next((name for name, dtype in CARRIER_DTYPES.items() if dtype == getattr(mask, "dtype", None)), None)
+    if getattr(mask, "dim", lambda: 0)() != 4 or kind is None:  # (a 2-D user mask, int64, is none of these)
         return None
+    if kind != "pattern":
+        return ModelMask(None, {}, causal=kind.startswith("causal"), empty_after=kind.endswith("after"))
     if torch.compiler.is_compiling():  # (made outside the graph, given to it: generate's masks)
         raise AttnccError(refused_under_compile(None))
     entry = _MASK_PATTERNS.get(id(mask))
-    if entry is None or entry[0]() is not mask:  # (a slice or copy: it ran without the pattern, silently)
+    if entry is not None and entry[0]() is mask:
+        return entry[1]
+    base = mask._base if mask._base is not None else mask  # type: ignore[union-attr]
+    entry = _MASK_PATTERNS.get(id(base))
+    whole = base.dim() == 2 and mask.shape[0] == base.shape[0] and mask.shape[-1] == base.shape[-1]  # type: ignore[union-attr]
+    if entry is None or entry[0]() is not base or not whole:  # (a copy or a cut: it ran without the pattern, silently)
         raise AttnccError(
-            "the model sliced or copied an attention mask that holds a pattern beyond causal, bidirectional and "
-            "sliding-window masks (kept beside the mask handed out): no attncc mapping"
+            "the model copied an attention mask that holds a pattern beyond causal, bidirectional and sliding-window "
+            "masks (kept beside the mask handed out), or cut its batch or keys: no attncc mapping"
         )
     return entry[1]
 
@@ -272,7 +295,7 @@ def mask_pattern(mask: object) -> ModelMask | None:
 def padding_of(mask: torch.Tensor | None) -> torch.Tensor | None:
     """The 2-D padding mask [B, keys] of a carrier [B, 1, 1, keys] (`carried`), or of any
     mask [B, keys] given as it is."""
-    if mask is not None and mask.dim() == 4 and mask.dtype in CARRIER_DTYPES.values():
+    if mask is not None and mask.dim() == 4 and mask.dtype in CARRIER_DTYPES.values() and mask.shape[1:3] == (1, 1):
         return mask[:, 0, 0]
     return mask
 
@@ -458,12 +481,13 @@ def attncc_attention_mask(
         keys = filled_keys(q_offset, q_length, kv_offset, kv_length)
         if keys is not None:  # a mask of ones over the filled columns: the layer cuts the rest off
             padding = torch.ones(batch_size, keys, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
+    empty_after = padding is not None and padding.shape[1] < kv_length  # (a static cache's slots past the tokens)
     if not term.pattern and term.packed is None:
         if mask_function is None:
             return padding
         causal = CAUSAL_TERM in (term.text or "")
         if padding is not None:  # (what the mask says of causality rides on it: `ModelMask.causal`)
-            return carried(padding, ModelMask(None, {}, causal=causal))
+            return carried(padding, ModelMask(None, {}, causal=causal, empty_after=empty_after))
         if causal:  # (no mask: the layers' own causal flag, as ever; nothing to hand out)
             return None
         ones = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
@@ -472,7 +496,7 @@ def attncc_attention_mask(
     offsets = None if term.packed is None else sequence_offsets(term.packed)
     if padding is None:  # (packed sequences, or a pattern without padding: a carrier of ones)
         padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
-    return carried(padding, ModelMask(predicate, term.inputs if term.pattern else {}, offsets))
+    return carried(padding, ModelMask(predicate, term.inputs if term.pattern else {}, offsets, empty_after=empty_after))
 
 
 def filled_keys(q_offset: object, queries: int, kv_offset: int, keys: int) -> int | None:
@@ -492,8 +516,8 @@ def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch
     sliding-window cache). Each row's valid keys must be one contiguous run."""
     if padding_mask.dim() != 2 or padding_mask.shape[0] != batch:
         raise AttnccError(
-            f"attention_mask: expected the 2-D padding mask [B={batch}, keys] from transformers' "
-            f"flash_attention_mask, got shape {tuple(padding_mask.shape)}"
+            f"attention_mask: expected a padding mask [B={batch}, keys] or [B, 1, 1, keys], or a bool mask [B, 1, N, "
+            f"keys], got {padding_mask.dtype} of shape {tuple(padding_mask.shape)}"
         )
     # read on the host once per model forward: the kernels classify their tiles by these ranges
     # there (copying them to a GPU once per distinct ranges), so no layer's call reads them back
@@ -745,6 +769,12 @@ class ModelAttention:
                     module, query, key, value, plan, dropout, scaling, sliding_window, softcap, causal, sinks, pattern
                 )  # fmt: skip
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < keys:
+            if pattern is not None and not pattern.empty_after:  # (cut to the mask's keys: 1 of 17, silently)
+                raise AttnccError(
+                    f"{type(module).__name__}: the attention mask covers {attention_mask.shape[1]} keys, the call has "
+                    f"{keys}: the model made its mask for other keys (MiniMax's decoding steps: a linear-attention "
+                    "layer's sizes), no attncc mapping"
+                )
             keys = attention_mask.shape[1]  # a static cache: the slots past the mask hold no token yet
             key, value = key[:, :, :keys], value[:, :, :keys]
         ranges = self.ranges(attention_mask, batch, keys) if attention_mask is not None else None  # type: ignore[arg-type]
