@@ -138,6 +138,7 @@ def test_graph_printer_lists_statements_in_order() -> None:
         # not (any size taken); 330 layouts a RecursionError in the sparsity pass
         ("attention t\ninput not: bool[H]\n", 2, 7, "`not` is an operator, not a name"),
         ("attention t\ns = q @ k.T\nor = 2\n", 3, 1, "`or` is an operator, not a name"),
+        ("attention t\ninput x: float[H, not]\n", 2, 19, "`not` is an operator, not a name"),
         ("attention t\ns = q @ k.T\nmask j <=", 3, 10, "unexpected end of file"),
         ("attention t\ns = q @ k.T\noutput", 3, 7, "unexpected end of file; expected a name"),
         ("attention t\ninput x: float[L]\nconst L = 3\n", 3, 7, "`L` names a dimension before this (line 2)"),

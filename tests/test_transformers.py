@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,16 +199,41 @@ def test_gemma4_kv_shared_layers_take_the_masks_sliced_to_their_queries() -> Non
         assert torch.equal(ours.generate(ids, **kwargs), reference.generate(ids, **kwargs)), cache
     # packed sequences (a pattern beside the mask): Gemma 4 slices every mask, a view of the same
     # rows, which lost the pattern kept by the mask's identity (an AttnccError until session 62)
+    # (under torch.inference_mode too, whose views keep no base: kept by the carrier's storage)
     positions = torch.cat([torch.arange(7), torch.arange(9)])[None]
-    with torch.no_grad():
-        expected, got = (m(ids[:1, :16], position_ids=positions, use_cache=False).logits for m in (reference, ours))
-    assert (got - expected).abs().max() < 1e-4
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            expected, got = (m(ids[:1, :16], position_ids=positions, use_cache=False).logits for m in (reference, ours))
+        assert (got - expected).abs().max() < 1e-4, mode.__name__
     chunks = integration.ModelMask("j >= 0", {})
     carrier = integration.carried(torch.ones(2, 5, dtype=torch.bool), chunks)
     assert integration.mask_pattern(carrier) is chunks and integration.mask_pattern(carrier[:, :, -1:, :]) is chunks
     for changed in (carrier.clone(), carrier[..., :3], carrier[:1]):
         with pytest.raises(AttnccError, match="copied an attention mask that holds a pattern"):
             integration.mask_pattern(changed)
+
+
+def test_a_users_integer_4d_mask_is_no_carrier_and_a_program_file_is_read_at_each_registration(tmp_path: Path) -> None:
+    """Carriers' dtypes are none a user's mask has: an int64 or uint8 mask [B, 1, 1, M] given to a
+    causal model was read as a bidirectional carrier (future tokens attended: 12.2 off sdpa) until
+    the session's diff review; it is an error now. A program file registered again after an edit
+    runs the edit (a process-wide table of given programs ran the old one)."""
+    ours = models("llama")[1].eval()
+    ids, mask = batch()
+    for dtype in (torch.int64, torch.uint8):
+        with pytest.raises(AttnccError, match="attention_mask: expected a padding mask"), torch.no_grad():
+            ours(ids, attention_mask=mask[:, None, None, :].to(dtype))
+    module = torch.nn.Module()
+    q, k = (torch.randn(1, 2, 6, 16, generator=torch.Generator().manual_seed(seed)) for seed in (4, 5))
+    path = tmp_path / "given.attn"
+    outputs = []
+    for mask_line in ("mask j <= i + M - N\n", ""):
+        path.write_text(f"attention given\ns = q @ k.T * scale\n{mask_line}p = softmax(s)\no = p @ v\noutput o\n")
+        outputs.append(integration.ModelAttention(path)(module, q, k, k, None, scaling=0.25)[0])
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    for out, keep in zip(outputs, (causal, torch.ones(6, 6, dtype=torch.bool))):
+        want = torch.softmax((q @ k.transpose(-1, -2) * 0.25).masked_fill(~keep, -torch.inf), -1) @ k
+        torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
 def test_a_mask_narrower_than_the_keys_is_cut_to_only_where_the_mask_function_said_so() -> None:
@@ -297,7 +323,9 @@ def test_a_compiled_training_step_matches_eager_and_patterns_made_outside_are_re
     # eager mode, the varlen op reading the offsets; refused until session 62, a plan reads them)
     ids, positions, offsets = packed_row()
     flash_kwargs = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=9, max_length_k=9)
-    for family, kwargs in (("llama", {}), ("gpt_oss", flash_kwargs)):
+    # (Llama 4 by cu_seq_lens: its chunks in the dense mask, ANDed with the packing; the packing
+    # alone ran, its chunks dropped, 11.0 off, until the session's diff review)
+    for family, kwargs in (("llama", {}), ("gpt_oss", flash_kwargs), ("llama4", flash_kwargs)):
         reference, ours = (m.eval() for m in models(family))
         torch._dynamo.reset()
         compiled = torch.compile(ours.forward, fullgraph=True)
@@ -770,7 +798,6 @@ def test_layers_follow_the_mask_functions_causality_over_their_flag(mask_says: s
 def test_the_training_example_runs_and_learns() -> None:
     import subprocess
     import sys
-    from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "train_transformers.py"
     run = subprocess.run([sys.executable, str(script), "--steps", "10"], capture_output=True, text=True, timeout=600)

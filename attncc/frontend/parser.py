@@ -99,7 +99,7 @@ class _Builder(Transformer):
         return self._node("input", name.loc, kids)
 
     def shape(self, items: list[Token]) -> Ast:
-        dims = [self._leaf("dim", t) for t in items]
+        dims = [self._declared(self._leaf("dim", t)) for t in items]
         return self._node("shape", dims[0].loc, dims)
 
     def const_decl(self, items: list[Token | Ast]) -> Ast:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import torch
@@ -29,7 +30,7 @@ class MadeKernels(Generic[Options]):
     traces no lock: fullgraph failed on every call before session 53, on every new option set
     before session 56)."""
 
-    def __init__(self, options_type: type[Options], program: Callable[[Options], str]) -> None:
+    def __init__(self, options_type: type[Options], program: Callable[[Options], str | Path]) -> None:
         self.program = program
         self._options_type = options_type
         self._fields = tuple(field.name for field in dataclasses.fields(options_type))  # type: ignore[arg-type]

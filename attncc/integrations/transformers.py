@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dis
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +49,8 @@ import torch
 import attncc
 from attncc.errors import AttnccError
 from attncc.integrations.made import MadeKernels, masked_softmax_output
-from attncc.runtime.kernel import Kernel
-from attncc.runtime.locks import instance_lock
+from attncc.runtime.kernel import Kernel, keep_bounded
+from attncc.runtime.locks import instance_lock, module_lock
 from attncc.runtime.ragged import VarlenPlan
 
 T = TypeVar("T")
@@ -186,8 +185,8 @@ class ModelMask:
     the rows (cu_seqlens over the flattened tokens, on the host), which not every model passes
     its layers as position ids. The mask function hands the layers a tensor [B, 1, 1, keys]
     (`carried`: its dtype says causal, bidirectional or a pattern) and keeps this beside it
-    (`mask_pattern`): transformers passes masks it made back into its mask functions (generate,
-    with a static cache) and copies them (`.contiguous()`), where it takes tensors only."""
+    (`mask_pattern`): transformers passes masks on to the layers as tensors only, and copies them
+    (`.contiguous()`: a carrier is contiguous, so that is the carrier itself)."""
 
     predicate: str | None
     inputs: dict[str, tuple[str, object]]
@@ -203,22 +202,28 @@ class ModelMask:
     empty_after: bool = False
 
 
-#: The patterns of the masks the mask function handed out, by the mask tensor's id, with a weak
-#: reference to it (a WeakKeyDictionary compares keys with ==, elementwise for tensors).
-_MASK_PATTERNS: dict[int, tuple[weakref.ref, ModelMask]] = {}
+#: The patterns of the last PATTERNS_KEPT masks the mask function handed out holding one, by the
+#: address of the carrier's storage, with the 2-D tensor holding it (kept, so no other tensor
+#: takes the address while it is here; a weak reference died with the carrier under
+#: torch.inference_mode, whose views keep no base, before the model's slice of it was read).
+_MASK_PATTERNS: dict[int, tuple[torch.Tensor, ModelMask]] = {}
+PATTERNS_KEPT = 32
+_PATTERNS_LOCK = module_lock(__name__, "_PATTERNS_LOCK")
 
 
-#: The dtypes of the masks the mask function hands out (`carried`), which tell the layers what
-#: they hold: a causal or a bidirectional padding mask, or one with a pattern recorded beside it
-#: (transformers makes no 2-D mask of these dtypes). The dtype is what a traced layer can read
-#: under torch.compile, where a mask, made in the graph or given to it, has no id to look up.
+#: The dtypes of the masks [B, 1, 1, M] the mask function hands out (`carried`), which tell the
+#: layers what they hold: a causal or a bidirectional padding mask, or one with a pattern recorded
+#: beside it. The dtype is what a traced layer can read under torch.compile, where a mask, made in
+#: the graph or given to it, has no identity to look up; none is one that transformers makes or a
+#: user's mask has (int64, int32, uint8 or bool 4-D masks given to a model reached the layers as
+#: they are and read as carriers: a causal model ran bidirectional, 12.2 off sdpa).
 CARRIER_DTYPES = {
     "causal": torch.int8,
-    "bidirectional": torch.uint8,
+    "bidirectional": torch.uint16,
     "pattern": torch.int16,
     # the same, the call's keys past the mask's columns a static cache's empty slots (`empty_after`)
-    "causal, empty slots after": torch.int32,
-    "bidirectional, empty slots after": torch.int64,
+    "causal, empty slots after": torch.uint32,
+    "bidirectional, empty slots after": torch.uint64,
 }
 
 
@@ -241,15 +246,13 @@ def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
         return mask.to(CARRIER_DTYPES[kind]).contiguous()[:, None, None]
     if torch.compiler.is_compiling():
         raise AttnccError(refused_under_compile(pattern))
-    # (kept by the 2-D tensor the carrier is a view of: a model's slices of the carrier, Gemma 4's
-    # `mask[:, :, -n:, :]` even where n is every row, are views of it too)
-    # (and by the carrier itself: under torch.inference_mode a view keeps no `_base`)
-    base = mask.to(CARRIER_DTYPES["pattern"]).contiguous()
-    carrier = base[:, None, None]
-    for kept in (base, carrier):
-        key = id(kept)
-        _MASK_PATTERNS[key] = (weakref.ref(kept, lambda _, key=key: _MASK_PATTERNS.pop(key, None)), pattern)  # type: ignore[misc]
-    return carrier
+    # (kept by the storage of the 2-D tensor the carrier is a view of: a model's slices of the
+    # carrier, Gemma 4's `mask[:, :, -n:, :]`, are views of it too, with no `_base` under
+    # torch.inference_mode; while the tensor lives its storage is no other's)
+    base = mask.to(CARRIER_DTYPES["pattern"]).clone()
+    with _PATTERNS_LOCK:
+        keep_bounded(_MASK_PATTERNS, base.untyped_storage().data_ptr(), (base, pattern), PATTERNS_KEPT)
+    return base[:, None, None]
 
 
 def refused_under_compile(pattern: ModelMask | None) -> str:
@@ -272,24 +275,22 @@ def mask_pattern(mask: object) -> ModelMask | None:
     """What a mask the mask function handed out holds (`carried`), else None (a mask of
     another dtype is none of its)."""
     kind = next((name for name, dtype in CARRIER_DTYPES.items() if dtype == getattr(mask, "dtype", None)), None)
-    if getattr(mask, "dim", lambda: 0)() != 4 or kind is None:  # (a 2-D user mask, int64, is none of these)
+    if kind is None or mask.dim() != 4 or mask.shape[1:3] != (1, 1):  # type: ignore[union-attr]
         return None
     if kind != "pattern":
         return ModelMask(None, {}, causal=kind.startswith("causal"), empty_after=kind.endswith("after"))
     if torch.compiler.is_compiling():  # (made outside the graph, given to it: generate's masks)
         raise AttnccError(refused_under_compile(None))
-    entry = _MASK_PATTERNS.get(id(mask))
-    if entry is not None and entry[0]() is mask:
-        return entry[1]
-    base = mask._base if mask._base is not None else mask  # type: ignore[union-attr]
-    entry = _MASK_PATTERNS.get(id(base))
-    whole = base.dim() == 2 and mask.shape[0] == base.shape[0] and mask.shape[-1] == base.shape[-1]  # type: ignore[union-attr]
-    if entry is None or entry[0]() is not base or not whole:  # (a copy or a cut: it ran without the pattern, silently)
+    with _PATTERNS_LOCK:
+        entry = _MASK_PATTERNS.get(mask.untyped_storage().data_ptr()) if mask.numel() else None  # type: ignore[union-attr]
+    base = entry[0] if entry is not None else None
+    if base is None or mask.shape[0] != base.shape[0] or mask.shape[-1] != base.shape[-1]:  # type: ignore[union-attr]
+        # (a copy, or a cut of its rows or keys: it ran without the pattern, silently)
         raise AttnccError(
             "the model copied an attention mask that holds a pattern beyond causal, bidirectional and sliding-window "
             "masks (kept beside the mask handed out), or cut its batch or keys: no attncc mapping"
         )
-    return entry[1]
+    return entry[1]  # type: ignore[index]
 
 
 def padding_of(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -416,6 +417,22 @@ def mask_term(mask_function: Callable, key_offset: int = 0, keys: int = 0) -> Ma
     raise AttnccError(f"the model's attention mask is the mask function `{name}`{where}: no attncc mapping")
 
 
+def same_sequence(cu_q: torch.Tensor, cu_k: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[B, 1, N, M] bool: whether query i and key j of a row lie in one of the sequences packed
+    into the rows (cu_seq_lens over the rows' tokens flattened one row after another), made in
+    the graph (no offset read on the host): what a dense mask of packed rows is ANDed with where
+    its mask function did not see the packing (gpt-oss's masks take no position ids; Llama 4's
+    chunks were dropped instead, 11.0 off)."""
+    batch, _, queries, keys = shape
+    rows = [
+        torch.searchsorted(
+            cu[1:].to(torch.int64).contiguous(), torch.arange(batch * n, device=cu.device), right=True
+        ).view(batch, n)
+        for cu, n in ((cu_q, queries), (cu_k, keys))
+    ]
+    return (rows[0][:, :, None] == rows[1][:, None, :]).to(cu_q.device)[:, None]
+
+
 def plain_mask_function(mask_function: Callable | None) -> bool:
     """Whether a mask function is none, transformers' causal or its bidirectional one (read by
     identity: torch.compile can read no other function's closure)."""
@@ -470,7 +487,6 @@ def attncc_attention_mask(
             f"{model_type} models {UNSUPPORTED_MODELS[model_type]}: attncc cannot run it (and the mask they would "
             "get from this name is not theirs)"
         )
-    attention_mask = padding_of(attention_mask)  # (one handed out before, passed back: static caches)
     if torch.compiler.is_compiling() and not plain_mask_function(mask_function):
         return dense_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     padding = None if attention_mask is None else attention_mask[:, -kv_length:]
@@ -514,6 +530,11 @@ def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch
     """(kv_start, kv_end) int64 [B] on the CPU from a 2-D padding mask [B, L] (1 or True: a real
     token) over the call's `keys` key columns (L > keys: the last `keys` columns, a
     sliding-window cache). Each row's valid keys must be one contiguous run."""
+    if padding_mask.is_floating_point():
+        raise AttnccError(
+            f"attention_mask: a float (additive) mask {tuple(padding_mask.shape)} has no attncc mapping: give a bool "
+            "mask [B, 1, N, keys] (True: attended), or the 2-D padding mask"
+        )
     if padding_mask.dim() != 2 or padding_mask.shape[0] != batch:
         raise AttnccError(
             f"attention_mask: expected a padding mask [B={batch}, keys] or [B, 1, 1, keys], or a bool mask [B, 1, N, "
@@ -598,16 +619,17 @@ class GivenProgram:
     is_path: bool
 
 
-def given_program(given: GivenProgram) -> str:
+def given_program(given: GivenProgram) -> str | Path:
     """What `attncc.compile` takes of a given program (a path as a Path)."""
-    return Path(given.source) if given.is_path else given.source  # type: ignore[return-value]
+    return Path(given.source) if given.is_path else given.source
 
 
-#: The layers' kernels, shared by every registered attention: made from a layer's needs, or a
-#: given program's (looked up and built as the drop-ins' are: under torch.compile while the graph
-#: is traced, not in it, so a layer's first call needs no eager call before and holds no lock).
+#: The kernels of programs made from a layer's needs, shared by every registered attention
+#: (looked up and built as the drop-ins' are: under torch.compile while the graph is traced, not
+#: in it, so a layer's first call needs no eager call before and holds no lock). A given
+#: program's are its registration's own (`ModelAttention._given_kernels`: registered again after
+#: its file changed, a shared table ran the old program).
 _MADE_KERNELS = MadeKernels(LayerNeeds, model_program)
-_GIVEN_KERNELS = MadeKernels(GivenProgram, given_program)
 
 
 @dataclass(frozen=True)
@@ -627,6 +649,7 @@ class ModelAttention:
         self.warned_attentions = False
         self._lock = instance_lock(self)
         self._given = None if program is None else GivenProgram(str(program), isinstance(program, Path))
+        self._given_kernels = MadeKernels(GivenProgram, given_program)
         # per kind ("ranges", "plan"): the last result, with copies of the tensors it was made from
         # and the sizes
         self._last: dict[str, tuple[tuple[torch.Tensor, ...], tuple, object]] = {}
@@ -709,7 +732,7 @@ class ModelAttention:
 
     def kernel(self, needs: LayerNeeds, device: torch.device) -> Kernel:
         """The layer's kernel: the given program's, else the one made from its needs."""
-        return _GIVEN_KERNELS(self._given, device) if self._given is not None else _MADE_KERNELS(needs, device)
+        return self._given_kernels(self._given, device) if self._given is not None else _MADE_KERNELS(needs, device)
 
     def __call__(
         self,
@@ -741,9 +764,12 @@ class ModelAttention:
             and attention_mask.dtype == torch.bool
             and attention_mask.dim() == 4
         ):
-            if kwargs.get("cu_seq_lens_q") is None:
-                return self.dense(module, query, key, value, attention_mask, dropout, scaling, softcap, sinks)
-            attention_mask = None  # (packed by cu_seq_lens: each sequence its own, as FlashAttention's varlen call)
+            cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+            if isinstance(cu_q, torch.Tensor) and isinstance(
+                cu_k, torch.Tensor
+            ):  # (packed: each its own, as in eager mode)
+                attention_mask = attention_mask & same_sequence(cu_q, cu_k, attention_mask.shape)
+            return self.dense(module, query, key, value, attention_mask, dropout, scaling, softcap, sinks)
         sliding_window = layer_window(module, sliding_window)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         pattern = mask_pattern(attention_mask)
@@ -922,7 +948,7 @@ def check_given_program(
 
 def register(name: str = "attncc", program: str | Path | None = None) -> ModelAttention:
     """Register attncc under `name` with transformers' AttentionInterface (and the FlashAttention
-    mask function with its AttentionMaskInterface, so layers get the 2-D padding mask), so that
+    mask function with its AttentionMaskInterface, so layers get the padding mask's rows), so that
     `attn_implementation=name` runs every attention layer on attncc kernels. With `program` (a
     .attn path or DSL text) every layer runs that program; without, each layer runs a program
     made from its needs (causal, sliding window, softcap, padding, dropout)."""

@@ -489,8 +489,8 @@ def build_library(
             _REBUILDS.move_to_end(library)
             if len(_REBUILDS) > REBUILDS_KEPT:
                 _REBUILDS.popitem(last=False)  # (the oldest)
-    built = not _digest_path(library).exists()  # (the digest is written after the library: complete)
-    if built:
+    needs_build = not _digest_path(library).exists()  # (the digest is written after the library: complete)
+    if needs_build:
         with _writing_into_cache(directory, name):  # (`mkdir`, the lock, the sources)
             directory.mkdir(parents=True, exist_ok=True)
             with _file_lock(directory / ".lock"):
@@ -499,7 +499,7 @@ def build_library(
     if _PREBUILDING_INTO:  # (also where prebuilt before, by an attncc that wrote no manifest, or it was lost)
         with _writing_into_cache(directory, name):
             _write_if_changed(directory / PREBUILT_MANIFEST, _prebuilt_facts(host_flags, cuda_arch))
-    elif built and limit is not None:
+    elif needs_build and limit is not None:
         trim_cache(limit)
     return library
 
