@@ -233,8 +233,8 @@ def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
     sdpa-like masks, `mask[:, :, -n:, :]`, takes it: Gemma 4's KV-shared layers' queries, an
     IndexError on a 2-D mask): a plain causal or bidirectional mask by its dtype alone; one that
     says more (a predicate, packed sequences, no padding at all) with `pattern` recorded beside
-    it for the layers (`mask_pattern`) as long as the tensor lives, which torch.compile cannot
-    trace: a clear error there."""
+    it for the layers (`mask_pattern`; the last PATTERNS_KEPT such masks), which torch.compile
+    cannot trace: a clear error there."""
     # (no padding at all reads as no mask in eager mode; a bidirectional mask of ones under
     # torch.compile, where every key's range is the same)
     plain = pattern.predicate is None and pattern.packed_offsets is None
