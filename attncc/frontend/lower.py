@@ -139,7 +139,7 @@ def _dim(ctx: _Context, d: Ast) -> str | int:
     value, a tensor's size), or an int `const` declared before it, which is its value (a name
     free in the shape but 3 in the expressions took a table of any length, silently)."""
     known = ctx.names.get(d.value)
-    if d.value in ctx.fixed and ctx.fixed[d.value] == "a constant" and isinstance(known, ex.Const):
+    if ctx.fixed.get(d.value) == "a constant" and isinstance(known, ex.Const):
         if known.ty != ex.INT or int(known.value) < 1:
             raise DslError(f"dimension `{d.value}` is a constant {known.value!r}, not a positive int", d.loc)
         return int(known.value)

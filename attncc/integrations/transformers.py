@@ -245,7 +245,7 @@ def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
         )
         return mask.to(CARRIER_DTYPES[kind]).contiguous()[:, None, None]
     if torch.compiler.is_compiling():
-        raise AttnccError(refused_under_compile(pattern))
+        raise AttnccError(REFUSED_UNDER_COMPILE)
     # (kept by the storage of the 2-D tensor the carrier is a view of: a model's slices of the
     # carrier, Gemma 4's `mask[:, :, -n:, :]`, are views of it too, with no `_base` under
     # torch.inference_mode; while the tensor lives its storage is no other's)
@@ -255,20 +255,12 @@ def carried(mask: torch.Tensor, pattern: ModelMask) -> torch.Tensor:
     return base[:, None, None]
 
 
-def refused_under_compile(pattern: ModelMask | None) -> str:
-    """Why a layer's mask cannot run under torch.compile."""
-    what = (
-        f"the mask `{pattern.predicate}`"
-        if pattern is not None and pattern.predicate is not None
-        else "sequences packed into rows"
-        if pattern is not None and pattern.packed_offsets is not None
-        else "a pattern beyond causal, bidirectional and sliding-window masks"
-    )
-    return (
-        f"the model's attention mask, made outside the compiled graph, holds {what}: attncc maps it in eager mode "
-        "only, not under torch.compile, which reads such a mask's dtype alone (masks the compiled forward makes "
-        "itself run as sdpa's dense mask)"
-    )
+#: Why a mask made outside a compiled graph that holds a pattern (`carried`) cannot run there.
+REFUSED_UNDER_COMPILE = (
+    "the model's attention mask, made outside the compiled graph, holds a pattern beyond causal, bidirectional and "
+    "sliding-window masks: attncc maps it in eager mode only, not under torch.compile, which reads such a mask's "
+    "dtype alone (masks the compiled forward makes itself run as sdpa's dense mask)"
+)
 
 
 def mask_pattern(mask: object) -> ModelMask | None:
@@ -280,7 +272,7 @@ def mask_pattern(mask: object) -> ModelMask | None:
     if kind != "pattern":
         return ModelMask(None, {}, causal=kind.startswith("causal"), empty_after=kind.endswith("after"))
     if torch.compiler.is_compiling():  # (made outside the graph, given to it: generate's masks)
-        raise AttnccError(refused_under_compile(None))
+        raise AttnccError(REFUSED_UNDER_COMPILE)
     with _PATTERNS_LOCK:
         entry = _MASK_PATTERNS.get(mask.untyped_storage().data_ptr()) if mask.numel() else None  # type: ignore[union-attr]
     base = entry[0] if entry is not None else None
