@@ -166,6 +166,7 @@ def main() -> None:
         metavar="CASE",
         help="cProfile's top functions of case CASE (0: the first)",
     )
+    parser.add_argument("--sort", default="tottime", help="cProfile's order (tottime, cumtime)")
     args = parser.parse_args()
     program = ROOT / "examples" / "vanilla.attn"
     device = "cuda" if args.cuda else "cpu"
@@ -212,7 +213,7 @@ def main() -> None:
             cases[args.profile][1]()
         profiler.disable()
         wait()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(30)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))

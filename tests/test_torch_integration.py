@@ -193,6 +193,45 @@ def test_compiled_calls_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch) ->
     assert all(kept.backward_launch is not None for kept in full["backward"])
 
 
+RANGED = (
+    "attention ranged\ninput kv_start: int[B]\ninput kv_end: int[B]\ninput slopes: float[H]\n"
+    "s = q @ k.T * scale - slopes[h] * (i + M - N - j)\nmask j >= kv_start[b] and j < kv_end[b] and j <= i + M - N\n"
+    "p = softmax(s)\no = p @ v\noutput o\n"
+)
+
+
+def test_compiled_calls_with_runtime_tensors_repeat_kept_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runtime tensors made in a compiled graph are new tensors every call (a compiled model's
+    key ranges): the op keys a kept launch by their shapes and strides and by the values of
+    those the host reads (`kv_start`, `kv_end`: tile classes), and takes the others' (ALiBi
+    slopes) from each call. Every compiled call took the full path until session 63 (~100 us of
+    host time per layer and token in a compiled generate). New slope values repeat the launch
+    and are read; new ranges are a new key; the old ranges again repeat the first launch.
+    Every output against float64 torch code."""
+    kern = attncc.compile(RANGED)
+    full = count_full_paths(monkeypatch)
+    B, H, N, M, D = 3, 4, 2, 29, 16
+    compiled = torch.compile(
+        lambda q, k, v, start, end, slopes: kern(q, k, v, kv_start=start + 0, kv_end=end + 0, slopes=slopes * 1.0),
+        fullgraph=True,
+    )
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, rows, D, generator=gen) for rows in (N, M, M))
+    first, second = ([0, 3, 7], [29, 20, 25]), ([2, 0, 0], [29, 29, 11])
+    steps = [(first, 0.5, True), (first, 0.5, False), (first, -0.25, False), (second, -0.25, True), (first, 2.0, False)]
+    for step, ((starts, ends), slope, full_path) in enumerate(steps):
+        start, end = torch.tensor(starts), torch.tensor(ends)
+        slopes = slope * torch.arange(1, H + 1, dtype=torch.float32)
+        full["forward"].clear()
+        out = compiled(q, k, v, start, end, slopes)
+        assert len(full["forward"]) == int(full_path), step
+        i, j = torch.arange(N).view(-1, 1) + M - N, torch.arange(M).view(1, -1)
+        s = q.double() @ k.double().transpose(-1, -2) / D**0.5 - slopes.double().view(1, H, 1, 1) * (i - j)
+        kept = (j >= start.view(B, 1, 1, 1)) & (j < end.view(B, 1, 1, 1)) & (j <= i)
+        expected = torch.softmax(s.masked_fill(~kept, float("-inf")), -1) @ v.double()
+        assert (out.double() - expected).abs().max() < 1e-5, step
+
+
 def test_descale_factors_with_other_than_fp8_k_are_refused_on_a_repeat() -> None:
     """A call that would repeat a kept launch but gives descale factors with bf16 K/V gets the
     full path's error, not the launch (descale factors go with fp8 K/V only)."""

@@ -38,6 +38,7 @@ transformers is an optional dependency: `pip install 'attncc[transformers]'`.
 from __future__ import annotations
 
 import dis
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -500,11 +501,35 @@ def attncc_attention_mask(
             return None
         ones = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
         return carried(ones, ModelMask(None, {}, causal=False, no_padding=True))
+    if made_ahead_for_generate():  # (a compiled forward reads the carrier by its dtype alone)
+        return dense_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     predicate = (term.text or "j >= 0") if term.pattern else None  # ("j >= 0": every key column)
     offsets = None if term.packed is None else sequence_offsets(term.packed)
     if padding is None:  # (packed sequences, or a pattern without padding: a carrier of ones)
         padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))  # type: ignore[arg-type]
     return carried(padding, ModelMask(predicate, term.inputs if term.pattern else {}, offsets, empty_after=empty_after))
+
+
+#: The transformers function that makes the masks of a generate step ahead of the model's forward
+#: (for caches that torch.compile can trace: "when we compile the forwards with Static caches")
+AHEAD_OF_FORWARD = "create_masks_for_generate"
+FRAMES_SEARCHED = 16  # (it calls create_causal_mask / create_sliding_window_causal_mask ..., which call this)
+
+
+def made_ahead_for_generate() -> bool:
+    """Whether the mask being made is one that generate makes ahead of the forward
+    (`AHEAD_OF_FORWARD`, within FRAMES_SEARCHED callers), for a forward that may be compiled:
+    a pattern's mask is then sdpa's dense one, since a compiled layer reads a carrier by its
+    dtype alone and the pattern kept beside it is out of its reach (Llama 4's chunks were refused
+    under `torch.compile` with a static cache)."""
+    frame = sys._getframe(1)
+    for _ in range(FRAMES_SEARCHED):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == AHEAD_OF_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def filled_keys(q_offset: object, queries: int, kv_offset: int, keys: int) -> int | None:

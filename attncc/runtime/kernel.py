@@ -2249,18 +2249,21 @@ def attention_op(
     v_descale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kern = registered(key)
-    repeat_key = None
-    if not tensors and dropout == 0 and sink is None and k_descale is None and v_descale is None:
+    repeat_key, runtime = None, dict(zip(kern.tensor_names, tensors))
+    if dropout == 0 and sink is None and k_descale is None and v_descale is None:
         repeat_key = kern.op_repeat_key(q, k, v, scalars, scale)
+        if repeat_key is not None and tensors:  # (a compiled model's key ranges: new tensors every call)
+            launch_tensors = kern.tensors_launch_key(runtime)
+            repeat_key = None if launch_tensors is None else (*repeat_key, launch_tensors)
         launch = kern._repeats.get(repeat_key) if repeat_key is not None else None
         if launch is not None:
-            return launch(q, k, v)
+            return launch(q, k, v, runtime=runtime)
     descale = by_name(k_descale, v_descale)
     out, lse = kern.forward_impl(
         q, k, v, tensors, scalars, scale, dropout, int(seed.item()), sink=sink, descale=descale
     )
     if repeat_key is not None and out.numel():
-        kern._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale)
+        kern._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale, tensors=tensors)
     return out, lse
 
 
