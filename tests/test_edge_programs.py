@@ -86,6 +86,13 @@ def test_integer_division_by_a_divisor_that_can_be_zero_is_an_input_error() -> N
     kern = attncc.compile(program("input n: int\ns = q @ k.T * scale\ns = s + i // n\n"))
     with pytest.raises(InputError, match="the divisor `n` can be 0"):
         kern(*qkv(), n=0)
+    # a where around it is no guard (torch evaluates both its sides): the error says how to write one
+    guarded = attncc.compile(program("input n: int\ns = q @ k.T * scale\ns = s + where(n > 0, i // n, 0)\n"))
+    with pytest.raises(InputError, match=r"does not guard it.*`max\(n, 1\)`"):
+        guarded(*qkv(), n=0)
+    written = attncc.compile(program("input n: int\ns = q @ k.T * scale\ns = s + where(n > 0, i // max(n, 1), 0)\n"))
+    q, k, v = qkv()
+    assert torch.allclose(written(q, k, v, n=0), torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v, atol=1e-12)
     masked = attncc.compile(program("input w: int[B]\ns = q @ k.T * scale\nmask j % w[b] == 0 and j <= i\n"))
     with pytest.raises(InputError, match="can be 0"):
         masked(*qkv(), w=torch.tensor([0]))

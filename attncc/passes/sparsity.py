@@ -931,7 +931,9 @@ def _check_reads_and_divisors(
         if bool(((divisor.lo <= 0) & (divisor.hi >= 0)).any()) and not _nonzero_read(node.b, evaluator, tensors):
             raise InputError(
                 f"`{ex.render(node)}`: the divisor `{ex.render(node.b)}` can be 0 for N={problem.N}, "
-                f"M={problem.M}, B={problem.B}, H={problem.H} and these inputs"
+                f"M={problem.M}, B={problem.B}, H={problem.H} and these inputs (a `where` around the division "
+                f"does not guard it: the reference and the tile classes evaluate both its sides, in torch; write a "
+                f"divisor that cannot be 0, such as `max({ex.render(node.b)}, 1)`)"
             )
     for r in reads:
         t = tensors[r.tensor]
