@@ -112,6 +112,15 @@ def first_key(b, h, q_idx, kv_idx):
     return kv_idx == 0
 
 
+def bool_arithmetic(score, b, h, q_idx, kv_idx):
+    # two bools' sum and product, minimum and maximum are bool in torch (or, and): 1 + 1 made 2
+    return score + ((q_idx >= kv_idx) + (kv_idx == 0)) * 1.5 + torch.minimum(q_idx % 2 == 0, kv_idx % 3 == 0) * 0.25
+
+
+def bool_products(b, h, q_idx, kv_idx):
+    return torch.maximum((q_idx >= kv_idx) * (kv_idx % 2 == 0), kv_idx == 1)
+
+
 slopes, bias, temperature, doc, lengths, t5_table = SLOPES, BIAS, TEMPERATURE, DOC, LENGTHS, T5_TABLE
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 # torch's combinators (b.new_ones((), dtype=torch.bool) & ...) and its no-op mask
@@ -130,6 +139,7 @@ VARIANTS = [
     (integer_idioms, None),
     (t5_bias, key_padding),
     (bias_alone, bottom_right_causal),
+    (bool_arithmetic, bool_products),
 ]
 
 
@@ -383,6 +393,7 @@ def test_captured_names_that_could_meet_the_programs_become_placeholders() -> No
         (lambda score, b, h, i, j: score + (i & j), "only bool values combine"),
         (lambda score, b, h, i, j: score**2.5, "the DSL has no power"),
         (lambda score, b, h, i, j: i > j, "score_mod returned a bool value"),
+        (lambda score, b, h, i, j: score + ((i > j) - (j > 0)), "`-` of two bool values"),
     ],
 )
 def test_what_the_dsl_cannot_say_is_an_error_at_the_functions_line(score_mod, message: str) -> None:

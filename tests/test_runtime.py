@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -661,6 +662,15 @@ def test_a_shared_preamble_is_precompiled_from_its_second_kernel_on(tmp_path, mo
         fourth = build("alibi", shared)
     assert (fourth / "kernel.so").exists() and not header.exists()
     assert "-include preamble.h" not in (fourth / "build.ninja").read_text()
+    # bits flipped inside it (not truncated): GCC crashed on it, every later build failed, it stayed
+    build("sliding_window", shared)  # (the preamble's next kernel precompiles it again)
+    damaged = bytearray(header.read_bytes())
+    for at in random.Random(3).sample(range(4096, len(damaged)), 200):
+        damaged[at] ^= 0x5A
+    header.write_bytes(bytes(damaged))
+    with pytest.warns(UserWarning, match="precompiled preamble .* is unreadable; deleting it"):
+        sixth = build("strided", shared)
+    assert (sixth / "kernel.so").exists() and not header.exists()
 
 
 def test_an_unwritable_kernel_cache_is_a_clear_error(tmp_path, monkeypatch) -> None:

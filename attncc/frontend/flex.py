@@ -114,6 +114,10 @@ def _closure_names(fn: Callable[..., Any]) -> dict[int, str]:
     return found
 
 
+#: What torch's arithmetic of two bool tensors is: `+` or, `*` and, `-` refused (None)
+BOOL_ARITHMETIC: dict[str, str | None] = {"+": "|", "*": "&", "-": None}
+
+
 class Traced:
     """A symbolic value of a score or mask function: the DSL text of what it computes and its
     kind (`int`, `float` or `bool`, as torch would type it)."""
@@ -139,6 +143,12 @@ class Traced:
 
     # -- arithmetic ------------------------------------------------------------------------
     def _arith(self, other: object, op: str, reverse: bool = False) -> Traced:
+        if self.kind == "bool" and self._operand(other).kind == "bool" and op in BOOL_ARITHMETIC:
+            # (torch keeps two bools' sum and product bool: `or` and `and`, where 1 + 1 made 2,
+            # 0.74 off torch's flex_attention; their difference it refuses)
+            if BOOL_ARITHMETIC[op] is None:
+                raise FlexTraceError(f"`{op}` of two bool values (torch refuses it too; use ^ or ~)")
+            return self._logic(other, BOOL_ARITHMETIC[op])
         a, b = self._number(), self._operand(other)._number()
         if reverse:
             a, b = b, a
@@ -392,6 +402,8 @@ class Traced:
         return self._rounded("round")
 
     def _extreme(self, other: object, fn: str) -> Traced:
+        if self.kind == "bool" and self._operand(other).kind == "bool":  # (bool in torch: or / and)
+            return self._logic(other, "|" if fn == "max" else "&")
         a, b = self._number(), self._operand(other)._number()
         kind = "float" if "float" in (a.kind, b.kind) else "int"
         return Traced(f"{fn}({a.text}, {b.text})", kind, self.captures)

@@ -285,7 +285,9 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
             _write_if_changed(header, preamble)
             return None
         unfinished = directory / f"preamble.h.gch.tmp{os.getpid()}"
-        command = [compiler(), *flags.split(), "-x", "c++-header", str(header), "-o", str(unfinished)]
+        # (the flags' words as ninja's shell reads them: an install path with a space is one quoted word)
+        words = shlex.split(flags.replace("$$", "$"))
+        command = [compiler(), *words, "-x", "c++-header", str(header), "-o", str(unfinished)]
         if subprocess.run(command, cwd=directory, capture_output=True, check=False).returncode != 0:
             unfinished.unlink(missing_ok=True)
             return None  # the kernel's own compile reports what is wrong
@@ -540,9 +542,9 @@ def _build_in(
     before_build: Callable[[], None] | None,
 ) -> None:
     """Write the sources and build.ninja into `directory` (its lock held) and build kernel.so.
-    A precompiled preamble that GCC cannot read (truncated, from another compiler) is deleted
-    and the kernel built without it, with a one-line warning: every later build of its dtype
-    and ISA failed on it before."""
+    A kernel whose build with the precompiled preamble fails but succeeds without it deleted
+    the preamble, with a one-line warning (truncated, from another compiler, damaged: GCC
+    crashed on a bit-flipped one): every later build of its dtype and ISA failed on it before."""
     source_name = "kernel.cu" if cuda_arch else "kernel.cpp"
     # A library without its digest (written after a complete build) is unfinished or damaged:
     # ninja took a truncated one as up to date, its digest was recorded, and dlopen died of SIGBUS.
@@ -593,15 +595,15 @@ def _build_in(
     link = directory / "preamble.h.gch"
     try:
         _run_ninja(directory, name)
-    except BuildError as error:
-        if not preamble_flag or "precompiled header" not in str(error):
+    except BuildError:
+        if not preamble_flag:
             raise
         shared_header = link.resolve()
-        warnings.warn(f"attncc: precompiled preamble {shared_header} is unreadable; deleting it", stacklevel=4)
-        shared_header.unlink(missing_ok=True)
         link.unlink(missing_ok=True)
         _write_if_changed(directory / "build.ninja", ninja_file(""))
-        _run_ninja(directory, name)
+        _run_ninja(directory, name)  # (its error where the kernel itself does not build)
+        warnings.warn(f"attncc: precompiled preamble {shared_header} is unreadable; deleting it", stacklevel=4)
+        shared_header.unlink(missing_ok=True)
     finally:  # no link into the cache stays (prebuilt directories are shipped)
         link.unlink(missing_ok=True)
 
