@@ -32,6 +32,7 @@ paged calls and fp8 K/V are not context-parallel.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,15 @@ import torch.distributed as dist
 from attncc.errors import InputError
 from attncc.ir import expr as ex
 from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
-from attncc.passes.sparsity import EMPTY, FULL, PARTIAL, Problem, check_reads_and_divisors, classify_tiles
+from attncc.passes.sparsity import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    Problem,
+    check_reads_and_divisors,
+    classify_tiles,
+    values_key,
+)
 from attncc.passes.sparsity import runtime_tensors as with_layout_grids
 from attncc.runtime.amp import autocast_dtype, cast_operands
 from attncc.runtime.fp8 import is_fp8
@@ -626,7 +635,10 @@ def context_parallel(
             f"{tuple(v.shape)}"
         )
     q, k, v = _resolved(q, k, v)  # (a negative-bit view's values: the ring's kernels read storage)
-    _check_same_call(group, world_size, rank, layout, (q, k, v), scale, inputs)
+    # (dropout's draws: a seed given on one rank alone hung the others in its broadcast; a seed per
+    # rank gave rows of no single call, silently)
+    draws = (train, seed) if kern.op.dropout else None  # (as given: checked after, the same on every rank)
+    _check_same_call(group, world_size, rank, layout, (q, k, v), scale, draws, inputs)
     per_rank = chunks_per_rank(layout)
     B, H, N_local, D = q.shape
     problem = Problem(B, H, k.shape[1], N_local * world_size, k.shape[2] * world_size, D, v.shape[3])
@@ -682,16 +694,15 @@ def _merge_sink(
 
 
 def _input_summary(value: object) -> object:
-    """What ranks compare of a runtime input: a number as it is, a tensor's shape, dtype and two
-    sums (of its values, and weighted by position) in float64 on the host."""
+    """What ranks compare of a runtime input: a number by its repr (NaN is itself there: pickled,
+    nan != nan made one call two), a tensor's shape, dtype and a digest of its bytes (two sums
+    of its values let differing tables through: +d, -d, -d, +d changed neither)."""
     if not isinstance(value, torch.Tensor):
-        return value
+        return repr(value)
     # (whether it asks a gradient: a rank alone in the backward's all-reduce hung the group)
     wants_grad = value.requires_grad and torch.is_grad_enabled()
-    # (infinities and NaN as numbers: a -inf bias's sum is -inf on every rank, NaN would differ from itself)
-    flat = value.detach().reshape(-1).to("cpu", torch.float64).nan_to_num(nan=0.5, posinf=1.5, neginf=-2.5)
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
-    return (tuple(value.shape), str(value.dtype), wants_grad, float(flat.sum()), float((flat * weights).sum()))
+    contents = hashlib.blake2b(values_key(value)[2], digest_size=16).hexdigest()
+    return (tuple(value.shape), str(value.dtype), wants_grad, contents)
 
 
 def _check_same_call(
@@ -701,14 +712,20 @@ def _check_same_call(
     layout: str,
     operands: tuple[torch.Tensor, ...],
     scale: object,
+    draws: tuple[object, object] | None,
     inputs: Mapping[str, object],
 ) -> None:
-    """Every rank calls with the same layout, slice shapes and dtypes, scale and runtime inputs
-    (else an error on every rank naming the first that differs, rather than a hang in a transfer
-    of the wrong size, or each rank's rows of a different attention, silently)."""
+    """Every rank calls with the same layout, slice shapes and dtypes, scale, dropout's `train`
+    and `seed` (`draws`, where the program has dropout) and runtime inputs (else an error on
+    every rank naming the first that differs, rather than a hang in a transfer of the wrong
+    size, or each rank's rows of a different attention, silently)."""
     grad = torch.is_grad_enabled()
     mine = (layout, *((tuple(t.shape), str(t.dtype), t.requires_grad and grad) for t in operands))
-    given = (_input_summary(scale), sorted((name, _input_summary(value)) for name, value in inputs.items()))
+    given = (
+        _input_summary(scale),
+        None if draws is None else f"train={draws[0]!r} seed={draws[1]!r}",
+        sorted((name, _input_summary(value)) for name, value in inputs.items()),
+    )
     everyone: list[object] = [None] * world_size
     dist.all_gather_object(everyone, (mine, given), group=group)
     for other, (theirs, their_given) in enumerate(everyone):  # type: ignore[misc]
@@ -720,6 +737,7 @@ def _check_same_call(
             )
         if their_given != given:
             raise InputError(
-                f"context_parallel: rank {rank} calls with (scale, runtime inputs) {given}, but rank {other} with "
+                f"context_parallel: rank {rank} calls with (scale, dropout's train and seed, runtime inputs) {given}, "
+                f"but rank {other} with "
                 f"{their_given}; every rank passes the same, over the whole sequence"
             )

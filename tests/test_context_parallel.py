@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import socket
 import traceback
 from pathlib import Path
@@ -459,11 +460,14 @@ def test_scale_and_runtime_inputs_are_checked_as_in_the_plain_call(
 
     def another_ranks(everyone: list, mine: object, group: object = None) -> None:
         gather(everyone, mine, group=group)
-        (layout, (scale, inputs)) = everyone[0]
-        everyone.append((layout, (scale, [(name, cp._input_summary(doc.flip(1))) for name, _ in inputs])))
+        (layout, (scale, draws, inputs)) = everyone[0]
+        everyone.append((layout, (scale, draws, [(name, cp._input_summary(doc.flip(1))) for name, _ in inputs])))
 
     monkeypatch.setattr(cp.dist, "all_gather_object", another_ranks)
-    with pytest.raises(attncc.InputError, match=r"rank 0 calls with \(scale, runtime inputs\).*but rank 1 with"):
+    with pytest.raises(
+        attncc.InputError,
+        match=r"rank 0 calls with \(scale, dropout's train and seed, runtime inputs\).*but rank 1 with",
+    ):
         cp.context_parallel(kern, q, q, q, doc=doc)
 
 
@@ -476,15 +480,54 @@ def test_a_rank_alone_asking_a_gradient_is_an_error_not_a_hang(one_rank: None, m
 
     def another_ranks(everyone: list, mine: object, group: object = None) -> None:
         gather(everyone, mine, group=group)
-        (layout, (scale, _)) = everyone[0]
-        everyone.append((layout, (scale, [("slopes", cp._input_summary(slopes.clone().requires_grad_()))])))
+        (layout, (scale, draws, _)) = everyone[0]
+        everyone.append((layout, (scale, draws, [("slopes", cp._input_summary(slopes.clone().requires_grad_()))])))
 
     monkeypatch.setattr(cp.dist, "all_gather_object", another_ranks)
-    with pytest.raises(attncc.InputError, match=r"rank 0 calls with \(scale, runtime inputs\).*but rank 1 with"):
+    with pytest.raises(
+        attncc.InputError,
+        match=r"rank 0 calls with \(scale, dropout's train and seed, runtime inputs\).*but rank 1 with",
+    ):
         cp.context_parallel(kern, q, q, q, slopes=slopes)
     assert cp._input_summary(slopes) != cp._input_summary(slopes.clone().requires_grad_())
     with torch.no_grad():  # (no gradient asked: the same call)
         assert cp._input_summary(slopes) == cp._input_summary(slopes.clone().requires_grad_())
+
+
+def test_ranks_differing_in_dropout_seed_or_in_a_table_s_bytes_are_an_error(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropout's `seed` and `train` are part of the same-call check where the program has
+    dropout: a seed given on one rank alone hung the others in its broadcast, a seed per rank
+    gave rows of no single call, silently (review of session 63). Tables compare by a digest of
+    their bytes (+d, -d, -d, +d changed neither of the two sums compared before); a NaN scalar
+    is the same call on every rank (pickled, nan != nan refused it)."""
+    kern = attncc.compile(
+        "attention dropped\ns = q @ k.T * scale\np = softmax(s)\np = dropout(p, 0.25)\no = p @ v\noutput o\n"
+    )
+    q = torch.randn(1, 2, 8, 16)
+    gather = cp.dist.all_gather_object
+    for mine, theirs in ((dict(seed=5), dict(seed=None)), (dict(seed=5), dict(seed=6)), ({}, dict(train=False))):
+
+        def another_ranks(everyone: list, given: object, group: object = None, theirs: dict = theirs) -> None:
+            gather(everyone, given, group=group)
+            (layout, (scale, _, inputs)) = everyone[0]
+            draws = f"train={theirs.get('train', True)!r} seed={theirs.get('seed')!r}"
+            everyone.append((layout, (scale, draws, inputs)))
+
+        monkeypatch.setattr(cp.dist, "all_gather_object", another_ranks)
+        with pytest.raises(attncc.InputError, match=r"dropout's train and seed.*but rank 1 with"):
+            cp.context_parallel(kern, q, q, q, **mine)
+    monkeypatch.setattr(cp.dist, "all_gather_object", gather)
+    vanilla = attncc.compile(ROOT / "examples" / "vanilla.attn")  # (no dropout: seeds are not compared)
+    torch.testing.assert_close(cp.context_parallel(vanilla, q, q, q, seed=3), vanilla(q, q, q), atol=1e-6, rtol=1e-6)
+    bias = torch.randn(8, 8)
+    twin = bias.clone()
+    twin.view(-1)[4:8] += torch.tensor([0.5, -0.5, -0.5, 0.5])
+    assert cp._input_summary(bias) != cp._input_summary(twin)
+    assert cp._input_summary(bias) == cp._input_summary(bias.clone())
+    nan = pickle.loads(pickle.dumps(cp._input_summary(float("nan"))))
+    assert nan == cp._input_summary(float("nan"))
 
 
 def test_under_torch_compile_the_ring_runs_eagerly(one_rank: None) -> None:

@@ -380,6 +380,12 @@ def test_captured_names_that_could_meet_the_programs_become_placeholders() -> No
     assert "input captured0: float[captured0_size0]" in program.source
     assert "input captured1: float[captured1_size0]" in program.source
     assert program.source.startswith("attention shadowing\n")
+    seed = torch.tensor([0.5, -0.25])  # (a call's keyword argument: no input takes its name)
+    program = flex_program(lambda score, b, h, i, j: score + seed[h])
+    assert "input captured0: float[captured0_size0]" in program.source
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    s = q @ q.transpose(-1, -2) / math.sqrt(8) + seed.double().view(1, 2, 1, 1)
+    torch.testing.assert_close(flex_attention(q, q, q, lambda score, b, h, i, j: score + seed[h]), s.softmax(-1) @ q)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 import subprocess
 import sys
@@ -143,6 +144,9 @@ def test_graph_printer_lists_statements_in_order() -> None:
         ("attention t\ns = q @ k.T\noutput", 3, 7, "unexpected end of file; expected a name"),
         ("attention t\ninput x: float[L]\nconst L = 3\n", 3, 7, "`L` names a dimension before this (line 2)"),
         ("attention t\nconst L = 2.5\ninput x: float[L]\n", 3, 16, "dimension `L` is a constant 2.5"),
+        # session 63's review: an input named as a call's own argument could never be given
+        ("attention t\ninput seed: int\n", 2, 7, "an input cannot be named `seed`: the kernels' calls take"),
+        ("attention t\ninput layout: int[B]\n", 2, 7, "an input cannot be named `layout`"),
         pytest.param(
             "attention t\ns = q @ k.T\n" + "layout local(block=32, width=1)\n" * 17,
             19,
@@ -165,6 +169,26 @@ def test_semantic_errors_name_the_place(source: str, line: int, column: int, mes
         assert rendered[2].index("^") - 2 == column - 1  # caret under the column
     else:  # a window of the line, the caret under the column's character
         assert rendered[1][rendered[2].index("^")] == shown[column - 1]
+
+
+def test_every_keyword_argument_of_the_kernels_calls_is_refused_as_an_input_name() -> None:
+    """CALL_KEYWORDS holds every keyword the calls take beside the runtime inputs (kept in step
+    with their signatures: an input named `train` made the plain call fail with a "missing
+    runtime input" error, one named `group` a bare AttributeError in context_parallel)."""
+    from attncc import distributed
+    from attncc.frontend.lower import CALL_KEYWORDS, RESERVED
+
+    calls = (attncc.Kernel.__call__, attncc.Kernel.varlen, attncc.Kernel.paged, distributed.context_parallel)
+    taken = {
+        p.name
+        for call in calls
+        for p in inspect.signature(call).parameters.values()
+        if p.kind is not p.VAR_KEYWORD and p.name != "self"
+    }
+    assert taken - RESERVED <= CALL_KEYWORDS
+    for name in sorted(CALL_KEYWORDS):
+        with pytest.raises(DslError, match=f"an input cannot be named `{name}`"):
+            attncc.compile(f"attention t\ninput {name}: float\ns = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n")
 
 
 def test_lines_are_counted_at_newlines_alone_and_brackets_in_comments_are_text() -> None:

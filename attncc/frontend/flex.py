@@ -39,14 +39,14 @@ from typing import Any
 import torch
 
 from attncc.errors import FlexTraceError
-from attncc.frontend.lower import MATH_FUNCTIONS, RESERVED
+from attncc.frontend.lower import CALL_KEYWORDS, MATH_FUNCTIONS, RESERVED
 from attncc.ir.expr import python_number
 
 #: Flex's index arguments and the DSL names they are: the sequence, the query head, the query
 #: and key positions.
 FLEX_INDICES = {"b": "b", "h": "h", "q_idx": "i", "kv_idx": "j"}
 #: Names a captured tensor cannot take (the program's own, statements, functions, operators).
-TAKEN_NAMES = RESERVED | set(MATH_FUNCTIONS) | {
+TAKEN_NAMES = RESERVED | CALL_KEYWORDS | set(MATH_FUNCTIONS) | {
     "s", "p", "o", "attention", "input", "const", "mask", "layout", "output", "and", "or", "not",
     "rope", "float", "int", "bool",
 }  # fmt: skip

@@ -40,6 +40,17 @@ COMPOSED_MAX_DEPTH = MAX_DEPTH
 COMPOSED_MAX_SIZE = 20_000
 MAX_LAYOUTS = 16
 RESERVED = set(ex.INDEX_VARS + ex.SIZE_VARS) | {"q", "k", "v", "scale", "inf", "softmax", "dropout"}
+#: The keyword arguments of the kernels' calls (`kern(...)`, `kern.varlen`, `kern.paged`,
+#: `attncc.distributed.context_parallel`), beside which runtime inputs are passed by name: an
+#: input of one of these names could never be given (a "missing runtime input" error, or the
+#: call's own argument read as the input)
+CALL_KEYWORDS = frozenset(
+    {
+        "return_lse", "train", "seed", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+        "max_seqlen_k", "plan", "k_cache", "v_cache", "block_table", "cache_seqlens", "k_new", "v_new", "layout",
+        "group", "kern",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,12 @@ def _input(ctx: _Context, stmt: Ast) -> None:
     _check_new_name(ctx, name)
     if name.value == ex.SCORE_VAR:  # inside score expressions `s` is the score itself
         raise DslError(f"an input cannot be named `{ex.SCORE_VAR}`: score expressions use it for the score", name.loc)
+    if name.value in CALL_KEYWORDS:
+        raise DslError(
+            f"an input cannot be named `{name.value}`: the kernels' calls take an argument of that name, beside which "
+            "inputs are passed by their names",
+            name.loc,
+        )
     if dtype.value not in DTYPES:
         raise DslError(f"unknown input type `{dtype.value}`; expected one of {', '.join(DTYPES)}", dtype.loc)
     dims: tuple[str | int, ...] = ()
