@@ -112,6 +112,13 @@ def first_key(b, h, q_idx, kv_idx):
     return kv_idx == 0
 
 
+def torch_spellings(score, b, h, q_idx, kv_idx):
+    # torch.pow of a constant base, add's alpha, F.relu's inplace flag, masked_fill (refused until session 63)
+    slope = torch.pow(2.0, -(h + 1) * 0.5)
+    shifted = torch.sub(torch.add(score, (q_idx - kv_idx).abs(), alpha=-0.1), slope, alpha=2)
+    return torch.nn.functional.relu(shifted + 1.0, inplace=False).masked_fill(q_idx == kv_idx, 0.25)
+
+
 def bool_arithmetic(score, b, h, q_idx, kv_idx):
     # two bools' sum and product, minimum and maximum are bool in torch (or, and): 1 + 1 made 2
     return score + ((q_idx >= kv_idx) + (kv_idx == 0)) * 1.5 + torch.minimum(q_idx % 2 == 0, kv_idx % 3 == 0) * 0.25
@@ -140,6 +147,7 @@ VARIANTS = [
     (t5_bias, key_padding),
     (bias_alone, bottom_right_causal),
     (bool_arithmetic, bool_products),
+    (torch_spellings, None),
 ]
 
 

@@ -520,6 +520,13 @@ class Traced:
     def _kind_of(self, like: Traced) -> Traced:
         return self._as_float() if like.kind == "float" else self
 
+    def masked_fill(self, mask: object, value: object) -> Traced:
+        """x.masked_fill(mask, value): value where mask holds, x elsewhere, in x's kind."""
+        filled = self._operand(value)
+        if filled.kind != self.kind and not (self.kind == "float" and filled.kind == "int"):
+            raise FlexTraceError(f"masked_fill of {_a(self.kind)} value with {_a(filled.kind)} one: convert one first")
+        return _where(mask, filled._kind_of(self), self, self.captures)
+
     def type_as(self, other: object) -> Traced:
         return self._kind_of(_operand(other, self.captures))
 
@@ -546,6 +553,13 @@ class Traced:
                 name, kwargs.get("fill_value", args[1] if len(args) > 1 else 0)
             )
             return _operand(args[0], captures)._new(fill, (), kwargs.get("dtype"))  # type: ignore[arg-type]
+        if name in ("add", "sub", "subtract") and "alpha" in kwargs:  # (torch.add(s, x, alpha=a): s + a * x)
+            other = _operand(kwargs.get("other", args[1] if len(args) > 1 else None), captures)
+            return getattr(_operand(args[0], captures), _TORCH_METHODS[name])(other * kwargs["alpha"])
+        if name == "pow" and not isinstance(python_number(args[0]), Traced):  # (torch.pow(2.0, x): 2.0 ** x)
+            return _operand(kwargs.get("exponent", args[1] if len(args) > 1 else None), captures).__rpow__(args[0])
+        if name == "relu" and kwargs.get("inplace") is not None:  # (F.relu's flag: a traced value is never changed)
+            kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
         method = _TORCH_METHODS.get(name)
         if method is None:
             raise FlexTraceError(
@@ -564,6 +578,7 @@ _TORCH_METHODS = {
     **{n: n for n in ("clamp", "clip", "clamp_min", "clamp_max", "logical_and", "logical_or", "logical_xor")},
     **{n: n for n in ("logical_not", "float", "double", "half", "bfloat16", "to", "type_as", "long", "int")},
     **{n: n for n in ("bool", "square", "sign", "relu", "softplus", "log1p", "fmod", "item")},
+    "masked_fill": "masked_fill",
     **{n: n for n in ("floor", "ceil", "trunc", "fix", "round")},
     "add": "__add__", "__add__": "__add__", "__radd__": "__radd__",
     "sub": "__sub__", "subtract": "__sub__", "__sub__": "__sub__", "__rsub__": "__rsub__", "rsub": "__rsub__",
