@@ -418,6 +418,22 @@ def test_what_the_dsl_cannot_say_is_an_error_at_the_functions_line(score_mod, me
         assert f"{__file__}:" in str(info.value) and "lambda score" in str(info.value)
 
 
+def test_a_traced_program_too_large_says_why() -> None:
+    """Each step reusing the last value twice doubles the traced text (the DSL's expressions
+    are trees): the compiler's size limit was a bare DslError at the generated program's line,
+    naming nothing the user wrote (review of session 63)."""
+
+    def piecewise(score, b, h, q_idx, kv_idx):
+        distance, bias = (q_idx - kv_idx).abs(), torch.zeros_like(score)
+        for knot in range(0, 24, 2):
+            bias = torch.where(distance > knot, bias - 0.1 * (distance - knot), bias)
+        return score + bias
+
+    q = torch.randn(1, 1, 8, 8)
+    with pytest.raises(FlexTraceError, match=r"too large for the compiler .* reuse intermediate values less"):
+        flex_attention(q, q, q, piecewise)
+
+
 def test_call_errors_name_the_argument() -> None:
     q, k, v = (t.detach() for t in leaves(torch.float64))
     with pytest.raises(InputError, match="pass enable_gqa=True"):
