@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attncc
+from attncc.errors import InputError
 from attncc.ir import expr as ex
 from attncc.ir.graph import fused_node
 from attncc.ir.ops import Layout
@@ -206,6 +207,25 @@ def test_the_readme_masks_are_classified_exactly(name: str) -> None:
         br, bc = (64, 128) if trial % 2 else rng.choice([(4, 32), (12, 96), (48, 40)])
         got = classify_tiles(kern.op.sparsity, problem, {}, tensors, br, bc).expand(problem.B, problem.H, -1, -1)
         assert torch.equal(got, brute_classes(pred, problem, tensors, {}, br, bc)), (name, problem, br, bc)
+
+
+def test_tiles_are_classified_in_bands_of_rows_as_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Classes by intervals are made in bands of tile rows (the temporaries of N = M = 1M were
+    ~4 GB at once): bands of 5 tiles give the classes of one band, packed sequences too, and a
+    problem past TILE_CLASSES_MAX is an InputError before any allocation (`attncc explain` at
+    N = M = 1e11 was killed for memory)."""
+    kern = attncc.compile(ROOT / "examples" / "padding.attn")
+    gen = torch.Generator().manual_seed(5)
+    problem = Problem(3, 2, 1, 700, 650, 64)
+    tensors = {d.name: torch.randint(0, problem.M + 1, (3,), generator=gen) for d in kern.inputs}
+    lengths = (torch.tensor([700, 0, 333]), torch.tensor([650, 17, 1]))
+    whole = [classify_tiles(kern.op.sparsity, problem, {}, tensors, 12, 40, given) for given in (None, lengths)]
+    monkeypatch.setattr(sparsity, "CLASSIFIED_TILES_PER_BAND", 5)
+    for given, want in zip((None, lengths), whole):
+        assert torch.equal(classify_tiles(kern.op.sparsity, problem, {}, tensors, 12, 40, given), want)
+    huge = Problem(1, 1, 1, 10**11, 10**11, 64)
+    with pytest.raises(InputError, match="tiles of 64 x 128 to classify, more than attncc maps"):
+        classify_tiles(kern.op.sparsity, huge, {}, {d.name: torch.tensor([5]) for d in kern.inputs}, 64, 128)
 
 
 def test_document_mask_is_sound_and_skips_most_empty_tiles() -> None:

@@ -634,6 +634,10 @@ def runtime_tensors(
 #: every token (M grows): 43 against 670 us for the transformers integration's key ranges at
 #: B=4 M=264 (Zen 4), most of a new step's host time.
 CLASSES_BY_POSITION_MAX = 1 << 16
+#: Tiles classified at once by intervals (`classify_tiles`): their temporaries' size
+CLASSIFIED_TILES_PER_BAND = 1 << 20
+#: The most tile classes one call's plan holds (a byte each)
+TILE_CLASSES_MAX = 1 << 32
 
 
 @functools.lru_cache(maxsize=256)
@@ -713,6 +717,11 @@ def classify_tiles(
     ti, tj = -(-problem.N // block_rows), -(-problem.M // block_cols)
     per_batch = info.varies_with_batch or lengths is not None
     shape = (problem.B if per_batch else 1, problem.H if info.varies_with_head else 1, ti, tj)
+    if math.prod(shape) > TILE_CLASSES_MAX:  # (before any allocation: the process was killed for memory)
+        raise InputError(
+            f"{problem}: {' x '.join(map(str, shape))} tiles of {block_rows} x {block_cols} to classify, more than "
+            f"attncc maps ({TILE_CLASSES_MAX}); split the sequence (context parallelism) or the batch"
+        )
     if info.predicate is None and lengths is None:
         return torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8).expand(shape).contiguous()
     if 0 in shape:  # (an empty batch or no heads: no tile, and no row of the tensors to read)
@@ -721,14 +730,40 @@ def classify_tiles(
         exact = _classes_by_position(info.predicate, problem, scalars, tensors, shape, block_rows, block_cols)  # type: ignore[arg-type]
         if exact is not None:
             return exact
-    rows = torch.arange(ti, dtype=torch.float64).view(1, 1, -1, 1) * block_rows
+    # (in bands of tile rows: the intervals' temporaries are float64 [rows, Tj] each, ~4 GB at
+    # once for N = M = 1M with 64 x 64 tiles; a band's take CLASSIFIED_TILES_PER_BAND)
+    band = max(1, CLASSIFIED_TILES_PER_BAND // (tj * shape[0] * shape[1]))
+    bands = [
+        _interval_classes(info, problem, scalars, tensors, shape, block_rows, block_cols, lengths, first, min(first + band, ti))
+        for first in range(0, ti, band)
+    ]  # fmt: skip
+    return bands[0] if len(bands) == 1 else torch.cat(bands, 2)
+
+
+def _interval_classes(
+    info: SparsityInfo,
+    problem: Problem,
+    scalars: Mapping[str, float],
+    tensors: Mapping[str, torch.Tensor],
+    shape: tuple[int, int, int, int],
+    block_rows: int,
+    block_cols: int,
+    lengths: tuple[torch.Tensor, torch.Tensor] | None,
+    first_row: int,
+    end_row: int,
+) -> torch.Tensor:
+    """`classify_tiles`' classes of tile rows first_row .. end_row - 1, from the predicate's
+    intervals over each tile."""
+    tj = shape[3]
+    shape = (shape[0], shape[1], end_row - first_row, tj)
+    rows = torch.arange(first_row, end_row, dtype=torch.float64).view(1, 1, -1, 1) * block_rows
     cols = torch.arange(tj, dtype=torch.float64).view(1, 1, 1, -1) * block_cols
     last_row, last_col = float(problem.N - 1), float(problem.M - 1)
     if lengths is not None:
         n, m = (t.to(torch.float64).view(-1, 1, 1, 1) for t in lengths)
         last_row, last_col = n - 1, m - 1
     if info.predicate is None:
-        cls = torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8)
+        cls = torch.full((1, 1, end_row - first_row, tj), FULL, dtype=torch.uint8)
     else:
         env = problem.size_env()
         if lengths is not None:
