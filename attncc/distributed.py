@@ -270,9 +270,23 @@ def layout_plans(
     """The plan of every layout of `layouts` (default: all, LAYOUTS order) for this program,
     sizes and inputs (those over the whole sequence, as `context_parallel` takes them)."""
     _check_world_size(world_size)
+    _check_sizes(N=N, M=M, B=B, H=H, Hkv=Hkv, D=D, Dv=Dv)
     problem = Problem(B, H, Hkv or H, N, N if M is None else M, D, D if Dv is None else Dv)
     scalars, tensors, scale_value = _program_values(kern, problem, scale, inputs)
     return [plan_context_parallel(kern, world_size, problem, lay, scalars, tensors, scale_value) for lay in layouts]
+
+
+def _check_sizes(**sizes: object) -> None:
+    """The sizes a plan is asked for (None: not given, the default): ints, B >= 0 and the rest
+    >= 1, H a multiple of Hkv (a negative N was torch's RuntimeError, N=8.0 a TypeError from
+    view(), H=3 with Hkv=2 a plan)."""
+    for name, value in sizes.items():
+        least = 0 if name == "B" else 1
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise InputError(f"{name}: expected an int >= {least}, got {value!r}")
+    heads, kv_heads = sizes.get("H"), sizes.get("Hkv")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise InputError(f"H: expected a multiple of Hkv={kv_heads} (a group of query heads per kv head), got {heads}")
 
 
 def _check_world_size(world_size: object) -> None:
@@ -292,6 +306,7 @@ def choose_layout(
     from the tile classes, not from knowing the mask: causal and bottom-right programs get
     zigzag, a sliding window or a dense program contiguous. Shard q, k, v with its `layout`."""
     _check_world_size(world_size)
+    _check_sizes(N=N, M=M)
     # (a sequence may split into one layout's chunks only: 9 rows over 3 ranks are contiguous)
     keys = N if M is None else M
     fitting = [lay for lay in LAYOUTS if all(n % (world_size * chunks_per_rank(lay)) == 0 for n in (N, keys))]

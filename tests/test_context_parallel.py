@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import socket
 import traceback
 from pathlib import Path
@@ -556,6 +557,16 @@ def test_a_gradient_of_the_ring_s_gradient_is_an_error(one_rank: None) -> None:
 
 def test_helpers_name_their_bad_arguments(one_rank: None) -> None:
     causal = attncc.compile(ROOT / "examples" / "causal.attn")
+    # (a negative N was torch's RuntimeError, N=8.0 a TypeError from view(), D=0 and H=3 with
+    # Hkv=2 plans: review of session 63)
+    for sizes, message in (
+        (dict(N=-4), "N: expected an int >= 1, got -4"),
+        (dict(N=8.0), "N: expected an int >= 1, got 8.0"),
+        (dict(N=8, D=0), "D: expected an int >= 1, got 0"),
+        (dict(N=8, H=3, Hkv=2), "H: expected a multiple of Hkv=2"),
+    ):
+        with pytest.raises(attncc.InputError, match=re.escape(message)):
+            cp.choose_layout(causal, 2, **sizes)
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(attncc.InputError, match="window: expected a int scalar, got None"):
         cp.context_parallel(
