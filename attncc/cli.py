@@ -185,6 +185,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print()
     op = _fused(stages)
     shape = args.shape
+    assert op.tiling is not None
+    if not 1 <= shape.Dv <= op.tiling.max_head_dim:  # (D's is the plan's error; Dv's was a plan the kernel refuses)
+        raise AttnccError(
+            f"--shape Dv={shape.Dv}: v's head dim must be in [1, {op.tiling.max_head_dim}] on target {args.target}"
+        )
     print("// plan")
     print(plan_text(op, shape))
     kern = (

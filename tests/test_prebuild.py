@@ -119,7 +119,7 @@ def test_a_directory_prebuilt_for_another_isa_says_so_and_a_missing_one_is_named
     manifest.unlink()  # (a directory prebuilt before manifests, or one lost: a second prebuild writes it)
     assert cli_main(["prebuild", CAUSAL, "--dtypes", "float32", "-o", str(prebuilt)]) == 0
     monkeypatch.delenv(ISA_ENV)
-    assert manifest.read_text() == f"built for: -march=x86-64-v3\ntorch: {torch.__version__}\n"
+    assert manifest.read_text() == f"built for: -march=x86-64-v3\nbuilt with: -O2\ntorch: {torch.__version__}\n"
     env = dict(
         os.environ,
         PYTHONPATH=str(ROOT),
@@ -161,6 +161,24 @@ def test_a_damaged_prebuilt_library_is_skipped_with_a_warning(tmp_path, monkeypa
     assert path.parent.parent == tmp_path / "cache"  # built by the JIT instead
     q = torch.randn(1, 2, 5, 16)
     assert torch.allclose(kern(q, q, q), torch.softmax(q @ q.transpose(-1, -2) * 0.75 / 4, -1) @ q, atol=1e-5)
+    # a server without a compiler is told the library is damaged (it heard "from other sources
+    # or headers"), one with another optimisation level which flags (review of session 63)
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), ATTNCC_CACHE_DIR=str(tmp_path / "server"),
+        CXX=str(tmp_path / "no-compiler" / "g++"), **{PREBUILT_ENV: str(prebuilt)},
+    )  # fmt: skip
+    call = "import torch, attncc; x = torch.randn(1, 1, 3, 8); attncc.compile(__import__('sys').argv[1])(x, x, x)"
+    damaged = subprocess.run(
+        [sys.executable, "-c", call, program], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert f"{library} damaged (its digest differs): prebuild it again" in damaged.stderr, damaged.stderr
+    library.parent.rename(tmp_path / "lost")
+    assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(prebuilt)]) == 0
+    debug = subprocess.run(
+        [sys.executable, "-c", call, program], env={**env, "ATTNCC_DEBUG_BUILD": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert "for another machine: built with '-O2', this machine '-O0 -g'" in debug.stderr, debug.stderr
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")

@@ -346,7 +346,9 @@ def _prebuilt_facts(host_flags: tuple[str, ...], cuda_arch: str | None) -> str:
     (PREBUILT_MANIFEST): the machine it loads on is told which fact differs when it has no match."""
     isa_flags = (f for f in host_flags if f.startswith(("-march", "-mavx", "-mamx")))
     built_for = f"cuda {cuda_arch}" if cuda_arch else " ".join(isa_flags)
-    return f"built for: {built_for}\ntorch: {'-' if cuda_arch else torch.__version__}\n"
+    # (the optimisation flags: ATTNCC_DEBUG_BUILD on one side only was "other sources or headers")
+    built_with = "-" if cuda_arch else " ".join(f for f in host_flags if f.startswith(("-O", "-g")))
+    return f"built for: {built_for}\nbuilt with: {built_with}\ntorch: {'-' if cuda_arch else torch.__version__}\n"
 
 
 def _why_not_prebuilt(name: str, host_flags: tuple[str, ...]) -> str:
@@ -355,6 +357,9 @@ def _why_not_prebuilt(name: str, host_flags: tuple[str, ...]) -> str:
     found = [d for root in prebuilt_dirs() if root.is_dir() for d in root.glob(f"{glob.escape(name)}-*") if d.is_dir()]
     if not found:
         return f"none named {name}: prebuild this program for this dtype"
+    damaged = [d for d in found if d / "kernel.so" in _DAMAGED_PREBUILT]
+    if damaged:  # (the one that would have matched: its digest differs)
+        return f"{', '.join(str(d / 'kernel.so') for d in damaged)} damaged (its digest differs): prebuild it again"
     wanted = dict(line.split(": ", 1) for line in _prebuilt_facts(host_flags, None).splitlines())
     differences, unrecorded = set(), 0
     for directory in found:
