@@ -111,6 +111,26 @@ def test_integer_division_by_a_divisor_that_can_be_zero_is_an_input_error() -> N
         signed(q, k, v, m=torch.cat([m[:39], torch.tensor([0])]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_nan_row_s_bias_gradient_stays_in_its_row(dtype: torch.dtype) -> None:
+    """A query row whose lse is NaN has P = NaN at every column of its key tiles, past the
+    keys too: the CPU backward wrote their bias gradients into the next row of the table, and
+    from the last row past its end (heap corruption: `double free or corruption`, review of
+    session 63). Only the NaN row's gradient is NaN, as torch's; the others are torch's."""
+    kern = attncc.compile(program("input bias: float[N, M]\ns = q @ k.T * scale + bias[i, j]\n", "biased"))
+    N, M = 3, 50  # (M a tile's part: the tile's columns past the keys)
+    for row in (1, 2):
+        q, k, v = (t.to(dtype) for t in qkv(N, M))
+        q[0, 0, row, 0] = float("nan")
+        bias = torch.randn(N, M, dtype=dtype, requires_grad=True)
+        kern(q, k, v, bias=bias).sum().backward()
+        want = bias.detach().double().requires_grad_()
+        (torch.softmax(q.double() @ k.double().transpose(-1, -2) / 4 + want, -1) @ v.double()).sum().backward()
+        others = [r for r in range(N) if r != row]
+        assert torch.isnan(bias.grad[row]).all() and not torch.isnan(bias.grad[others]).any()
+        assert torch.allclose(bias.grad[others].double(), want.grad[others], atol=1e-5)
+
+
 @pytest.mark.parametrize("value", [-1, 256, 3])
 def test_bool_inputs_given_as_integers_mean_nonzero(value: int) -> None:
     kern = attncc.compile(program("input keep: bool[M]\ns = q @ k.T * scale\nmask keep[j]\n"))
