@@ -186,7 +186,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     op = _fused(stages)
     shape = args.shape
     assert op.tiling is not None
-    if not 1 <= shape.Dv <= op.tiling.max_head_dim:  # (D's is the plan's error; Dv's was a plan the kernel refuses)
+    # (D's is the plan's error; a Dv of its own was planned where the kernels refuse it)
+    if shape.Dv != shape.D and not 1 <= shape.Dv <= op.tiling.max_head_dim:
         raise AttnccError(
             f"--shape Dv={shape.Dv}: v's head dim must be in [1, {op.tiling.max_head_dim}] on target {args.target}"
         )

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from attncc.errors import InputError
 from attncc.ir import expr as ex
+from attncc.ir.expr import python_number
 from attncc.passes.positions import GLOBAL_M, GLOBAL_N, KEY_POSITION0, QUERY_POSITION0
 from attncc.passes.sparsity import (
     EMPTY,
@@ -55,7 +56,7 @@ from attncc.passes.sparsity import (
 from attncc.passes.sparsity import runtime_tensors as with_layout_grids
 from attncc.runtime.amp import autocast_dtype, cast_operands
 from attncc.runtime.fp8 import is_fp8
-from attncc.runtime.kernel import Kernel, _resolved, checked_train, no_double_backward, seed_tensor
+from attncc.runtime.kernel import Kernel, _resolved, checked_seed, checked_train, no_double_backward, seed_tensor
 from attncc.runtime.merge import merge_states
 from attncc.runtime.reference import evaluate
 
@@ -280,6 +281,7 @@ def _check_sizes(**sizes: object) -> None:
     """The sizes a plan is asked for (None: not given, the default): ints, B >= 0 and the rest
     >= 1, H a multiple of Hkv (a negative N was torch's RuntimeError, N=8.0 a TypeError from
     view(), H=3 with Hkv=2 a plan)."""
+    sizes = {name: python_number(value) for name, value in sizes.items()}  # (np.int64(64) is 64)
     for name, value in sizes.items():
         least = 0 if name == "B" else 1
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
@@ -627,6 +629,7 @@ def context_parallel(
     (and lse [B, H, N/P]), equal to the rows of the single-process call `kern(q, k, v)` on the
     whole tensors; differentiable (q, k, v and learnable inputs; module docstring). Every rank
     of the group must call it with the same sizes, layout and inputs."""
+    kern.check_inputs_named_apart("context_parallel")
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("context_parallel: torch.distributed is not initialised (call init_process_group first)")
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -652,7 +655,7 @@ def context_parallel(
     q, k, v = _resolved(q, k, v)  # (a negative-bit view's values: the ring's kernels read storage)
     # (dropout's draws: a seed given on one rank alone hung the others in its broadcast; a seed per
     # rank gave rows of no single call, silently)
-    draws = (train, seed) if kern.op.dropout else None  # (as given: checked after, the same on every rank)
+    draws = _draws_summary(train, seed) if kern.op.dropout else None
     _check_same_call(group, world_size, rank, layout, (q, k, v), scale, draws, inputs)
     per_rank = chunks_per_rank(layout)
     B, H, N_local, D = q.shape
@@ -708,12 +711,33 @@ def _merge_sink(
     return merge_states([out, torch.zeros_like(out)], [lse, sink])
 
 
+def _draws_summary(train: object, seed: object) -> str:
+    """What ranks compare of dropout's `train` and `seed`: their values (np.int64(5) is 5), the
+    seed only where dropout draws (train=False reads none); a value the call refuses as given,
+    so that every rank giving it reaches that error after the check rather than alone before it
+    (the others hung in the check's all-gather)."""
+    try:
+        train = checked_train(train)
+    except InputError:
+        return f"train={train!r} seed={seed!r}"
+    if not train:
+        return "train=False"
+    try:
+        seed = None if seed is None else checked_seed(seed)
+    except InputError:
+        pass
+    return f"train=True seed={seed!r}"
+
+
 def _input_summary(value: object) -> object:
     """What ranks compare of a runtime input: a number by its repr (NaN is itself there: pickled,
     nan != nan made one call two), a tensor's shape, dtype and a digest of its bytes (two sums
     of its values let differing tables through: +d, -d, -d, +d changed neither)."""
     if not isinstance(value, torch.Tensor):
-        return repr(value)
+        number = python_number(value)
+        if isinstance(number, float) or (type(number) is int and abs(number) <= 2**53):
+            return float(number).hex()  # (4 and 4.0 and np.int64(4) alike, as the kernels take them; nan itself)
+        return repr(number)
     # (whether it asks a gradient: a rank alone in the backward's all-reduce hung the group)
     wants_grad = value.requires_grad and torch.is_grad_enabled()
     contents = hashlib.blake2b(values_key(value)[2], digest_size=16).hexdigest()

@@ -18,6 +18,7 @@ import socket
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -520,6 +521,11 @@ def test_ranks_differing_in_dropout_seed_or_in_a_table_s_bytes_are_an_error(
         with pytest.raises(attncc.InputError, match=r"dropout's train and seed.*but rank 1 with"):
             cp.context_parallel(kern, q, q, q, **mine)
     monkeypatch.setattr(cp.dist, "all_gather_object", gather)
+    # values, not spellings: np.int64(5) is 5, 4.0 is 4; train=False reads no seed
+    assert cp._draws_summary(True, np.int64(5)) == cp._draws_summary(True, 5)
+    assert cp._draws_summary(False, 3) == cp._draws_summary(np.False_, None)
+    assert cp._input_summary(np.int64(4)) == cp._input_summary(4.0) == cp._input_summary(4)
+    assert cp.choose_layout(kern, 2, np.int64(8), H=np.int64(2)).layout in cp.LAYOUTS  # (refused by the size check)
     vanilla = attncc.compile(ROOT / "examples" / "vanilla.attn")  # (no dropout: seeds are not compared)
     torch.testing.assert_close(cp.context_parallel(vanilla, q, q, q, seed=3), vanilla(q, q, q), atol=1e-6, rtol=1e-6)
     bias = torch.randn(8, 8)

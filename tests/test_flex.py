@@ -119,6 +119,12 @@ def torch_spellings(score, b, h, q_idx, kv_idx):
     return torch.nn.functional.relu(shifted + 1.0, inplace=False).masked_fill(q_idx == kv_idx, 0.25)
 
 
+def exact_powers(b, h, q_idx, kv_idx):
+    # torch.pow of an int base is exact (exp(x log 2) gave 7.999999999999998 for 2 ** 3); add of
+    # two bools with alpha=1 stays bool (or), as torch's (the review of session 63)
+    return torch.add((q_idx - kv_idx).abs() != torch.pow(2, h + 1), q_idx == kv_idx, alpha=1)
+
+
 def bool_arithmetic(score, b, h, q_idx, kv_idx):
     # two bools' sum and product, minimum and maximum are bool in torch (or, and): 1 + 1 made 2
     return score + ((q_idx >= kv_idx) + (kv_idx == 0)) * 1.5 + torch.minimum(q_idx % 2 == 0, kv_idx % 3 == 0) * 0.25
@@ -147,7 +153,7 @@ VARIANTS = [
     (t5_bias, key_padding),
     (bias_alone, bottom_right_causal),
     (bool_arithmetic, bool_products),
-    (torch_spellings, None),
+    (torch_spellings, exact_powers),
 ]
 
 
@@ -408,6 +414,8 @@ def test_captured_names_that_could_meet_the_programs_become_placeholders() -> No
         (lambda score, b, h, i, j: score**2.5, "the DSL has no power"),
         (lambda score, b, h, i, j: i > j, "score_mod returned a bool value"),
         (lambda score, b, h, i, j: score + ((i > j) - (j > 0)), "`-` of two bool values"),
+        (lambda score, b, h, i, j: torch.nn.functional.relu(score, inplace=True), "not changed in place"),
+        (lambda score, b, h, i, j: score + torch.add(i > j, j > 0, alpha=2), "two bool values with alpha=2"),
     ],
 )
 def test_what_the_dsl_cannot_say_is_an_error_at_the_functions_line(score_mod, message: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import random
 import subprocess
 import sys
@@ -146,7 +147,7 @@ def test_graph_printer_lists_statements_in_order() -> None:
         ("attention t\nconst L = 2.5\ninput x: float[L]\n", 3, 16, "dimension `L` is a constant 2.5"),
         # session 63's review: an input named as a call's own argument could never be given
         ("attention t\ninput seed: int\n", 2, 7, "an input cannot be named `seed`: the kernels' calls take"),
-        ("attention t\ninput layout: int[B]\n", 2, 7, "an input cannot be named `layout`"),
+        ("attention t\ninput dtype: int[B]\n", 2, 7, "an input cannot be named `dtype`"),
         pytest.param(
             "attention t\ns = q @ k.T\n" + "layout local(block=32, width=1)\n" * 17,
             19,
@@ -172,23 +173,40 @@ def test_semantic_errors_name_the_place(source: str, line: int, column: int, mes
 
 
 def test_every_keyword_argument_of_the_kernels_calls_is_refused_as_an_input_name() -> None:
-    """CALL_KEYWORDS holds every keyword the calls take beside the runtime inputs (kept in step
-    with their signatures: an input named `train` made the plain call fail with a "missing
-    runtime input" error, one named `group` a bare AttributeError in context_parallel)."""
+    """CALL_KEYWORDS holds the keywords every call takes beside the runtime inputs (the plain
+    call's, and `reference`'s `dtype`, which `attncc check` passes: an input named `train` made
+    the plain call fail with a "missing runtime input" error); the packed, paged and
+    context-parallel calls' own (CALL_ARGUMENTS) are refused by those calls alone, where a program
+    that never makes them may use the name (session 63's review: refusing them broke such
+    programs). Kept in step with the signatures."""
     from attncc import distributed
-    from attncc.frontend.lower import CALL_KEYWORDS, RESERVED
+    from attncc.frontend.lower import CALL_ARGUMENTS, CALL_KEYWORDS, RESERVED
 
-    calls = (attncc.Kernel.__call__, attncc.Kernel.varlen, attncc.Kernel.paged, distributed.context_parallel)
-    taken = {
-        p.name
-        for call in calls
-        for p in inspect.signature(call).parameters.values()
-        if p.kind is not p.VAR_KEYWORD and p.name != "self"
-    }
-    assert taken - RESERVED <= CALL_KEYWORDS
+    def keywords(call: object) -> set[str]:
+        parameters = inspect.signature(call).parameters.values()  # type: ignore[arg-type]
+        return {p.name for p in parameters if p.kind is not p.VAR_KEYWORD and p.name != "self"}
+
+    every = keywords(attncc.Kernel.__call__) | keywords(attncc.Kernel.reference)
+    assert every - RESERVED <= CALL_KEYWORDS
+    calls = {"varlen": attncc.Kernel.varlen, "paged": attncc.Kernel.paged}
+    calls["context_parallel"] = distributed.context_parallel
+    for name, call in calls.items():
+        assert keywords(call) - RESERVED - CALL_KEYWORDS <= CALL_ARGUMENTS[name], name
     for name in sorted(CALL_KEYWORDS):
         with pytest.raises(DslError, match=f"an input cannot be named `{name}`"):
             attncc.compile(f"attention t\ninput {name}: float\ns = q @ k.T\np = softmax(s)\no = p @ v\noutput o\n")
+    grouped = attncc.compile(
+        "attention grouped\ninput group: int\ninput plan: int\ns = q @ k.T * scale + group - plan\np = softmax(s)\n"
+        "o = p @ v\noutput o\n"
+    )
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    want = torch.softmax(q @ q.transpose(-1, -2) / math.sqrt(8), -1) @ q
+    torch.testing.assert_close(grouped(q, q, q, group=3, plan=3), want)
+    rows, offsets = q[0].transpose(0, 1).contiguous(), torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(attncc.InputError, match="varlen: program grouped's input `plan` has the name of an argument"):
+        grouped.varlen(rows, rows, rows, offsets, offsets, group=3)
+    with pytest.raises(attncc.InputError, match="context_parallel: program grouped's input `group` has the name"):
+        distributed.context_parallel(grouped, q, q, q, plan=3)
 
 
 def test_lines_are_counted_at_newlines_alone_and_brackets_in_comments_are_text() -> None:

@@ -19,6 +19,7 @@ import torch
 import attncc
 from attncc import targets
 from attncc.errors import BuildError, InputError
+from attncc.runtime import build
 from attncc.runtime.build import (
     DEBUG_BUILD_ENV,
     OPTIMIZED_FLAGS,
@@ -671,6 +672,30 @@ def test_a_shared_preamble_is_precompiled_from_its_second_kernel_on(tmp_path, mo
     with pytest.warns(UserWarning, match="precompiled preamble .* is unreadable; deleting it"):
         sixth = build("strided", shared)
     assert (sixth / "kernel.so").exists() and not header.exists()
+
+
+@pytest.mark.skipif(not _compiler_is_gcc(), reason="precompiled preambles are given to GCC only")
+def test_a_build_failing_for_another_reason_keeps_the_precompiled_preamble(tmp_path, monkeypatch) -> None:
+    """A kernel build that fails with the precompiled preamble is built again without it; the
+    shared header is deleted only where the compiler named it or crashed (a build killed for
+    memory or interrupted deleted a healthy one: review of session 63)."""
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    for name in ("vanilla", "causal"):  # (the second precompiles the shared preamble)
+        attncc.compile(ROOT / "examples" / f"{name}.attn").library_path("float32")
+    (header,) = (tmp_path / PRECOMPILED_DIR).glob("*/preamble.h.gch")
+    run_ninja, failures = build._run_ninja, []
+
+    def once_interrupted(directory: Path, name: str) -> None:
+        if not failures:
+            failures.append(name)
+            raise BuildError(f"building {name} failed: ninja: build stopped: interrupted by user.")
+        run_ninja(directory, name)
+
+    monkeypatch.setattr(build, "_run_ninja", once_interrupted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        library = attncc.compile(ROOT / "examples" / "softcap.attn").library_path("float32")
+    assert failures and library.exists() and header.exists()
 
 
 def test_an_unwritable_kernel_cache_is_a_clear_error(tmp_path, monkeypatch) -> None:

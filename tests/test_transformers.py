@@ -292,6 +292,25 @@ def test_a_compiled_forward_generates_through_a_static_cache_as_eager_does() -> 
         assert torch.equal(got, expected), family
 
 
+def test_only_generate_s_masks_made_ahead_of_the_forward_are_dense() -> None:
+    """`made_ahead_for_generate`: create_masks_for_generate called by generate's
+    prepare_inputs_for_generation (a model's override calling super() between them too);
+    Gemma 3's and Gemma 4's forwards call it themselves for their own masks, which stay carriers
+    (they were made dense, the pattern's tile skipping and packing lost: review of session 63)."""
+
+    def create_masks_for_generate() -> bool:
+        return integration.made_ahead_for_generate()
+
+    def prepare_inputs_for_generation(through_super: bool = False) -> bool:
+        return prepare_inputs_for_generation() if through_super else create_masks_for_generate()
+
+    def forward() -> bool:
+        return create_masks_for_generate()
+
+    assert prepare_inputs_for_generation() and prepare_inputs_for_generation(through_super=True)
+    assert not forward() and not create_masks_for_generate()
+
+
 def compiled_gradients_match(family: str, with_mask: bool, **compile_options: object) -> None:
     """A fullgraph-compiled forward and backward of `family` (padded batch, or no mask and no
     cache) has the reference's gradients."""

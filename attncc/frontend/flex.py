@@ -39,14 +39,14 @@ from typing import Any
 import torch
 
 from attncc.errors import FlexTraceError
-from attncc.frontend.lower import CALL_KEYWORDS, MATH_FUNCTIONS, RESERVED
+from attncc.frontend.lower import CALL_ARGUMENTS, CALL_KEYWORDS, MATH_FUNCTIONS, RESERVED
 from attncc.ir.expr import python_number
 
 #: Flex's index arguments and the DSL names they are: the sequence, the query head, the query
 #: and key positions.
 FLEX_INDICES = {"b": "b", "h": "h", "q_idx": "i", "kv_idx": "j"}
 #: Names a captured tensor cannot take (the program's own, statements, functions, operators).
-TAKEN_NAMES = RESERVED | CALL_KEYWORDS | set(MATH_FUNCTIONS) | {
+TAKEN_NAMES = RESERVED | CALL_KEYWORDS | set().union(*CALL_ARGUMENTS.values()) | set(MATH_FUNCTIONS) | {
     "s", "p", "o", "attention", "input", "const", "mask", "layout", "output", "and", "or", "not",
     "rope", "float", "int", "bool",
 }  # fmt: skip
@@ -212,7 +212,10 @@ class Traced:
         base = python_number(o)
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
             raise FlexTraceError(f"`{o!r} ** x`: only a positive constant base is expanded (as exp(x * log(base)))")
-        return self._unary_float("exp", scale=math.log(base))
+        power = self._unary_float("exp", scale=math.log(base))
+        if isinstance(base, int) and self.kind != "float":  # (torch's int power is exact: 2 ** 3 was 7.999999999999998)
+            return Traced(f"round({power.text})", "int", self.captures)
+        return power
 
     def __neg__(self) -> Traced:
         if self.kind == "bool":
@@ -554,11 +557,22 @@ class Traced:
             )
             return _operand(args[0], captures)._new(fill, (), kwargs.get("dtype"))  # type: ignore[arg-type]
         if name in ("add", "sub", "subtract") and "alpha" in kwargs:  # (torch.add(s, x, alpha=a): s + a * x)
-            other = _operand(kwargs.get("other", args[1] if len(args) > 1 else None), captures)
-            return getattr(_operand(args[0], captures), _TORCH_METHODS[name])(other * kwargs["alpha"])
+            first, other = (
+                _operand(x, captures) for x in (args[0], kwargs.get("other", args[1] if len(args) > 1 else None))
+            )
+            alpha = python_number(kwargs["alpha"])
+            if alpha == 1:  # (two bools stay bool: `or`)
+                return getattr(first, _TORCH_METHODS[name])(other)
+            if first.kind == other.kind == "bool":
+                raise FlexTraceError(f"torch.{name} of two bool values with alpha={alpha!r}: torch refuses it too")
+            return getattr(first, _TORCH_METHODS[name])(other * alpha)
         if name == "pow" and not isinstance(python_number(args[0]), Traced):  # (torch.pow(2.0, x): 2.0 ** x)
             return _operand(kwargs.get("exponent", args[1] if len(args) > 1 else None), captures).__rpow__(args[0])
-        if name == "relu" and kwargs.get("inplace") is not None:  # (F.relu's flag: a traced value is never changed)
+        if name == "relu" and "inplace" in kwargs:  # (F.relu's flag)
+            if kwargs["inplace"]:  # (its operand changed, read again after: the change lost)
+                raise FlexTraceError(
+                    "F.relu(x, inplace=True): traced values are not changed in place; use x = F.relu(x)"
+                )
             kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
         method = _TORCH_METHODS.get(name)
         if method is None:

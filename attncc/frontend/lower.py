@@ -40,17 +40,18 @@ COMPOSED_MAX_DEPTH = MAX_DEPTH
 COMPOSED_MAX_SIZE = 20_000
 MAX_LAYOUTS = 16
 RESERVED = set(ex.INDEX_VARS + ex.SIZE_VARS) | {"q", "k", "v", "scale", "inf", "softmax", "dropout"}
-#: The keyword arguments of the kernels' calls (`kern(...)`, `kern.varlen`, `kern.paged`,
-#: `attncc.distributed.context_parallel`), beside which runtime inputs are passed by name: an
-#: input of one of these names could never be given (a "missing runtime input" error, or the
-#: call's own argument read as the input)
-CALL_KEYWORDS = frozenset(
-    {
-        "return_lse", "train", "seed", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-        "max_seqlen_k", "plan", "k_cache", "v_cache", "block_table", "cache_seqlens", "k_new", "v_new", "layout",
-        "group", "kern",
-    }
-)  # fmt: skip
+#: The keyword arguments of every kernel's call (`kern(...)`, and `kern.reference`'s `dtype`, which
+#: `attncc check` passes), beside which runtime inputs are passed by name: an input of one of these
+#: names could never be given (a "missing runtime input" error, or the call's argument read as it)
+CALL_KEYWORDS = frozenset({"return_lse", "train", "seed", "k_descale", "v_descale", "dtype"})
+#: The further keyword arguments of the packed, paged and context-parallel calls: an input of such
+#: a name is a program's own choice (`input group: int`), refused by that call alone (`Kernel.
+#: check_inputs_named_apart`), where a refusal here broke programs that never make it
+CALL_ARGUMENTS = {
+    "varlen": frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "plan"}),
+    "paged": frozenset({"k_cache", "v_cache", "block_table", "cache_seqlens", "plan", "k_new", "v_new", "layout"}),
+    "context_parallel": frozenset({"kern", "group", "layout"}),
+}
 
 
 @dataclass(frozen=True)

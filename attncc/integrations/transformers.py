@@ -511,22 +511,26 @@ def attncc_attention_mask(
 
 
 #: The transformers function that makes the masks of a generate step ahead of the model's forward
-#: (for caches that torch.compile can trace: "when we compile the forwards with Static caches")
+#: (for caches that torch.compile can trace: "when we compile the forwards with Static caches"),
+#: and generate's step that calls it there (Gemma 3's and Gemma 4's forwards call it too, for
+#: their own masks: those stay carriers)
 AHEAD_OF_FORWARD = "create_masks_for_generate"
-FRAMES_SEARCHED = 16  # (it calls create_causal_mask / create_sliding_window_causal_mask ..., which call this)
+GENERATE_STEP = "prepare_inputs_for_generation"
+FRAMES_SEARCHED = 24  # (through create_causal_mask ..., a model's own create_masks_for_generate, super() calls)
 
 
 def made_ahead_for_generate() -> bool:
     """Whether the mask being made is one that generate makes ahead of the forward
-    (`AHEAD_OF_FORWARD`, within FRAMES_SEARCHED callers), for a forward that may be compiled:
-    a pattern's mask is then sdpa's dense one, since a compiled layer reads a carrier by its
-    dtype alone and the pattern kept beside it is out of its reach (Llama 4's chunks were refused
-    under `torch.compile` with a static cache)."""
-    frame = sys._getframe(1)
+    (`AHEAD_OF_FORWARD` called by `GENERATE_STEP`, within FRAMES_SEARCHED callers), for a forward
+    that may be compiled: a pattern's mask is then sdpa's dense one, since a compiled layer reads
+    a carrier by its dtype alone and the pattern kept beside it is out of its reach (Llama 4's
+    chunks were refused under `torch.compile` with a static cache)."""
+    frame, ahead = sys._getframe(1), False
     for _ in range(FRAMES_SEARCHED):
         if frame is None:
             return False
-        if frame.f_code.co_name == AHEAD_OF_FORWARD:
+        ahead = ahead or frame.f_code.co_name == AHEAD_OF_FORWARD
+        if ahead and frame.f_code.co_name == GENERATE_STEP:
             return True
         frame = frame.f_back
     return False

@@ -368,8 +368,8 @@ def _why_not_prebuilt(name: str, host_flags: tuple[str, ...]) -> str:
         except (OSError, ValueError):
             unrecorded += 1
             continue
-        differences |= {
-            f"{k} {facts.get(k)!r}, this machine {wanted[k]!r}" for k in wanted if facts.get(k) != wanted[k]
+        differences |= {  # (of the facts it recorded: an older attncc's manifest has no "built with")
+            f"{k} {facts[k]!r}, this machine {wanted[k]!r}" for k in wanted if k in facts and facts[k] != wanted[k]
         }
     if differences:
         return f"{len(found)} named {name}, for another machine: " + "; ".join(sorted(differences))
@@ -547,9 +547,10 @@ def _build_in(
     before_build: Callable[[], None] | None,
 ) -> None:
     """Write the sources and build.ninja into `directory` (its lock held) and build kernel.so.
-    A kernel whose build with the precompiled preamble fails but succeeds without it deleted
-    the preamble, with a one-line warning (truncated, from another compiler, damaged: GCC
-    crashed on a bit-flipped one): every later build of its dtype and ISA failed on it before."""
+    A kernel whose build with the precompiled preamble fails is built again without it; where
+    the compiler named the header or crashed (PREAMBLE_FAILURES: truncated, from another
+    compiler, damaged: GCC crashed on a bit-flipped one) the preamble is deleted, with a
+    one-line warning: every later build of its dtype and ISA failed on it before."""
     source_name = "kernel.cu" if cuda_arch else "kernel.cpp"
     # A library without its digest (written after a complete build) is unfinished or damaged:
     # ninja took a truncated one as up to date, its digest was recorded, and dlopen died of SIGBUS.
@@ -600,17 +601,23 @@ def _build_in(
     link = directory / "preamble.h.gch"
     try:
         _run_ninja(directory, name)
-    except BuildError:
+    except BuildError as error:
         if not preamble_flag:
             raise
         shared_header = link.resolve()
         link.unlink(missing_ok=True)
         _write_if_changed(directory / "build.ninja", ninja_file(""))
         _run_ninja(directory, name)  # (its error where the kernel itself does not build)
-        warnings.warn(f"attncc: precompiled preamble {shared_header} is unreadable; deleting it", stacklevel=4)
-        shared_header.unlink(missing_ok=True)
+        if PREAMBLE_FAILURES.search(str(error)):  # (not a build killed for memory or interrupted: kept)
+            warnings.warn(f"attncc: precompiled preamble {shared_header} is unreadable; deleting it", stacklevel=4)
+            shared_header.unlink(missing_ok=True)
     finally:  # no link into the cache stays (prebuilt directories are shipped)
         link.unlink(missing_ok=True)
+
+
+#: What a build's output says where its precompiled preamble is at fault: GCC's complaint about the
+#: header, or its crash reading it (a bit-flipped one)
+PREAMBLE_FAILURES = re.compile(r"precompiled header|internal compiler error")
 
 
 def _command_word(path: object) -> str:

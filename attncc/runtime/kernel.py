@@ -30,6 +30,7 @@ import torch
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
+from attncc.frontend.lower import CALL_ARGUMENTS
 from attncc.ir.expr import SIZE_VARS, free_vars, python_number
 from attncc.ir.expr import render as ex_render
 from attncc.ir.graph import Graph, fused_node, print_graph, runtime_inputs
@@ -773,8 +774,9 @@ class Kernel:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: list[float], scale: float | None
     ) -> tuple | None:
         """`_repeat_key` inside the ops' implementations (`attention_op`, the backward op: what a
-        torch.compile'd graph runs), for calls without runtime tensors, dropout, sinks or fp8 K/V
-        (the callers' checks): their tensors are plain there, checked when the graph was traced.
+        torch.compile'd graph runs), for calls without dropout, sinks or fp8 K/V (the callers'
+        checks; `attention_op` adds its runtime tensors' `tensors_launch_key`, the backward op
+        takes calls without them): their tensors are plain there, checked when the graph was traced.
         Without it every compiled call took the full path: ~100 us of host time per forward,
         ~280 per forward and backward (fp32 B=1 H=8 N=16 d=64, 2 Zen 5 cores)."""
         if not self._repeatable or k.dtype in FP8_DTYPES:
@@ -885,6 +887,18 @@ class Kernel:
                 return
             keep_bounded(self._repeats, key, launch)
 
+    def check_inputs_named_apart(self, call: str) -> None:
+        """An InputError where one of the program's inputs has the name of an argument of `call`
+        (frontend CALL_ARGUMENTS: `input plan: int` in a packed call, `group` in context_parallel),
+        which takes that argument itself, so the input could never be given there."""
+        taken = CALL_ARGUMENTS[call]
+        clash = next((d.name for d in self.inputs if d.name in taken), None)
+        if clash is not None:
+            raise InputError(
+                f"{call}: program {self.name}'s input `{clash}` has the name of an argument of {call}, which takes it "
+                "itself, so the input cannot be given there; rename the input"
+            )
+
     def varlen(
         self,
         q: torch.Tensor,
@@ -921,6 +935,7 @@ class Kernel:
         checked one's sizes, strides, dtypes, scalars and threads launch what it packed, forward
         and backward (`KeptLaunch`, kept in the plan). See attncc/runtime/ragged.py.
         """
+        self.check_inputs_named_apart("varlen")
         self._check_launch_scale(scale, ("N", "M"), "packed")
         lower = autocast_dtype(q)
         if lower is not None:  # (as SDPA under torch.autocast: runtime/amp.py)
@@ -1020,6 +1035,7 @@ class Kernel:
         Paged calls are inference: a program's dropout is not applied (train=True with one is
         an error; `train` is taken, as the other calls take it, for code that passes it through).
         """
+        self.check_inputs_named_apart("paged")
         self._check_launch_scale(scale, ("M",), "paged")
         if checked_train(train) and self.op.dropout > 0:
             raise InputError(
