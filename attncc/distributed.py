@@ -730,9 +730,10 @@ def _draws_summary(train: object, seed: object) -> str:
 
 
 def _input_summary(value: object) -> object:
-    """What ranks compare of a runtime input: a number by its repr (NaN is itself there: pickled,
-    nan != nan made one call two), a tensor's shape, dtype and a digest of its bytes (two sums
-    of its values let differing tables through: +d, -d, -d, +d changed neither)."""
+    """What ranks compare of a runtime input: a number by its value as text (float.hex: 4, 4.0
+    and np.int64(4) alike; NaN is itself there, where pickled nan != nan made one call two), a
+    tensor's shape, dtype and a digest of its bytes (two sums of its values let differing tables
+    through: +d, -d, -d, +d changed neither)."""
     if not isinstance(value, torch.Tensor):
         number = python_number(value)
         if isinstance(number, float) or (type(number) is int and abs(number) <= 2**53):
@@ -751,18 +752,18 @@ def _check_same_call(
     layout: str,
     operands: tuple[torch.Tensor, ...],
     scale: object,
-    draws: tuple[object, object] | None,
+    draws: str | None,
     inputs: Mapping[str, object],
 ) -> None:
     """Every rank calls with the same layout, slice shapes and dtypes, scale, dropout's `train`
-    and `seed` (`draws`, where the program has dropout) and runtime inputs (else an error on
+    and `seed` (`draws`, `_draws_summary`, where the program has dropout) and runtime inputs (else an error on
     every rank naming the first that differs, rather than a hang in a transfer of the wrong
     size, or each rank's rows of a different attention, silently)."""
     grad = torch.is_grad_enabled()
     mine = (layout, *((tuple(t.shape), str(t.dtype), t.requires_grad and grad) for t in operands))
     given = (
         _input_summary(scale),
-        None if draws is None else f"train={draws[0]!r} seed={draws[1]!r}",
+        draws,
         sorted((name, _input_summary(value)) for name, value in inputs.items()),
     )
     everyone: list[object] = [None] * world_size

@@ -509,17 +509,25 @@ def test_ranks_differing_in_dropout_seed_or_in_a_table_s_bytes_are_an_error(
     )
     q = torch.randn(1, 2, 8, 16)
     gather = cp.dist.all_gather_object
-    for mine, theirs in ((dict(seed=5), dict(seed=None)), (dict(seed=5), dict(seed=6)), ({}, dict(train=False))):
+    calls = (
+        (dict(seed=5), dict(seed=None), True),
+        (dict(seed=5), dict(seed=6), True),
+        ({}, dict(train=False), True),
+        (dict(seed=5), dict(seed=np.int64(5)), False),  # (the same call: each rank's summary compared whole)
+    )
+    for mine, theirs, differ in calls:
 
         def another_ranks(everyone: list, given: object, group: object = None, theirs: dict = theirs) -> None:
             gather(everyone, given, group=group)
             (layout, (scale, _, inputs)) = everyone[0]
-            draws = f"train={theirs.get('train', True)!r} seed={theirs.get('seed')!r}"
-            everyone.append((layout, (scale, draws, inputs)))
+            everyone.append((layout, (scale, cp._draws_summary(theirs.get("train", True), theirs.get("seed")), inputs)))
 
         monkeypatch.setattr(cp.dist, "all_gather_object", another_ranks)
-        with pytest.raises(attncc.InputError, match=r"dropout's train and seed.*but rank 1 with"):
-            cp.context_parallel(kern, q, q, q, **mine)
+        if differ:
+            with pytest.raises(attncc.InputError, match=r"dropout's train and seed.*but rank 1 with"):
+                cp.context_parallel(kern, q, q, q, **mine)
+        else:
+            torch.testing.assert_close(cp.context_parallel(kern, q, q, q, **mine), kern(q, q, q, **mine))
     monkeypatch.setattr(cp.dist, "all_gather_object", gather)
     # values, not spellings: np.int64(5) is 5, 4.0 is 4; train=False reads no seed
     assert cp._draws_summary(True, np.int64(5)) == cp._draws_summary(True, 5)
