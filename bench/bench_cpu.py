@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+# child processes find this checkout first, then the caller's path (the device machine's lark)
+ROOT_FIRST_PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
@@ -398,7 +400,7 @@ MEMORY_GRID = tuple(
 
 
 def memory_cases(results: list, args, runs: tuple = MEMORY_RUNS) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=ROOT_FIRST_PYTHONPATH)
     for which, n in runs:
         proc = subprocess.run(
             [sys.executable, "-c", MEMORY_SCRIPT, which, str(n), str(EX / "causal.attn")],
@@ -423,7 +425,7 @@ def memory_cases(results: list, args, runs: tuple = MEMORY_RUNS) -> None:
 
 def build_cases(results: list) -> None:
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, ATTNCC_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, ATTNCC_CACHE_DIR=cache, PYTHONPATH=ROOT_FIRST_PYTHONPATH)
         script = "import sys, time, attncc\nt = time.perf_counter()\nk = attncc.compile(sys.argv[1])\nk.library('float32')\nprint(time.perf_counter() - t)"
         for label in ("cold build", "cached load (new process)"):
             proc = subprocess.run(
@@ -1060,7 +1062,8 @@ def plot_grid(results: list, path: Path) -> None:
     fig, axes = plt.subplots(3, 4, figsize=(20, 13))
     memory = axes.flat[len(panels)]
     for which, color in (("attncc", "C0"), ("sdpa", "C1"), ("eager", "C3")):
-        pts = [(x["N"], x["peak_extra_mib"]) for x in results if x.get("which") == which]
+        # (a child that failed to measure reports NaN: on a log scale alone it stops the plot)
+        pts = [(x["N"], x["peak_extra_mib"]) for x in results if x.get("which") == which and x["peak_extra_mib"] > 0]
         if pts:
             memory.plot(*zip(*pts), "o-", color=color, label=which)
     memory.set(

@@ -30,6 +30,7 @@
 #   run(command="bash bench/gpu_session.sh ncu --decode", carry=[".whl", ".gpu"]) Nsight Compute, decoding
 #   run(command="bash bench/gpu_session.sh stalls", carry=[".whl", ".gpu"])       the backward's stall reasons per SASS line
 #   run(command="bash bench/gpu_session.sh cpu", carry=[".whl"])                  issue 9's AMX rows on the host's Xeon, 2 cores
+#   run(command="bash bench/gpu_session.sh tests-cpu", carry=[".whl", ".gpu"])    GPU tests, then `cpu` with the time left
 # Results land in $OUT (JSON with the device name and versions; the forwards with the roofline
 # estimate beside them; at most 8 files come back): commit them under bench/results/ with the
 # device name.
@@ -168,6 +169,16 @@ case "${1:-lease}" in
     timeout -k 5 150 python3 bench/sweep_tiles_cuda.py --decode 2>&1 | tee "$OUT/sweep-decode.log"
     timeout -k 5 150 python3 bench/bench_cuda.py --decode --cases dense --dims 128 --sizes 4096 --budget-s 0 \
       --no-flex --repeats 15 --json "$OUT/cuda-$device-decode.json" 2>&1 | tee "$OUT/bench-decode.log"
+    ;;
+  tests-cpu)
+    # A lease after changes to the runtime but not the CUDA templates (session 64): the GPU
+    # tests, then issue 9's AMX rows (`cpu`, below) with the time left.
+    deadline=${2:-540}
+    device_and_gpu_tests
+    echo "GPU tests done at $SECONDS s"
+    # (at most 8 files come back and `cpu` writes 7: the GPU tests' two files become one)
+    cat "$OUT/device.txt" "$OUT/test_gpu.log" >"$OUT/gpu-tests.txt" && rm "$OUT/device.txt" "$OUT/test_gpu.log"
+    exec bash "$0" cpu $((deadline - SECONDS))
     ;;
   cpu)
     # Issue 9's AMX rows, which no development machine since session 34 could measure: the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -12,6 +13,9 @@ import torch
 import attncc
 
 ROOT = Path(__file__).resolve().parents[1]
+# A child process's PYTHONPATH: this checkout first, then the caller's (where the dependencies
+# may be, as on the device machine, whose lark is a --target install named by PYTHONPATH).
+ROOT_FIRST_PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.attn"))
 
 

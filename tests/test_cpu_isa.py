@@ -22,7 +22,7 @@ from attncc.runtime.check import check
 from attncc.runtime.inputs import Shape, adapt, make_inputs
 from attncc.runtime.kernel import PackedSequences
 from attncc.targets import CPU_ISAS, ISA_ENV, best_cpu_isa, cpu, cpu_features, select_cpu_isa
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ROOT_FIRST_PYTHONPATH
 from tests.test_edge_programs import masked_attention
 
 ZEN3 = frozenset("fma avx f16c avx2 bmi2 sse4_2".split())
@@ -513,7 +513,9 @@ def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> 
     once with a one-line warning, and the kernel's answer is unchanged.
     (Processes of their own: overwriting a library this process has mapped would fault.)"""
     # debug builds (-O0, seconds less each): the cache's recovery is under test, not the code
-    env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), ATTNCC_DEBUG_BUILD="1")
+    env = dict(
+        os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=ROOT_FIRST_PYTHONPATH, ATTNCC_DEBUG_BUILD="1"
+    )
 
     def run(out: str) -> tuple[torch.Tensor, str]:
         proc = subprocess.run(

@@ -24,7 +24,7 @@ from attncc.runtime.build import PREBUILT_ENV
 from attncc.runtime.gpu import GpuKernel
 from attncc.runtime.nvcc import find_nvcc
 from attncc.targets import ISA_ENV, best_cpu_isa, cpu_features
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ROOT_FIRST_PYTHONPATH
 
 try:
     find_nvcc()
@@ -67,7 +67,7 @@ def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_directory(tmp
     try:
         env = dict(
             os.environ,
-            PYTHONPATH=str(ROOT),
+            PYTHONPATH=ROOT_FIRST_PYTHONPATH,
             ATTNCC_CACHE_DIR=str(tmp_path / "cache"),
             CXX=str(tmp_path / "no-compiler" / "g++"),  # and no fallback to g++ on PATH
             **{PREBUILT_ENV: str(prebuilt)},
@@ -122,7 +122,7 @@ def test_a_directory_prebuilt_for_another_isa_says_so_and_a_missing_one_is_named
     assert manifest.read_text() == f"built for: -march=x86-64-v3\nbuilt with: -O2\ntorch: {torch.__version__}\n"
     env = dict(
         os.environ,
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=ROOT_FIRST_PYTHONPATH,
         ATTNCC_CACHE_DIR=str(tmp_path / "cache"),
         CXX=str(tmp_path / "no-compiler" / "g++"),
         **{PREBUILT_ENV: str(prebuilt)},
@@ -164,7 +164,7 @@ def test_a_damaged_prebuilt_library_is_skipped_with_a_warning(tmp_path, monkeypa
     # a server without a compiler is told the library is damaged (it heard "from other sources
     # or headers"), one with another optimisation level which flags (review of session 63)
     env = dict(
-        os.environ, PYTHONPATH=str(ROOT), ATTNCC_CACHE_DIR=str(tmp_path / "server"),
+        os.environ, PYTHONPATH=ROOT_FIRST_PYTHONPATH, ATTNCC_CACHE_DIR=str(tmp_path / "server"),
         CXX=str(tmp_path / "no-compiler" / "g++"), **{PREBUILT_ENV: str(prebuilt)},
     )  # fmt: skip
     call = "import torch, attncc; x = torch.randn(1, 1, 3, 8); attncc.compile(__import__('sys').argv[1])(x, x, x)"

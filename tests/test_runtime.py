@@ -32,7 +32,7 @@ from attncc.runtime.build import (
 )
 from attncc.runtime.inputs import Shape, make_inputs
 from attncc.runtime.philox import philox4x32_10
-from tests.conftest import ROOT, kernel
+from tests.conftest import ROOT, ROOT_FIRST_PYTHONPATH, kernel
 
 
 def qkv(B=2, H=4, Hkv=2, N=10, M=12, D=16, dtype=torch.float32):
@@ -172,7 +172,9 @@ def test_concurrent_builds_succeed_once_and_reload_from_disk(tmp_path) -> None:
         "attention unique_cache_test\ns = q @ k.T * scale\ns = s * 0.5 + 0.25\np = softmax(s)\no = p @ v\noutput o\n"
     )
     # debug builds (-O0, seconds less each): the cache's locking is under test, not the code
-    env = dict(os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), ATTNCC_DEBUG_BUILD="1")
+    env = dict(
+        os.environ, ATTNCC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=ROOT_FIRST_PYTHONPATH, ATTNCC_DEBUG_BUILD="1"
+    )
     procs = [_run(env, program) for _ in range(3)]
     for p in procs:
         _, err = p.communicate(timeout=300)
@@ -975,6 +977,6 @@ def test_runs_without_numpy() -> None:
     the values of a runtime tensor that the host reads (a padding mask's lengths) are keyed
     without it; they were read through numpy, and every such call raised "Numpy is not
     available" where it was not installed (session 58)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=ROOT_FIRST_PYTHONPATH, PYTHONWARNINGS="ignore")
     done = subprocess.run([sys.executable, "-c", NO_NUMPY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
