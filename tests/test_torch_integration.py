@@ -651,6 +651,49 @@ def test_fake_tensors_give_every_calls_output_shapes() -> None:
         assert paged.shape == (2, 1, 4, 8)
 
 
+def test_meta_tensors_give_every_calls_output_shapes_and_gradients() -> None:
+    """Meta tensors (a model built on the meta device, shape and FLOP counting) were refused
+    ("runs on cpu tensors, got device meta"; the packed and paged calls failed copying values
+    out of them): every call gives its outputs' shapes and dtypes through the ops' fake
+    implementations, gradients too, and leaves no kept launch behind for a real call."""
+    from attncc.integrations.flash_attn import flash_attn_func
+
+    def meta(*shape: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> torch.Tensor:
+        return torch.empty(shape, device="meta", dtype=dtype, requires_grad=grad)
+
+    alibi, sink = kernel("alibi"), kernel("gpt_oss")
+    q, k, v, slopes = (
+        meta(2, 4, 5, 16, grad=True),
+        meta(2, 2, 7, 16, grad=True),
+        meta(2, 2, 7, 24, grad=True),
+        meta(4, grad=True),
+    )
+    out, lse = alibi(q, k, v, slopes=slopes, return_lse=True)
+    assert (out.shape, out.device.type, lse.shape, lse.dtype) == ((2, 4, 5, 24), "meta", (2, 4, 5), torch.float32)
+    (out.sum() + lse.sum()).backward()
+    assert [t.grad.shape for t in (q, k, v, slopes)] == [q.shape, k.shape, v.shape, slopes.shape]
+    bf16 = meta(2, 4, 5, 16, dtype=torch.bfloat16)
+    assert sink(bf16, bf16[:, :2], bf16[:, :2], sinks=meta(4), window=3).dtype == torch.bfloat16
+    vanilla = kernel("vanilla")
+    cu = meta(3, dtype=torch.int32)
+    assert vanilla.varlen(meta(8, 4, 16), meta(12, 2, 16), meta(12, 2, 8), cu, cu, 5, 7).shape == (8, 4, 8)
+    step, cache = meta(2, 1, 4, 16), meta(6, 4, 2, 16)
+    table, lengths = meta(2, 3, dtype=torch.int32), meta(2, dtype=torch.int32)
+    assert vanilla.paged(step, cache, cache, table, lengths).shape == (2, 1, 4, 16)
+    assert flash_attn_func(meta(2, 5, 4, 16), meta(2, 7, 2, 16), meta(2, 7, 2, 16), causal=True).shape == (2, 5, 4, 16)
+    with pytest.raises(InputError, match=r"k: expected device meta \(that of q\), got cpu"):
+        alibi(q, torch.randn(2, 2, 7, 16), v, slopes=slopes)
+    # a real call of the same sizes after the meta calls: computed, not a kept launch of meta tensors
+    gen = torch.Generator().manual_seed(5)
+    qr, kr, vr = (torch.randn(*t.shape, generator=gen, dtype=torch.float64) for t in (q, k, v))
+    slope_values = torch.rand(4, generator=gen, dtype=torch.float64)
+    got = alibi(qr, kr, vr, slopes=slope_values)
+    i, j = torch.arange(5).view(-1, 1), torch.arange(7)
+    scores = qr @ kr.repeat_interleave(2, 1).transpose(-1, -2) / 4.0 - slope_values.view(1, 4, 1, 1) * (i - j)
+    want = scores.masked_fill(j > i, float("-inf")).softmax(-1) @ vr.repeat_interleave(2, 1)
+    torch.testing.assert_close(got, want)
+
+
 def test_an_exported_program_runs_on_the_live_kernel_of_its_program(tmp_path) -> None:
     """A torch.export'ed (or saved and loaded) graph names its kernel by `call_key`, whose `#n`
     counts the kernels made before it in the exporting process: once that kernel was freed, or

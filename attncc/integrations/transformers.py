@@ -781,6 +781,13 @@ class ModelAttention:
             )
         sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
         if (
+            query.is_meta
+        ):  # (a model on the meta device: shapes alone, as sdpa gives them; masks have no values to read)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+            )
+            return out.transpose(1, 2).contiguous(), None
+        if (
             isinstance(attention_mask, torch.Tensor)
             and attention_mask.dtype == torch.bool
             and attention_mask.dim() == 4

@@ -688,6 +688,7 @@ class Kernel:
             or type(k) is not torch.Tensor
             or type(v) is not torch.Tensor
             or k.dtype in FP8_DTYPES  # (descale factors: values)
+            or q.is_meta  # (shapes alone: through the op's fake implementation)
             or not _untransformed(q, k, v)
             or not _unwatched()  # (a call recording a graph repeats through _EagerAttention)
         ):
@@ -1316,7 +1317,7 @@ class Kernel:
                     "" if name == "q" else " (or, with q of float32, bfloat16 or float16, float8_e4m3fn or float8_e5m2)"
                 )
                 raise InputError(f"{name}: expected dtype float32, float64, bfloat16 or float16{fp8}, got {t.dtype}")
-            if on_target and t.device.type != self.device_type:
+            if on_target and t.device.type != self.device_type and not t.is_meta:
                 raise InputError(
                     f"{name}: the `{self.target}` target runs on {self.device_type} tensors, got device {t.device}"
                 )
@@ -2777,9 +2778,11 @@ def _plain_call(*tensors: torch.Tensor) -> bool:
 
 
 def _plain_uncompiled(*tensors: torch.Tensor) -> bool:
-    """Tensors of torch.Tensor's own type (no subclass), outside torch.compile's tracing."""
+    """Tensors of torch.Tensor's own type (no subclass) with values (meta tensors, shapes alone
+    from a model on the meta device or a shape or FLOP count, take the ops, whose fake
+    implementations give every output's shape), outside torch.compile's tracing."""
     for t in tensors:
-        if type(t) is not torch.Tensor:
+        if type(t) is not torch.Tensor or t.is_meta:
             return False
     return not _is_compiling()
 

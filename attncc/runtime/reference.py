@@ -31,8 +31,9 @@ _ROUNDING = {"floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "ro
 
 def values_unreadable(t: torch.Tensor) -> bool:
     """Whether a tensor's values cannot be read on the host: torch.compile traces the call, or
-    it is a fake tensor (FakeTensorMode's shape propagation). Only the ops read values then."""
-    return torch.compiler.is_compiling() or isinstance(t, FakeTensor)
+    it is a fake tensor (FakeTensorMode's shape propagation) or a meta tensor (shapes alone).
+    Only the ops read values then (their fake implementations, for meta tensors)."""
+    return torch.compiler.is_compiling() or isinstance(t, FakeTensor) or t.is_meta
 
 
 def _saturated_int64(rounded: torch.Tensor) -> torch.Tensor:
