@@ -291,8 +291,14 @@ def test_bad_calls_name_the_argument() -> None:
     with pytest.raises(InputError, match=r"k, v: expected \[B, M, Hkv, D\] with the same leading sizes"):
         flash_attn_func(q, q, q[:, :3])
     # (a one-element tensor was every sequence's length: FlashAttention takes an int or [B])
-    with pytest.raises(InputError, match=r"cache_seqlens: expected 2 sequences \(q's batch\), got 2 and 1"):
+    # (a contiguous cache's lengths are told in its terms: they spoke of the one-page-per-sequence
+    # block_table made for the paged call, which the caller never passed; session 64's review)
+    with pytest.raises(
+        InputError, match=r"cache_seqlens: expected an int tensor \[B=2\] \(q's batch\) or an int, got shape \(1,\)"
+    ):
         flash_attn_with_kvcache(q.expand(2, -1, -1, -1), cache[:2], cache[:2], cache_seqlens=torch.tensor([5]))
+    with pytest.raises(InputError, match=r"^cache_seqlens: a sequence holds -1 keys, expected 0 or more$"):
+        flash_attn_with_kvcache(q.expand(2, -1, -1, -1), cache[:2], cache[:2], cache_seqlens=torch.tensor([-1, 2]))
     # (a softmax_scale tensor requiring grad was told to declare a DSL input: the scale's own name and API now)
     learnable = torch.tensor(0.3, requires_grad=True)
     for call in (

@@ -366,15 +366,18 @@ def flash_attn_with_kvcache(
         cache_seqlens = block_table.shape[1] * k_cache.shape[1]
     if _integer(cache_seqlens) is not None:
         cache_seqlens = torch.full((batch,), _integer(cache_seqlens), dtype=torch.int32, device=k_cache.device)
-    if (
-        contiguous
-        and isinstance(cache_seqlens, torch.Tensor)
-        and cache_seqlens.numel() == batch
-        and batch
-        and not values_unreadable(cache_seqlens)
-    ):
+    # (a contiguous cache's lengths checked in its own terms: the paged call's errors would speak
+    # of the one-page-per-sequence block_table made above, which the caller never passed)
+    if contiguous and isinstance(cache_seqlens, torch.Tensor) and tuple(cache_seqlens.shape) != (batch,):
+        raise InputError(
+            f"cache_seqlens: expected an int tensor [B={batch}] (q's batch) or an int, got shape "
+            f"{tuple(cache_seqlens.shape)}"
+        )
+    if contiguous and isinstance(cache_seqlens, torch.Tensor) and batch and not values_unreadable(cache_seqlens):
         appended = 0 if k is None else k.shape[1]
-        held = int(cache_seqlens.max())
+        held, least = int(cache_seqlens.max()), int(cache_seqlens.min())
+        if least < 0:
+            raise InputError(f"cache_seqlens: a sequence holds {least} keys, expected 0 or more")
         if held + appended > k_cache.shape[1]:
             raise InputError(
                 f"cache_seqlens: a sequence holds {held} keys{f' + {appended} appended' if appended else ''}, beyond the "
