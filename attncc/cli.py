@@ -333,11 +333,16 @@ def cmd_examples(args: argparse.Namespace) -> int:
     files = sorted(Path(args.directory).glob("*.attn"))
     if not files:
         raise AttnccError(f"{args.directory}: no .attn programs")
-    failures = 0
+    failures = errors = 0
     for path in files:
         start = time.perf_counter()
-        kern = attncc.compile(path)
-        kern.library("float32")
+        try:  # (one broken program is reported and the others still run: it stopped them all)
+            kern = attncc.compile(path)
+            kern.library("float32")
+        except AttnccError as exc:
+            print(f"== {path.name}: error\n{exc}", flush=True)
+            errors += 1
+            continue
         build_s = time.perf_counter() - start
         shape = adapt(Shape(2, 4, 2, 200, 200, 64), kern)
         result = check(kern, shape, torch.float32)
@@ -348,8 +353,8 @@ def cmd_examples(args: argparse.Namespace) -> int:
         print(f"== {path.name}: build/load {build_s:.2f} s, forward {ms:.1f} ms at {bench}")
         print(plan_text(_fused(kern), bench))
         print(f"  check   {result.describe()}")
-    print(f"{len(files)} examples, {failures} mismatch(es)")
-    return 1 if failures else 0
+    print(f"{len(files)} examples, {failures} mismatch(es)" + (f", {errors} that did not compile" if errors else ""))
+    return 1 if failures or errors else 0
 
 
 def cmd_prebuild(args: argparse.Namespace) -> int:

@@ -861,6 +861,23 @@ def test_cli_misuse_is_one_line_and_a_failing_status(argv: list[str], message: s
     assert status != 0 and message in err and "Traceback" not in err, err
 
 
+def test_cli_examples_reports_a_broken_program_and_checks_the_others(tmp_path: Path, capsys) -> None:
+    """`attncc examples DIR` stopped at the first program that did not compile (the later ones
+    were never checked); each is reported, the others run, and the status fails."""
+    from attncc.cli import main
+
+    (tmp_path / "a_broken.attn").write_text(
+        "attention broken\ns = q @ k.T * scale\np = softmax(s\no = p @ v\noutput o\n"
+    )
+    (tmp_path / "b_plain.attn").write_text((ROOT / "examples" / "vanilla.attn").read_text())
+    status = main(["examples", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "== a_broken.attn: error" in out and "a_broken.attn:3:14: error: unexpected end of line" in out
+    assert "== b_plain.attn: build/load" in out and "check   ok" in out
+    assert out.rstrip().endswith("2 examples, 0 mismatch(es), 1 that did not compile")
+
+
 def test_cli_explain_at_empty_and_production_shapes(capsys) -> None:
     """N = 0 or B = 0 divided by zero in the traffic report; 4 x 32 heads x 128K tokens made
     12.9 GB of random q, k, v for a report that needs only their sizes."""
