@@ -137,16 +137,55 @@ def model_program(needs: LayerNeeds) -> str:
     return "\n".join(lines + tail) + "\n"
 
 
-#: Model types attncc cannot run, and why: those that accept any registered attention name but
-#: never call the attention function (their masks, made by the registered mask function, ran
-#: without attncc: Bloom silently wrong), and Doge, which adds a learned dynamic mask to the
-#: scores, made in its own code from a 4-D mask (given the 2-D padding mask it failed there
-#: with an IndexError).
+#: Model types attncc cannot run, and why, beyond those computing attention in their own code
+#: (`own_attention`): Doge adds a learned dynamic mask to the scores, made in its own code from a
+#: 4-D mask (given the 2-D padding mask it failed there with an IndexError).
 UNSUPPORTED_MODELS = {
-    "bloom": "compute attention in their own code, not through transformers' attention interface",
-    "mpt": "compute attention in their own code, not through transformers' attention interface",
     "doge": "add a learned dynamic mask, made in their own code from a 4-D attention mask, to the scores",
 }
+#: The name a transformers modeling module imports where its layers call the attention interface
+#: (every such module of transformers 5 imports it from modeling_utils; none other does).
+INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
+_OWN_ATTENTION: dict[type, bool] = {}
+
+
+def own_attention(model: torch.nn.Module) -> bool:
+    """Whether a transformers model computes attention in its own code: all of its modules are
+    transformers' own (or torch's), and none of their modeling modules imports the attention interface
+    (`INTERFACE_NAME`). Such models accept any registered attention name but never call the
+    attention function, and apply the masks made by the registered mask function as theirs:
+    Bloom, MPT, GPT-NeoX-Japanese, ImageGPT, MegatronBert and RoFormer decoders ran silently
+    wrong, 0.01-0.5 off in their logits (session 64's review). A model with classes of its own
+    (remote code, a user's) is taken to call the interface. Kept per model class."""
+    known = _OWN_ATTENTION.get(type(model))
+    if known is None:
+        modules = {type(m).__module__ for m in model.modules()}
+        known = all(name.startswith(("transformers.", "torch.")) for name in modules) and not any(
+            hasattr(sys.modules.get(name), INTERFACE_NAME)
+            for name in modules
+            if name.startswith("transformers.models.")
+        )
+        _OWN_ATTENTION[type(model)] = known
+    return known
+
+
+def model_asking(frames: int = 8) -> torch.nn.Module | None:
+    """The model whose method asks for the mask being made (transformers calls the mask function
+    from the model's forward, or generate's, through a few functions): the nearest of `frames`
+    callers that is a method of an nn.Module; None where there is none."""
+    frame = sys._getframe(2)
+    for _ in range(frames):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module):
+                return owner
+        frame = frame.f_back
+    return None
+
+
 #: A layer's call without a `sliding_window=` keyword (PhiMoE's: its window is in the mask only).
 NOT_PASSED = object()
 
@@ -480,6 +519,14 @@ def attncc_attention_mask(
             f"{model_type} models {UNSUPPORTED_MODELS[model_type]}: attncc cannot run it (and the mask they would "
             "get from this name is not theirs)"
         )
+    if not torch.compiler.is_compiling():  # (a compiled forward's eager runs came first)
+        model = model_asking()
+        if model is not None and own_attention(model):
+            raise AttnccError(
+                f"{type(model).__name__} ({model_type}) computes attention in its own code, not through transformers' "
+                "attention interface: attncc cannot run it (and the mask it would get from this name is not its own); "
+                "use attn_implementation='eager' or 'sdpa'"
+            )
     if torch.compiler.is_compiling() and not plain_mask_function(mask_function):
         return dense_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     padding = None if attention_mask is None else attention_mask[:, -kv_length:]
