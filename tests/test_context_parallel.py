@@ -582,7 +582,7 @@ def test_helpers_name_their_bad_arguments(one_rank: None) -> None:
         with pytest.raises(attncc.InputError, match=re.escape(message)):
             cp.choose_layout(causal, 2, **sizes)
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(attncc.InputError, match="window: expected a int scalar, got None"):
+    with pytest.raises(attncc.InputError, match="window: expected an int scalar, got None"):
         cp.context_parallel(
             attncc.compile(ROOT / "examples" / "gpt_oss.attn"), q, q, q, sinks=torch.zeros(2), window=None
         )

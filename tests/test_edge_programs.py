@@ -307,7 +307,7 @@ def test_scalars_beyond_float_range_and_unknown_backward_settings_are_clear_erro
     the two-pass backward silently."""
     kern = attncc.compile(program("input t: float\ninput n: int\ns = q @ k.T * scale * t\nmask j < n + i\n", "ranged"))
     q, k, v = (t.float() for t in qkv(N=4, M=4))
-    for t, n, message in ((2**1030, 3, "t: expected a float scalar"), (0.5, 2**1030, "n: expected a int scalar")):
+    for t, n, message in ((2**1030, 3, "t: expected a finite float scalar"), (0.5, 2**1030, "n: expected an int scalar")):
         with pytest.raises(InputError, match=message):
             kern(q, k, v, t=t, n=n)
     kern.backward = "fast"
@@ -755,3 +755,46 @@ def test_gradients_at_ties_and_at_abs_zero_follow_torch(init: tuple[float, float
     scores = scores + torch.maximum(want[0], want[1]) * (i - j) / 8 + torch.minimum(want[1], want[0]) * (i + j) / 16
     (torch.softmax(scores, -1) @ v).sum().backward()
     assert torch.allclose(w.grad, want.grad, atol=1e-6), (w.grad, want.grad)
+
+
+def test_adding_a_zero_keeps_the_sign_that_ieee_gives() -> None:
+    """`x + 0` was folded to `x`, but -0.0 + 0 is +0.0: a where on `1 / (x + 0)` read -inf where
+    the program says +inf (0.70 off; session 64's review). A zero is dropped from a float sum
+    only where it is -0.0, from a difference only where it is +0.0."""
+    text = program("s = q @ k.T * scale\ns = where(1.0 / (min(s, -1.0) * 0.0 + 0) > 0, s, s * 3.0)\n")
+    q, k, v = qkv(N=9, M=13)
+    want = masked_attention(q, k, v, torch.ones(9, 13, dtype=torch.bool))  # (1 / +0.0 > 0 everywhere)
+    assert (attncc.compile(text)(q, k, v) - want).abs().max() < 1e-12
+    emulated = attncc.compile(text, target="sm80", emulate=True)
+    assert (emulated(q.half(), k.half(), v.half()).double() - want).abs().max() < 1e-2
+    from attncc.ir import expr as ex
+
+    x = ex.score()
+    assert ex.fold(ex.Binary("add", x, ex.const(0.0))) != x and ex.fold(ex.Binary("sub", x, ex.const(-0.0))) != x
+    assert ex.fold(ex.Binary("add", x, ex.const(-0.0))) == x and ex.fold(ex.Binary("sub", x, ex.const(0.0))) == x
+    i = ex.var("i")
+    assert ex.fold(ex.Binary("add", i, ex.const(0))) == i  # (integers have one zero)
+
+
+def test_small_dsl_mistakes_are_told_where_and_why() -> None:
+    """A constant divisor of 0 in `//` or `%` is a DslError at its place (it was refused at every
+    call, with advice about a `where` the program did not have); a float scalar of inf is told
+    to be finite; a long flat sum is told how to fit the nesting limit; local's width may be 0
+    (the block diagonal; it was refused); an emulated kernel's `source` asks for a head dim."""
+    for divisor in ("% 0", "// (3 - 3)"):
+        with pytest.raises(DslError, match=rf":3:17: error: `{divisor.split()[0]}` by a divisor that is always 0"):
+            attncc.compile(program(f"s = q @ k.T * scale\ns = s + (i - j) {divisor}\n"))
+    kern = attncc.compile(program("input a: float\ns = q @ k.T * scale\ns = s + min(a, 0.5 * j)\n"))
+    q, k, v = qkv(N=5, M=5)
+    with pytest.raises(InputError, match=r"^a: expected a finite float scalar, got inf$"):
+        kern(q, k, v, a=math.inf)
+    with pytest.raises(DslError, match=r"a sum of more than 200 terms is one level per operator: group it"):
+        attncc.compile(program("s = q @ k.T * scale\ns = s" + " + 1" * 201 + "\n"))
+    diagonal = attncc.compile(program("s = q @ k.T * scale\nlayout local(block=16, width=0)\n"))
+    q, k, v = qkv(N=50, M=50)
+    blocks = torch.arange(50) // 16
+    assert (diagonal(q, k, v) - masked_attention(q, k, v, blocks[:, None] == blocks[None, :])).abs().max() < 1e-12
+    emulated = attncc.compile(program("s = q @ k.T * scale\n"), target="sm80", emulate=True)
+    with pytest.raises(InputError, match=r"made per head dim: source\('bfloat16', head_dim=64\)"):
+        emulated.source("bfloat16")
+    assert emulated.source("bfloat16", head_dim=64) == emulated.cuda_source("bfloat16", 64)

@@ -116,7 +116,8 @@ def test_graph_printer_lists_statements_in_order() -> None:
         ("attention t\nq = rope(q, theta=inf - inf)\n", 2, 19, "theta must be a finite number above 1"),
         ("attention t\nq = rope(q, theta=inf)\n", 2, 19, "theta must be a finite number above 1"),
         ("attention t\nscale = inf - inf\n", 2, 9, "the scale must be a finite number"),
-        ("attention t\nscale = 1 // 0\n", 2, 9, "the scale must be a finite number"),
+        ("attention t\nscale = 1 // 0\n", 2, 11, "`//` by a divisor that is always 0"),
+        ("attention t\nscale = 1 / 0\n", 2, 9, "the scale must be a finite number"),
         pytest.param(
             "attention t\ns = q @ k.T + " + "9" * 5000 + "\n",
             2,

@@ -304,7 +304,8 @@ def _layout(ctx: _Context, stmt: Ast) -> None:
     for key in allowed:
         if key not in keywords:
             raise DslError(f"`{name.value}` needs the parameter `{key}=`", name.loc)
-        values[key] = _positive_int(ctx, keywords[key].children[0], key)
+        # (local's width may be 0: |ib - jb| <= 0, the block diagonal)
+        values[key] = _positive_int(ctx, keywords[key].children[0], key, least=0 if key == "width" else 1)
     if name.value == "fixed" and values["summary"] > values["stride"]:
         raise DslError(
             f"`fixed`: summary={values['summary']} is more than stride={values['stride']} (the last `summary` "
@@ -368,10 +369,11 @@ def _check_composed_size(e: ex.Expr, loc: SourceLoc, extra_depth: int = 0) -> in
     return depth
 
 
-def _positive_int(ctx: _Context, a: Ast, what: str) -> int:
+def _positive_int(ctx: _Context, a: Ast, what: str, least: int = 1) -> int:
     value = ex.fold(_scalar(ctx, a, what))
-    if not (isinstance(value, ex.Const) and value.ty == ex.INT and 1 <= int(value.value) <= LAYOUT_PARAMETER_MAX):
-        raise DslError(f"`{what}` must be a positive integer constant (at most {LAYOUT_PARAMETER_MAX})", a.start)
+    if not (isinstance(value, ex.Const) and value.ty == ex.INT and least <= int(value.value) <= LAYOUT_PARAMETER_MAX):
+        kind = "positive" if least == 1 else "non-negative"
+        raise DslError(f"`{what}` must be a {kind} integer constant (at most {LAYOUT_PARAMETER_MAX})", a.start)
     return int(value.value)
 
 
@@ -716,6 +718,8 @@ def _typed(a: Ast, op: str, args: list[ex.Expr]) -> ex.Expr:
     if op in ("floordiv", "mod") and tys != [ex.INT, ex.INT]:
         what = "integer division" if op == "floordiv" else "the integer remainder"
         raise DslError(f"`{a.value}` is {what}; both sides must be integers", a.loc)
+    if op in ("floordiv", "mod") and ex.fold(args[1]) == ex.const(0):  # (refused at every call, far from here)
+        raise DslError(f"`{a.value}` by a divisor that is always 0", a.loc)
     if op in ex.ROUNDING_OPS and tys[0] == ex.INT:
         return args[0]  # (an integer is its own floor, ceil, trunc and round)
     if op in ex.UNARY_OPS:

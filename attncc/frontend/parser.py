@@ -72,7 +72,11 @@ class _Builder(Transformer):
     def _node(self, kind: str, loc: SourceLoc, kids: list[Ast], value: str = "", first: SourceLoc | None = None) -> Ast:
         depth = 1 + max((k.depth for k in kids), default=0)
         if depth > MAX_DEPTH:
-            raise DslError(f"expression nested too deeply (more than {MAX_DEPTH} levels)", loc)
+            raise DslError(
+                f"expression nested too deeply (more than {MAX_DEPTH} levels; a chain of operators such as a sum of "
+                f"more than {MAX_DEPTH} terms is one level per operator: group it in parentheses)",
+                loc,
+            )
         return Ast(kind, loc, value, tuple(kids), depth, first)
 
     def _as_ast(self, item: Ast | Token, kind: str = "ident") -> Ast:

@@ -320,12 +320,15 @@ def _identities(e: Binary) -> Expr:
     def same_type(x: Expr) -> Expr | None:
         return x if x.ty == e.ty else None
 
+    # (x + 0.0 is +0.0 where x is -0.0, and x - (-0.0) too: a float zero is added only where its
+    # sign is negative and subtracted only where positive; a where on 1 / x saw the other sign,
+    # session 64's review. Integers have one zero.)
     if op == "add":
-        if _is_const(b, 0):
+        if _is_const(b, 0) and (e.ty != FLOAT or math.copysign(1.0, b.value) < 0):  # type: ignore[attr-defined]
             return same_type(a) or e
-        if _is_const(a, 0):
+        if _is_const(a, 0) and (e.ty != FLOAT or math.copysign(1.0, a.value) < 0):  # type: ignore[attr-defined]
             return same_type(b) or e
-    if op == "sub" and _is_const(b, 0):
+    if op == "sub" and _is_const(b, 0) and (e.ty != FLOAT or math.copysign(1.0, b.value) > 0):  # type: ignore[attr-defined]
         return same_type(a) or e
     if op == "mul":
         if _is_const(b, 1):

@@ -250,6 +250,17 @@ class EmulatedKernel(Kernel):
                 f"q: the {self.target} tensor cores take {' or '.join(storage_dtypes(self.target))}, got {q.dtype}"
             )
 
+    def source(self, dtype: str = "float16", head_dim: int | None = None, value_dim: int | None = None) -> str:
+        """The CUDA text (`cuda_source`): a CUDA kernel's text is made per head dim, so it is
+        asked for with one (the CPU kernels' `source(dtype)` serves every head dim). A bare
+        AssertionError from the CPU generator before (session 64's review)."""
+        if head_dim is None:
+            raise InputError(
+                f"{self.target} kernels' text is made per head dim: source({dtype!r}, head_dim=64) or "
+                "cuda_source(dtype, head_dim)"
+            )
+        return self.cuda_source(dtype, head_dim, value_dim)
+
     def cuda_source(self, dtype: str, head_dim: int, value_dim: int | None = None) -> str:
         """The CUDA text for q/k/v of storage `dtype`, q and k of `head_dim`, v of `value_dim`
         (default: head_dim), with the tiles of the larger."""

@@ -1426,7 +1426,8 @@ class Kernel:
             ok = isinstance(value, (bool, int, float)) and abs(value) < 2**1024  # type: ignore[operator]
             ok = ok and (decl.dtype == "float" or float(value).is_integer())  # type: ignore[arg-type]
             if not ok or (decl.dtype == "float" and not math.isfinite(float(value))):  # type: ignore[arg-type]
-                raise InputError(f"{decl.name}: expected a {decl.dtype} scalar, got {value!r}")
+                finite = "a finite float" if decl.dtype == "float" else "an int"
+                raise InputError(f"{decl.name}: expected {finite} scalar, got {value!r}")
             if decl.dtype == "int" and abs(int(value)) > 2**53:  # type: ignore[arg-type]
                 raise InputError(
                     f"{decl.name}: {value!r} is beyond 2^53 (int scalars reach the kernel as exact float64)"
@@ -1446,7 +1447,9 @@ class Kernel:
             "bool": value.dtype == torch.bool,
         }
         if not kinds[decl.dtype] and not (decl.dtype == "bool" and kinds["int"]):
-            raise InputError(f"{decl.name}: expected a {decl.dtype} tensor, got dtype {value.dtype}")
+            raise InputError(
+                f"{decl.name}: expected {'an' if decl.dtype == 'int' else 'a'} {decl.dtype} tensor, got dtype {value.dtype}"
+            )
         if value.dim() != len(decl.dims):
             raise InputError(f"{decl.name}: expected shape {_declared(decl)}, got {tuple(value.shape)}")
         for axis, (dim, actual) in enumerate(zip(decl.dims, value.shape)):
