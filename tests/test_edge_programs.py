@@ -307,7 +307,10 @@ def test_scalars_beyond_float_range_and_unknown_backward_settings_are_clear_erro
     the two-pass backward silently."""
     kern = attncc.compile(program("input t: float\ninput n: int\ns = q @ k.T * scale * t\nmask j < n + i\n", "ranged"))
     q, k, v = (t.float() for t in qkv(N=4, M=4))
-    for t, n, message in ((2**1030, 3, "t: expected a finite float scalar"), (0.5, 2**1030, "n: expected an int scalar")):
+    for t, n, message in (
+        (2**1030, 3, "t: expected a finite float scalar"),
+        (0.5, 2**1030, "n: expected an int scalar"),
+    ):
         with pytest.raises(InputError, match=message):
             kern(q, k, v, t=t, n=n)
     kern.backward = "fast"
