@@ -827,9 +827,8 @@ class ModelAttention:
                 stacklevel=2,
             )
         sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
-        if (
-            query.is_meta
-        ):  # (a model on the meta device: shapes alone, as sdpa gives them; masks have no values to read)
+        # (a model on the meta device: shapes alone, as sdpa gives them; masks have no values to read)
+        if query.is_meta:
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
             )
