@@ -1062,7 +1062,8 @@ def plot_grid(results: list, path: Path) -> None:
     fig, axes = plt.subplots(3, 4, figsize=(20, 13))
     memory = axes.flat[len(panels)]
     for which, color in (("attncc", "C0"), ("sdpa", "C1"), ("eager", "C3")):
-        # (a child that failed to measure reports NaN: on a log scale alone it stops the plot)
+        # (a child that failed to measure reports NaN, and a log scale takes no value <= 0: on it
+        # alone the plot stopped)
         pts = [(x["N"], x["peak_extra_mib"]) for x in results if x.get("which") == which and x["peak_extra_mib"] > 0]
         if pts:
             memory.plot(*zip(*pts), "o-", color=color, label=which)

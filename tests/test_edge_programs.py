@@ -791,6 +791,9 @@ def test_small_dsl_mistakes_are_told_where_and_why() -> None:
     q, k, v = qkv(N=5, M=5)
     with pytest.raises(InputError, match=r"^a: expected a finite float scalar, got inf$"):
         kern(q, k, v, a=math.inf)
+    flag = attncc.compile(program("input f: bool\ns = q @ k.T * scale\ns = where(f, s, s * 2.0)\n"))
+    with pytest.raises(InputError, match=r"^f: expected a bool scalar, got 0.5$"):
+        flag(q, k, v, f=0.5)
     with pytest.raises(DslError, match=r"a sum of more than 200 terms is one level per operator: group it"):
         attncc.compile(program("s = q @ k.T * scale\ns = s" + " + 1" * 201 + "\n"))
     diagonal = attncc.compile(program("s = q @ k.T * scale\nlayout local(block=16, width=0)\n"))

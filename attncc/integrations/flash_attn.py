@@ -375,7 +375,7 @@ def flash_attn_with_kvcache(
         )
     if contiguous and isinstance(cache_seqlens, torch.Tensor) and batch and not values_unreadable(cache_seqlens):
         appended = 0 if k is None else k.shape[1]
-        held, least = int(cache_seqlens.max()), int(cache_seqlens.min())
+        least, held = (int(x) for x in torch.aminmax(cache_seqlens))  # (one reduction)
         if least < 0:
             raise InputError(f"cache_seqlens: a sequence holds {least} keys, expected 0 or more")
         if held + appended > k_cache.shape[1]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dis
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,35 +138,38 @@ def model_program(needs: LayerNeeds) -> str:
     return "\n".join(lines + tail) + "\n"
 
 
-#: Model types attncc cannot run, and why, beyond those computing attention in their own code
-#: (`own_attention`): Doge adds a learned dynamic mask to the scores, made in its own code from a
-#: 4-D mask (given the 2-D padding mask it failed there with an IndexError).
+#: Model types attncc cannot run, and why. Those that accept any registered attention name but
+#: compute attention in their own code apply the masks made by the registered mask function as
+#: theirs (Bloom ran without a causal mask; GPT-NeoX-Japanese, ImageGPT, MegatronBert, RoFormer
+#: and RemBert decoders 0.01-0.5 off in their logits, session 64's review): named here, so that
+#: a compiled forward (whose callers `own_attention` cannot see) is refused too, and found by
+#: `own_attention` in eager calls beyond the list. Doge adds a learned dynamic mask to the
+#: scores, made in its own code from a 4-D mask (given the 2-D padding mask it failed there
+#: with an IndexError).
+OWN_CODE = "compute attention in their own code, not through transformers' attention interface"
 UNSUPPORTED_MODELS = {
+    **dict.fromkeys(
+        ("bloom", "mpt", "gpt_neox_japanese", "imagegpt", "megatron-bert", "roformer", "rembert", "xglm"), OWN_CODE
+    ),
     "doge": "add a learned dynamic mask, made in their own code from a 4-D attention mask, to the scores",
 }
-#: The name a transformers modeling module imports where its layers call the attention interface
-#: (every such module of transformers 5 imports it from modeling_utils; none other does).
+#: The name a modeling module imports where its layers call transformers' attention interface
+#: (every such module of transformers 5 imports it from modeling_utils; Doge's defines its own).
 INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
-_OWN_ATTENTION: dict[type, bool] = {}
+INTERFACE_HOME = "transformers.modeling_utils"  # (where it is made: PreTrainedModel's module)
+_OWN_ATTENTION: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def own_attention(model: torch.nn.Module) -> bool:
-    """Whether a transformers model computes attention in its own code: all of its modules are
-    transformers' own (or torch's), and none of their modeling modules imports the attention interface
-    (`INTERFACE_NAME`). Such models accept any registered attention name but never call the
-    attention function, and apply the masks made by the registered mask function as theirs:
-    Bloom, MPT, GPT-NeoX-Japanese, ImageGPT, MegatronBert and RoFormer decoders ran silently
-    wrong, 0.01-0.5 off in their logits (session 64's review). A model with classes of its own
-    (remote code, a user's) is taken to call the interface. Kept per model class."""
-    known = _OWN_ATTENTION.get(type(model))
+    """Whether a model computes attention in its own code: no class of its modules (nor any
+    class those derive from) is defined in a module that imports the attention interface
+    (`INTERFACE_NAME`; PreTrainedModel's own module, which makes it, aside). A user's subclass of a transformers layer derives from it; a LoRA or
+    quantised Linear (peft, bitsandbytes) computes no attention either way. Kept per model."""
+    known = _OWN_ATTENTION.get(model)
     if known is None:
-        modules = {type(m).__module__ for m in model.modules()}
-        known = all(name.startswith(("transformers.", "torch.")) for name in modules) and not any(
-            hasattr(sys.modules.get(name), INTERFACE_NAME)
-            for name in modules
-            if name.startswith("transformers.models.")
-        )
-        _OWN_ATTENTION[type(model)] = known
+        modules = {base.__module__ for m in model.modules() for base in type(m).__mro__} - {INTERFACE_HOME}
+        known = not any(hasattr(sys.modules.get(name), INTERFACE_NAME) for name in modules)
+        _OWN_ATTENTION[model] = known
     return known
 
 
@@ -519,7 +523,9 @@ def attncc_attention_mask(
             f"{model_type} models {UNSUPPORTED_MODELS[model_type]}: attncc cannot run it (and the mask they would "
             "get from this name is not theirs)"
         )
-    if not torch.compiler.is_compiling():  # (a compiled forward's eager runs came first)
+    if (isinstance(attention_mask, torch.Tensor) and attention_mask.is_meta) or str(kwargs.get("device")) == "meta":
+        return None  # (a model on the meta device: its layers give shapes alone, `ModelAttention`)
+    if not torch.compiler.is_compiling():  # (compiled: the callers are dynamo's; the list above alone)
         model = model_asking()
         if model is not None and own_attention(model):
             raise AttnccError(

@@ -1426,8 +1426,8 @@ class Kernel:
             ok = isinstance(value, (bool, int, float)) and abs(value) < 2**1024  # type: ignore[operator]
             ok = ok and (decl.dtype == "float" or float(value).is_integer())  # type: ignore[arg-type]
             if not ok or (decl.dtype == "float" and not math.isfinite(float(value))):  # type: ignore[arg-type]
-                finite = "a finite float" if decl.dtype == "float" else "an int"
-                raise InputError(f"{decl.name}: expected {finite} scalar, got {value!r}")
+                kind = {"float": "a finite float", "int": "an int"}.get(decl.dtype, f"a {decl.dtype}")
+                raise InputError(f"{decl.name}: expected {kind} scalar, got {value!r}")
             if decl.dtype == "int" and abs(int(value)) > 2**53:  # type: ignore[arg-type]
                 raise InputError(
                     f"{decl.name}: {value!r} is beyond 2^53 (int scalars reach the kernel as exact float64)"
