@@ -163,8 +163,9 @@ _OWN_ATTENTION: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakK
 def own_attention(model: torch.nn.Module) -> bool:
     """Whether a model computes attention in its own code: no class of its modules (nor any
     class those derive from) is defined in a module that imports the attention interface
-    (`INTERFACE_NAME`; PreTrainedModel's own module, which makes it, aside). A user's subclass of a transformers layer derives from it; a LoRA or
-    quantised Linear (peft, bitsandbytes) computes no attention either way. Kept per model."""
+    (`INTERFACE_NAME`; PreTrainedModel's own module, which makes it, aside). A user's subclass
+    of a transformers layer derives from it; a LoRA or quantised Linear (peft, bitsandbytes)
+    computes no attention either way. Kept per model."""
     known = _OWN_ATTENTION.get(model)
     if known is None:
         modules = {base.__module__ for m in model.modules() for base in type(m).__mro__} - {INTERFACE_HOME}
