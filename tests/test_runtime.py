@@ -56,7 +56,7 @@ def qkv(B=2, H=4, Hkv=2, N=10, M=12, D=16, dtype=torch.float32):
             r"v: expected shape \[2, 2, 12, Dv\] \(that of k but the head dim\), got \(2, 2, 5, 16\)",
         ),
         (lambda q, k, v: (q[:, :3], k, v), "query heads H=3 must be a multiple of key/value heads Hkv=2"),
-        (lambda q, k, v: (q, k, v.to("meta")), "v: the `cpu` target runs on cpu tensors, got device meta"),
+        (lambda q, k, v: (q, k, v.to("meta")), r"v: expected device cpu \(that of q\), got meta"),
         (
             lambda q, k, v: (torch.randn(1, 1, 2, 600), torch.randn(1, 1, 2, 600), torch.randn(1, 1, 2, 600)),
             r"q: head dim D=600 must be in \[1, 576\] on target cpu",

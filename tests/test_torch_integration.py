@@ -499,7 +499,7 @@ def test_repeated_plain_calls_reuse_the_checked_launch(monkeypatch: pytest.Monke
     # checks still run where a call differs, and the op still sees what must see it
     with pytest.raises(InputError, match="q, k, v must have one dtype"):
         kern(q, k.double(), v, n=5)
-    with pytest.raises(InputError, match="n: expected a int scalar"):
+    with pytest.raises(InputError, match="n: expected an int scalar"):
         kern(q, k, v, n=5.5)
     with pytest.raises(InputError, match="missing runtime input `n`"):
         kern(q, k, v)
