@@ -125,3 +125,31 @@ def test_jagged_calls_compile_to_one_graph() -> None:
         results.append((out, *torch.autograd.grad(out.square().sum(), [rows])))
     for got, want in zip(*results):
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_a_jagged_view_with_rows_outside_its_sequences(layout: str) -> None:
+    """A jagged tensor whose offsets start past row 0 and end before its last row (torch makes
+    and takes one) was refused by the packed call's checks under an argument of its own
+    ("cu_seqlens_q: expected a first entry 0"; session 64's review): the sequences' rows are
+    attended, the others get out 0 and lse -inf, gradients flow to the sequences' rows alone."""
+    import math
+
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(20, 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    bounds = torch.tensor([4, 7, 8, 14])
+    nested = torch.nested.nested_tensor_from_jagged(values, bounds)
+    nested = nested.transpose(1, 2) if layout == "bhnd" else nested
+    out, lse = kernel("causal")(nested, nested, nested, return_lse=True)
+    if layout == "bhnd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    rows, row_lse = out.values(), lse.values()
+    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        x = values[start:end].transpose(0, 1)
+        s = (x @ x.transpose(-1, -2) / 4.0).masked_fill(torch.ones(end - start, end - start).triu(1).bool(), -math.inf)
+        torch.testing.assert_close(rows[start:end], (torch.softmax(s, -1) @ x).transpose(0, 1))
+        torch.testing.assert_close(row_lse[start:end], torch.logsumexp(s, -1).transpose(0, 1))
+    outside = torch.cat([torch.arange(4), torch.arange(14, 20)])
+    assert not rows[outside].any() and bool(row_lse[outside].isneginf().all())
+    (grad,) = torch.autograd.grad(rows.pow(2).sum(), values)
+    assert not grad[outside].any() and bool(grad[4:14].abs().sum() > 0)

@@ -9,11 +9,13 @@ packed call; runtime tensors keep padded shapes (B sequences, N and M the longes
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from attncc.errors import InputError
+from attncc.runtime.reference import values_unreadable
 
 if TYPE_CHECKING:
     from attncc.runtime.kernel import Kernel
@@ -79,10 +81,30 @@ def nested_attention(
         raise InputError(f"q, k, v: one batch size expected, got {', '.join(f'{n} B={b}' for n, b in batch.items())}")
     if v_offsets is not k_offsets and not torch.equal(v_offsets, k_offsets.to(v_offsets.device)):
         raise InputError("v: its sequences' lengths must be k's (offsets differ)")
+    # A jagged view may hold rows before its first sequence and after its last (offsets [4, 7,
+    # 14] of 20 rows: torch makes and accepts one; the varlen call's offsets must run from 0 to
+    # its rows, an error naming cu_seqlens_q before): the call takes the sequences' rows, and
+    # out and lse get the others back (0 and -inf) so that they keep q's offsets.
+    rows, out_offsets = q_values.shape[0], q_offsets
+    q_span = k_span = None
+    if not values_unreadable(q_offsets):
+        q_span, k_span = (int(q_offsets[0]), int(q_offsets[-1])), (int(k_offsets[0]), int(k_offsets[-1]))
+    if q_span is not None and k_span is not None and (q_span != (0, rows) or k_span != (0, k_values.shape[0])):
+        q_values, q_offsets = q_values[q_span[0] : q_span[1]], q_offsets - q_span[0]
+        k_values, v_values = k_values[k_span[0] : k_span[1]], v_values[k_span[0] : k_span[1]]
+        k_offsets = k_offsets - k_span[0]
+    else:
+        q_span = None
     out, lse = kern.varlen(q_values, k_values, v_values, q_offsets, k_offsets, return_lse=True, **options, **runtime)  # type: ignore[arg-type]
+    if q_span is not None:
+        before, after = q_span[0], rows - q_span[1]
+        out = torch.cat([out.new_zeros(before, *out.shape[1:]), out, out.new_zeros(after, *out.shape[1:])])
+        lse = torch.cat(
+            [lse.new_full((before, *lse.shape[1:]), -math.inf), lse, lse.new_full((after, *lse.shape[1:]), -math.inf)]
+        )
     # (the same offsets tensor: out's ragged size is q's, so out + q and the like work)
-    out = torch.nested.nested_tensor_from_jagged(out, q_offsets)
-    lse = torch.nested.nested_tensor_from_jagged(lse, q_offsets)
+    out = torch.nested.nested_tensor_from_jagged(out, out_offsets)
+    lse = torch.nested.nested_tensor_from_jagged(lse, out_offsets)
     if layout == "bhnd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if return_lse else out
