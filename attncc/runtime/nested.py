@@ -88,7 +88,8 @@ def nested_attention(
     rows, out_offsets = q_values.shape[0], q_offsets
     q_span = k_span = None
     if not values_unreadable(q_offsets):
-        q_span, k_span = (int(q_offsets[0]), int(q_offsets[-1])), (int(k_offsets[0]), int(k_offsets[-1]))
+        ends = torch.cat([q_offsets[[0, -1]], k_offsets[[0, -1]].to(q_offsets.device)]).tolist()  # (one read)
+        q_span, k_span = (ends[0], ends[1]), (ends[2], ends[3])
     if q_span is not None and k_span is not None and (q_span != (0, rows) or k_span != (0, k_values.shape[0])):
         q_values, q_offsets = q_values[q_span[0] : q_span[1]], q_offsets - q_span[0]
         k_values, v_values = k_values[k_span[0] : k_span[1]], v_values[k_span[0] : k_span[1]]
