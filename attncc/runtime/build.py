@@ -274,13 +274,20 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
         return None
     directory = cache_dir() / PRECOMPILED_DIR / cache_key(f"{preamble}\n//--flags {flags}\n//--include {INCLUDE_DIR}")
     header, precompiled = directory / "preamble.h", directory / "preamble.h.gch"
-    if precompiled.exists():
+    if precompiled.exists() and _intact(precompiled):
         _mark_used(directory)
         return precompiled
     directory.mkdir(parents=True, exist_ok=True)
     with _file_lock(directory / ".lock"):
         if precompiled.exists():
-            return precompiled
+            if _intact(precompiled):
+                return precompiled
+            # (GCC crashed on a bit-flipped one, and on another looped for over 20 minutes: a
+            # damaged header never reaches the compiler; the preamble's next kernel builds it again)
+            warnings.warn(f"attncc: precompiled preamble {precompiled} is unreadable; deleting it", stacklevel=5)
+            precompiled.unlink(missing_ok=True)
+            _digest_path(precompiled).unlink(missing_ok=True)
+            return None
         if not header.exists():  # its first kernel: remember the preamble, build without
             _write_if_changed(header, preamble)
             return None
@@ -292,7 +299,31 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
             unfinished.unlink(missing_ok=True)
             return None  # the kernel's own compile reports what is wrong
         unfinished.replace(precompiled)
+        _write_if_changed(_digest_path(precompiled), _file_digest(precompiled))
         return precompiled
+
+
+_INTACT: dict[tuple[str, int, int], bool] = {}
+
+
+def _intact(precompiled: Path) -> bool:
+    """Whether a precompiled preamble holds the bytes recorded when it was built (its digest
+    beside it; one without, from before digests were kept, is rebuilt once). Checked once per
+    process for a file of unchanged size and time (~0.1 s for its ~60 MB)."""
+    try:
+        info = precompiled.stat()
+        key = (str(precompiled), info.st_mtime_ns, info.st_size)
+        if key not in _INTACT:
+            recorded = _digest_path(precompiled)
+            _INTACT[key] = recorded.exists() and recorded.read_text().strip() == _file_digest(precompiled)
+        return _INTACT[key]
+    except OSError:
+        return False
+
+
+def _file_digest(path: Path) -> str:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _preamble_flag(directory: Path, source: str, flags: str) -> str:
