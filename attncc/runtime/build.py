@@ -284,7 +284,8 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
                 return precompiled
             # (GCC crashed on a bit-flipped one, and on another looped for over 20 minutes: a
             # damaged header never reaches the compiler; the preamble's next kernel builds it again)
-            warnings.warn(f"attncc: precompiled preamble {precompiled} is unreadable; deleting it", stacklevel=5)
+            if _digest_path(precompiled).exists():  # (one from before digests were kept: quietly)
+                warnings.warn(f"attncc: precompiled preamble {precompiled} is unreadable; deleting it", stacklevel=5)
             precompiled.unlink(missing_ok=True)
             _digest_path(precompiled).unlink(missing_ok=True)
             return None
