@@ -284,10 +284,11 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
                 return precompiled
             # (GCC crashed on a bit-flipped one, and on another looped for over 20 minutes: a
             # damaged header never reaches the compiler; the preamble's next kernel builds it again)
-            if _digest_path(precompiled).exists():  # (one from before digests were kept: quietly)
+            recorded = _digest_path(precompiled)
+            if recorded.exists():  # (one from before digests were kept: quietly)
                 warnings.warn(f"attncc: precompiled preamble {precompiled} is unreadable; deleting it", stacklevel=5)
             precompiled.unlink(missing_ok=True)
-            _digest_path(precompiled).unlink(missing_ok=True)
+            recorded.unlink(missing_ok=True)
             return None
         if not header.exists():  # its first kernel: remember the preamble, build without
             _write_if_changed(header, preamble)
@@ -300,7 +301,7 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
             unfinished.unlink(missing_ok=True)
             return None  # the kernel's own compile reports what is wrong
         unfinished.replace(precompiled)
-        _write_if_changed(_digest_path(precompiled), _file_digest(precompiled))
+        _write_if_changed(_digest_path(precompiled), _digest(precompiled))
         return precompiled
 
 
@@ -316,15 +317,10 @@ def _intact(precompiled: Path) -> bool:
         key = (str(precompiled), info.st_mtime_ns, info.st_size)
         if key not in _INTACT:
             recorded = _digest_path(precompiled)
-            _INTACT[key] = recorded.exists() and recorded.read_text().strip() == _file_digest(precompiled)
+            _INTACT[key] = recorded.exists() and recorded.read_text().strip() == _digest(precompiled)
         return _INTACT[key]
     except OSError:
         return False
-
-
-def _file_digest(path: Path) -> str:
-    with path.open("rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _preamble_flag(directory: Path, source: str, flags: str) -> str:
@@ -662,8 +658,10 @@ def _digest_path(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
 
-def _digest(library: Path) -> str:
-    return hashlib.sha256(library.read_bytes()).hexdigest()
+def _digest(path: Path) -> str:
+    """A built file's sha256 (a library, a precompiled preamble of ~60 MB: read in chunks)."""
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _run_ninja(directory: Path, name: str) -> None:

@@ -85,20 +85,16 @@ def nested_attention(
     # 14] of 20 rows: torch makes and accepts one; the varlen call's offsets must run from 0 to
     # its rows, an error naming cu_seqlens_q before): the call takes the sequences' rows, and
     # out and lse get the others back (0 and -inf) so that they keep q's offsets.
-    rows, out_offsets = q_values.shape[0], q_offsets
-    q_span = k_span = None
+    rows, out_offsets, kept = q_values.shape[0], q_offsets, None
     if not values_unreadable(q_offsets):
-        ends = torch.cat([q_offsets[[0, -1]], k_offsets[[0, -1]].to(q_offsets.device)]).tolist()  # (one read)
-        q_span, k_span = (ends[0], ends[1]), (ends[2], ends[3])
-    if q_span is not None and k_span is not None and (q_span != (0, rows) or k_span != (0, k_values.shape[0])):
-        q_values, q_offsets = q_values[q_span[0] : q_span[1]], q_offsets - q_span[0]
-        k_values, v_values = k_values[k_span[0] : k_span[1]], v_values[k_span[0] : k_span[1]]
-        k_offsets = k_offsets - k_span[0]
-    else:
-        q_span = None
+        q0, q1, k0, k1 = torch.cat([q_offsets[[0, -1]], k_offsets[[0, -1]].to(q_offsets.device)]).tolist()  # (one read)
+        if (q0, q1, k0, k1) != (0, rows, 0, k_values.shape[0]):
+            kept = (q0, q1)
+            q_values, q_offsets = q_values[q0:q1], q_offsets - q0
+            k_values, v_values, k_offsets = k_values[k0:k1], v_values[k0:k1], k_offsets - k0
     out, lse = kern.varlen(q_values, k_values, v_values, q_offsets, k_offsets, return_lse=True, **options, **runtime)  # type: ignore[arg-type]
-    if q_span is not None:
-        before, after = q_span[0], rows - q_span[1]
+    if kept is not None:
+        before, after = kept[0], rows - kept[1]
         out = torch.cat([out.new_zeros(before, *out.shape[1:]), out, out.new_zeros(after, *out.shape[1:])])
         lse = torch.cat(
             [lse.new_full((before, *lse.shape[1:]), -math.inf), lse, lse.new_full((after, *lse.shape[1:]), -math.inf)]
