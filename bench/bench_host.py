@@ -17,7 +17,11 @@ and N=1 M=4096, each layer's call after the first; a new step's, one key more ea
 With `--cuda` (on a GPU machine) the same cases run the real kernels: each timing enqueues
 `--calls` calls without waiting for the GPU (their launches fit the launch queue, so the wall
 time is the host's: validation, plans, allocations, the launches), then synchronises outside
-the timed region; `--profile [CASE]` adds cProfile's top functions of one case (the first). On the H100
+the timed region; `--profile [CASE]` adds cProfile's top functions of one case (the first).
+Each case also says where its time went (`phases`): in the library's entry points (on a GPU:
+the CUDA launches, with the stub: none), in a kept launch's allocations and pointers around
+them, and the rest (checks, the call's Python); session 59's planned paged call took 122 us
+of host time on the H200's host where cProfile put no Python function above 25 us. On the H100
 (session 29) an eager decoding call took ~48 us more than its CUDA-graph replay (MHA B=1
 M=16K: 0.163 against 0.115 ms per call) where this script's emulated path says 13 us.
 
@@ -152,6 +156,50 @@ def padded_with_ranges(
     return call
 
 
+class Phases:
+    """Seconds spent, while enabled, in the kernel's library calls (`Kernel._launch`) and in
+    kept launches (`KeptLaunch.__call__`, the library calls among them), by wrapping both: the
+    call's path is unchanged (a profiler or a mode would send it through the op's dispatch)."""
+
+    def __init__(self, kern: attncc.Kernel) -> None:
+        from attncc.runtime.kernel import KeptLaunch
+
+        self.library = self.kept = 0.0
+        self.enabled = False
+        launch, kept_call = type(kern)._launch, KeptLaunch.__call__
+
+        def timed_launch(kernel: attncc.Kernel, *args: object, **kwargs: object) -> None:
+            began = time.perf_counter()
+            try:
+                return launch(kernel, *args, **kwargs)
+            finally:
+                self.library += (time.perf_counter() - began) * self.enabled
+
+        def timed_kept(kept: KeptLaunch, *args: object, **kwargs: object) -> object:
+            began = time.perf_counter()
+            try:
+                return kept_call(kept, *args, **kwargs)
+            finally:
+                self.kept += (time.perf_counter() - began) * self.enabled
+
+        type(kern)._launch, KeptLaunch.__call__ = timed_launch, timed_kept  # type: ignore[method-assign]
+
+    def measure(self, call: Callable[[], object], calls: int, wait: Callable[[], None]) -> dict[str, float]:
+        """us per call: all of it, in library calls, in kept launches outside their library
+        calls (allocations, pointers), the rest (checks, the full path's plan and packing)."""
+        self.library = self.kept = 0.0
+        wait()
+        self.enabled, began = True, time.perf_counter()
+        for _ in range(calls):
+            call()
+        total, self.enabled = time.perf_counter() - began, False
+        # (a kept launch's library call is inside it: only where no kept launch ran is it not)
+        kept_outside = max(self.kept - self.library, 0.0)
+        per_call = {"total": total, "library": self.library, "kept launch": kept_outside}
+        per_call["rest"] = total - self.library - kept_outside
+        return {name: seconds / calls * 1e6 for name, seconds in per_call.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
@@ -193,6 +241,7 @@ def main() -> None:
         "host us per call (median)"
     )
     wait = torch.cuda.synchronize if args.cuda else lambda: None
+    phases = Phases(kern)
     for name, call in cases:
         for _ in range(5):
             call()
@@ -203,8 +252,10 @@ def main() -> None:
             for _ in range(args.calls):
                 call()
             times.append((time.perf_counter() - began) / args.calls * 1e6)
-        rows.append({"case": name.strip(), "host_us": statistics.median(times)})
-        print(f"{name:40s} {rows[-1]['host_us']:7.0f} us", flush=True)
+        split = phases.measure(call, args.calls, wait)  # (one more timing, phase by phase)
+        rows.append({"case": name.strip(), "host_us": statistics.median(times), "phases_us": split})
+        said = ", ".join(f"{part} {us:.0f}" for part, us in split.items() if part != "total")
+        print(f"{name:40s} {rows[-1]['host_us']:7.0f} us   ({said})", flush=True)
     if args.profile is not None:
         profiler = cProfile.Profile()
         wait()

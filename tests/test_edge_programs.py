@@ -779,6 +779,23 @@ def test_adding_a_zero_keeps_the_sign_that_ieee_gives() -> None:
     assert ex.fold(ex.Binary("add", i, ex.const(0))) == i  # (integers have one zero)
 
 
+@pytest.mark.parametrize("zero", ["(i - j) * -1.0 + 0", "0.0 - (i - j)", "-(i - j) + 0.0"])
+def test_a_zero_from_negated_positions_keeps_its_ieee_sign(zero: str) -> None:
+    """GCC 12 folds `0.0f - float(n)` and `float(n) * -1.0f + 0.0f` to `-float(n)`, -0.0 for n = 0
+    where IEEE gives +0.0 (at -O0 too): a mask on `1.0 / (...) > 0` dropped the diagonal on the
+    CPU and the emulator (session 64's review). Positions reach real arithmetic through a call
+    (`to_real`), which GCC does not fold so. The reference: torch's own IEEE arithmetic."""
+    text = program(f"s = q @ k.T * scale\nmask 1.0 / ({zero}) > 0\n")
+    q, k, v = qkv(N=9, M=13)
+    i, j = torch.arange(9.0).view(-1, 1), torch.arange(13.0).view(1, -1)
+    keep = 1.0 / (0.0 - (i - j)) > 0
+    assert keep.diagonal().all() and not keep.tril(-1).any()  # (torch's -0.0 rules, checked)
+    want = masked_attention(q, k, v, keep)
+    assert (attncc.compile(text)(q, k, v) - want).abs().max() < 1e-12
+    emulated = attncc.compile(text, target="sm80", emulate=True)
+    assert (emulated(q.half(), k.half(), v.half()).double() - want).abs().max() < 1e-2
+
+
 def test_small_dsl_mistakes_are_told_where_and_why() -> None:
     """A constant divisor of 0 in `//` or `%` is a DslError at its place (it was refused at every
     call, with advice about a `where` the program did not have); a float scalar of inf is told

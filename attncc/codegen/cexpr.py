@@ -84,32 +84,44 @@ def emit(e: ex.Expr, ctx: str = "x") -> str:
         if e.op == "not":
             return f"(!{x})"
         if e.op == "abs":
-            return f"attncc::math_abs({x})" if e.ty == ex.INT else f"attncc::math_abs(acc_t({x}))"
+            return f"attncc::math_abs({x})" if e.ty == ex.INT else f"attncc::math_abs({_real(e.x, x)})"
         if e.op in ex.ROUNDING_OPS:  # (defined by the variant's hooks where used: templates/common/variant.jinja)
-            return f"rounded_{e.op}(acc_t({x}))"
-        return f"{_UNARY_C[e.op]}(acc_t({x}))"
+            return f"rounded_{e.op}({_real(e.x, x)})"
+        return f"{_UNARY_C[e.op]}({_real(e.x, x)})"
     if isinstance(e, ex.Binary):
         a, b = emit(e.a, ctx), emit(e.b, ctx)
         if e.op == "div":
-            return f"(acc_t({a}) / acc_t({b}))"
+            return f"({_real(e.a, a)} / {_real(e.b, b)})"
         if e.op == "floordiv":
             return f"attncc::floordiv({a}, {b})"
         if e.op == "mod":
             return f"attncc::pymod({a}, {b})"
         if e.op in ("min", "max"):
             t = c_type(e.ty)
+            if e.ty == ex.FLOAT:
+                return f"attncc::{e.op}_of<{t}>({_real(e.a, a)}, {_real(e.b, b)})"
             return f"attncc::{e.op}_of<{t}>({t}({a}), {t}({b}))"
         if e.ty == ex.FLOAT and e.op in ("add", "sub", "mul"):
-            return f"(acc_t({a}) {_BINARY_C[e.op]} acc_t({b}))"
+            return f"({_real(e.a, a)} {_BINARY_C[e.op]} {_real(e.b, b)})"
         if e.ty == ex.INT and e.op in ("add", "sub", "mul"):
             # int64 wraps, as in torch (the reference): through uint64, since signed overflow
             # is undefined in C++ and compilers fold e.g. `i * c >= 0` into `i >= 0`
             return f"int64_t(uint64_t({a}) {_BINARY_C[e.op]} uint64_t({b}))"
         return f"({a} {_BINARY_C[e.op]} {b})"
     if isinstance(e, ex.Where):
+        if e.ty == ex.FLOAT:
+            return f"({emit(e.cond, ctx)} ? {_real(e.a, emit(e.a, ctx))} : {_real(e.b, emit(e.b, ctx))})"
         t = c_type(e.ty)
         return f"({emit(e.cond, ctx)} ? {t}({emit(e.a, ctx)}) : {t}({emit(e.b, ctx)}))"
     raise TypeError(f"cannot emit {e!r}")
+
+
+def _real(e: ex.Expr, text: str) -> str:
+    """`e` (emitted as `text`) as a real operand: an integer or bool through the hooks' `to_real`
+    (templates/common/variant.jinja), never a bare cast: GCC 12 folds `0.0f - float(n)` and
+    `float(n) * -1.0f + 0.0f` to `-float(n)`, -0.0 where n = 0 (IEEE: +0.0), at -O0 too, and a
+    mask on the sign of that zero (`1.0 / (...) > 0`) then dropped its diagonal."""
+    return f"acc_t({text})" if e.ty == ex.FLOAT else f"to_real({text})"
 
 
 def uses_rounding(exprs: list[ex.Expr]) -> bool:
