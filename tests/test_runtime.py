@@ -56,6 +56,10 @@ def qkv(B=2, H=4, Hkv=2, N=10, M=12, D=16, dtype=torch.float32):
             r"v: expected shape \[2, 2, 12, Dv\] \(that of k but the head dim\), got \(2, 2, 5, 16\)",
         ),
         (lambda q, k, v: (q[:, :3], k, v), "query heads H=3 must be a multiple of key/value heads Hkv=2"),
+        (
+            lambda q, k, v: (q[:, :0], k[:, :0], v[:, :0]),
+            r"k: expected at least one key/value head, got shape \(2, 0, 12, 16\)",
+        ),
         (lambda q, k, v: (q, k, v.to("meta")), r"v: expected device cpu \(that of q\), got meta"),
         (
             lambda q, k, v: (torch.randn(1, 1, 2, 600), torch.randn(1, 1, 2, 600), torch.randn(1, 1, 2, 600)),

@@ -226,8 +226,15 @@ def test_what_sdpa_takes_beyond_the_plain_call() -> None:
         5,
         17,
     )
-    out = scaled_dot_product_attention(q[:, :0], k[:, :0], v[:, :0])
-    assert out.shape == (2, 0, 5, 17)
+    # no heads, head dims of 0: empty outputs in the graph, zero gradients, as torch's (session
+    # 65's review: backward failed on an output without a graph, head dims of 0 were refused)
+    for sizes in ((slice(None), slice(0, 0)), (Ellipsis, slice(0, 0))):
+        leaves = [t[sizes].detach().requires_grad_() for t in (q, k, v)]
+        out = scaled_dot_product_attention(*leaves)
+        want = torch.nn.functional.scaled_dot_product_attention(*(t.detach() for t in leaves))
+        assert out.shape == want.shape and out.requires_grad
+        out.sum().backward()
+        assert all(t.grad is not None and t.grad.shape == t.shape and not t.grad.any() for t in leaves)
     no_keys = scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0], attn_mask=torch.ones(5, 0, dtype=torch.bool))
     assert no_keys.shape == (2, 3, 5, 17) and not no_keys.any()
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import pickle
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 import attncc
 from attncc.errors import InputError
 from attncc.runtime.inputs import Shape, adapt, make_inputs
-from tests.conftest import ROOT, count_full_paths, kernel, loss_gradients
+from tests.conftest import ROOT, ROOT_FIRST_PYTHONPATH, count_full_paths, kernel, loss_gradients
 
 TEMPERED = (
     "attention tempered\ninput n: int\ninput t: float\ns = q @ k.T * scale\ns = s * t\nmask j < n + i\n"
@@ -596,6 +599,39 @@ def test_torch_func_and_forward_ad_are_clear_errors() -> None:
         vanilla(fwad.make_dual(q, torch.ones_like(q)), q, q)
 
 
+def test_a_kernel_on_tensors_a_transform_captured_is_a_constant_to_it() -> None:
+    """Inside torch.func.grad / vjp / jacrev / jvp of w, a kernel called on tensors the function
+    captured (not transformed) is a constant, as torch's SDPA is there: its allocations came
+    back wrapped, without storage, and every such call failed reading their addresses (session
+    65's review); fresh, repeated (a kept launch), a runtime input and the SDPA drop-in. A
+    captured tensor that requires grad is a clear error (torch refuses autograd.Functions in
+    transforms)."""
+    from attncc.integrations.sdpa import scaled_dot_product_attention
+
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    w = torch.tensor(2.0, dtype=torch.float64)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    want = sdpa(q, k, v).sum()
+    i, j = torch.arange(9.0).view(-1, 1), torch.arange(9.0).view(1, -1)
+    bias = torch.where(j <= i, -slopes.view(-1, 1, 1) * (i - j), -torch.inf)
+    want_alibi = sdpa(q, k, v, attn_mask=bias.to(torch.float64)).sum()
+    vanilla, alibi = kernel("vanilla"), kernel("alibi")
+    for _ in range(2):  # (the second: a kept launch)
+        assert (torch.func.grad(lambda w: (w * vanilla(q, k, v)).sum())(w) - want).abs() < 1e-12
+    assert (torch.func.jacrev(lambda w: (w * vanilla(q, k, v)).sum())(w) - want).abs() < 1e-12
+    assert (torch.func.vjp(lambda w: w * vanilla(q, k, v), w)[0].sum() - 2 * want).abs() < 1e-12
+    tangent = torch.func.jvp(lambda w: w * vanilla(q, k, v), (w,), (torch.ones_like(w),))[1]
+    assert (tangent.sum() - want).abs() < 1e-12
+    assert (torch.func.grad(lambda w: (w * alibi(q, k, v, slopes=slopes)).sum())(w) - want_alibi).abs() < 1e-12
+    drop_in = torch.func.grad(lambda w: (w * scaled_dot_product_attention(q, k, v, is_causal=True)).sum())(w)
+    assert (drop_in - sdpa(q, k, v, is_causal=True).sum()).abs() < 1e-12
+    leaf = q.clone().requires_grad_()
+    with pytest.raises(InputError, match=r"^a tensor requiring grad inside a torch\.func transform"):
+        torch.func.grad(lambda w: (w * vanilla(leaf, k, v)).sum())(w)
+
+
 @pytest.mark.parametrize("seed", [-1, 1.5, 2**64, True])
 def test_bad_seeds_are_input_errors(seed: object) -> None:
     q = torch.randn(1, 1, 8, 8)
@@ -904,3 +940,69 @@ def test_batched_gradients_are_a_clear_error() -> None:
     out = kernel("causal")(x, x, x)
     with pytest.raises(InputError, match="is_grads_batched=True"):
         torch.autograd.grad(out, x, torch.randn(3, *out.shape), is_grads_batched=True)
+
+
+@pytest.mark.parametrize("context", ["with torch.device", "set_default_device"])
+def test_calls_on_cpu_tensors_ignore_torch_s_default_device(context: str) -> None:
+    """torch's ops follow their operands, not the default device: attncc's calls on CPU
+    tensors under `with torch.device("meta")` or `torch.set_default_device("meta")` returned
+    uninitialised memory (1.7 to 1e294 off, session 65's review): the dropout seed, made
+    without a device, was a meta tensor and sent the op to its fake implementation. Padded
+    (fresh and repeated, forward and backward), dropout, the SDPA drop-in and a planned paged
+    call, each against torch's own attention computed outside the context."""
+    from attncc.integrations.sdpa import scaled_dot_product_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 17, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    want_causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    leaf = q.clone().requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(leaf, k, v).sum().backward()
+    vanilla, gpt2 = kernel("vanilla"), kernel("gpt2")
+    cache = k.transpose(1, 2).reshape(17, 1, 2, 8)  # one key per page, pages in order
+    table, lengths = torch.arange(17, dtype=torch.int32).view(1, 17), torch.tensor([17], dtype=torch.int32)
+    plan = attncc.plan_paged(cache, table, lengths)
+    values = cache.new_empty(17, 1, 2, 8).copy_(v.transpose(1, 2).reshape(17, 1, 2, 8))
+    outputs = {}
+    if context == "with torch.device":
+        device_context = torch.device("meta")
+        device_context.__enter__()
+    else:
+        torch.set_default_device("meta")
+    try:
+        q_grad = q.clone().requires_grad_()
+        outputs["fresh"], outputs["repeated"] = vanilla(q_grad, k, v), vanilla(q, k, v)
+        outputs["fresh"].sum().backward()
+        outputs["dropout"] = gpt2(q, k, v, train=True, seed=4)
+        outputs["drop-in"] = scaled_dot_product_attention(q, k, v, is_causal=True)
+        with torch.no_grad():
+            outputs["paged"] = vanilla.paged(q[:, :, -1:].transpose(1, 2), cache, values, plan=plan).transpose(1, 2)
+    finally:
+        if context == "with torch.device":
+            device_context.__exit__(None, None, None)
+        else:
+            torch.set_default_device(None)
+    assert all(out.device.type == "cpu" for out in outputs.values())
+    assert (outputs["fresh"] - want).abs().max() < 1e-12 and (outputs["repeated"] - want).abs().max() < 1e-12
+    assert (q_grad.grad - leaf.grad).abs().max() < 1e-12
+    assert (outputs["drop-in"] - want_causal).abs().max() < 1e-12
+    assert (outputs["paged"] - want[:, :, -1:]).abs().max() < 1e-12
+    assert (outputs["dropout"] - gpt2(q, k, v, train=True, seed=4)).abs().max() == 0  # (the same seed's mask)
+
+
+def test_attncc_first_imported_under_inference_mode_trains() -> None:
+    """The seed every repeated call saves for its backward was made at import: an inference
+    tensor where attncc was first imported under torch.inference_mode, and each training call
+    repeating a kept launch then failed ("Inference tensors cannot be saved for backward")."""
+    script = (
+        "import torch\nwith torch.inference_mode():\n    import attncc\n"
+        f"kern = attncc.compile({str(ROOT / 'examples' / 'vanilla.attn')!r})\n"
+        "q = torch.randn(1, 2, 9, 8, dtype=torch.float64, requires_grad=True)\n"
+        "for _ in range(3):\n    q.grad = None\n    kern(q, q, q).sum().backward()\n"
+        "leaf = q.detach().clone().requires_grad_()\n"
+        "torch.nn.functional.scaled_dot_product_attention(leaf, leaf, leaf).sum().backward()\n"
+        "assert (q.grad - leaf.grad).abs().max() < 1e-12\nprint('trained')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT_FIRST_PYTHONPATH}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "trained", done.stderr[-2000:]

@@ -14,6 +14,7 @@ import ctypes
 import difflib
 import hashlib
 import heapq
+import inspect
 import itertools
 import math
 import warnings
@@ -21,7 +22,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache, partial
+from functools import cached_property, lru_cache, partial, wraps
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,39 @@ AMX_REFUSED = 3
 OUT_OF_MEMORY = 4
 
 
+def outside_unrelated_transforms(call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call` (a public entry point) run outside torch.func's transforms where none of its
+    tensors is transformed: a kernel called inside `torch.func.grad(f)` on tensors that f
+    captured is a constant to the transform, as torch's own ops are (its allocations came back
+    wrapped, without storage, and the launch failed reading their addresses; session 65's
+    review). Transformed tensors keep the transform, whose clear error `_reject_transforms` gives;
+    a tensor that records torch.autograd's graph there cannot (torch refuses autograd.Functions
+    inside transforms): a clear error too."""
+
+    @wraps(call)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or _functorch.peek_interpreter_stack() is None:
+            return call(*args, **kwargs)
+        named = {
+            f"{name}[{i}]" if isinstance(value, (list, tuple)) else name: t
+            for name, value in inspect.signature(call).bind(*args, **kwargs).arguments.items()
+            for i, t in enumerate(value if isinstance(value, (list, tuple)) else (value,))
+        }
+        _reject_transforms(named)  # (the argument a transform wraps, by its name)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in named.values()):
+            raise InputError(
+                "a tensor requiring grad inside a torch.func transform: attncc kernels record torch.autograd's graph, "
+                "which torch.func transforms refuse; detach it there, or use torch.autograd.grad or .backward()"
+            )
+        with torch._C._DisableFuncTorch():
+            return call(*args, **kwargs)
+
+    return run
+
+
+_functorch = torch._C._functorch
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -256,7 +290,7 @@ class PagedKeys:
         The kernels step along a row of the table by 1 (its row stride is `st_pages_0`): a table
         whose entries are not adjacent (a transposed copy's view, a column of a stack) is made
         so, where it was read with the columns' stride taken for 1."""
-        counts = None if len(set(totals)) <= 1 else torch.tensor(totals, dtype=torch.int64)
+        counts = None if len(set(totals)) <= 1 else torch.tensor(totals, dtype=torch.int64, device="cpu")
         starts = None if counts is None else torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
         pages = table.to(device)
         if pages.shape[1] > 1 and pages.stride(1) != 1:
@@ -478,6 +512,7 @@ class Kernel:
     def __repr__(self) -> str:
         return f"<attncc.Kernel {self.name} target={self.target}>"
 
+    @outside_unrelated_transforms
     def __call__(
         self,
         q: torch.Tensor,
@@ -900,6 +935,7 @@ class Kernel:
                 "itself, so the input cannot be given there; rename the input"
             )
 
+    @outside_unrelated_transforms
     def varlen(
         self,
         q: torch.Tensor,
@@ -992,6 +1028,7 @@ class Kernel:
             self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, checked_scale(scale), plan.packed)  # type: ignore[union-attr]
         return (out, lse) if return_lse else out
 
+    @outside_unrelated_transforms
     def paged(
         self,
         q: torch.Tensor,
@@ -1335,7 +1372,9 @@ class Kernel:
                 f"v: expected shape [{', '.join(map(str, k.shape[:3]))}, Dv] (that of k but the head dim), got {tuple(v.shape)}"
             )
         Hkv = k.shape[1]
-        if Hkv == 0 or H % Hkv != 0:
+        if Hkv == 0:
+            raise InputError(f"k: expected at least one key/value head, got shape {tuple(k.shape)}")
+        if H % Hkv != 0:
             raise InputError(f"k: query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
         assert self.op.tiling is not None
         limit = self.op.tiling.max_head_dim
@@ -2169,16 +2208,25 @@ def checked_train(train: object) -> bool:
 
 
 #: The seed a repeated call (never with dropout) saves for its backward: one tensor for all of
-#: them, read and never written (a fresh one took ~1 us of a 10-20 us small call).
-NO_DROPOUT_SEED = torch.zeros(1, dtype=torch.int64)
+#: them, read and never written (a fresh one took ~1 us of a 10-20 us small call). A normal
+#: tensor wherever attncc is first imported (under torch.inference_mode, an inference tensor,
+#: which autograd refused to save for backward in every later training call's repeat).
+with torch.inference_mode(False):
+    NO_DROPOUT_SEED = torch.zeros(1, dtype=torch.int64, device="cpu")
 
 
 def seed_tensor(seed: int | None, dropout: float) -> torch.Tensor:
     """A call's dropout seed as a one-element int64 tensor: drawn from torch's generator (where
-    not given) it stays a tensor under torch.compile, with no data-dependent .item() while tracing."""
+    not given) it stays a tensor under torch.compile, with no data-dependent .item() while tracing.
+    On the CPU whatever torch's default device (`with torch.device("meta")` made it a meta tensor,
+    and the op on CPU operands then ran its fake implementation: uninitialised outputs)."""
     if seed is None:
-        return torch.randint(0, 2**62, (1,)) if dropout > 0 else torch.zeros(1, dtype=torch.int64)
-    return torch.tensor([checked_seed(seed)], dtype=torch.int64)
+        return (
+            torch.randint(0, 2**62, (1,), device="cpu")
+            if dropout > 0
+            else torch.zeros(1, dtype=torch.int64, device="cpu")
+        )
+    return torch.tensor([checked_seed(seed)], dtype=torch.int64, device="cpu")
 
 
 def traced_tensor_number(name: str) -> InputError:

@@ -461,7 +461,7 @@ def _checked_totals(
             f"cache_seqlens: sequence {b} holds {int(lengths[b])} keys{f' + {appended} appended' if appended else ''}, "
             f"beyond 0..{capacity} (block_table's {table.shape[1]} pages of {page_size})"
         )
-    used = torch.arange(table.shape[1]).view(1, -1) < (totals + page_size - 1).div(
+    used = torch.arange(table.shape[1], device=table.device).view(1, -1) < (totals + page_size - 1).div(
         page_size, rounding_mode="floor"
     ).view(-1, 1)
     bad = (used & ((table < 0) | (table >= num_pages))).nonzero()
@@ -586,7 +586,7 @@ class AppendRows:
         table: torch.Tensor, lengths: torch.Tensor, appended: int, page_size: int, device: torch.device
     ) -> AppendRows:
         """Where keys cache_seqlens[b] .. + appended go."""
-        positions = lengths.view(-1, 1) + torch.arange(appended).view(1, -1)
+        positions = lengths.view(-1, 1) + torch.arange(appended, device=lengths.device).view(1, -1)
         pages, slots = table.gather(1, positions // page_size), positions % page_size
         return AppendRows(pages.to(device), slots.to(device), (pages * page_size + slots).view(-1).to(device))
 
