@@ -420,7 +420,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
         removed, freed = trim_cache(limit, spare_seconds=spare)
         kept = len(cache_entries()) if args.clear else 0
         if kept:  # (rmtree's failures were reported as removed)
-            raise AttnccError(f"attncc cache --clear: {kept} entries of {root} could not be removed (read-only?)")
+            raise AttnccError(
+                f"attncc cache --clear: {kept} entries of {root} could not be removed (being built by another "
+                "process, or read-only)"
+            )
         what = "entries" if args.clear else "least recently used entries"
         print(f"removed {removed} {what} ({freed / 1e6:.1f} MB) from {root}")
         return 0

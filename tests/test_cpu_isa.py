@@ -546,6 +546,12 @@ def test_a_corrupted_cached_library_is_rebuilt_once_with_a_warning(tmp_path) -> 
         assert "Traceback" not in stderr and library.read_bytes() != damaged
         assert torch.equal(got, want)
     assert len(source.read_text()) > 1000  # (rewritten)
+    # a damaged library whose build.ninja is lost: refused in every process ("its contents
+    # differ"; session 65's review), where the process had just made its source
+    library.parent.joinpath("build.ninja").unlink()
+    library.write_bytes(good[:1000])
+    got, stderr = run("got.pt")
+    assert sum("failed to load" in line for line in stderr.splitlines()) == 1 and torch.equal(got, want)
     # a truncated library without its digest: ninja took it as up to date and its digest was
     # recorded, so dlopen died of SIGBUS; a library without its digest is rebuilt now
     library.parent.joinpath("kernel.so.sha256").unlink()

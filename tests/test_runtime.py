@@ -947,6 +947,16 @@ def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, c
     assert build.trim_cache(6000) == (2, 5000)  # the oldest two; 5000 bytes left
     assert not oldest.exists() and not preamble.exists() and newer.exists()
     assert build.trim_cache(0) == (1, 1000) and recent.exists()  # (used 10 s ago: spared)
+    # an entry a process builds into now (its lock held) is spared too: `attncc cache --clear`
+    # in another process removed a building kernel's folder ("can't create part1.o", session 65)
+    held = entry(root / f"held-{key}", 500, 9000)
+    with build._file_lock(held / ".lock"):
+        assert build.trim_cache(0, spare_seconds=0) == (1, 4000) and held.exists() and not recent.exists()
+    assert build.trim_cache(0, spare_seconds=0) == (1, 500) and not held.exists()
+    with build._file_lock(held / ".lock"):  # (a lock on a removed folder: made again, taken)
+        assert held.is_dir()
+    held.joinpath(".lock").unlink()
+    held.rmdir()
     assert main(["cache", "--trim", "0"]) == 0 and "removed 0 least recently used entries" in capsys.readouterr().out
     # one line, not a traceback (inf overflowed int()); --clear with --trim was ignored silently
     assert main(["cache", "--trim", "inf"]) != 0

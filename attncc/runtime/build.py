@@ -160,14 +160,17 @@ def trim_cache(
     """Remove the least recently used entries of the cache (`cache_entries`) until it holds at
     most `limit_bytes`, keeping those used in the last `spare_seconds`. Returns (entries
     removed, bytes freed), those actually gone (a read-only cache's stay). Safe beside running
-    processes: a loaded library stays mapped, and a removed kernel is rebuilt on its next call."""
+    processes: a loaded library stays mapped, a removed kernel is rebuilt on its next call, and
+    an entry a process builds into now (its lock held) is spared."""
     entries = cache_entries(root)
     total, removed, freed = sum(size for _, size, _ in entries), 0, 0
     spared_from = time.time() - spare_seconds
     for last_use, size, directory in entries:
         if total - freed <= limit_bytes or last_use >= spared_from:
             break
-        shutil.rmtree(directory, ignore_errors=True)
+        with _lock_unless_held(directory / ".lock") as free:
+            if free:
+                shutil.rmtree(directory, ignore_errors=True)
         if not directory.exists():
             removed, freed = removed + 1, freed + size
     return removed, freed
@@ -437,10 +440,39 @@ def _find_prebuilt(name: str, key: str) -> Path | None:
 
 @contextmanager
 def _file_lock(path: Path):  # noqa: ANN202 - context manager
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    """The lock file `path` held, its folder made where `trim_cache` (`attncc cache --clear` in
+    another process) removed it meanwhile: a lock taken on a removed file is taken again (a
+    build waiting on the lock went on into a deleted folder: "can't create part1.o")."""
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                with suppress(FileNotFoundError):
+                    if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                        yield
+                        return
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _lock_unless_held(path: Path):  # noqa: ANN202 - context manager
+    """Yields True holding the lock file `path` where no process holds it, else False at once
+    (a folder that cannot be written yields True: nothing in it can be removed either)."""
+    try:
+        handle = open(path, "a")
+    except OSError:
+        yield True
+        return
+    with handle:
         try:
-            yield
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -702,12 +734,14 @@ def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
                 _LOADED[path] = _open(path, required_symbol)
             except OSError as exc:
                 directory = path.parent
-                if not (directory / "build.ninja").exists():
-                    raise BuildError(f"cannot load {path}: {exc}") from None
                 if any(directory.parent.resolve() == root.resolve() for root in prebuilt_dirs()):
                     raise BuildError(
                         f"cannot load the prebuilt kernel {path} ({exc}): rebuild that directory with `attncc prebuild`"
                     ) from None
+                # (rebuilt from the sources build_library was given, else from build.ninja: one
+                # without either was refused even where this process had just made its source)
+                if path not in _REBUILDS and not (directory / "build.ninja").exists():
+                    raise BuildError(f"cannot load {path}: {exc}; delete {directory} to build it again") from None
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 warnings.warn(f"attncc: cached kernel {path} failed to load ({reason}); rebuilding it", stacklevel=2)
                 with _writing_into_cache(directory, directory.name), _file_lock(directory / ".lock"):
