@@ -24,6 +24,7 @@ from attncc.ir.ops import FusedAttention
 from attncc.passes.cost import IOReport
 from attncc.passes.sparsity import EMPTY, FULL
 from attncc.passes.tiling import CPU_MAX_HEAD_DIM, TilePlan, resident_blocks, split_kv_blocks, split_kv_slots
+from attncc.runtime.build import LIBRARY_NAME_CHARS
 from attncc.runtime.check import check
 from attncc.runtime.emulate import EmulatedKernel
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
@@ -45,7 +46,26 @@ def _shape(text: str) -> Shape:
         raise argparse.ArgumentTypeError(
             f"expected sizes >= 0, H, Hkv, D and Dv >= 1 and H a multiple of Hkv, got {text}"
         )
+    if max(values) > MAX_SIZE:  # (1e20 overflowed the traffic estimate's C longs: a TypeError)
+        raise argparse.ArgumentTypeError(f"expected sizes up to {MAX_SIZE}, got {text}")
     return shape
+
+
+#: The largest size --shape takes (the kernels index rows and keys in 32 bits).
+MAX_SIZE = 2**31 - 1
+
+
+def _too_large(shape: Shape, error: Exception) -> AttnccError:
+    """The error of a --shape whose tensors this machine cannot hold (`check`, `explain`)."""
+    return AttnccError(f"--shape {shape}: too large for this machine's memory ({str(error).splitlines()[0]})")
+
+
+def _out_of_memory(error: Exception) -> bool:
+    """Whether torch's `error` says an allocation failed or a size did not fit."""
+    text = str(error)
+    return isinstance(error, MemoryError) or any(
+        words in text for words in ("not enough memory", "allocate", "storage size", "overflow")
+    )
 
 
 def _positive(text: str) -> int:
@@ -135,7 +155,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         source = kern.source(dtype)
         if out_dir:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"{kern.name}_{dtype}.cpp").write_text(source)
+            # (a variant's name may be longer than a file name: cut as the cache cuts it)
+            (out_dir / f"{kern.name[:LIBRARY_NAME_CHARS]}_{dtype}.cpp").write_text(source)
         start = time.perf_counter()
         kern.library(dtype)
         print(f"  built   {dtype} in {time.perf_counter() - start:.2f} s (cache: {attncc.runtime.build.cache_dir()})")
@@ -150,7 +171,11 @@ def _compile_cuda(args: argparse.Namespace, stages: list) -> int:
     from attncc.runtime.nvcc import compile_cuda
 
     op = _fused(stages)
-    dtypes = [d for d in args.dtype if d in storage_dtypes(args.target)] or [storage_dtypes(args.target)[0]]
+    taken = storage_dtypes(args.target)
+    refused = [d for d in args.dtype if d in ("bfloat16", "float16") and d not in taken]
+    if refused:  # (sm75 and bfloat16: a float16 kernel was emitted instead, silently)
+        raise AttnccError(f"--dtype {' '.join(refused)}: the {args.target} kernels take {' and '.join(taken)}")
+    dtypes = [d for d in args.dtype if d in taken] or [taken[0]]  # (float32, float64: the kernels' storage)
     out_dir = Path(args.output) if args.output else None
     for dtype in dtypes:
         for head_dim in args.head_dim:
@@ -158,7 +183,7 @@ def _compile_cuda(args: argparse.Namespace, stages: list) -> int:
             if plan.head_dim != op.tiling.for_head_dim(args.shape.D).head_dim:  # the plan above was for shape.D
                 print(f"  tiles   {op.tiling.describe(head_dim)}")
             source = generate_cuda(stages[-1].graph, dtype, plan, args.target)
-            name = f"{stages[-1].graph.graph['name']}_{args.target}_{dtype}_d{plan.head_dim}.cu"
+            name = f"{stages[-1].graph.graph['name'][:LIBRARY_NAME_CHARS]}_{args.target}_{dtype}_d{plan.head_dim}.cu"
             if out_dir:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 (out_dir / name).write_text(source)
@@ -201,9 +226,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         q, k, _, runtime = make_inputs(kern, shape, requires_grad=False, operands=False)
         tiles, classes = kern.forward_classes(q, k, **runtime)
     except (RuntimeError, MemoryError) as error:  # (the map of tile classes at b=0, h=0 did not fit)
-        raise AttnccError(
-            f"--shape {shape}: too large to map its tile classes ({str(error).splitlines()[0]})"
-        ) from None
+        raise _too_large(shape, error) from None
     counts = {name: int((classes == value).sum()) for name, value in (("empty", 0), ("partial", 1), ("full", 2))}
     print(
         f"// tile classes at {shape} with Br={tiles.block_rows} Bc={tiles.block_cols} (b=0, h=0; # full, + partial, . empty)"
@@ -291,7 +314,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     failures = 0
     for shape in shapes:
         for dtype in dtypes:
-            result = check(kern, adapt(shape, kern), DTYPES[dtype], backward=backward)
+            try:
+                result = check(kern, adapt(shape, kern), DTYPES[dtype], backward=backward)
+            except (RuntimeError, MemoryError) as error:
+                if not _out_of_memory(error):
+                    raise
+                raise _too_large(shape, error) from None
             print(result.describe())
             failures += not result.ok
             if args.emulate:
@@ -563,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         args.shape = AWKWARD_SHAPES[0]
     try:
         code = args.fn(args)
-        sys.stdout.flush()  # (here: a reader gone before the interpreter's own flush at exit is a BrokenPipeError)
+        if sys.stdout is not None:  # (None where started with stdout closed: `attncc explain ... >&-`)
+            sys.stdout.flush()  # (here: a reader gone before the interpreter's own flush at exit is a BrokenPipeError)
         return code
     except AttnccError as exc:
         print(str(exc), file=sys.stderr)

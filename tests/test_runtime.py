@@ -359,6 +359,30 @@ def test_cli_explain_shows_the_split_kv_decision_for_gpu_targets() -> None:
     ) in proc.stdout
 
 
+def test_cli_edges_of_shapes_names_and_dtypes(tmp_path, capsys) -> None:
+    """Session 65's review of the command line: --shape sizes beyond 2^31 - 1 (a TypeError, a
+    RuntimeError) and tensors beyond the machine's memory (an allocation's RuntimeError) were
+    tracebacks; M = 0 crashed the float64 reference (amax of no keys); a variant name longer
+    than a file name failed `compile -o`; `compile --target sm75 --dtype bfloat16` emitted a
+    float16 kernel, silently."""
+    from attncc.cli import main
+
+    for command in ("explain", "check"):
+        with pytest.raises(SystemExit):
+            main([command, "examples/causal.attn", "--shape", f"{2**31},1,1,4,4,16"])
+        assert f"expected sizes up to {2**31 - 1}" in capsys.readouterr().err
+    assert main(["check", "examples/causal.attn", "--dtype", "float32", "--shape", "1000000,1000,1,4,4,16"]) == 1
+    assert "too large for this machine's memory" in capsys.readouterr().err
+    assert main(["check", "examples/causal.attn", "--dtype", "float32", "--shape", "1,2,1,5,0,16"]) == 0
+    assert "all ok" in capsys.readouterr().out
+    long_name = tmp_path / "long.attn"
+    long_name.write_text("attention " + "n" * 300 + "\ns = q @ k.T * scale\np = softmax(s)\no = p @ v\noutput o\n")
+    assert main(["compile", str(long_name), "-o", str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert [f.name for f in (tmp_path / "out").iterdir()] == ["n" * 120 + "_float32.cpp"]
+    args = ["compile", "examples/causal.attn", "--target", "sm75", "--dtype", "bfloat16", "--head-dim", "64"]
+    assert main(args) == 1 and "--dtype bfloat16: the sm75 kernels take float16" in capsys.readouterr().err
+
+
 def test_cli_check_passes_and_fails(monkeypatch, capsys) -> None:
     """`attncc check` exits 0 on a correct kernel and 1, saying MISMATCH, on a kernel planted
     wrong in its forward (one output element) or its backward (one dk element)."""
@@ -670,7 +694,12 @@ def test_a_shared_preamble_is_precompiled_from_its_second_kernel_on(tmp_path, mo
     assert (fourth / "kernel.so").exists() and not header.exists()
     assert "-include preamble.h" not in (fourth / "build.ninja").read_text()
     # bits flipped inside it (not truncated): GCC crashed on it, every later build failed, it stayed
+    # a half-written header of a build killed while GCC wrote it (~60 MB each, kept for good
+    # until session 65): removed by the next build of the preamble, which holds its lock
+    stale = precompiled / "preamble.h.gch.tmp4194305"
+    stale.write_bytes(b"x" * 1000)
     build("sliding_window", shared)  # (the preamble's next kernel precompiles it again)
+    assert not stale.exists() and header.exists()
     damaged = bytearray(header.read_bytes())
     for at in random.Random(3).sample(range(4096, len(damaged)), 200):
         damaged[at] ^= 0x5A

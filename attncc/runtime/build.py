@@ -296,6 +296,9 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
         if not header.exists():  # its first kernel: remember the preamble, build without
             _write_if_changed(header, preamble)
             return None
+        # (left by builds killed while GCC wrote them, ~60 MB each: under this lock none is live)
+        for stale in directory.glob("preamble.h.gch.tmp*"):
+            stale.unlink(missing_ok=True)
         unfinished = directory / f"preamble.h.gch.tmp{os.getpid()}"
         # (the flags' words as ninja's shell reads them: an install path with a space is one quoted word)
         words = shlex.split(flags.replace("$$", "$"))

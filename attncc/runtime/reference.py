@@ -163,7 +163,12 @@ def reference_attention(
     # P by the row's max, not exp(s - lse): lse = m + log l cannot hold log l beside an |m| of
     # 1e30, and rows of equal huge scores gave each key P = 1 (their sum, not their mean).
     # (P does not depend on m: detached, it adds no gradient.)
-    top = logits.amax(dim=-1, keepdim=True).detach()
+    # (no keys, M = 0 and no sink: every row dead, as the kernels give it; amax refuses it)
+    top = (
+        logits.amax(dim=-1, keepdim=True).detach()
+        if logits.shape[-1]
+        else logits.new_full((*logits.shape[:-1], 1), -math.inf)
+    )
     dead = torch.isneginf(top)
     weights = torch.exp(logits - torch.where(dead, 0.0, top))
     p = (weights / weights.sum(dim=-1, keepdim=True))[..., :M].masked_fill(dead, 0.0)
