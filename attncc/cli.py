@@ -57,7 +57,8 @@ MAX_SIZE = 2**31 - 1
 
 def _too_large(shape: Shape, error: Exception) -> AttnccError:
     """The error of a --shape whose tensors this machine cannot hold (`check`, `explain`)."""
-    return AttnccError(f"--shape {shape}: too large for this machine's memory ({str(error).splitlines()[0]})")
+    said = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return AttnccError(f"--shape {shape}: too large for this machine's memory ({said})")
 
 
 def _out_of_memory(error: Exception) -> bool:

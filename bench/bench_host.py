@@ -157,42 +157,53 @@ def padded_with_ranges(
 
 
 class Phases:
-    """Seconds spent, while enabled, in the kernel's library calls (`Kernel._launch`) and in
-    kept launches (`KeptLaunch.__call__`, the library calls among them), by wrapping both: the
-    call's path is unchanged (a profiler or a mode would send it through the op's dispatch)."""
+    """Seconds spent in the kernel's library calls (`Kernel._launch`) and in kept launches
+    (`KeptLaunch.__call__`, the library calls among them), by wrapping both while `measure`
+    runs (and only then: the main timings take no wrapper): the call's path is unchanged (a
+    profiler or a mode would send it through the op's dispatch)."""
 
     def __init__(self, kern: attncc.Kernel) -> None:
+        self.kind = type(kern)
+        self.library = self.kept = 0.0
+
+    def _wrapped(self) -> tuple[Callable[..., object], Callable[..., object]]:
+        """The wrappers of `_launch` and `KeptLaunch.__call__` (the originals are theirs)."""
         from attncc.runtime.kernel import KeptLaunch
 
-        self.library = self.kept = 0.0
-        self.enabled = False
-        launch, kept_call = type(kern)._launch, KeptLaunch.__call__
+        launch, kept_call = self.kind._launch, KeptLaunch.__call__
 
         def timed_launch(kernel: attncc.Kernel, *args: object, **kwargs: object) -> None:
             began = time.perf_counter()
             try:
                 return launch(kernel, *args, **kwargs)
             finally:
-                self.library += (time.perf_counter() - began) * self.enabled
+                self.library += time.perf_counter() - began
 
         def timed_kept(kept: KeptLaunch, *args: object, **kwargs: object) -> object:
             began = time.perf_counter()
             try:
                 return kept_call(kept, *args, **kwargs)
             finally:
-                self.kept += (time.perf_counter() - began) * self.enabled
+                self.kept += time.perf_counter() - began
 
-        type(kern)._launch, KeptLaunch.__call__ = timed_launch, timed_kept  # type: ignore[method-assign]
+        return timed_launch, timed_kept
 
     def measure(self, call: Callable[[], object], calls: int, wait: Callable[[], None]) -> dict[str, float]:
         """us per call: all of it, in library calls, in kept launches outside their library
         calls (allocations, pointers), the rest (checks, the full path's plan and packing)."""
-        self.library = self.kept = 0.0
-        wait()
-        self.enabled, began = True, time.perf_counter()
-        for _ in range(calls):
-            call()
-        total, self.enabled = time.perf_counter() - began, False
+        from attncc.runtime.kernel import KeptLaunch
+
+        originals = self.kind._launch, KeptLaunch.__call__
+        self.kind._launch, KeptLaunch.__call__ = self._wrapped()  # type: ignore[method-assign]
+        try:
+            self.library = self.kept = 0.0
+            wait()
+            began = time.perf_counter()
+            for _ in range(calls):
+                call()
+            total = time.perf_counter() - began
+        finally:
+            self.kind._launch, KeptLaunch.__call__ = originals  # type: ignore[method-assign]
         # (a kept launch's library call is inside it: only where no kept launch ran is it not)
         kept_outside = max(self.kept - self.library, 0.0)
         per_call = {"total": total, "library": self.library, "kept launch": kept_outside}

@@ -6,6 +6,7 @@ import ctypes
 import errno
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -371,7 +372,8 @@ def test_cli_edges_of_shapes_names_and_dtypes(tmp_path, capsys) -> None:
         with pytest.raises(SystemExit):
             main([command, "examples/causal.attn", "--shape", f"{2**31},1,1,4,4,16"])
         assert f"expected sizes up to {2**31 - 1}" in capsys.readouterr().err
-    assert main(["check", "examples/causal.attn", "--dtype", "float32", "--shape", "1000000,1000,1,4,4,16"]) == 1
+    huge = ",".join(["2147483647"] * 2 + ["1"] + ["2147483647"] * 3)  # (sizes whose product overflows: never allocated)
+    assert main(["check", "examples/causal.attn", "--dtype", "float32", "--shape", huge]) == 1
     assert "too large for this machine's memory" in capsys.readouterr().err
     assert main(["check", "examples/causal.attn", "--dtype", "float32", "--shape", "1,2,1,5,0,16"]) == 0
     assert "all ok" in capsys.readouterr().out
@@ -982,10 +984,24 @@ def test_the_cache_is_trimmed_least_recently_used_first(tmp_path, monkeypatch, c
     with build._file_lock(held / ".lock"):
         assert build.trim_cache(0, spare_seconds=0) == (1, 4000) and held.exists() and not recent.exists()
     assert build.trim_cache(0, spare_seconds=0) == (1, 500) and not held.exists()
-    with build._file_lock(held / ".lock"):  # (a lock on a removed folder: made again, taken)
-        assert held.is_dir()
-    held.joinpath(".lock").unlink()
-    held.rmdir()
+    # a build waiting on an entry's lock while another process clears the entry takes the lock
+    # of the folder made again, not the removed file's (it went on into a deleted folder)
+    import threading
+
+    taken: list[bool] = []
+
+    def waiter() -> None:
+        with build._file_lock(held / ".lock"):
+            taken.append(held.joinpath(".lock").exists())
+
+    with build._file_lock(held / ".lock"):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.3)  # (waiting on the lock now)
+        shutil.rmtree(held)
+    thread.join(30)
+    assert taken == [True] and held.is_dir()
+    shutil.rmtree(held)
     assert main(["cache", "--trim", "0"]) == 0 and "removed 0 least recently used entries" in capsys.readouterr().out
     # one line, not a traceback (inf overflowed int()); --clear with --trim was ignored silently
     assert main(["cache", "--trim", "inf"]) != 0

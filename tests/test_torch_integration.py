@@ -627,9 +627,10 @@ def test_a_kernel_on_tensors_a_transform_captured_is_a_constant_to_it() -> None:
     assert (torch.func.grad(lambda w: (w * alibi(q, k, v, slopes=slopes)).sum())(w) - want_alibi).abs() < 1e-12
     drop_in = torch.func.grad(lambda w: (w * scaled_dot_product_attention(q, k, v, is_causal=True)).sum())(w)
     assert (drop_in - sdpa(q, k, v, is_causal=True).sum()).abs() < 1e-12
-    leaf = q.clone().requires_grad_()
-    with pytest.raises(InputError, match=r"^a tensor requiring grad inside a torch\.func transform"):
-        torch.func.grad(lambda w: (w * vanilla(leaf, k, v)).sum())(w)
+    leaf, learnable = q.clone().requires_grad_(), slopes.clone().requires_grad_()
+    for call in (lambda: vanilla(leaf, k, v), lambda: alibi(q, k, v, slopes=learnable)):
+        with pytest.raises(InputError, match=r"^a tensor requiring grad inside a torch\.func transform"):
+            torch.func.grad(lambda w, call=call: (w * call()).sum())(w)
 
 
 @pytest.mark.parametrize("seed", [-1, 1.5, 2**64, True])

@@ -139,8 +139,7 @@ def scaled_dot_product_attention(
             f"key, value: expected the leading dims of query {tuple(query.shape[:-2])} (heads may differ with "
             f"enable_gqa), got key {tuple(key.shape[:-2])}, value {tuple(value.shape[:-2])}"
         )
-    same_kind = len({(t.dtype, t.device) for t in (query, key, value)}) == 1
-    if same_kind and (q.shape[1] == 0 or q.shape[3] == v.shape[3] == 0):
+    if (q.shape[1] == 0 or q.shape[3] == v.shape[3] == 0) and len({(t.dtype, t.device) for t in (q, k, v)}) == 1:
         # no heads, or head dims of 0: an empty output, as SDPA's, in the graph (its gradients
         # zeros; a bare new_zeros had none, and backward failed)
         return (query.sum() + key.sum() + value.sum()).mul(0).expand(*query.shape[:-1], value.shape[-1])

@@ -448,13 +448,20 @@ def _file_lock(path: Path):  # noqa: ANN202 - context manager
     build waiting on the lock went on into a deleted folder: "can't create part1.o")."""
     while True:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as handle:
+        try:
+            handle = open(path, "w")
+        except FileNotFoundError:  # (its folder removed again since the mkdir)
+            continue
+        with handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
-                with suppress(FileNotFoundError):
-                    if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
-                        yield
-                        return
+                try:
+                    current = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+                except FileNotFoundError:
+                    current = False
+                if current:
+                    yield
+                    return
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 

@@ -221,13 +221,16 @@ def outside_unrelated_transforms(call: Callable[..., Any]) -> Callable[..., Any]
 
     @wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or _functorch.peek_interpreter_stack() is None:
+        if _is_compiling() or _functorch.peek_interpreter_stack() is None:
             return call(*args, **kwargs)
-        named = {
-            f"{name}[{i}]" if isinstance(value, (list, tuple)) else name: t
-            for name, value in inspect.signature(call).bind(*args, **kwargs).arguments.items()
-            for i, t in enumerate(value if isinstance(value, (list, tuple)) else (value,))
-        }
+        named: dict[str, object] = {}
+        for name, value in inspect.signature(call).bind(*args, **kwargs).arguments.items():
+            if isinstance(value, dict):  # (**runtime: the runtime inputs by their names)
+                named.update(value)
+            elif isinstance(value, (list, tuple)):
+                named.update((f"{name}[{i}]", t) for i, t in enumerate(value))
+            else:
+                named[name] = value
         _reject_transforms(named)  # (the argument a transform wraps, by its name)
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in named.values()):
             raise InputError(
@@ -350,8 +353,8 @@ class PackedSequences:
         # (from the lists: a handful of tensor operations took ~40 us of each call)
         n = [end - start for start, end in itertools.pairwise(q_starts)]
         m = [end - start for start, end in itertools.pairwise(k_starts)]
-        on_device = torch.tensor([q_starts, k_starts], dtype=torch.int64).to(device)
-        lengths = torch.tensor([n, m], dtype=torch.int64)
+        on_device = torch.tensor([q_starts, k_starts], dtype=torch.int64, device="cpu").to(device)
+        lengths = torch.tensor([n, m], dtype=torch.int64, device="cpu")
         longest = (max(n, default=0), max(m, default=0))
         totals = (q_starts[-1] if q_starts else 0, k_starts[-1] if k_starts else 0)
         return PackedSequences(on_device[0], on_device[1], (lengths[0], lengths[1]), longest, totals)
