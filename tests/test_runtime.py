@@ -924,7 +924,7 @@ def test_cli_explain_at_empty_and_production_shapes(capsys) -> None:
     # (a Dv the kernels refuse was planned; N = M = 1e11 was killed for memory: review of session 63)
     for shape, message in (
         ("1,1,1,1,1,64,100000", "--shape Dv=100000: v's head dim must be in [1, 576] on target cpu"),
-        ("1,1,1,99999999999,99999999999,64", "tiles of 64 x 128 to classify, more than attncc maps"),
+        ("1,1,1,2000000000,2000000000,64", "tiles of 64 x 128 to classify, more than attncc maps"),
     ):
         assert main(["explain", str(ROOT / "examples" / "causal.attn"), "--shape", shape]) != 0
         error = capsys.readouterr().err
