@@ -65,7 +65,7 @@ def _out_of_memory(error: Exception) -> bool:
     """Whether torch's `error` says an allocation failed or a size did not fit."""
     text = str(error)
     return isinstance(error, MemoryError) or any(
-        words in text for words in ("not enough memory", "allocate", "storage size", "overflow")
+        words in text for words in ("not enough memory", "allocate", "Storage size calculation overflowed")
     )
 
 

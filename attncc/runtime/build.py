@@ -280,8 +280,7 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
     if precompiled.exists() and _intact(precompiled):
         _mark_used(directory)
         return precompiled
-    directory.mkdir(parents=True, exist_ok=True)
-    with _file_lock(directory / ".lock"):
+    with _file_lock(directory / ".lock"):  # (which makes the folder)
         if precompiled.exists():
             if _intact(precompiled):
                 return precompiled
@@ -568,8 +567,7 @@ def build_library(
                 _REBUILDS.popitem(last=False)  # (the oldest)
     needs_build = not _digest_path(library).exists()  # (the digest is written after the library: complete)
     if needs_build:
-        with _writing_into_cache(directory, name):  # (`mkdir`, the lock, the sources)
-            directory.mkdir(parents=True, exist_ok=True)
+        with _writing_into_cache(directory, name):  # (the folder and the lock: `_file_lock`; the sources)
             with _file_lock(directory / ".lock"):
                 if not _digest_path(library).exists():
                     _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
