@@ -514,6 +514,7 @@ class _Ring:
                         self.dropout,
                         self.seed,
                         grad_inputs,
+                        all_keys=False,  # (lse is the whole row's: no residual from a step's keys)
                     )
                     dq = _accumulate(dq, dq_part, a, q.shape, acc)
                     dk = _accumulate(dk, dk_part, b, k.shape, acc)

@@ -23,7 +23,7 @@ from attncc.runtime.inputs import Shape, adapt, make_inputs
 from attncc.runtime.kernel import PackedSequences
 from attncc.targets import CPU_ISAS, ISA_ENV, best_cpu_isa, cpu, cpu_features, select_cpu_isa
 from tests.conftest import ROOT, ROOT_FIRST_PYTHONPATH
-from tests.test_edge_programs import masked_attention
+from tests.test_edge_programs import check_huge_fill_gradients, masked_attention
 
 ZEN3 = frozenset("fma avx f16c avx2 bmi2 sse4_2".split())
 ZEN4 = ZEN3 | frozenset("avx512f avx512bw avx512dq avx512vl avx512_bf16".split())
@@ -433,6 +433,17 @@ def test_few_query_rows_per_kv_head_read_k_and_v_by_rows(isa: str, monkeypatch) 
 
 # (The bf16-product levels differ from avx512 only in bf16 kernels: the test above runs them.)
 LOWER_LEVELS = [name for name in LEVELS_HERE[1:] if not CPU_ISAS[name].bf16_products]
+
+
+@pytest.mark.parametrize("isa", LEVELS_HERE)
+def test_rows_of_huge_fills_get_their_gradients_on_each_level(isa: str, monkeypatch) -> None:
+    """The delta pass's lse residuals (tests/test_edge_programs.py) through each level's tile
+    products (the scores it recomputes must be the passes' own), fp32 and bf16, both backwards."""
+    skip_unless_the_machine_runs(isa)
+    monkeypatch.setenv(ISA_ENV, isa)
+    for dtype in (torch.float32, torch.bfloat16):
+        for backward in ("fused", "two-pass"):
+            check_huge_fill_gradients(dtype, backward)
 
 
 @pytest.mark.parametrize("isa", LOWER_LEVELS or ["none"])

@@ -293,6 +293,90 @@ def test_the_float64_reference_softmaxes_rows_of_huge_equal_scores() -> None:
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
 
 
+def exactly_scored(N: int, M: int, H: int, Hkv: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q in {-1, 0, 1} and k in steps of 1/2 within [-1, 1] at D = 16: scale q.k is a multiple of
+    1/8 under 4 in magnitude, so a fill of -2^20 added to it is exact in fp32 (and bf16 holds q
+    and k): the kernels and float64 see the same scores. v and the output's gradient random."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-1, 2, (1, H, N, 16), generator=gen).double()
+    k = torch.randint(-2, 3, (1, Hkv, M, 16), generator=gen).double() / 2
+    v = torch.randn(1, Hkv, M, 16, generator=gen, dtype=torch.float64)
+    grad = torch.randn(1, H, N, 16, generator=gen, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype), grad
+
+
+@pytest.mark.parametrize("backward", ["fused", "two-pass"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_whose_every_score_carries_a_huge_fill_get_their_gradients(dtype: torch.dtype, backward: str) -> None:
+    """The backward recomputes P = exp(S - lse), and lse = m + log l rounded to fp32 loses log l
+    beside an m of -2^20 (up to 1/16 of it: P 6% off) or of float32's lowest (all of it: P summed
+    to the row's key count, 45, not 1), so every gradient from such rows was off by that factor
+    (a float `attn_mask` of finfo.min on a row that sees no key: dQ 19 off, session 65). The
+    delta pass recovers the lse residual of those rows. Rows 2 (-2^20 on every key: exact
+    scores) and 5 (float32's lowest: a uniform row) of every head, GQA 4/2, N and M off the
+    tiles; out and the gradients of q, k, v and the bias against float64 eager attention (on
+    every CPU level: tests/test_cpu_isa.py)."""
+    check_huge_fill_gradients(dtype, backward)
+
+
+def check_huge_fill_gradients(dtype: torch.dtype, backward: str) -> None:
+    N, M, H = 37, 45, 4
+    q, k, v, grad = exactly_scored(N, M, H, 2, dtype)
+    bias = torch.zeros(1, H, N, M, dtype=torch.float64)
+    bias[0, :, 2, :] = -(2.0**20)
+    bias[0, :, 5, :] = torch.finfo(torch.float32).min
+    bias[0, :, 9, :7] = -(2.0**20)  # (a row partly filled: its max is an ordinary score)
+    kern = attncc.compile(program(BIASED, "biased"))
+    kern.backward = backward
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [bias.float().requires_grad_()]
+    out = kern(*leaves[:3], bias=leaves[3])
+    got = torch.autograd.grad(out, leaves, grad.to(out.dtype))
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    s = exact[0] @ exact[1].repeat_interleave(2, 1).transpose(-1, -2) / 4 + exact[3]
+    want = torch.softmax(s, -1) @ exact[2].repeat_interleave(2, 1)
+    expected = torch.autograd.grad(want, exact, grad)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (out.double() - want).abs().max() < tolerance
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, expected):
+        assert (a.double() - b).abs().max() < 10 * tolerance, name
+
+
+FILLED_SINK = BIASED + "input sinks: float[H]\n"
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_sink_beside_rows_of_huge_fills_gets_its_share_in_the_gradients(layout: str) -> None:
+    """A sink logit joins the lse residual's sum (P of the keys sums to 1 less the sink's share)
+    and its own gradient takes the residual out: rows 2 and 5 carry -2^20 on every key and the
+    sinks are -2^20 + 0.5 and -2^20 - 1.5 (exact in fp32); elsewhere the sink weighs nothing.
+    Gradients of q, k, v, the bias and the sinks against float64, padded and packed calls."""
+    N, M, H = 21, 30, 2
+    q, k, v, grad = exactly_scored(N, M, H, H, torch.float32)
+    bias = torch.zeros(1, H, N, M, dtype=torch.float64)
+    bias[0, :, 2, :] = bias[0, :, 5, :] = -(2.0**20)
+    sinks = torch.tensor([-(2.0**20) + 0.5, -(2.0**20) - 1.5], dtype=torch.float64)
+    kern = attncc.compile(program(FILLED_SINK, "filled_sink").replace("softmax(s)", "softmax(s, sink=sinks[h])"))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [
+        bias.float().requires_grad_(),
+        sinks.float().requires_grad_(),
+    ]
+    if layout == "padded":
+        out = kern(*leaves[:3], bias=leaves[3], sinks=leaves[4])
+    else:  # one sequence, [rows, heads, D]
+        rows = [t[0].transpose(0, 1) for t in leaves[:3]]
+        cu_q, cu_k = torch.tensor([0, N]), torch.tensor([0, M])
+        out = kern.varlen(*rows, cu_q, cu_k, bias=leaves[3], sinks=leaves[4]).transpose(0, 1).unsqueeze(0)
+    got = torch.autograd.grad(out, leaves, grad.float())
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    s = exact[0] @ exact[1].transpose(-1, -2) / 4 + exact[3]
+    logits = torch.cat([s, exact[4].view(1, H, 1, 1).expand(1, H, N, 1)], -1)
+    want = torch.softmax(logits, -1)[..., :-1] @ exact[2]
+    expected = torch.autograd.grad(want, exact, grad)
+    assert (out.double() - want).abs().max() < 1e-5
+    for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), got, expected):
+        assert (a.double() - b).abs().max() < 1e-4, name
+
+
 def test_a_program_with_a_very_long_name_builds_and_runs() -> None:
     """Its library's directory name is cut (the key tells libraries apart), where it exceeded
     the file system's 255 bytes."""

@@ -87,6 +87,28 @@ def test_sdpa_calls_match_torch(case: str, rows: int, cols: int) -> None:
     check(args, q, k, v, leaves)
 
 
+def test_a_float_mask_of_the_lowest_float_on_rows_that_see_no_key_in_float32() -> None:
+    """HF-style additive masks: finfo(float32).min on every key of some rows (left padding's
+    queries), where softmax is uniform over the row. The backward took P = exp(S - lse), whose
+    lse had lost log l to the fill: those rows' gradients came out S = 30 times too large
+    (dq 19 off, session 65); against torch's math path in float64 on the same inputs."""
+    q, k, v = (t.detach().float() for t in operands((2, 3), 9, 30, dim=16))
+    mask = torch.zeros(2, 1, 9, 30)
+    mask[0, :, :4] = torch.finfo(torch.float32).min  # (rows 0-3 of batch 0 see no key)
+    mask[1, :, :, 20:] = torch.finfo(torch.float32).min
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    got = scaled_dot_product_attention(*leaves, attn_mask=mask)
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(*exact, attn_mask=mask.double())
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(
+        "qkv", torch.autograd.grad(got, leaves, grad.float()), torch.autograd.grad(want, exact, grad)
+    ):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
+
+
 def test_a_mask_is_declared_with_the_dims_it_does_not_broadcast() -> None:
     """The kernels take runtime tensors contiguous: an [L, S] mask passed as [B, H, L, S] was
     copied B x H times and its tile classes read from every copy (13.8 s for SDPA's 66 ms at

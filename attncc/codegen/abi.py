@@ -26,6 +26,10 @@ OPERANDS = (
 #: tile classes, and the softmax's sink logit per row ([B, H, N]; null without one: the CPU
 #: forward merges it as it writes each row, runtime/sinks.py).
 ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "acc_t*"), ("classes", "const uint8_t*"), ("sink", "const acc_t*"))
+#: The CPU backward's lse residual per row (row_stat's layout, as lse; null where the call's
+#: keys are not all the row's, a ring step's): what lse = m + log l lost of log l beside a huge
+#: m, recovered by its delta pass (templates/cpu `backward_delta`) and taken out of P.
+CPU_ROW_BUFFERS = (("lse_residual", "acc_t*"),)
 SIZES = ("B", "H", "Hkv", "N", "M", "D", "Dv")  # D: q and k head dim; Dv: v and out head dim
 CONTROL = ("Br", "Bc", "cls_sb", "cls_sh", "cls_si", "seed", "offset", "threads")
 #: scale: the multiplier of q.k (FusedAttention.scale evaluated); scale_value: the name `scale`
@@ -94,7 +98,7 @@ class KernelAbi:
         slots = (
             [(n, t) for n, t in OPERANDS]
             + list(ROW_BUFFERS)
-            + list(SPLIT_BUFFERS + APPEND_BUFFERS if self.cuda else ())
+            + list(SPLIT_BUFFERS + APPEND_BUFFERS if self.cuda else CPU_ROW_BUFFERS)
             + list(PAGE_BUFFERS)
             + list(SEQUENCE_BUFFERS)
             + list(ROPE_BUFFERS)

@@ -559,6 +559,8 @@ class EmulatedKernel(Kernel):
         grad_inputs: list[bool],
         offset: int = 0,
         packed: PackedSequences | None = None,
+        sink: torch.Tensor | None = None,  # (as Kernel's; the CUDA backward takes P = exp(S - lse)
+        all_keys: bool = True,  # as FlashAttention's, so its lse residuals are 0)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         storage = self.storage_dtype(q.dtype)
         qs, ks, vs, dos = (rows_of(t, storage, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (dout, "grad of out")))
@@ -609,6 +611,8 @@ class EmulatedKernel(Kernel):
         grad_list = [
             grads[d.name].to(t.dtype) if d.name in grads else t.new_empty(0) for d, t in zip(tensor_decls, tensors)
         ]
+        if sink is not None:  # (as Kernel's: the lse residuals, none here)
+            grad_list.append(torch.zeros(lse.shape, dtype=torch.float32, device=lse.device))
         return dq, dk.to(k.dtype), dv.to(v.dtype), grad_list
 
     def _bound_input_grads(self, grads, dtype, plan, call, ptrs, dropout, seed) -> None:  # noqa: ANN001

@@ -1603,11 +1603,16 @@ class Kernel:
         offset: int = 0,
         packed: PackedSequences | None = None,
         kept_by: KeptLaunch | None = None,
+        sink: torch.Tensor | None = None,
+        all_keys: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """dq, dk, dv and the learnable inputs' gradients (empty where not wanted); `packed` as
         in `forward_impl` (q, k, v, out, dout, dq, dk, dv rows [total, heads, D]). `kept_by`: the
         forward's kept launch this call repeated (`KeptLaunch.backward`), which keeps the
-        backward's packed launch for the calls repeating it."""
+        backward's packed launch for the calls repeating it. `sink`: the forward's sink logits
+        (lse's layout), and `all_keys` False where k and v are only part of each row's keys (a
+        ring step's, whose lse is the whole row's): both for the lse residuals of rows whose
+        lse lost log l (templates/cpu `lse_residuals`), which a partial row cannot recover."""
         dtype = _DTYPES[q.dtype]
         acc = acc_dtype(q.dtype)
         dq, dk, dv = (
@@ -1638,6 +1643,10 @@ class Kernel:
             lse = lse.contiguous()
             delta = torch.empty(lse.shape, dtype=acc)  # rowsum(dO * O), the first pass's (row_stat's layout, as lse)
             ptrs = dict(operands, lse=lse, delta=delta)
+            if all_keys:  # (the first pass's too)
+                ptrs["lse_residual"] = torch.empty(lse.shape, dtype=acc)
+            if sink is not None:
+                ptrs["sink"] = sink.detach().to(acc).contiguous()
             rope_ptrs, call["rope"] = self.rope_buffers(
                 operands["q"], operands["k"], tensors, scalars, None if packed is None else packed.lengths
             )
@@ -1668,6 +1677,9 @@ class Kernel:
             grads[d.name].sum(0).to(t.dtype) if d.name in grads else t.new_empty(0)
             for d, t in zip(tensor_decls, tensors)
         ]
+        if sink is not None:  # the rows' lse residuals, for the sink's gradient (`_input_gradients`)
+            residual = ptrs.get("lse_residual") if q.numel() and k.numel() else None
+            grad_list.append(residual if residual is not None else torch.zeros(lse.shape, dtype=acc))
         return dq, dk, dv, grad_list
 
     def backward_threads(self, grad_bytes: int) -> int:
@@ -2032,7 +2044,7 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
 #: The forward's operands whose addresses change from call to call (`KeptLaunch`).
 CALL_OPERANDS = ("q", "k", "v", "out", "lse", "o_partial", "lse_partial", "k_new", "v_new")
 #: The backward's (`BackwardLaunch`; delta: the rows' rowsum(dO * O), its first pass's result).
-BACKWARD_OPERANDS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "delta")
+BACKWARD_OPERANDS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "delta", "lse_residual")
 
 
 def signed_zeros(values: Sequence[object]) -> tuple:
@@ -2075,8 +2087,8 @@ class BackwardLaunch:
         """The passes on `operands` (by BACKWARD_OPERANDS' names; a loss on lse, `dlse`, turns
         delta into delta - dlse between the delta pass and the others, as delta_rows does)."""
         pointers = type(self.pointers).from_buffer_copy(self.pointers)
-        for name, slot in self.operand_slots.items():
-            pointers[slot] = operands[name].data_ptr()
+        for name, slot in self.operand_slots.items():  # (no lse_residual: a ring step's, null)
+            pointers[slot] = operands[name].data_ptr() if name in operands else None
         args = (pointers, self.ints, self.reals)
         kernel._launch(self.library, self.delta_entry, args)
         if dlse is not None:
@@ -2125,7 +2137,8 @@ class KeptLaunch:
         runtime tensors, no dropout): the kept backward launch where the operands' strides and
         the settings that chose its passes are those it was packed for, else the full path,
         which keeps one."""
-        q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs = args
+        # (a sink after them, from `_backward`: None, the calls kept launches repeat have none)
+        q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs, *_ = args
         dout = dout.contiguous()
         launch = self.backward_launch
         if (
@@ -2139,9 +2152,12 @@ class KeptLaunch:
             )  # fmt: skip
         lse = lse.contiguous()  # (as backward_impl packs it)
         # (empty_like: ~0.8 us each, where torch.empty of a torch.Size took ~1.6)
-        dq, dk, dv, delta = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lse))
+        dq, dk, dv, delta, residual = (
+            torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lse, lse)
+        )
         operands = {
             "q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk, "dv": dv, "delta": delta,
+            "lse_residual": residual,
         }  # fmt: skip
         launch.run(self.kernel, operands, dlse)
         return dq, dk, dv, []
@@ -2371,20 +2387,22 @@ def _attention_backward(
     dropout: float,
     seed: torch.Tensor,
     grad_inputs: list[bool],
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The backward op's implementation, also called directly (`_EagerAttention`): the kept
     backward launch of the forward's kept launch where there is one (`op_repeat_key`), else the
-    full path."""
+    full path. `sink`: the forward's sink logits, if any."""
     kern = registered(key)
-    if not tensors and dropout == 0:
+    if not tensors and dropout == 0 and sink is None:
         repeat_key = kern.op_repeat_key(q, k, v, scalars, scale)
         launch = kern._repeats.get(repeat_key) if repeat_key is not None else None
         if launch is not None and launch.repeats_backward:
             args = (q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs)
             return launch.backward(key, *args)
     return kern.backward_impl(
-        q, k, v, out, lse, dout.contiguous(), dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs
-    )
+        q, k, v, out, lse, dout.contiguous(), dlse, tensors, scalars, scale, dropout, int(seed.item()), grad_inputs,
+        sink=sink,
+    )  # fmt: skip
 
 
 # (the op runs the function itself, which _EagerAttention also calls without the dispatch)
@@ -2407,16 +2425,25 @@ def _attention_backward_fake(
     dropout: float,
     seed: torch.Tensor,
     grad_inputs: list[bool],
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return _empty_gradients(q, k, v, tensors, grad_inputs)
+    return _empty_gradients(q, k, v, tensors, grad_inputs, lse if sink is not None else None)
 
 
 def _empty_gradients(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], grad_inputs: list[bool]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensors: list[torch.Tensor],
+    grad_inputs: list[bool],
+    residual_like: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """A backward op's outputs as the fake implementations give them: dq, dk, dv and each
-    runtime tensor's gradient (empty where not wanted)."""
+    runtime tensor's gradient (empty where not wanted), then for a call with a sink the rows'
+    lse residuals (`residual_like`: lse)."""
     grads = [t.new_empty(t.shape) if wanted else t.new_empty(0) for t, wanted in zip(tensors, grad_inputs)]
+    if residual_like is not None:
+        grads.append(residual_like.new_empty(residual_like.shape))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
 
 
@@ -2432,11 +2459,13 @@ def _input_gradients(
 ) -> tuple[list[torch.Tensor | None], list | None, torch.Tensor | None]:
     """What a forward op's backward returns for its runtime tensors, its scalars and its sink
     (input `sink_position` of the op): the wanted tensor gradients, None for a non-empty scalar
-    list (torch takes it as one leaf with no gradient) or [] for an empty one, and dsink."""
+    list (torch takes it as one leaf with no gradient) or [] for an empty one, and dsink (`grads`
+    ends with the rows' lse residuals where the call has a sink: `Kernel.backward_impl`)."""
     tensor_grads = [g if wanted else None for g, wanted in zip(grads, ctx.grad_inputs)]
     dsink = None
     if sink is not None and ctx.needs_input_grad[sink_position]:
-        dsink = sink_gradient(sink, lse, delta_rows(out, dout, dlse, lse.dtype))
+        residual = grads[len(ctx.grad_inputs)]
+        dsink = sink_gradient(sink, lse, delta_rows(out, dout, dlse, lse.dtype), residual.to(lse.dtype))
     return tensor_grads, None if ctx.scalars else [], dsink
 
 
@@ -2455,7 +2484,21 @@ def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor, backward: Callable[..
     _reject_batched_gradients(dout, dlse)
     q, k, v, out, lse, seed, sink, *tensors = ctx.saved_tensors
     dq, dk, dv, grads = (backward or torch.ops.attncc.attention_backward)(
-        ctx.key, q, k, v, out, lse, dout, dlse, tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs
+        ctx.key,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        dlse,
+        tensors,
+        ctx.scalars,
+        ctx.scale,
+        ctx.dropout,
+        seed,
+        ctx.grad_inputs,
+        sink,
     )
     tensor_grads, scalar_grads, dsink = _input_gradients(ctx, grads, sink, 9, out, lse, dout, dlse)
     return None, dq, dk, dv, tensor_grads, scalar_grads, None, None, None, dsink, None, None
@@ -2629,17 +2672,18 @@ def varlen_backward_op(
     dropout: float,
     seed: torch.Tensor,
     grad_inputs: list[bool],
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     kern, plan, options = _varlen_call(
         key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tensors, scalars, scale, dropout, seed
     )
-    if not tensors and dropout == 0:  # (the forward's kept launch, where it kept one: no sink, no fp8)
+    if not tensors and dropout == 0 and sink is None:  # (the forward's kept launch, where it kept one: no fp8)
         _, launch = _varlen_repeat(kern, plan, q, k, v, scalars, scale)
         if launch is not None and launch.repeats_backward:
             args = (q, k, v, out, lse, dout, dlse, tensors, scalars, scale, dropout, seed, grad_inputs)
             return launch.backward(key, *args)
     packed = _varlen_sequences(kern, plan, q, k, tensors, scalars)
-    return varlen_backward(kern, packed, options, (q, k, v, out, lse), dout, dlse, tensors, grad_inputs)
+    return varlen_backward(kern, packed, options, (q, k, v, out, lse), dout, dlse, tensors, grad_inputs, sink)
 
 
 @varlen_backward_op.register_fake
@@ -2662,8 +2706,9 @@ def _varlen_backward_fake(
     dropout: float,
     seed: torch.Tensor,
     grad_inputs: list[bool],
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return _empty_gradients(q, k, v, tensors, grad_inputs)
+    return _empty_gradients(q, k, v, tensors, grad_inputs, lse if sink is not None else None)
 
 
 def _setup_varlen_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001 - autograd ctx
@@ -2679,7 +2724,7 @@ def _varlen_backward(ctx, dout: torch.Tensor, dlse: torch.Tensor) -> tuple:  # n
     q, k, v, out, lse, cu_q, cu_k, seed, sink, *tensors = ctx.saved_tensors
     dq, dk, dv, grads = torch.ops.attncc.varlen_attention_backward(
         ctx.key, q, k, v, out, lse, dout, dlse, cu_q, cu_k, *ctx.lengths,
-        tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs,
+        tensors, ctx.scalars, ctx.scale, ctx.dropout, seed, ctx.grad_inputs, sink,
     )  # fmt: skip
     tensor_grads, scalar_grads, dsink = _input_gradients(ctx, grads, sink, 13, out, lse, dout, dlse)
     return None, dq, dk, dv, None, None, None, None, tensor_grads, scalar_grads, None, None, None, dsink, None, None

@@ -291,14 +291,15 @@ def varlen_backward(
     dlse: torch.Tensor | None,
     tensors: list[torch.Tensor],
     grad_inputs: list[bool],
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """dq, dk, dv and the learnable inputs' gradients (empty where not wanted) of a packed batch
-    in one backward, from the forward's saved (q, k, v, out, lse); the sink's gradient is the
-    caller's (`sinks.sink_gradient`)."""
+    in one backward, from the forward's saved (q, k, v, out, lse) and its sink logits `sink`, if
+    any; the sink's gradient is the caller's (`sinks.sink_gradient`)."""
     q, k, v, out, lse = saved
     return kern.backward_impl(
         q, k, v, out, lse, dout, dlse, tensors, options.scalars, options.scale, options.dropout, options.seed,
-        grad_inputs, packed=packed,
+        grad_inputs, packed=packed, sink=sink,
     )  # fmt: skip
 
 

@@ -42,11 +42,16 @@ def sink_logits(
     return evaluate(sink, env, tensors).to(dtype)
 
 
-def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def sink_gradient(
+    sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """d loss / d sink per row, from the sink softmax's lse and the backward's
     delta = rowsum(dO O) - dlse (`kernel.delta_rows`): the sink's probability is exp(sink - lse)
-    and its "value" 0, so d sink = -exp(sink - lse) delta; 0 where the sink is -inf."""
-    weight = torch.where(torch.isneginf(sink), 0.0, torch.exp(sink - lse))
+    and its "value" 0, so d sink = -exp(sink - lse) delta; 0 where the sink is -inf. `residual`:
+    the CPU backward's lse residual per row (what lse lost of log l beside a huge row max),
+    taken out after the difference, which is exact where sink and lse are close."""
+    shift = sink - lse if residual is None else (sink - lse) - residual
+    weight = torch.where(torch.isneginf(sink), 0.0, torch.exp(shift))
     return -(weight * delta)
 
 

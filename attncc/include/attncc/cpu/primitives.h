@@ -829,10 +829,11 @@ inline V rounded(V v) {
   return v;
 }
 
-// 2^((scale x - shift) log2 e) for every vector of a row past kExactShiftAbove (exp_shift_lanes).
+// 2^((scale x - shift - residual) log2 e) for every vector of a row past kExactShiftAbove
+// (exp_shift_lanes). residual: what the shift could not hold (the backward's lse residual).
 template <bool ForBf16 = false, typename V>
-inline V exp_exact_shift(V x, V scale, V shift) {
-  const V t = (rounded(x * scale) - shift) * vbroadcast(kLog2e);
+inline V exp_exact_shift(V x, V scale, V shift, V residual) {
+  const V t = ((rounded(x * scale) - shift) - residual) * vbroadcast(kLog2e);
   if constexpr (ForBf16) return vexp2_nonpositive<true>(t);
   else return vexp2_nonpositive(t);
 }
@@ -840,12 +841,15 @@ inline V exp_exact_shift(V x, V scale, V shift) {
 // x[c] = exp(scale x[c] - shift) in place for shift >= max scale x - ln 256 (the forward's lazy
 // rescaling: 2^t for t up to 8 is as exact as below 0); n a multiple of VL. (The forward folds
 // the softmax scale in here where nothing else reads it.) Returns the row sum in lanes: the
-// forward adds it to its lanes of l and reduces them once per row, not once per tile.
-inline vec_t exp_shift_lanes(acc_t* x, int n, acc_t shift, acc_t scale = 1) {
+// forward adds it to its lanes of l and reduces them once per row, not once per tile. Past
+// kExactShiftAbove the exponent is scale x - shift - residual: the backward's shift is a row's lse
+// (m + log l rounded to fp32, which past |m| ~ 1e5 loses log l) and its residual what the
+// rounding lost (`lse_residual`); below, residual is under the rounding of the one-FMA exponent.
+inline vec_t exp_shift_lanes(acc_t* x, int n, acc_t shift, acc_t scale = 1, acc_t residual = 0) {
   vec_t sum{};
   if (std::fabs(shift) > kExactShiftAbove) [[unlikely]] {
-    const vec_t m = vbroadcast(shift), a = vbroadcast(scale);
-    for (int c = 0; c < n; c += VL) { vec_t v = exp_exact_shift(vload(x + c), a, m); vstore(x + c, v); sum += v; }
+    const vec_t m = vbroadcast(shift), a = vbroadcast(scale), rest = vbroadcast(residual);
+    for (int c = 0; c < n; c += VL) { vec_t v = exp_exact_shift(vload(x + c), a, m, rest); vstore(x + c, v); sum += v; }
     return sum;
   }
   const vec_t s = vbroadcast(shift * kLog2e), a = vbroadcast(scale * kLog2e);
@@ -1163,7 +1167,7 @@ inline vec_t exp_shift_lanes_bf16(const float* __restrict x, uint16_t* __restric
   if (std::fabs(shift) > kExactShiftAbove) [[unlikely]] {
     const vec_t m = vbroadcast(shift), a = vbroadcast(scale);
     for (int c = 0; c < n; c += VL) {
-      const vec_t v = exp_exact_shift<true>(vload(x + c), a, m);
+      const vec_t v = exp_exact_shift<true>(vload(x + c), a, m, vec_t{});
       store_bf16(p + c, (__m512)v);
       sum += v;
     }
