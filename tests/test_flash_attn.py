@@ -315,6 +315,21 @@ def test_bad_calls_name_the_argument() -> None:
         flash_attn_with_kvcache(
             q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), cache_batch_idx=torch.zeros(1)
         )
+    # (session 66's review: a bare ValueError from unbind; an index on another device named as
+    # block_table, which the caller never passed; the kernels' [B, H, M, D] shape in the head
+    # count's error; "must equal" where fewer rows than q's are a padded buffer, accepted)
+    for call, message in (
+        (lambda: flash_attn_qkvpacked_func(torch.randn(2, 5, 2, 4, 8)), r"qkv: expected \[B, N, 3, H, D\] \(3 stacked"),
+        (lambda: flash_attn_kvpacked_func(q, torch.randn(1, 5, 3, 2, 16)), r"kv: expected \[B, M, 2, Hkv, D\] \(2 stacked"),
+        (lambda: flash_attn_varlen_qkvpacked_func(torch.randn(4, 2, 2, 16), torch.tensor([0, 4])), r"qkv: expected \[total, 3"),
+        (lambda: flash_attn_varlen_kvpacked_func(q[0], torch.randn(4, 3, 2, 16), torch.tensor([0, 4]), torch.tensor([0, 4])), r"kv: expected \[total_k, 2"),
+        (lambda: flash_attn_with_kvcache(q[:, :1], cache[:1], cache[:1], cache_seqlens=3, cache_batch_idx=torch.zeros(1, dtype=torch.int64, device="meta")), r"^cache_batch_idx: expected device cpu \(that of q\), got meta$"),
+        (lambda: flash_attn_func(q, q[:, :, :0], q[:, :, :0]), r"^k: expected at least one key/value head, got \(1, 4, 0, 16\) \(\[B, M, Hkv, D\]\)$"),
+        (lambda: flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 5]), torch.tensor([0, 4])), r"^cu_seqlens_q: the last offset 5 is beyond q's 4 rows \(expected at most them\)$"),
+        (lambda: flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4]), torch.tensor([0, 6])), r"^cu_seqlens_k: the last offset 6 is beyond k's 4 rows"),
+    ):  # fmt: skip
+        with pytest.raises(InputError, match=message):
+            call()
 
 
 def test_flash_attn_varlen_func_under_torch_compile_fullgraph() -> None:

@@ -24,7 +24,8 @@ OPERANDS = (
 )  # fmt: skip
 #: Per-row statistics (delta: written by the CPU backward's first pass, read by the GPU's), the
 #: tile classes, and the softmax's sink logit per row ([B, H, N]; null without one: the CPU
-#: forward merges it as it writes each row, runtime/sinks.py).
+#: forward merges it as it writes each row, runtime/sinks.py, and the CPU backward's first pass
+#: reads it for the lse residuals).
 ROW_BUFFERS = (("lse", "acc_t*"), ("delta", "acc_t*"), ("classes", "const uint8_t*"), ("sink", "const acc_t*"))
 #: The CPU backward's lse residual per row (row_stat's layout, as lse; null where the call's
 #: keys are not all the row's, a ring step's): what lse = m + log l lost of log l beside a huge

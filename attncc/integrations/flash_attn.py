@@ -185,6 +185,15 @@ def _checked_heads(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected the same head dim and q's heads a multiple of k's "
             f"(rows {tuple(kv_rows)})"
         )
+    if k.shape[-2] == 0:
+        raise InputError(f"k: expected at least one key/value head, got {tuple(k.shape)} ({kv_layout})")
+
+
+def _unpacked(name: str, packed: torch.Tensor, dim: int, count: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """The `count` tensors stacked along `dim` of `packed` (qkv's 3, kv's 2)."""
+    if packed.shape[dim] != count:
+        raise InputError(f"{name}: expected {layout} ({count} stacked at dim {dim}), got {tuple(packed.shape)}")
+    return packed.unbind(dim)
 
 
 def flash_attn_func(
@@ -269,7 +278,7 @@ def flash_attn_varlen_func(
         lse = torch.where(held[:, None], lse, -math.inf)
         return (out, lse.t().contiguous(), None) if return_attn_probs else out
     # (rows past each last offset belong to no sequence: their keys are read by none)
-    used_q, used_k = _rows_in_use(q, cu_seqlens_q), _rows_in_use(k, cu_seqlens_k)
+    used_q, used_k = _rows_in_use("cu_seqlens_q", q, cu_seqlens_q), _rows_in_use("cu_seqlens_k", k, cu_seqlens_k)
     q, k, v = q[:used_q], k[:used_k], v[:used_k]
     out, lse = kern.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True, scale=scale, **inputs
@@ -289,14 +298,19 @@ def _offsets(cu_seqlens: object) -> bool:
     return not (cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool)
 
 
-def _rows_in_use(rows: torch.Tensor, cu_seqlens: object) -> int:
-    """How many of `rows` [total, heads, D] the sequences hold: cu_seqlens' last offset, where
-    that is an int offset inside them, else all (the varlen call checks the offsets: anything
-    else goes to it as given, and is named there)."""
+def _rows_in_use(name: str, rows: torch.Tensor, cu_seqlens: object) -> int:
+    """How many of `rows` [total, heads, D] the sequences hold: cu_seqlens' last offset, at
+    most their count (rows past it belong to no sequence), else all (the varlen call checks the
+    offsets: anything else goes to it as given, and is named there)."""
     if not _offsets(cu_seqlens):
         return rows.shape[0]
     last = int(cu_seqlens[-1])  # type: ignore[index]  # (read once for k and v alike: a synchronisation on a GPU)
-    return last if 0 <= last < rows.shape[0] else rows.shape[0]
+    if last > rows.shape[0]:
+        what = "q" if name == "cu_seqlens_q" else "k"
+        raise InputError(
+            f"{name}: the last offset {last} is beyond {what}'s {rows.shape[0]} rows (expected at most them)"
+        )
+    return last if 0 <= last else rows.shape[0]
 
 
 def flash_attn_with_kvcache(
@@ -348,6 +362,8 @@ def flash_attn_with_kvcache(
             or cache_batch_idx.dtype == torch.bool
         ):
             raise InputError(f"cache_batch_idx: expected an int tensor [B={batch}], got {cache_batch_idx!r}")
+        elif cache_batch_idx.device != q.device:
+            raise InputError(f"cache_batch_idx: expected device {q.device} (that of q), got {cache_batch_idx.device}")
         else:
             rows = cache_batch_idx
         # (traced: the paged op checks the rows as block-table entries when it runs; a read here
@@ -400,7 +416,7 @@ def flash_attn_qkvpacked_func(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
     """`flash_attn_func` of qkv [B, N, 3, H, D] (q, k and v stacked; gradients flow back into it)."""
     _checked_operands(("qkv",), (qkv,), 5, "[B, N, 3, H, D]")
-    q, k, v = qkv.unbind(2)
+    q, k, v = _unpacked("qkv", qkv, 2, 3, "[B, N, 3, H, D]")
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )  # fmt: skip
@@ -413,7 +429,7 @@ def flash_attn_kvpacked_func(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
     """`flash_attn_func` of q [B, N, H, D] and kv [B, M, 2, Hkv, D]."""
     _checked_operands(("kv",), (kv,), 5, "[B, M, 2, Hkv, D]")
-    k, v = kv.unbind(2)
+    k, v = _unpacked("kv", kv, 2, 2, "[B, M, 2, Hkv, D]")
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )  # fmt: skip
@@ -427,7 +443,7 @@ def flash_attn_varlen_qkvpacked_func(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
     """`flash_attn_varlen_func` of qkv [total, 3, H, D], one cu_seqlens for queries and keys."""
     _checked_operands(("qkv",), (qkv,), 4, "[total, 3, H, D]")
-    q, k, v = qkv.unbind(1)
+    q, k, v = _unpacked("qkv", qkv, 1, 3, "[total, 3, H, D]")
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -443,7 +459,7 @@ def flash_attn_varlen_kvpacked_func(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:  # fmt: skip
     """`flash_attn_varlen_func` of q [total_q, H, D] and kv [total_k, 2, Hkv, D]."""
     _checked_operands(("kv",), (kv,), 4, "[total_k, 2, Hkv, D]")
-    k, v = kv.unbind(1)
+    k, v = _unpacked("kv", kv, 1, 2, "[total_k, 2, Hkv, D]")
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs,

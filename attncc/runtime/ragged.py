@@ -293,8 +293,8 @@ def varlen_backward(
     grad_inputs: list[bool],
     sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """dq, dk, dv and the learnable inputs' gradients (empty where not wanted) of a packed batch
-    in one backward, from the forward's saved (q, k, v, out, lse) and its sink logits `sink`, if
+    """dq, dk, dv and the learnable inputs' gradients (empty where not wanted; with `sink`, the
+    rows' lse residuals after them) of a packed batch in one backward, from the forward's saved (q, k, v, out, lse) and its sink logits `sink`, if
     any; the sink's gradient is the caller's (`sinks.sink_gradient`)."""
     q, k, v, out, lse = saved
     return kern.backward_impl(

@@ -10,10 +10,12 @@ split-KV) with a partial state of output 0 and log-sum-exp `sink`:
 
     lse' = log(exp(L) + exp(sink)),   O' = O exp(L - lse') = O sigmoid(L - sink).
 
-The backward kernels need nothing new: P = exp(S - lse') is the sink softmax's, and
-delta = rowsum(dO' O') - dlse' as always. The sink's own gradient is `sink_gradient`:
-its probability is exp(sink - lse') and its value row 0, so d sink = -exp(sink - lse') delta,
-and autograd carries it into the inputs the expression reads.
+The backward kernels take P = exp(S - lse') as the sink softmax's, and delta = rowsum(dO' O')
+- dlse' as always; the CPU backward also reads the sink logits, for the lse residual of rows
+whose lse' lost log l beside a huge row max (templates/cpu `lse_residuals`), and returns the
+residuals after the inputs' gradients. The sink's own gradient is `sink_gradient`: its
+probability is exp(sink - lse') (less the residual) and its value row 0, so d sink =
+-exp(sink - lse') delta, and autograd carries it into the inputs the expression reads.
 """
 
 from __future__ import annotations
