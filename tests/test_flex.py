@@ -27,7 +27,8 @@ TEMPERATURE = torch.tensor(0.7, dtype=torch.float64)
 DOC = torch.randint(0, 3, (B, 64), generator=GEN).sort(-1).values
 LENGTHS = torch.tensor([0, 41])  # the first sequence has no keys: every row fully masked
 T5_TABLE = torch.randn(32, H, generator=GEN, dtype=torch.float64)
-LEARNED = {"slopes": SLOPES, "bias": BIAS, "temperature": TEMPERATURE, "t5_table": T5_TABLE}
+KINKS = torch.tensor([0.0, 0.5, -0.5, 0.0, 2.0, -1.0], dtype=torch.float64)  # (zeros: a bias's usual start)
+LEARNED = {"slopes": SLOPES, "bias": BIAS, "temperature": TEMPERATURE, "t5_table": T5_TABLE, "kinks": KINKS}
 
 
 def softcap(score, b, h, q_idx, kv_idx):
@@ -134,7 +135,17 @@ def bool_products(b, h, q_idx, kv_idx):
     return torch.maximum((q_idx >= kv_idx) * (kv_idx % 2 == 0), kv_idx == 1)
 
 
-slopes, bias, temperature, doc, lengths, t5_table = SLOPES, BIAS, TEMPERATURE, DOC, LENGTHS, T5_TABLE
+def kinked(score, b, h, q_idx, kv_idx):
+    # relu and clamp at their kinks take torch's gradients there (relu 0, clamp's bound 1, a
+    # bound above the other: none), not max's and min's halves (session 66's review: a bias
+    # clamped at 0 from zeros got half its gradient); narrow int conversions wrap as torch's
+    x = kinks[kv_idx % 6]
+    clamped = torch.clamp(x, min=0.0, max=0.5) + x.clamp_max(0.0) + torch.clamp(x, min=1.0, max=-1.0) * 0.25
+    wrapped = (q_idx - kv_idx).to(torch.uint8) * 0.01 + (kv_idx * 20).to(torch.int8) * 0.001
+    return score + torch.relu(x) - torch.nn.functional.relu(-x) * 0.5 + clamped + wrapped
+
+
+slopes, bias, temperature, doc, lengths, t5_table, kinks = SLOPES, BIAS, TEMPERATURE, DOC, LENGTHS, T5_TABLE, KINKS
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 # torch's combinators (b.new_ones((), dtype=torch.bool) & ...) and its no-op mask
 COMPOSED = flex.or_masks(flex.and_masks(document_causal, key_padding), first_key)
@@ -154,6 +165,7 @@ VARIANTS = [
     (bias_alone, bottom_right_causal),
     (bool_arithmetic, bool_products),
     (torch_spellings, exact_powers),
+    (kinked, None),
 ]
 
 
@@ -416,12 +428,23 @@ def test_captured_names_that_could_meet_the_programs_become_placeholders() -> No
         (lambda score, b, h, i, j: score + ((i > j) - (j > 0)), "`-` of two bool values"),
         (lambda score, b, h, i, j: torch.nn.functional.relu(score, inplace=True), "not changed in place"),
         (lambda score, b, h, i, j: score + torch.add(i > j, j > 0, alpha=2), "two bool values with alpha=2"),
+        # (session 66's review: a partial read compared by identity, a silent all-masked row; an
+        # unrounded half; torch.max's dim taken for a value; a missing return named nothing)
+        (lambda score, b, h, i, j: score + (DOC[i] == DOC[j]) * 1.0, "read with 1 of its 2 indices, used as a value"),
+        (lambda score, b, h, i, j: score.half(), "rounding to a narrower float is not traced"),
+        (lambda score, b, h, i, j: torch.max(score, 0), "reduces over a dim"),
+        (lambda score, b, h, i, j: torch.fmod(score, 0.5), "torch.fmod of a float value"),
+        (lambda score, b, h, i, j: None, "returned None (no `return`?): expected the new score"),
+        (lambda score, b, h, i, j: (score, score), "returned a tuple"),
+        (lambda score, b, h, i, j: BIAS[h], "returned a captured tensor of shape (4, 37, 53) read with 1 of its 3"),
     ],
 )
 def test_what_the_dsl_cannot_say_is_an_error_at_the_functions_line(score_mod, message: str) -> None:
     with pytest.raises(FlexTraceError, match=r"score_mod|returned") as info:
         flex_program(score_mod)
-    assert message in str(info.value)
+    # (after the quoted line of the function, which holds the expected message too)
+    text = str(info.value)
+    assert message in (text.split("`): ", 1)[1] if "`): " in text else text)
     if "returned" not in message:
         assert f"{__file__}:" in str(info.value) and "lambda score" in str(info.value)
 
@@ -440,6 +463,23 @@ def test_a_traced_program_too_large_says_why() -> None:
     q = torch.randn(1, 1, 8, 8)
     with pytest.raises(FlexTraceError, match=r"too large for the compiler .* reuse intermediate values less"):
         flex_attention(q, q, q, piecewise)
+
+
+def test_relu_keeps_nan_and_deep_nesting_is_a_trace_error() -> None:
+    """relu(NaN) is NaN in torch (its `where` form must not make it 0), and an expression nested
+    past the parser's limit is the tracer's error, not a DslError at the generated text's column."""
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    nan_bias = torch.tensor([0.0, math.nan, 1.0, -1.0], dtype=torch.float64)
+    out = flex_attention(q, q, q, lambda score, b, h, i, j: score + torch.relu(nan_bias[j]))
+    assert out.isnan().all()
+
+    def deep(score, b, h, q_idx, kv_idx):
+        for _ in range(250):
+            score = torch.tanh(score)
+        return score
+
+    with pytest.raises(FlexTraceError, match="nested too deeply for the compiler"):
+        flex_attention(q, q, q, deep)
 
 
 def test_call_errors_name_the_argument() -> None:

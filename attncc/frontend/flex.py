@@ -54,6 +54,9 @@ DSL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: The largest integer exponent `x ** n` expands into products.
 MAX_POWER = 16
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Integer dtypes narrower than the DSL's int64 whose conversions wrap (bits, signed). int32 is
+#: taken as int64 (Flex's indices are int32 already; a wrap there would cost every score a `%`).
+_NARROW_INTS = {torch.uint8: (8, False), torch.int8: (8, True), torch.int16: (16, True)}
 
 
 @dataclass
@@ -418,11 +421,20 @@ class Traced:
         return self._extreme(other, "max")
 
     def clamp(self, min: object = None, max: object = None) -> Traced:
-        out = self
+        """torch.clamp: min below min, max above max (max where min > max), NaN kept; the
+        gradient passes to x where min <= x <= max, a tie included, and to a traced bound where x
+        is beyond it, as torch's does (min() and max() halve a tie's: torch.maximum's rule; a
+        bias clamped at 0 from a zero start got half its gradient, session 66's review)."""
+        if self.kind == "bool" and all(b is None or self._operand(b).kind == "bool" for b in (min, max)):
+            out = self
+            if min is not None:
+                out = out._extreme(min, "max")
+            return out if max is None else out._extreme(max, "min")
+        out = self._number()
         if min is not None:
-            out = out._extreme(min, "max")
+            out = _where(out < min, min, out, self.captures)
         if max is not None:
-            out = out._extreme(max, "min")
+            out = _where(out > max, max, out, self.captures)
         return out
 
     clip = clamp
@@ -452,7 +464,13 @@ class Traced:
     def float(self) -> Traced:
         return self._as_float()
 
-    double = half = bfloat16 = float
+    double = float
+
+    def half(self) -> Traced:
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> Traced:
+        return self.to(torch.bfloat16)
 
     def _as_float(self) -> Traced:
         x = self._number()
@@ -462,13 +480,24 @@ class Traced:
         dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
         if dtype is None:
             return self  # (a device move: nothing to trace)
+        if dtype in (torch.float16, torch.bfloat16):  # (it was traced as no conversion: unrounded)
+            raise FlexTraceError(
+                f"a conversion to {dtype}: rounding to a narrower float is not traced; the scores are fp32 "
+                "(float64 for float64 inputs), drop the conversion"
+            )
         if dtype in _FLOAT_DTYPES:
             return self._as_float()
         if dtype == torch.bool:
             return self if self.kind == "bool" else self._compare(0, "!=")
         if self.kind == "float":  # (toward zero, as torch converts: saturated and NaN 0, expr.ROUNDING_OPS)
-            return Traced(f"trunc({self.text})", "int", self.captures)
-        return self._number()
+            value = Traced(f"trunc({self.text})", "int", self.captures)
+        else:
+            value = self._number()
+        if dtype in _NARROW_INTS:  # (wrapped as torch's do: `.to(torch.uint8)` of -1 is 255)
+            bits, signed = _NARROW_INTS[dtype]
+            span = 1 << bits
+            return (value + span // 2) % span - span // 2 if signed else value % span
+        return value
 
     def long(self) -> Traced:
         return self.to(torch.int64)
@@ -497,6 +526,8 @@ class Traced:
 
     def fmod(self, other: object) -> Traced:
         """C's remainder (the sign of the dividend), where `%` has the divisor's."""
+        if "float" in (self._number().kind, self._operand(other)._number().kind):
+            raise FlexTraceError("torch.fmod of a float value: the DSL's remainder is an integer operation")
         remainder, divisor = self.__mod__(other), self._operand(other)
         parted = (remainder != 0) & ((self < 0) ^ (divisor < 0))
         return _where(parted, remainder - divisor, remainder, self.captures)
@@ -510,7 +541,12 @@ class Traced:
         return _where(x > zero, 1, _where(x < zero, -1, 0, self.captures), self.captures)._kind_of(x)
 
     def relu(self) -> Traced:
-        return self._extreme(0.0 if self.kind == "float" else 0, "max")
+        """torch.relu: x where x > 0, else 0 (NaN kept), with torch's gradient: 0 at x = 0 (a
+        bias started at zero got none of its gradient through max(x, 0)'s halves there)."""
+        x = self._number()
+        if x.kind != "float":
+            return x._extreme(0, "max")
+        return _where(x > 0.0, x, _where(x != x, x, 0.0, self.captures), self.captures)
 
     def softplus(self, beta: float = 1.0, threshold: float = 20.0) -> Traced:
         """torch's softplus: log(1 + exp(beta x)) / beta, x itself where beta x > threshold."""
@@ -550,6 +586,11 @@ class Traced:
                 return _where(condition, a, b, captures)
             raise FlexTraceError("torch.where with one argument (nonzero indices) is not a score or mask expression")
         if name in ("max", "min", "amax", "amin") and len(args) == 2 and not kwargs:  # (torch.max(a, b))
+            if name in ("amax", "amin") or not isinstance(args[1], (Traced, torch.Tensor, _Partial)):
+                raise FlexTraceError(
+                    f"torch.{name}(x, {args[1]!r}) reduces over a dim (torch's flex_attention refuses it): use "
+                    f"torch.{name[-3:]}imum(x, y) of two values, or torch.clamp"
+                )
             return _operand(args[0], captures)._extreme(args[1], name[-3:])
         if name in ("zeros_like", "ones_like", "full_like"):  # (a constant of x's kind: its shape is ())
             fill = {"zeros_like": 0, "ones_like": 1}.get(
@@ -650,6 +691,8 @@ def _operand(x: object, captures: _Captures) -> Traced:
         return Traced(f"({x})" if x < 0 else str(x), "int", captures)
     if isinstance(x, float):
         return Traced(_float_text(x), "float", captures)
+    if isinstance(x, _Partial):
+        raise FlexTraceError(x.incomplete())
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise FlexTraceError(
@@ -667,7 +710,9 @@ def _read_element(name: str, tensor: torch.Tensor, index_text: str, captures: _C
 
 
 class _Partial:
-    """A captured tensor indexed by fewer indices than it has dims (`bias[h][q_idx]`)."""
+    """A captured tensor indexed by fewer indices than it has dims (`bias[h][q_idx]`); used as a
+    value it is an error (`doc[q_idx] == doc[kv_idx]` of a [B, N] `doc` compared two such objects
+    by identity: a mask of False, every row masked, silently; torch raises)."""
 
     def __init__(self, tensor: torch.Tensor, indices: tuple[object, ...], captures: _Captures) -> None:
         self.tensor, self.indices, self.captures = tensor, indices, captures
@@ -675,6 +720,21 @@ class _Partial:
     def __getitem__(self, index: object) -> Traced | _Partial:
         more = index if isinstance(index, tuple) else (index,)
         return _read(self.tensor, self.indices + more, self.captures)
+
+    def incomplete(self) -> str:
+        return (
+            f"a captured tensor of shape {tuple(self.tensor.shape)} read with {len(self.indices)} of its "
+            f"{self.tensor.dim()} indices, used as a value: index every dim (e.g. doc[b, q_idx])"
+        )
+
+    def _as_value(self, *_: object) -> Any:
+        raise FlexTraceError(self.incomplete())
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _as_value  # type: ignore[assignment]
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _as_value
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __abs__ = _as_value
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _as_value
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _read(tensor: object, index: object, captures: _Captures) -> Traced | _Partial:
@@ -748,6 +808,22 @@ def _traced_call(role: str, fn: Callable[..., Any], args: tuple[object, ...]) ->
         ) from None
 
 
+def _returned(role: str, fn: Callable[..., Any], args: tuple[object, ...], captures: _Captures) -> Traced:
+    """What `fn` returns on traced arguments, as one traced value; else an error naming the
+    function and what it returned (a missing `return`, a tuple, a partial read)."""
+    value = _traced_call(role, fn, args)
+    if isinstance(value, (Traced, bool, int, float, torch.Tensor)):
+        return _operand(value, captures)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    place = f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}" if hasattr(fn, "__code__") else name
+    what = (
+        "None (no `return`?)" if value is None else value.incomplete() if isinstance(value, _Partial) else
+        f"a {type(value).__name__}"
+    )  # fmt: skip
+    expected = "the new score" if role == "score_mod" else "whether the score is kept (a bool value)"
+    raise FlexTraceError(f"{role} `{name}` ({place}) returned {what}: expected {expected}")
+
+
 @dataclass(frozen=True)
 class FlexProgram:
     """A traced variant: the DSL program and the tensors its runtime inputs name."""
@@ -774,12 +850,12 @@ def flex_program(
     indices = [Traced(dsl, "int", captures) for dsl in FLEX_INDICES.values()]
     score_text = mask_text = None
     if score_mod is not None:
-        score = _operand(_traced_call("score_mod", score_mod, (Traced("s", "float", captures), *indices)), captures)
+        score = _returned("score_mod", score_mod, (Traced("s", "float", captures), *indices), captures)
         if score.kind == "bool":
             raise FlexTraceError("score_mod returned a bool value: it returns the new score (a mask is mask_mod's)")
         score_text = None if score.text == "s" else score.text
     if mask_mod is not None:
-        keep = _operand(_traced_call("mask_mod", mask_mod, tuple(indices)), captures)
+        keep = _returned("mask_mod", mask_mod, tuple(indices), captures)
         if keep.kind != "bool":
             raise FlexTraceError(f"mask_mod returned {_a(keep.kind)} value: it returns whether a score is kept")
         mask_text = None if keep.text == "(0 == 0)" else keep.text

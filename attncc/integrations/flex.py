@@ -73,6 +73,11 @@ def _kernel(source: str, device: torch.device) -> Kernel:
     try:
         return _KERNELS(TracedProgram(source), device)
     except DslError as error:
+        if "nested too deeply" in str(error):  # (a position in the generated text means nothing to the caller)
+            raise FlexTraceError(
+                f"the functions traced into an expression nested too deeply for the compiler "
+                f"({str(error).splitlines()[0].split('error: ')[-1]}): compose fewer functions in one value"
+            ) from None
         if "too large" not in str(error):
             raise
         # (the DSL's expressions are trees: a traced value used twice is written twice, so a chain
