@@ -325,6 +325,7 @@ def test_bad_calls_name_the_argument() -> None:
         (lambda: flash_attn_varlen_kvpacked_func(q[0], torch.randn(4, 3, 2, 16), torch.tensor([0, 4]), torch.tensor([0, 4])), r"kv: expected \[total_k, 2"),
         (lambda: flash_attn_with_kvcache(q[:, :1], cache[:1], cache[:1], cache_seqlens=3, cache_batch_idx=torch.zeros(1, dtype=torch.int64, device="meta")), r"^cache_batch_idx: expected device cpu \(that of q\), got meta$"),
         (lambda: flash_attn_func(q, q[:, :, :0], q[:, :, :0]), r"^k: expected at least one key/value head, got \(1, 4, 0, 16\) \(\[B, M, Hkv, D\]\)$"),
+        (lambda: flash_attn_with_kvcache(q, cache[:, :, :0], cache[:, :, :0], cache_seqlens=3), r"^k_cache: expected at least one key/value head, got \(3, 24, 0, 16\)"),
         (lambda: flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 5]), torch.tensor([0, 4])), r"^cu_seqlens_q: the last offset 5 is beyond q's 4 rows \(expected at most them\)$"),
         (lambda: flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4]), torch.tensor([0, 6])), r"^cu_seqlens_k: the last offset 6 is beyond k's 4 rows"),
     ):  # fmt: skip

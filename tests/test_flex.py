@@ -142,7 +142,9 @@ def kinked(score, b, h, q_idx, kv_idx):
     x = kinks[kv_idx % 6]
     clamped = torch.clamp(x, min=0.0, max=0.5) + x.clamp_max(0.0) + torch.clamp(x, min=1.0, max=-1.0) * 0.25
     wrapped = (q_idx - kv_idx).to(torch.uint8) * 0.01 + (kv_idx * 20).to(torch.int8) * 0.001
-    return score + torch.relu(x) - torch.nn.functional.relu(-x) * 0.5 + clamped + wrapped
+    # (`.to(score)` takes the score's dtype: two bools converted so add as numbers, not `or`)
+    counted = ((q_idx >= kv_idx).to(score) + (kv_idx % 2 == 0).to(score)) * 0.5
+    return score + torch.relu(x) - torch.nn.functional.relu(-x) * 0.5 + clamped + wrapped + counted
 
 
 slopes, bias, temperature, doc, lengths, t5_table, kinks = SLOPES, BIAS, TEMPERATURE, DOC, LENGTHS, T5_TABLE, KINKS
@@ -437,6 +439,8 @@ def test_captured_names_that_could_meet_the_programs_become_placeholders() -> No
         (lambda score, b, h, i, j: None, "returned None (no `return`?): expected the new score"),
         (lambda score, b, h, i, j: (score, score), "returned a tuple"),
         (lambda score, b, h, i, j: BIAS[h], "returned a captured tensor of shape (4, 37, 53) read with 1 of its 3"),
+        (lambda score, b, h, i, j: torch.where(i > j, BIAS[h], score), "read with 1 of its 3 indices, used as a value"),
+        (lambda score, b, h, i, j: score + BIAS[h].abs(), "read with 1 of its 3 indices, used as a value"),
     ],
 )
 def test_what_the_dsl_cannot_say_is_an_error_at_the_functions_line(score_mod, message: str) -> None:
@@ -480,6 +484,16 @@ def test_relu_keeps_nan_and_deep_nesting_is_a_trace_error() -> None:
 
     with pytest.raises(FlexTraceError, match="nested too deeply for the compiler"):
         flex_attention(q, q, q, deep)
+
+    def chained(score, b, h, q_idx, kv_idx):  # (relu writes its operand twice: 2^40 copies)
+        x = score
+        for _ in range(40):
+            x = torch.relu(x - 0.1)
+        return x
+
+    # (stopped as the text passes the compiler's limit: a chain of 13 took 20 GB before)
+    with pytest.raises(FlexTraceError, match=r"score_mod `chained` .* too large for the compiler \(a traced value of"):
+        flex_attention(q, q, q, chained)
 
 
 def test_call_errors_name_the_argument() -> None:

@@ -416,6 +416,16 @@ def test_cli_check_passes_and_fails(monkeypatch, capsys) -> None:
     assert main(args) == 0 and "all ok" in capsys.readouterr().out
 
 
+def test_cli_check_in_float64_holds_a_learnable_table_to_its_own_dtype(capsys) -> None:
+    """`attncc check --dtype float64` of a program with a float table made the table float32, so
+    its gradient (float32, right to 1e-8) failed float64's 1e-9 limit: MISMATCH for a correct
+    kernel (session 66's review, examples/alibi.attn at every shape)."""
+    from attncc.cli import main
+
+    assert main(["check", "examples/alibi.attn", "--shape", "1,2,1,33,40,16", "--dtype", "float64"]) == 0
+    assert "all ok" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------- primitives
 HARNESS = """
 #define ATTNCC_ACC_T float

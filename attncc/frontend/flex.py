@@ -40,6 +40,7 @@ import torch
 
 from attncc.errors import FlexTraceError
 from attncc.frontend.lower import CALL_ARGUMENTS, CALL_KEYWORDS, MATH_FUNCTIONS, RESERVED
+from attncc.frontend.parser import MAX_SOURCE_CHARS
 from attncc.ir.expr import python_number
 
 #: Flex's index arguments and the DSL names they are: the sequence, the query head, the query
@@ -121,6 +122,17 @@ def _closure_names(fn: Callable[..., Any]) -> dict[int, str]:
 BOOL_ARITHMETIC: dict[str, str | None] = {"+": "|", "*": "&", "-": None}
 
 
+def too_large(detail: str) -> str:
+    """The error of functions traced into a program past the compiler's size (`detail`: whose)."""
+    # (the DSL's expressions are trees: a traced value used twice is written twice, so a chain
+    # of steps each reusing the last, `x = torch.where(c, x - d, x)`, doubles it at every step)
+    return (
+        f"the functions traced into a program too large for the compiler ({detail}): each use of a value "
+        "repeats all of its computation, so steps that reuse the previous value twice double it; reuse "
+        "intermediate values less (`x = x - torch.where(c, d, 0)` instead of `x = torch.where(c, x - d, x)`)"
+    )
+
+
 class Traced:
     """A symbolic value of a score or mask function: the DSL text of what it computes and its
     kind (`int`, `float` or `bool`, as torch would type it)."""
@@ -129,6 +141,8 @@ class Traced:
     __hash__ = object.__hash__
 
     def __init__(self, text: str, kind: str, captures: _Captures) -> None:
+        if len(text) > MAX_SOURCE_CHARS:  # (before it doubles again: a chain of such steps ran out of memory)
+            raise FlexTraceError(too_large(f"a traced value of {len(text)} characters, limit {MAX_SOURCE_CHARS}"))
         self.text, self.kind, self.captures = text, kind, captures
 
     def __repr__(self) -> str:
@@ -421,21 +435,26 @@ class Traced:
         return self._extreme(other, "max")
 
     def clamp(self, min: object = None, max: object = None) -> Traced:
-        """torch.clamp: min below min, max above max (max where min > max), NaN kept; the
-        gradient passes to x where min <= x <= max, a tie included, and to a traced bound where x
-        is beyond it, as torch's does (min() and max() halve a tie's: torch.maximum's rule; a
-        bias clamped at 0 from a zero start got half its gradient, session 66's review)."""
-        if self.kind == "bool" and all(b is None or self._operand(b).kind == "bool" for b in (min, max)):
+        """torch.clamp: min below min, max above max (max where min > max), NaN kept. With
+        constant bounds the gradient passes to x where min <= x <= max, a tie included, as
+        torch's does (max() and min() halve a tie's, torch.maximum's rule: a bias clamped at 0
+        from a zero start got half its gradient, session 66's review). A traced bound keeps the
+        max() / min() form (torch's rules for tensor bounds, a NaN bound's NaN among them, take
+        each operand several times, and every use of a value repeats its text)."""
+        low, high = (python_number(bound) for bound in (min, max))
+        constant = all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in (low, high) if b is not None)
+        if self.kind == "bool" or not constant:
             out = self
-            if min is not None:
-                out = out._extreme(min, "max")
-            return out if max is None else out._extreme(max, "min")
-        out = self._number()
-        if min is not None:
-            out = _where(out < min, min, out, self.captures)
-        if max is not None:
-            out = _where(out > max, max, out, self.captures)
-        return out
+            if low is not None:
+                out = out._extreme(low, "max")
+            return out if high is None else out._extreme(high, "min")
+        x = self._number()
+        if low is not None and high is not None and low > high:  # (every value is max: no gradient)
+            return _operand(high, self.captures)._kind_of(
+                x if isinstance(low, int) and isinstance(high, int) else x._as_float()
+            )
+        inside = x if high is None else _where(x > high, high, x, self.captures)
+        return inside if low is None else _where(x < low, low, inside, self.captures)
 
     clip = clamp
 
@@ -477,7 +496,10 @@ class Traced:
         return x if x.kind == "float" else Traced(f"({x.text} * 1.0)", "float", self.captures)
 
     def to(self, *args: object, **kwargs: object) -> Traced:
+        # (a dtype, or a tensor or traced value whose dtype it takes: `.to(score)`, `.to(other)`)
         dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
+        if dtype is None:
+            dtype = next((a.dtype for a in args if isinstance(a, (torch.Tensor, Traced))), None)
         if dtype is None:
             return self  # (a device move: nothing to trace)
         if dtype in (torch.float16, torch.bfloat16):  # (it was traced as no conversion: unrounded)
@@ -546,7 +568,7 @@ class Traced:
         x = self._number()
         if x.kind != "float":
             return x._extreme(0, "max")
-        return _where(x > 0.0, x, _where(x != x, x, 0.0, self.captures), self.captures)
+        return _where(x <= 0.0, 0.0, x, self.captures)  # (NaN fails the test: kept)
 
     def softplus(self, beta: float = 1.0, threshold: float = 20.0) -> Traced:
         """torch's softplus: log(1 + exp(beta x)) / beta, x itself where beta x > threshold."""
@@ -735,6 +757,21 @@ class _Partial:
     __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __abs__ = _as_value
     __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _as_value
     __hash__ = None  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:  # (`bias[h].abs()`: a method of a value)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise FlexTraceError(self.incomplete())
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        partial = next(
+            x
+            for a in (*args, *(kwargs or {}).values())
+            for x in (a if isinstance(a, (tuple, list)) else (a,))
+            if isinstance(x, _Partial)
+        )
+        raise FlexTraceError(partial.incomplete())
 
 
 def _read(tensor: object, index: object, captures: _Captures) -> Traced | _Partial:

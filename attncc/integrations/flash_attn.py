@@ -349,6 +349,11 @@ def flash_attn_with_kvcache(
             )
             raise InputError(f"{name}: has no attncc mapping here ({what})")
     _checked_operands(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), 4, "[B, N, H, D] / cache rows")
+    if k_cache.shape[2] == 0:
+        raise InputError(
+            f"k_cache: expected at least one key/value head, got {tuple(k_cache.shape)} ([B_cache, M_max, Hkv, D], "
+            "or pages [num_pages, page_size, Hkv, D])"
+        )
     batch = q.shape[0]
     contiguous = block_table is None
     if block_table is None:

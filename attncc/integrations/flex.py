@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from attncc.errors import DslError, FlexTraceError, InputError
-from attncc.frontend.flex import FlexProgram, flex_program
+from attncc.frontend.flex import FlexProgram, flex_program, too_large
 from attncc.integrations.made import MadeKernels
 from attncc.passes.sparsity import EMPTY, FULL, Problem, classify_tiles, runtime_tensors
 from attncc.runtime.kernel import Kernel, drop_in_scale
@@ -80,14 +80,7 @@ def _kernel(source: str, device: torch.device) -> Kernel:
             ) from None
         if "too large" not in str(error):
             raise
-        # (the DSL's expressions are trees: a traced value used twice is written twice, so a chain
-        # of steps each reusing the last, `x = torch.where(c, x - d, x)`, doubles it at every step)
-        raise FlexTraceError(
-            f"the functions traced into a program too large for the compiler ({str(error).splitlines()[0]}): each use "
-            "of a value repeats all of its computation, so steps that reuse the previous value twice double it; "
-            "reuse intermediate values less (`x = x - torch.where(c, d, 0)` instead of "
-            "`x = torch.where(c, x - d, x)`)"
-        ) from None
+        raise FlexTraceError(too_large(str(error).splitlines()[0])) from None
 
 
 @torch.compiler.disable  # (host work on the lists' values: eager under torch.compile, as `_traced`)
