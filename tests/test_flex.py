@@ -476,6 +476,9 @@ def test_relu_keeps_nan_and_deep_nesting_is_a_trace_error() -> None:
     nan_bias = torch.tensor([0.0, math.nan, 1.0, -1.0], dtype=torch.float64)
     out = flex_attention(q, q, q, lambda score, b, h, i, j: score + torch.relu(nan_bias[j]))
     assert out.isnan().all()
+    # (and a clamp whose min is above its max: max everywhere, NaN where the input is NaN)
+    out = flex_attention(q, q, q, lambda score, b, h, i, j: score + torch.clamp(nan_bias[j], min=1.0, max=-1.0))
+    assert out.isnan().all()
 
     def deep(score, b, h, q_idx, kv_idx):
         for _ in range(250):
@@ -491,7 +494,7 @@ def test_relu_keeps_nan_and_deep_nesting_is_a_trace_error() -> None:
             x = torch.relu(x - 0.1)
         return x
 
-    # (stopped as the text passes the compiler's limit: a chain of 13 took 20 GB before)
+    # (stopped as the text passes the compiler's limit: an earlier form's chain of 12 took 20 GB)
     with pytest.raises(FlexTraceError, match=r"score_mod `chained` .* too large for the compiler \(a traced value of"):
         flex_attention(q, q, q, chained)
 

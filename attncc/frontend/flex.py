@@ -449,10 +449,9 @@ class Traced:
                 out = out._extreme(low, "max")
             return out if high is None else out._extreme(high, "min")
         x = self._number()
-        if low is not None and high is not None and low > high:  # (every value is max: no gradient)
-            return _operand(high, self.captures)._kind_of(
-                x if isinstance(low, int) and isinstance(high, int) else x._as_float()
-            )
+        if low is not None and high is not None and low > high:  # (every value is max, NaN kept: no gradient)
+            kind = x if isinstance(low, int) and isinstance(high, int) else x._as_float()
+            return _where(x != x, x, high, self.captures)._kind_of(kind)
         inside = x if high is None else _where(x > high, high, x, self.captures)
         return inside if low is None else _where(x < low, low, inside, self.captures)
 
@@ -848,7 +847,7 @@ def _traced_call(role: str, fn: Callable[..., Any], args: tuple[object, ...]) ->
 def _returned(role: str, fn: Callable[..., Any], args: tuple[object, ...], captures: _Captures) -> Traced:
     """What `fn` returns on traced arguments, as one traced value; else an error naming the
     function and what it returned (a missing `return`, a tuple, a partial read)."""
-    value = _traced_call(role, fn, args)
+    value = python_number(_traced_call(role, fn, args))  # (numpy's scalars as Python's)
     if isinstance(value, (Traced, bool, int, float, torch.Tensor)):
         return _operand(value, captures)
     name = getattr(fn, "__name__", type(fn).__name__)

@@ -80,7 +80,7 @@ def _kernel(source: str, device: torch.device) -> Kernel:
             ) from None
         if "too large" not in str(error):
             raise
-        raise FlexTraceError(too_large(str(error).splitlines()[0])) from None
+        raise FlexTraceError(too_large(str(error).splitlines()[0].split("error: ")[-1])) from None
 
 
 @torch.compiler.disable  # (host work on the lists' values: eager under torch.compile, as `_traced`)
