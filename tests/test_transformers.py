@@ -738,7 +738,8 @@ def test_packed_offsets_follow_the_position_ids_row_after_row() -> None:
 
 def test_padding_with_holes_is_a_clear_error() -> None:
     holes = torch.tensor([[1, 1, 0, 1, 1]])
-    with pytest.raises(AttnccError, match=r"rows \[0\] have padding between real tokens"):
+    # (the hint for right-padded generation, whose new tokens follow the padding: session 66's review)
+    with pytest.raises(AttnccError, match=r"rows \[0\] have padding between real tokens .*padding_side='left'"):
         integration.key_ranges(holes, 1, 5)
     start, end = integration.key_ranges(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]]), 3, 5)
     assert start.tolist() == [2, 0, 0] and end.tolist() == [5, 3, 0]

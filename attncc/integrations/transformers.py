@@ -634,9 +634,9 @@ def key_ranges(padding_mask: torch.Tensor, batch: int, keys: int) -> tuple[torch
     if not torch.equal(valid.sum(1), end - start):
         rows = torch.nonzero(valid.sum(1) != end - start).flatten().tolist()
         raise AttnccError(
-            f"attention_mask: rows {rows} have padding between real tokens (packed sequences?); attncc maps "
-            "left or right padding only, one contiguous run of keys per sequence (use the kernel's .varlen "
-            "for packed sequences)"
+            f"attention_mask: rows {rows} have padding between real tokens (packed sequences, or tokens generated "
+            "after right padding: generate with padding_side='left'); attncc maps left or right padding only, one "
+            "contiguous run of keys per sequence (use the kernel's .varlen for packed sequences)"
         )
     return start.to(torch.int64), end.to(torch.int64)
 
