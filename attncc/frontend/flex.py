@@ -827,9 +827,13 @@ def _user_frame(error: BaseException, fn: Callable[..., Any]) -> str:
         path = Path(frame.filename).resolve()
         if here not in path.parents and "torch" not in path.parts:
             place = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
-    if not place and getattr(fn, "__code__", None) is not None:
-        place = f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}"
-    return place
+    return place or _defined_at(fn)
+
+
+def _defined_at(fn: Callable[..., Any]) -> str:
+    """`file:line` where `fn` is defined ("" where it has no code: a builtin, a callable object)."""
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
 
 
 def _traced_call(role: str, fn: Callable[..., Any], args: tuple[object, ...]) -> object:
@@ -851,7 +855,7 @@ def _returned(role: str, fn: Callable[..., Any], args: tuple[object, ...], captu
     if isinstance(value, (Traced, bool, int, float, torch.Tensor)):
         return _operand(value, captures)
     name = getattr(fn, "__name__", type(fn).__name__)
-    place = f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}" if hasattr(fn, "__code__") else name
+    place = _defined_at(fn) or name
     what = (
         "None (no `return`?)" if value is None else value.incomplete() if isinstance(value, _Partial) else
         f"a {type(value).__name__}"

@@ -73,14 +73,17 @@ def _kernel(source: str, device: torch.device) -> Kernel:
     try:
         return _KERNELS(TracedProgram(source), device)
     except DslError as error:
-        if "nested too deeply" in str(error):  # (a position in the generated text means nothing to the caller)
+        said = (
+            str(error).splitlines()[0].split("error: ")[-1]
+        )  # (a position in the generated text means nothing to the caller)
+        if "nested too deeply" in said:
             raise FlexTraceError(
-                f"the functions traced into an expression nested too deeply for the compiler "
-                f"({str(error).splitlines()[0].split('error: ')[-1]}): compose fewer functions in one value"
+                f"the functions traced into an expression nested too deeply for the compiler ({said}): compose "
+                "fewer functions in one value"
             ) from None
-        if "too large" not in str(error):
+        if "too large" not in said:
             raise
-        raise FlexTraceError(too_large(str(error).splitlines()[0].split("error: ")[-1])) from None
+        raise FlexTraceError(too_large(said)) from None
 
 
 @torch.compiler.disable  # (host work on the lists' values: eager under torch.compile, as `_traced`)

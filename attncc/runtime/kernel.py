@@ -1607,7 +1607,8 @@ class Kernel:
         all_keys: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """dq, dk, dv and the learnable inputs' gradients (empty where not wanted; with `sink`,
-        the rows' lse residuals after them, for the sink's gradient); `packed` as in `forward_impl` (q, k, v, out, dout, dq, dk, dv rows [total, heads, D]). `kept_by`: the
+        the rows' lse residuals after them, for the sink's gradient); `packed` as in
+        `forward_impl` (q, k, v, out, dout, dq, dk, dv rows [total, heads, D]). `kept_by`: the
         forward's kept launch this call repeated (`KeptLaunch.backward`), which keeps the
         backward's packed launch for the calls repeating it. `sink`: the forward's sink logits
         (lse's layout), and `all_keys` False where k and v are only part of each row's keys (a
