@@ -632,6 +632,32 @@ def test_mask_functions_are_read_as_dsl_predicates_and_the_rest_is_a_clear_error
         model(ids, attention_mask=mask)  # (an IndexError inside Doge's own mask code before)
 
 
+def test_a_config_window_that_no_mask_applies_is_no_window() -> None:
+    """Moshi's configs carry a `sliding_window` its modeling code never applies (its masks are
+    plain causal ones, and its layers pass no window): every Moshi model was refused as if the
+    window were in its mask alone (PhiMoE's, refused above). A layer whose config's masks were
+    all made without a window runs without one, with and without padding, as sdpa does."""
+    cfg = transformers.MoshiConfig(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, sliding_window=5, initializer_range=0.3, audio_vocab_size=32, num_codebooks=2,
+        depth_hidden_size=32, depth_num_hidden_layers=1, depth_num_attention_heads=2, depth_ffn_dim=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.MoshiForCausalLM(copy.deepcopy(cfg)).eval()
+    ours = transformers.MoshiForCausalLM(copy.deepcopy(cfg)).eval()
+    ours.load_state_dict(reference.state_dict())
+    reference.set_attn_implementation("sdpa")
+    ours.set_attn_implementation(NAME)
+    ids, mask = batch()
+    with torch.no_grad():
+        expected, got = (m(ids, attention_mask=mask).logits for m in (reference, ours))
+        unpadded = [m(ids[:1]).logits for m in (reference, ours)]
+    real = mask.bool()
+    assert expected[real].std() > 0.3
+    assert (got - expected)[real].abs().max() < 2e-4
+    assert (unpadded[1] - unpadded[0]).abs().max() < 2e-4
+
+
 def test_models_computing_attention_in_their_own_code_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Models whose modules never import the attention interface applied the mask made for
     attncc as their own (GPT-NeoX-Japanese, ImageGPT, MegatronBert / RoFormer / RemBert

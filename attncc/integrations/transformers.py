@@ -195,16 +195,56 @@ def model_asking(frames: int = 8) -> torch.nn.Module | None:
 NOT_PASSED = object()
 
 
+#: Configs the mask function made masks for (by id, the config held weakly): whether any of those
+#: masks carried a sliding window (`layer_window`).
+_MASK_WINDOWS: dict[int, tuple[weakref.ref, bool]] = {}
+_WINDOWS_LOCK = module_lock(__name__, "_WINDOWS_LOCK")
+
+
+def note_mask_window(config: object, windowed: bool) -> None:
+    """Record that the mask function made a mask for `config`, with or without a window
+    (eager calls: torch.compile traces neither the lock nor the weak reference)."""
+    if config is None or torch.compiler.is_compiling():
+        return
+    key = id(config)
+    with _WINDOWS_LOCK:
+        known = _MASK_WINDOWS.get(key)
+        if known is not None and known[0]() is config:
+            if windowed and not known[1]:
+                _MASK_WINDOWS[key] = (known[0], True)
+            return
+        try:
+            ref = weakref.ref(config, lambda _, key=key: _MASK_WINDOWS.pop(key, None))
+        except TypeError:  # (an object that takes no weak reference: nothing is known of it)
+            return
+        _MASK_WINDOWS[key] = (ref, windowed)
+
+
+def masks_never_windowed(config: object) -> bool:
+    """Whether masks were made for `config` and none of them carried a sliding window (known in
+    eager calls alone: `note_mask_window`)."""
+    if torch.compiler.is_compiling():
+        return False
+    with _WINDOWS_LOCK:
+        known = _MASK_WINDOWS.get(id(config))
+    return known is not None and known[0]() is config and not known[1]
+
+
 def layer_window(module: torch.nn.Module, sliding_window: object) -> int | None:
     """The layer's sliding window: as passed; where the layer passes none but its config has a
-    window in force (PhiMoE), the window is in transformers' mask alone, which the 2-D padding
-    mask handed over here does not carry, and the layer may or may not slide: a clear error
-    (it ran without the window, silently)."""
+    window in force, the window is in transformers' mask alone, if anywhere. Where every mask
+    the mask function made for the layer's config had no window (Moshi's configs carry a
+    `sliding_window` its modeling code never applies), the layer does not slide; where one had
+    a window (PhiMoE's), or none was made through it (or under torch.compile), the 2-D padding
+    mask handed over here does not say whether this layer slides: a clear error (it ran without
+    the window, silently)."""
     if sliding_window is not NOT_PASSED:
         return sliding_window  # type: ignore[return-value]
     config = getattr(module, "config", None)
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) is not False:
+        if masks_never_windowed(config):
+            return None
         raise AttnccError(
             f"{type(module).__name__}: the config's sliding_window={window} is not passed to the attention call "
             "(it is in the model's mask only), so attncc cannot tell whether this layer slides: no attncc mapping"
@@ -535,9 +575,11 @@ def attncc_attention_mask(
                 "use attn_implementation='eager' or 'sdpa'"
             )
     if torch.compiler.is_compiling() and not plain_mask_function(mask_function):
+        note_mask_window(kwargs.get("config"), True)  # (unread: it may hold a window)
         return dense_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     padding = None if attention_mask is None else attention_mask[:, -kv_length:]
     term = mask_term(mask_function, kv_offset, kv_length) if mask_function is not None else MaskTerm(None, {}, False)
+    note_mask_window(kwargs.get("config"), "window" in term.inputs)
     if padding is None and CAUSAL_TERM in (term.text or ""):
         # (keys past the last query's position are empty slots in a causal decoder; a cross-
         # attention's keys are no positions, and its masks are bidirectional)
