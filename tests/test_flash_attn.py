@@ -279,6 +279,8 @@ def test_bad_calls_name_the_argument() -> None:
         flash_attn_with_kvcache(q, q, q, rotary_cos=torch.ones(4, 8))
     with pytest.raises(InputError, match="cache_seqlens: needed to append k and v"):
         flash_attn_with_kvcache(q, q, q, q[:, :1], q[:, :1])
+    with pytest.raises(InputError, match=r"^k, v: give both new keys and values to append, or neither$"):
+        flash_attn_with_kvcache(q, q, q, q[:, :1], None, cache_seqlens=1)  # (named the paged call's k_new, v_new)
     cache = torch.randn(3, 24, 2, 16)
     with pytest.raises(InputError, match=r"cache_batch_idx: rows \[0, 7\] of a cache of 3 sequences"):
         flash_attn_with_kvcache(

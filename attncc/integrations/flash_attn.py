@@ -381,6 +381,8 @@ def flash_attn_with_kvcache(
         block_table = rows.view(batch, 1).to(torch.int32)
     elif cache_batch_idx is not None:
         raise InputError("cache_batch_idx: goes with a contiguous cache, not with block_table")
+    if (k is None) != (v is None):  # (the paged call's error would name its k_new, v_new)
+        raise InputError("k, v: give both new keys and values to append, or neither")
     if cache_seqlens is None:  # (the whole cache: every page of the table full)
         if k is not None:
             raise InputError("cache_seqlens: needed to append k and v (they are written at cache_seqlens[b])")
