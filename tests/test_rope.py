@@ -306,6 +306,9 @@ def test_rotated_dims_beyond_the_head_dim_are_named() -> None:
         ("q = rope(q, base=10)", "`rope` has no keyword argument `base`"),
         ("q = rope(q, theta=start[b])", "rope's theta must be a constant number"),
         ("q = rope(q, position=i + shift[b])", "rope's position reads the float input `shift`"),
+        # (a rope elsewhere read as an unknown function, or "no keyword argument `theta`": session 67)
+        ("r = rope(q, theta=10000)", "`rope` rotates q or k as a statement of its own: `q = rope(q, ...)`"),
+        ("t = 2 * rope(k)", "`rope` rotates q or k as a statement of its own"),
     ],
 )
 def test_dsl_mistakes_point_at_the_call(line: str, message: str) -> None:

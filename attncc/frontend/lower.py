@@ -545,6 +545,10 @@ def _matmul(ctx: _Context, a: Ast, left: Value, right: Value) -> Value:
 
 def _call(ctx: _Context, a: Ast) -> Value:
     fn = a.value
+    if fn == "rope":  # (a statement of its own: elsewhere it read as an unknown function, or a wrong keyword)
+        raise DslError(
+            "`rope` rotates q or k as a statement of its own: `q = rope(q, ...)` or `k = rope(k, ...)`", a.loc
+        )
     keywords = [c for c in a.children if c.kind == "keyword"]
     allowed = ("sink",) if fn == "softmax" else ()
     for n, kw in enumerate(keywords):
