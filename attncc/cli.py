@@ -408,14 +408,19 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
                 stages = attncc.lower(program, target)
                 kern = attncc.Kernel(stages, target) if target == "cpu" else GpuKernel(stages, target)
                 start = time.perf_counter()
-                if target == "cpu":
-                    paths = kern.prebuild(dtypes, args.head_dims, kv_dtypes)
-                else:  # and the forwards that calls of few query rows run (decoding: GpuKernel.for_rows)
-                    paths = kern.prebuild(dtypes, args.head_dims, kv_dtypes, paged=args.paged)
+                # (a context-parallel call's chunk pairs run the kernel at global positions, its own library)
+                kernels = [kern, kern.at_global_positions()] if args.context_parallel else [kern]
+                paths = []
+                for base in kernels:
+                    if target == "cpu":
+                        paths += base.prebuild(dtypes, args.head_dims, kv_dtypes)
+                        continue
+                    # GPU: decoding's forwards too, GQA decoding's with them (the folded ones were
+                    # not prebuilt before session 67: a server without nvcc could not build them)
                     for d in args.head_dims:
-                        for forward in kern.decoding_forwards(d):
-                            paths += forward.prebuild(dtypes, [d], kv_dtypes, paged=args.paged)
-                    paths = list(dict.fromkeys(paths))  # (head dims of one plan share libraries)
+                        for each in base.deployed_forwards(d):
+                            paths += each.prebuild(dtypes, [d], kv_dtypes, paged=args.paged)
+                paths = list(dict.fromkeys(paths))  # (head dims of one plan share libraries)
                 every.update(paths)
                 what = "head dims " + ",".join(map(str, args.head_dims)) if target != "cpu" else "any head dim"
                 print(
@@ -553,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtypes", nargs="+", default=[], choices=list(KV_FORMATS), help="fp8 K/V: their forwards too")
     p.add_argument("--head-dims", type=_positive, nargs="+", default=[64, 128], help="head dims for GPU targets")
     p.add_argument("--paged", action="store_true", help="GPU targets: the forwards of paged calls (Kernel.paged) too")
+    p.add_argument(
+        "--context-parallel", action="store_true", help="the kernels of context-parallel calls (ring attention) too"
+    )
     p.add_argument("-o", "--output", required=True, help="the directory to fill")
     p.set_defaults(fn=cmd_prebuild)
 

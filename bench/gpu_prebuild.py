@@ -78,8 +78,7 @@ def lease_builds() -> list[Callable[[], object]]:
         """`kern` and the forwards that calls of few query rows run (GpuKernel.for_rows: warps
         splitting each key tile, the 64-row forward), and all again with a GQA group's query
         heads folded into rows."""
-        folded = kern.with_folded_query_heads()
-        return [each for k in (kern, folded) for each in (k, *k.decoding_forwards(head_dim))]
+        return kern.deployed_forwards(head_dim)  # type: ignore[return-value]
 
     for name in EXAMPLES:  # test_gpu_forward_backward_match_fp64, test_gpu_32_row_warps_match_fp64 (and the bench)
         prebuild(kernel(example(name)), [fp16, bf16], [64, 128, 256])

@@ -171,7 +171,22 @@ def test_a_damaged_prebuilt_library_is_skipped_with_a_warning(tmp_path, monkeypa
     damaged = subprocess.run(
         [sys.executable, "-c", call, program], env=env, capture_output=True, text=True, timeout=300
     )
-    assert f"{library} damaged (its digest differs): prebuild it again" in damaged.stderr, damaged.stderr
+    assert f"{library} damaged (its digest differs or is missing): prebuild it again" in damaged.stderr, damaged.stderr
+    digest = library.with_name("kernel.so.sha256")
+    recorded = digest.read_text()
+    digest.unlink()  # (a library without its digest was skipped silently, "from other sources or headers")
+    unfinished = subprocess.run(
+        [sys.executable, "-W", "always", "-c", call, program], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert f"prebuilt kernel {library} is damaged; ignoring it" in unfinished.stderr, unfinished.stderr
+    assert f"{library} damaged (its digest differs or is missing)" in unfinished.stderr, unfinished.stderr
+    digest.write_text(recorded)
+    # which a prebuild into the directory does (it kept the damaged library: session 67's review)
+    assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(prebuilt)]) == 0
+    repaired = subprocess.run(
+        [sys.executable, "-c", call, program], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert repaired.returncode == 0 and "damaged" not in repaired.stderr, repaired.stderr
     library.parent.rename(tmp_path / "lost")
     assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(prebuilt)]) == 0
     debug = subprocess.run(
@@ -185,20 +200,22 @@ def test_a_damaged_prebuilt_library_is_skipped_with_a_warning(tmp_path, monkeypa
 def test_gpu_targets_prebuild_per_storage_dtype_and_head_dim_plan(tmp_path, capsys) -> None:
     """fp32 and bf16 inputs share the bf16 library on sm80; head dims 64 and 60 share the d=64
     plan: one nvcc library per (storage dtype, plan), and one for each forward that decoding calls
-    run (key-split warps for 16 and 32 rows, the 64-row short-query tiles), named by the same keys a GPU machine's
+    run (key-split warps for 16 and 32 rows, the 64-row short-query tiles), all again with a GQA
+    group's query heads folded into rows, named by the same keys a GPU machine's
     `attncc.compile(..., target="cuda")` looks for; with --paged each one's paged forward too."""
     prebuilt = tmp_path / "prebuilt"
     args = ["prebuild", CAUSAL, "--targets", "sm80", "--dtypes", "float32", "bfloat16", "--head-dims", "64", "60"]
     assert cli_main([*args, "-o", str(prebuilt)]) == 0
-    assert "causal.attn: sm80, 4 libraries (head dims 64,60)" in capsys.readouterr().out
+    assert "causal.attn: sm80, 8 libraries (head dims 64,60)" in capsys.readouterr().out
     build_dirs = [p.parent for p in prebuilt.glob("*/kernel.so")]
     assert all("-arch=sm_80" in (d / "build.ninja").read_text() for d in build_dirs)
-    assert sorted(d.name.rsplit("-", 1)[0] for d in build_dirs) == ["causal-sm80-gpu-bfloat16-64"] * 4
+    assert sorted(d.name.rsplit("-", 1)[0] for d in build_dirs) == ["causal-sm80-gpu-bfloat16-64"] * 8
     tiles = sorted(int(re.findall(r"constexpr int kBr = (\d+);", (d / "kernel.cu").read_text())[0]) for d in build_dirs)
-    assert tiles == [16, 32, 64, 128]  # the plan's rows, the key-split forwards' and the short-query forward's
+    # the plan's rows, the key-split forwards' and the short-query forward's, unfolded and folded
+    assert tiles == [16, 16, 32, 32, 64, 64, 128, 128]
     assert cli_main([*args, "--paged", "-o", str(tmp_path / "paged")]) == 0
-    assert "causal.attn: sm80, 8 libraries (head dims 64,60)" in capsys.readouterr().out
-    assert len(list((tmp_path / "paged").glob("*bfloat16+paged-64*/kernel.so"))) == 4
+    assert "causal.attn: sm80, 16 libraries (head dims 64,60)" in capsys.readouterr().out
+    assert len(list((tmp_path / "paged").glob("*bfloat16+paged-64*/kernel.so"))) == 8
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not installed on this machine")
@@ -226,9 +243,34 @@ def test_gpu_libraries_prebuilt_here_load_under_another_torch(tmp_path, monkeypa
     try:
         kern = GpuKernel(attncc.lower(CAUSAL, "sm80"), "sm80")
         assert kern.library_path_for("bfloat16", 64).parent.parent == prebuilt
+        # GQA decoding's forwards, a group's query heads as one head's rows: one query of a
+        # group of 4 (the key-split warps' 16 rows), and chunks of 16 (the short-query tiles);
+        # not prebuilt before session 67, so a server without nvcc failed its first GQA decode
+        folded = kern.with_folded_query_heads()
+        for rows in (4, 64):
+            assert folded.for_rows(rows, 64).library_path_for("bfloat16", 64).parent.parent == prebuilt
         assert build.portable_key("the same text") != host_key
     finally:
         build._headers_fingerprint.cache_clear()
+
+
+def test_context_parallel_kernels_prebuild_and_load_without_a_compiler(tmp_path, monkeypatch, capsys) -> None:
+    """A context-parallel call's chunk pairs run the kernel at global positions, a library of its
+    own that `attncc prebuild` did not build: a server without a compiler failed its first ring
+    call (session 67's review). `--context-parallel` builds it beside the kernel's."""
+    prebuilt = tmp_path / "prebuilt"
+    assert cli_main(["prebuild", ALIBI, "--dtypes", "float32", "--context-parallel", "-o", str(prebuilt)]) == 0
+    assert "alibi.attn: cpu, 2 libraries (any head dim)" in capsys.readouterr().out
+
+    def no_compiler(directory: Path, name: str) -> None:
+        raise AssertionError(f"{name} was built on the server")
+
+    monkeypatch.setattr(build, "_run_ninja", no_compiler)
+    monkeypatch.setenv(PREBUILT_ENV, str(prebuilt))
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path / "cache"))
+    kern = attncc.compile(ALIBI)
+    for each in (kern, kern.at_global_positions()):
+        assert each.library_path("float32").parent.parent == prebuilt
 
 
 def test_prebuild_errors_are_one_line(tmp_path, capsys) -> None:

@@ -391,8 +391,9 @@ def _why_not_prebuilt(name: str, host_flags: tuple[str, ...]) -> str:
     if not found:
         return f"none named {name}: prebuild this program for this dtype"
     damaged = [d for d in found if d / "kernel.so" in _DAMAGED_PREBUILT]
-    if damaged:  # (the one that would have matched: its digest differs)
-        return f"{', '.join(str(d / 'kernel.so') for d in damaged)} damaged (its digest differs): prebuild it again"
+    if damaged:  # (the one that would have matched: its digest differs or is missing)
+        shown = ", ".join(str(d / "kernel.so") for d in damaged)
+        return f"{shown} damaged (its digest differs or is missing): prebuild it again"
     wanted = dict(line.split(": ", 1) for line in _prebuilt_facts(host_flags, None).splitlines())
     differences, unrecorded = set(), 0
     for directory in found:
@@ -426,14 +427,10 @@ def _find_prebuilt(name: str, key: str) -> Path | None:
     is skipped with a warning (a read-only directory cannot be repaired in place)."""
     for root in prebuilt_dirs():
         library = root / f"{name}-{key}" / "kernel.so"
-        recorded = _digest_path(library)
-        if not recorded.exists():
+        if not _digest_path(library).exists() and not library.exists():
             continue
-        try:
-            if library.exists() and recorded.read_text().strip() == _digest(library):
-                return library
-        except OSError:
-            pass
+        if _intact(library):  # (a library without its digest: an unfinished or damaged prebuild)
+            return library
         if library not in _DAMAGED_PREBUILT:
             _DAMAGED_PREBUILT.add(library)
             warnings.warn(f"attncc: prebuilt kernel {library} is damaged; ignoring it", stacklevel=3)
@@ -565,11 +562,17 @@ def build_library(
             _REBUILDS.move_to_end(library)
             if len(_REBUILDS) > REBUILDS_KEPT:
                 _REBUILDS.popitem(last=False)  # (the oldest)
-    needs_build = not _digest_path(library).exists()  # (the digest is written after the library: complete)
+
+    # (the digest is written after the library: complete; a prebuild also repairs a damaged one,
+    # which the runtime refuses, telling the user to prebuild again)
+    def built() -> bool:
+        return _intact(library) if _PREBUILDING_INTO else _digest_path(library).exists()
+
+    needs_build = not built()
     if needs_build:
         with _writing_into_cache(directory, name):  # (the folder and the lock: `_file_lock`; the sources)
             with _file_lock(directory / ".lock"):
-                if not _digest_path(library).exists():
+                if not built():
                     _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
     if _PREBUILDING_INTO:  # (also where prebuilt before, by an attncc that wrote no manifest, or it was lost)
         with _writing_into_cache(directory, name):
@@ -696,6 +699,14 @@ def _command_word(path: object) -> str:
 
 def _digest_path(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether a library is the one built: there, with the digest recorded after its build."""
+    try:
+        return library.exists() and _digest_path(library).read_text().strip() == _digest(library)
+    except OSError:
+        return False
 
 
 def _digest(path: Path) -> str:

@@ -237,6 +237,13 @@ class EmulatedKernel(Kernel):
         forwards = {id(kern): kern for kern in (self.for_rows(rows, head_dim) for rows in row_counts)}
         return [kern for kern in forwards.values() if kern is not self]
 
+    def deployed_forwards(self, head_dim: int) -> list[EmulatedKernel]:
+        """This kernel, the forwards of calls of few query rows (`decoding_forwards`) and all
+        again with a GQA group's query heads folded into rows (`with_folded_query_heads`: GQA
+        decoding): each a library of its own at `head_dim`, what a deployment prebuilds."""
+        kernels = (self, self.with_folded_query_heads())
+        return [each for kern in kernels for each in (kern, *kern.decoding_forwards(head_dim))]  # type: ignore[attr-defined]
+
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The tensor-core dtype q, k, v of `dtype` run in: fp16/bf16 as given, fp32/fp64 converted
         to the target's first choice (bf16; fp16 on sm75, whose tensor cores lack bf16)."""
