@@ -146,6 +146,14 @@ def test_graph_printer_lists_statements_in_order() -> None:
         ("attention t\ns = q @ k.T\noutput", 3, 7, "unexpected end of file; expected a name"),
         ("attention t\ninput x: float[L]\nconst L = 3\n", 3, 7, "`L` names a dimension before this (line 2)"),
         ("attention t\nconst L = 2.5\ninput x: float[L]\n", 3, 16, "dimension `L` is a constant 2.5"),
+        # session 67's review: names that expressions read as something else took any size
+        ("attention t\ninput x: float[i]\n", 2, 16, "`i` is a built-in name, not a dimension"),
+        ("attention t\ninput x: float[H, scale]\n", 2, 19, "`scale` is a built-in name, not a dimension"),
+        ("attention t\ninput x: float[s]\n", 2, 16, "`s` is a built-in name, not a dimension"),
+        ("attention t\ninput w: float\ninput x: float[w]\n", 3, 16, "`w` is a float input, not a dimension"),
+        ("attention t\ninput w: bool[H]\ninput x: float[w]\n", 3, 16, "`w` is a tensor, not a dimension"),
+        ("attention t\ninput x: float[w]\ninput w: bool\n", 3, 7, "`w` names a dimension before this (line 2)"),
+        ("attention t\ninput x: float[L]\nL = 3\n", 3, 1, "`L` names a dimension (line 2) and cannot be assigned"),
         # session 63's review: an input named as a call's own argument could never be given
         ("attention t\ninput seed: int\n", 2, 7, "an input cannot be named `seed`: the kernels' calls take"),
         ("attention t\ninput dtype: int[B]\n", 2, 7, "an input cannot be named `dtype`"),

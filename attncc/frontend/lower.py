@@ -145,6 +145,12 @@ def _input(ctx: _Context, stmt: Ast) -> None:
     if len(stmt.children) > 2:
         role = "tensor"
         dims = tuple(_dim(ctx, d) for d in stmt.children[2].children)
+    if name.value in ctx.dim_names and (role == "tensor" or dtype.value != "int"):
+        raise DslError(
+            f"`{name.value}` names a dimension before this (line {ctx.dim_names[name.value].line}), which an int "
+            f"input alone can give: {DIMENSIONS_ARE}",
+            name.loc,
+        )
     node = add_op(ctx.g, Input(name.value, role, dtype.value, dims, loc=name.loc))
     ctx.fixed[name.value] = "an input"
     ctx.names[name.value] = (
@@ -162,6 +168,13 @@ def _dim(ctx: _Context, d: Ast) -> str | int:
             raise DslError(f"dimension `{d.value}` is a constant {known.value!r}, not a positive int", d.loc)
         return int(known.value)
     if d.value.isidentifier():
+        # (a built-in, a float or bool input or a tensor named as a dimension took any size while
+        # expressions read the name as what it is: `float[i]`, `float[scale]`, session 67's review)
+        if (d.value in RESERVED and d.value not in ex.SIZE_VARS) or d.value == ex.SCORE_VAR:
+            raise DslError(f"`{d.value}` is a built-in name, not a dimension: {DIMENSIONS_ARE}", d.loc)
+        if ctx.fixed.get(d.value) == "an input" and not (isinstance(known, ex.Var) and known.ty == ex.INT):
+            what = "a tensor" if isinstance(known, TensorRef) else f"a {_input_kinds(known)} input"
+            raise DslError(f"`{d.value}` is {what}, not a dimension: {DIMENSIONS_ARE}", d.loc)
         ctx.dim_names.setdefault(d.value, d.loc)
     if d.value.isdigit():
         size = _int_literal(d.value)
@@ -173,6 +186,16 @@ def _dim(ctx: _Context, d: Ast) -> str | int:
     if not d.value.isidentifier():
         raise DslError(f"a dimension is a name or a positive integer, not `{d.value}`", d.loc)
     return d.value
+
+
+#: What an input's dimension may be (`_dim`).
+DIMENSIONS_ARE = (
+    "a dimension is a size (B H Hkv N M D), a positive int, an int const or input, or a name the call binds"
+)
+
+
+def _input_kinds(value: object) -> str:
+    return "float" if isinstance(value, ex.Var) and value.ty == ex.FLOAT else "bool"
 
 
 def _scalar_type(dtype: str) -> str:
@@ -225,6 +248,11 @@ def _assign(ctx: _Context, stmt: Ast) -> None:
         raise DslError(f"`{name.value}` is reserved or an input and cannot be assigned", name.loc)
     if name.value in ctx.fixed:  # (a scalar input's call value was ignored after `a = 3.0`)
         raise DslError(f"`{name.value}` is {ctx.fixed[name.value]} and cannot be assigned", name.loc)
+    if name.value in ctx.dim_names:  # (expressions read the value, the shape any size)
+        raise DslError(
+            f"`{name.value}` names a dimension (line {ctx.dim_names[name.value].line}) and cannot be assigned",
+            name.loc,
+        )
     value = _lower_expr(ctx, value_ast)
     current = ctx.names.get(name.value)
     if isinstance(value, ex.Expr) and isinstance(current, TensorRef) and current.kind == "scores":
