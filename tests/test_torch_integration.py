@@ -1007,3 +1007,53 @@ def test_attncc_first_imported_under_inference_mode_trains() -> None:
     env = {**os.environ, "PYTHONPATH": ROOT_FIRST_PYTHONPATH}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "trained", done.stderr[-2000:]
+
+
+@pytest.fixture
+def default_dtype() -> object:
+    """torch's default dtype, set by the test and restored after it."""
+    before = torch.get_default_dtype()
+    yield torch.set_default_dtype
+    torch.set_default_dtype(before)
+
+
+def test_torchs_default_dtype_changes_no_result(default_dtype) -> None:
+    """Under `torch.set_default_dtype(torch.bfloat16)` (LLM scripts set it) the tile classes
+    rounded the last query row and key column to bf16, so visible tiles were classified empty:
+    causal N = M = 515, rows 512-513 4e-3 off; a mask `j >= M - 1` at M = 1002, every row (out
+    2.4 off, lse -inf). The emulated CUDA path's split-KV partials were allocated in the default
+    dtype, half the size the kernel writes under fp16: heap corruption (session 67's review).
+    Each call is its kernel's first (a kept launch repeats the classes of an earlier call)."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype, (n, m), mask in (
+        (torch.bfloat16, (515, 515), "j <= i"),
+        (torch.float16, (515, 515), "j <= i"),
+        (torch.bfloat16, (70, 1002), "j >= M - 1"),
+    ):
+        q, k, v = (
+            torch.randn(1, 2, rows, 16, generator=gen, dtype=torch.float64, requires_grad=True) for rows in (n, m, m)
+        )
+        i, j = torch.arange(n).view(-1, 1), torch.arange(m).view(1, -1)
+        kept = j <= i if mask == "j <= i" else j >= m - 1
+        scores = (q @ k.transpose(-1, -2) / 4).masked_fill(~kept, -torch.inf)
+        want = [torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)]
+        want += torch.autograd.grad(want[0].sum() + want[1].sum(), (q, k, v))
+        name = f"default_dtype_{str(dtype)[6:]}_{m}"
+        kern = attncc.compile(
+            f"attention {name}\ns = q @ k.T * scale\nmask {mask}\np = softmax(s)\no = p @ v\noutput o\n"
+        )
+        operands = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        default_dtype(dtype)
+        out, lse = kern(*operands, return_lse=True)
+        got = [out, lse, *torch.autograd.grad(out.sum() + lse.sum(), operands)]
+        default_dtype(torch.float32)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=0, msg=lambda said, name=name: f"{name}: {said}")
+    emulated = attncc.compile(ROOT / "examples" / "alibi.attn", target="sm80", emulate=True)
+    emulated.kv_splits = 3
+    q, k = torch.randn(1, 4, 1, 64, generator=gen).bfloat16(), torch.randn(1, 2, 700, 64, generator=gen).bfloat16()
+    slopes = torch.rand(4, generator=gen)
+    default_dtype(torch.float16)
+    out = emulated(q, k, k, slopes=slopes)
+    default_dtype(torch.float32)
+    torch.testing.assert_close(out, emulated(q, k, k, slopes=slopes), atol=0, rtol=0)

@@ -771,8 +771,11 @@ def _interval_classes(
         env.update({name: _point(float(v)) for name, v in scalars.items()})
         env["b"] = _point(torch.arange(shape[0], dtype=torch.float64).view(-1, 1, 1, 1))
         env["h"] = _point(torch.arange(shape[1], dtype=torch.float64).view(1, -1, 1, 1))
-        env["i"] = Interval(rows, torch.minimum(rows + block_rows - 1, torch.as_tensor(last_row)))
-        env["j"] = Interval(cols, torch.minimum(cols + block_cols - 1, torch.as_tensor(last_col)))
+        # (float64 bounds, whatever torch's default dtype: a bf16 default rounded the last row or
+        # key, from 257 on, and classified visible tiles empty, session 67's review)
+        last = [torch.as_tensor(x, dtype=torch.float64) for x in (last_row, last_col)]
+        env["i"] = Interval(rows, torch.minimum(rows + block_rows - 1, last[0]))
+        env["j"] = Interval(cols, torch.minimum(cols + block_cols - 1, last[1]))
         truth = _as_truth(IntervalEvaluator(env, _reader(tensors))(info.predicate))
         cls = torch.where(~truth.may_true, EMPTY, torch.where(~truth.may_false, FULL, PARTIAL)).to(torch.uint8)
     cls = cls.expand(shape)

@@ -396,9 +396,11 @@ class EmulatedKernel(Kernel):
             if packed is not None:
                 ptrs.update(packed.buffers())
             if plan.kv_splits > 1:  # each split's O and log-sum-exp per row [B, H, longest], merged by the kernel
+                # (fp32, whatever torch's default dtype: a bf16 default halved them, and the kernel's
+                # writes corrupted the heap, session 67's review)
                 rows = qs.shape[0] * qs.shape[1] * qs.shape[2]
-                ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, value_dim, device=q.device)
-                ptrs["lse_partial"] = torch.empty(plan.kv_splits, rows, device=q.device)
+                ptrs["o_partial"] = torch.empty(plan.kv_splits, rows, value_dim, dtype=torch.float32, device=q.device)
+                ptrs["lse_partial"] = torch.empty(plan.kv_splits, rows, dtype=torch.float32, device=q.device)
             strides = None
             if paged is not None:  # caches [pages, page_size, Hkv, D] read through the block table
                 ptrs.update(paged.buffers())

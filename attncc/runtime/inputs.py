@@ -54,7 +54,7 @@ def make_inputs(
     def randn(*size: int) -> torch.Tensor:
         if not operands:
             return torch.zeros((), dtype=dtype).expand(*size)
-        return torch.randn(*size, generator=gen).to(dtype).requires_grad_(requires_grad)
+        return torch.randn(*size, generator=gen, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
 
     q, k, v = randn(s.B, s.H, s.N, s.D), randn(s.B, s.Hkv, s.M, s.D), randn(s.B, s.Hkv, s.M, s.Dv)
     sizes = {"B": s.B, "H": s.H, "Hkv": s.Hkv, "N": s.N, "M": s.M, "D": s.D}
@@ -84,7 +84,7 @@ def make_inputs(
                 requires_grad
             )
         elif decl.dtype == "bool":
-            runtime[decl.name] = torch.rand(*dims, generator=gen) < 0.6
+            runtime[decl.name] = torch.rand(*dims, generator=gen, dtype=torch.float32) < 0.6
         elif decl.dims and decl.dims[-1] in ("N", "M"):  # per-position ids: sorted segments
             runtime[decl.name] = torch.randint(0, 4, dims, generator=gen).sort(dim=-1).values
         else:  # per-batch lengths in [0, M]; with B > 1 the first is 0 (fully masked rows)

@@ -2192,7 +2192,7 @@ class KeptLaunch:
             pointers[slots["k_new"]] = k_new.data_ptr()  # type: ignore[union-attr]
             pointers[slots["v_new"]] = v_new.data_ptr()  # type: ignore[union-attr]
         if self.partial_shapes is not None:  # (alive until the launch returns)
-            partials = [torch.empty(*shape, device=q.device) for shape in self.partial_shapes]
+            partials = [torch.empty(*shape, dtype=torch.float32, device=q.device) for shape in self.partial_shapes]
             pointers[slots["o_partial"]] = partials[0].data_ptr()
             pointers[slots["lse_partial"]] = partials[1].data_ptr()
         if self.tensor_slots:  # (alive until the launch returns; lse's dtype is the accumulator's)
