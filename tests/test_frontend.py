@@ -157,6 +157,7 @@ def test_graph_printer_lists_statements_in_order() -> None:
         # session 63's review: an input named as a call's own argument could never be given
         ("attention t\ninput seed: int\n", 2, 7, "an input cannot be named `seed`: the kernels' calls take"),
         ("attention t\ninput dtype: int[B]\n", 2, 7, "an input cannot be named `dtype`"),
+        ("attention t\ninput self: float\n", 2, 7, "an input cannot be named `self`"),  # (session 67)
         pytest.param(
             "attention t\ns = q @ k.T\n" + "layout local(block=32, width=1)\n" * 17,
             19,

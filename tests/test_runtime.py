@@ -125,6 +125,31 @@ def test_numpy_scalars_are_the_numbers_they_hold_and_train_is_a_bool() -> None:
             kern(q, q, q, window=5, tau=0.25, on=True, train=train)
         with pytest.raises(InputError, match="train: expected True or False"):
             kern.varlen(packed, packed, packed, cu, cu, window=5, tau=0.25, on=True, train=train)
+        # (session 67's review: `return_lse="no"` returned the lse; a paged call's too)
+        with pytest.raises(InputError, match=f"return_lse: expected True or False, got {train!r}"):
+            kern(q, q, q, window=5, tau=0.25, on=True, return_lse=train)
+        with pytest.raises(InputError, match="return_lse: expected True or False"):
+            kern.varlen(packed, packed, packed, cu, cu, window=5, tau=0.25, on=True, return_lse=train)
+    assert len(kern(q, q, q, window=5, tau=0.25, on=True, return_lse=np.True_)) == 2
+
+
+def test_tensors_of_other_layouts_and_unreadable_numbers_are_named() -> None:
+    """Sparse and mkldnn operands, sparse runtime tensors, a scalar input on the meta device and
+    a scale beyond float's range raised from inside torch (session 67's review): InputErrors."""
+    kern = attncc.compile(WINDOWED_DROPOUT)
+    q = torch.randn(1, 2, 5, 8)
+    given = dict(window=5, tau=0.25, on=True)
+    with pytest.raises(InputError, match=r"^q: expected a dense \(strided\) tensor, got layout torch.sparse_coo$"):
+        kern(q.to_sparse(), q, q, **given)
+    with pytest.raises(InputError, match=r"^k: expected a dense \(strided\) tensor, got layout torch._mkldnn$"):
+        kern(q, q.to_mkldnn(), q, **given)
+    with pytest.raises(InputError, match=r"^tau: a scalar on the meta device has no value; pass a number$"):
+        kern(q, q, q, **{**given, "tau": torch.tensor(0.25, device="meta")})
+    with pytest.raises(InputError, match=r"^scale: expected a finite number, got 1000000000"):
+        kern(q, q, q, scale=10**400, **given)
+    slopes = attncc.compile(ROOT / "examples" / "alibi.attn")
+    with pytest.raises(InputError, match=r"^slopes: expected a dense \(strided\) tensor float\[H\], got layout torch"):
+        slopes(q, q, q, slopes=torch.ones(2).to_sparse())
 
 
 def test_out_of_range_block_mask_is_reported() -> None:

@@ -546,6 +546,8 @@ class Kernel:
         tensors ([B, H, j, D] as scaled_dot_product_attention takes them, or [B, j, H, D]): one
         packed call, out nested like q (runtime/nested.py).
         """
+        if return_lse is not False and return_lse is not True:
+            return_lse = checked_flag("return_lse", return_lse)
         # (two detours, each asked in ~0.2 us; the options dict is made on them only)
         nested, lower = any_nested(q, k, v), autocast_dtype(q)
         if nested or lower is not None:
@@ -976,6 +978,7 @@ class Kernel:
         and backward (`KeptLaunch`, kept in the plan). See attncc/runtime/ragged.py.
         """
         self.check_inputs_named_apart("varlen")
+        return_lse = checked_flag("return_lse", return_lse)
         self._check_launch_scale(scale, ("N", "M"), "packed")
         lower = autocast_dtype(q)
         if lower is not None:  # (as SDPA under torch.autocast: runtime/amp.py)
@@ -1077,6 +1080,7 @@ class Kernel:
         an error; `train` is taken, as the other calls take it, for code that passes it through).
         """
         self.check_inputs_named_apart("paged")
+        return_lse = checked_flag("return_lse", return_lse)
         self._check_launch_scale(scale, ("M",), "paged")
         if checked_train(train) and self.op.dropout > 0:
             raise InputError(
@@ -1348,6 +1352,8 @@ class Kernel:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:  # (sparse, mkldnn: "Cannot access data pointer" from inside torch)
+                raise InputError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
             if t.dim() != 4:
                 raise InputError(
                     f"{name}: expected 4 dimensions [B, {'H' if name == 'q' else 'Hkv'}, {'N' if name == 'q' else 'M'}, D], got shape {tuple(t.shape)}"
@@ -1463,6 +1469,8 @@ class Kernel:
                         f"this tensor requires grad; pass it detached, or declare `input {decl.name}: float[1]` "
                         f"and read `{decl.name}[0]` to learn it"
                     )
+                if value.is_meta:  # (.item() raised inside torch)
+                    raise InputError(f"{decl.name}: a scalar on the meta device has no value; pass a number")
                 value = value.item()
             # (|value| < 2^1024: float() of a larger int raised OverflowError; inf and NaN fail it too)
             ok = isinstance(value, (bool, int, float)) and abs(value) < 2**1024  # type: ignore[operator]
@@ -1477,6 +1485,10 @@ class Kernel:
             return value
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{decl.name}: expected a tensor {_declared(decl)}, got {type(value).__name__}")
+        if value.layout != torch.strided and not value.is_nested:  # (sparse: an error from inside torch)
+            raise InputError(
+                f"{decl.name}: expected a dense (strided) tensor {_declared(decl)}, got layout {value.layout}"
+            )
         host_read = decl.name in self._host_reads
         if value.device != device and not (host_read and value.device.type == "cpu"):
             where = " or the CPU (the host reads its values)" if host_read else ""
@@ -2221,10 +2233,17 @@ def checked_seed(seed: object) -> int:
 
 def checked_train(train: object) -> bool:
     """A call's `train=`: a bool (`train="no"` would be truthy: dropout on, silently)."""
-    train = python_number(train)
-    if not isinstance(train, bool):
-        raise InputError(f"train: expected True or False, got {train!r}")
-    return train
+    return checked_flag("train", train)
+
+
+def checked_flag(argument: str, value: object) -> bool:
+    """A call's bool option (a bool tensor's value too): `return_lse="no"` returned the lse."""
+    if value is True or value is False:
+        return value
+    value = python_number(value)
+    if not isinstance(value, bool):
+        raise InputError(f"{argument}: expected True or False, got {value!r}")
+    return value
 
 
 #: The seed a repeated call (never with dropout) saves for its backward: one tensor for all of
@@ -2290,9 +2309,13 @@ def checked_scale(scale: object, argument: str = "scale", drop_in: str | None = 
             f"a {scale.dtype} tensor of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else repr(scale)
         )
         raise InputError(f"{argument}: expected a real number (or a one-element tensor of one), got {shown}")
-    value = float(scale)  # type: ignore[arg-type]
+    try:
+        value = float(scale)  # type: ignore[arg-type]
+    except OverflowError:  # (an int beyond float's range, 10**400)
+        value = math.inf
     if not math.isfinite(value):
-        raise InputError(f"{argument}: expected a finite number, got {scale!r}")
+        shown = repr(scale) if len(repr(scale)) <= 40 else f"{repr(scale)[:40]}..."
+        raise InputError(f"{argument}: expected a finite number, got {shown}")
     return value
 
 
