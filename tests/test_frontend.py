@@ -158,6 +158,19 @@ def test_graph_printer_lists_statements_in_order() -> None:
         ("attention t\ninput seed: int\n", 2, 7, "an input cannot be named `seed`: the kernels' calls take"),
         ("attention t\ninput dtype: int[B]\n", 2, 7, "an input cannot be named `dtype`"),
         ("attention t\ninput self: float\n", 2, 7, "an input cannot be named `self`"),  # (session 67)
+        # (a constant index out of range failed every call, told at the call: session 67)
+        (
+            "attention t\ninput w: float[4]\ns = q @ k.T\ns = s + w[2 * 2]\n",
+            4,
+            11,
+            "index 4 of `w` is out of range: dimension 0 takes [0, 3]",
+        ),
+        (
+            "attention t\ninput w: float[L, H]\ns = q @ k.T\ns = s + w[-1, h]\n",
+            4,
+            11,
+            "index -1 of `w` is out of range",
+        ),
         pytest.param(
             "attention t\ns = q @ k.T\n" + "layout local(block=32, width=1)\n" * 17,
             19,

@@ -534,11 +534,21 @@ def _index(ctx: _Context, a: Ast) -> Value:
     if len(index_asts) != len(decl.dims):
         raise DslError(f"`{decl.name}` has {len(decl.dims)} dimensions but is indexed with {len(index_asts)}", a.loc)
     index = []
-    for i_ast in index_asts:
+    for axis, i_ast in enumerate(index_asts):
         i = _lower_expr(ctx, i_ast)
         if isinstance(i, (TensorRef, ScoreExpr)) or i.ty != ex.INT:
             raise DslError("an index must be an integer expression over b, h, i, j and integer inputs", i_ast.start)
-        index.append(ex.fold(i))
+        folded = ex.fold(i)
+        # (a read is checked at every position of every call, whatever `where` surrounds it: a
+        # constant index out of range failed every call, told at the call, session 67's review)
+        size = decl.dims[axis]
+        if isinstance(folded, ex.Const) and not 0 <= int(folded.value) < (size if isinstance(size, int) else INT64_MAX):
+            within = f"[0, {size - 1}]" if isinstance(size, int) else "0 and above"
+            raise DslError(
+                f"index {int(folded.value)} of `{decl.name}` is out of range: dimension {axis} takes {within}",
+                i_ast.start,
+            )
+        index.append(folded)
     return ex.Read(decl.name, tuple(index), _scalar_type(decl.dtype))
 
 
