@@ -139,9 +139,10 @@ def scaled_dot_product_attention(
             f"key, value: expected the leading dims of query {tuple(query.shape[:-2])} (heads may differ with "
             f"enable_gqa), got key {tuple(key.shape[:-2])}, value {tuple(value.shape[:-2])}"
         )
-    if (q.shape[1] == 0 or q.shape[3] == v.shape[3] == 0) and len({(t.dtype, t.device) for t in (q, k, v)}) == 1:
-        # no heads, or head dims of 0: an empty output, as SDPA's, in the graph (its gradients
-        # zeros; a bare new_zeros had none, and backward failed)
+    if (q.shape[1] == 0 or v.shape[3] == 0) and len({(t.dtype, t.device) for t in (q, k, v)}) == 1:
+        # no heads, or v's head dim 0 (q's too or not: Dv = 0 was refused until session 67): an
+        # empty output, as SDPA's, in the graph (its gradients zeros; a bare new_zeros had none,
+        # and backward failed)
         return (query.sum() + key.sum() + value.sum()).mul(0).expand(*query.shape[:-1], value.shape[-1])
     # (a key and value of one head broadcast over the query heads, enable_gqa or not, as in torch)
     if q.shape[1] != k.shape[1] and k.shape[1] != 1 and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
