@@ -402,7 +402,9 @@ class _Ring:
         """Post the transfers; the returned works' wait() completes them (tensors that travel
         through host memory, `through_host`, are copied into place there)."""
         sent = [t.to("cpu", copy=True) if through_host(t, self.group) else t for t, _, _ in sends]
-        landing = [torch.empty(t.shape, dtype=t.dtype) if through_host(t, self.group) else t for t, _, _ in recvs]
+        landing = [
+            torch.empty(t.shape, dtype=t.dtype, device="cpu") if through_host(t, self.group) else t for t, _, _ in recvs
+        ]
         ops = [dist.P2POp(dist.isend, t, self._peer(peer), self.group, tag) for t, (_, peer, tag) in zip(sent, sends)]
         ops += [
             dist.P2POp(dist.irecv, t, self._peer(peer), self.group, tag) for t, (_, peer, tag) in zip(landing, recvs)

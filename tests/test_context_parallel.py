@@ -396,6 +396,20 @@ def test_one_rank_is_the_plain_call(one_rank: None) -> None:
     torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
 
 
+def test_one_rank_under_torch_s_default_device_meta_is_the_plain_call(one_rank: None) -> None:
+    """Under `with torch.device("meta")` the ring's CPU kernel buffers were made on the meta
+    device (a segfault in the launch), after the layout's classes and the default scale had
+    failed on meta tensors (session 67's review): they follow the operands."""
+    kern = attncc.compile(program("document_sink_dropout"))
+    x = job_tensors(job("document_sink_dropout", "zigzag", N=64))
+    want = kern(x["q"], x["k"], x["v"], seed=9, **x["inputs"])
+    with torch.device("meta"):
+        layout = cp.choose_layout(kern, 1, 64, B=1, H=x["q"].shape[1], D=x["q"].shape[3], **x["inputs"])
+        out = cp.context_parallel(kern, x["q"], x["k"], x["v"], layout=layout.layout, seed=9, **x["inputs"])
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
 def test_bad_calls_are_named(one_rank: None) -> None:
     kern = attncc.compile(ROOT / "examples" / "causal.attn")
     q = torch.randn(1, 2, 8, 16)

@@ -991,6 +991,51 @@ def test_calls_on_cpu_tensors_ignore_torch_s_default_device(context: str) -> Non
     assert (outputs["dropout"] - gpt2(q, k, v, train=True, seed=4)).abs().max() == 0  # (the same seed's mask)
 
 
+def test_constant_sinks_block_masks_and_packed_plans_ignore_torch_s_global_state() -> None:
+    """Session 67's review: under `with torch.device("meta")` a sink of numbers alone (`sink=0.5`)
+    was made on the meta device and sent padded, packed and paged calls to the op's fake
+    (uninitialised outputs, 1.7 to 1e37 off); a Flex BlockMask's classes failed on meta tensors;
+    and a packed call's plan made under torch.inference_mode, kept for the next call on the same
+    offsets, failed a training call's backward ("Inference tensors cannot be saved")."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from attncc.integrations.flex import flex_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 17, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    scores = q @ k.transpose(-1, -2) / 8**0.5
+    with_sink = torch.cat([scores, torch.full((1, 2, 17, 1), 0.5, dtype=torch.float64)], -1)
+    want = torch.softmax(with_sink, -1)[..., :17] @ v
+    kern = attncc.compile(
+        "attention constant_sink\ns = q @ k.T * scale\np = softmax(s, sink=0.5)\no = p @ v\noutput o\n"
+    )
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+    offsets = torch.tensor([0, 17], dtype=torch.int32)
+    cache = packed[1].view(17, 1, 2, 8)
+    values = packed[2].view(17, 1, 2, 8)
+    table, lengths = torch.arange(17, dtype=torch.int32).view(1, 17), torch.tensor([17], dtype=torch.int32)
+    causal = create_block_mask(lambda b, h, i, j: j <= i, 1, 2, 17, 17, device="cpu")
+    want_causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.device("meta"):
+        padded = kern(q, k, v)
+        varlen = kern.varlen(*packed, offsets, offsets)
+        paged = kern.paged(q.transpose(1, 2), cache, values, table, lengths)
+        flex = flex_attention(q, k, v, block_mask=causal)
+    for out in (padded, varlen.transpose(0, 1)[None], paged.transpose(1, 2), flex):
+        assert out.device.type == "cpu"
+    for got, wanted in ((padded, want), (varlen.transpose(0, 1)[None], want), (paged.transpose(1, 2), want)):
+        torch.testing.assert_close(got, wanted, atol=1e-12, rtol=0)
+    torch.testing.assert_close(flex, want_causal, atol=1e-12, rtol=0)
+    vanilla = attncc.compile(
+        "attention inference_then_train\ns = q @ k.T * scale\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    with torch.inference_mode():
+        vanilla.varlen(*packed, offsets, offsets)
+    leaves = [t.clone().requires_grad_() for t in packed]
+    vanilla.varlen(*leaves, offsets, offsets).sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
 def test_attncc_first_imported_under_inference_mode_trains() -> None:
     """The seed every repeated call saves for its backward was made at import: an inference
     tensor where attncc was first imported under torch.inference_mode, and each training call

@@ -416,7 +416,7 @@ def offsets_from_starts(starts: torch.Tensor) -> torch.Tensor:
     """cu_seqlens (int64 [S + 1], on the host) of the rows' tokens flattened one row after another,
     from where sequences start [B, L] (bool, True at every row's first token)."""
     flat = starts.reshape(-1).cpu()
-    return torch.cat([flat.nonzero().flatten(), torch.tensor([flat.numel()])])
+    return torch.cat([flat.nonzero().flatten(), torch.tensor([flat.numel()], device=flat.device)])
 
 
 def reads_nothing(function: Callable) -> bool:

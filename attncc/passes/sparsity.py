@@ -129,8 +129,8 @@ def _layout_term(k: int, layout: Layout, declared: Mapping, grids: list[tuple[st
 def layout_grid(layout: Layout, n: int, m: int) -> torch.Tensor:
     """The [ceil(n/block), ceil(m/block)] bool grid of a generated layout."""
     nb, mb = -(-n // layout.block), -(-m // layout.block)
-    ib = torch.arange(nb).view(-1, 1)
-    jb = torch.arange(mb).view(1, -1)
+    ib = torch.arange(nb, device="cpu").view(-1, 1)
+    jb = torch.arange(mb, device="cpu").view(1, -1)
     p = dict(layout.params)
     dist = ib - jb
     if layout.kind == "local":
@@ -167,7 +167,12 @@ Abstract = Interval | Truth
 
 
 def _point(x: torch.Tensor | float) -> Interval:
-    t = torch.as_tensor(x, dtype=torch.float64)
+    # (a number on the host, whatever torch's default device: the classes are made there)
+    t = (
+        x.to(torch.float64)
+        if isinstance(x, torch.Tensor)
+        else torch.tensor(float(x), dtype=torch.float64, device="cpu")
+    )
     return Interval(t, t)
 
 
@@ -213,7 +218,7 @@ def _as_interval(v: Abstract) -> Interval:
 
 def _clean(lo: torch.Tensor, hi: torch.Tensor) -> Interval:
     bad = torch.isnan(lo) | torch.isnan(hi)
-    inf = torch.tensor(math.inf, dtype=torch.float64)
+    inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
     return Interval(torch.where(bad, -inf, lo), torch.where(bad, inf, hi))
 
 
@@ -224,7 +229,7 @@ def _nan_kept(value: Abstract, *operands: Abstract) -> Abstract:
     give it finite bounds that a NaN lies outside (floor(NaN) is 0: an index `floor(max(min(4.5,
     x), 3.5)) - 3` was proven in [0, 1] and read t[-3])."""
     assert isinstance(value, Interval)
-    wild = torch.zeros((), dtype=torch.bool)
+    wild = torch.zeros((), dtype=torch.bool, device="cpu")
     for x in operands:
         wild = wild | _may_be_nan(_as_interval(x))
     if not bool(wild.any()):
@@ -245,7 +250,7 @@ def _div(a: Interval, b: Interval, floor: bool) -> Interval:
     lo, hi = quots.amin(0), quots.amax(0)
     if floor:
         lo, hi = torch.floor(lo), torch.floor(hi)
-    inf = torch.tensor(math.inf, dtype=torch.float64)
+    inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
     return _clean(torch.where(spans_zero, -inf, lo), torch.where(spans_zero, inf, hi))
 
 
@@ -259,7 +264,7 @@ def _mod(a: Interval, b: Interval) -> Interval:
     exact = const_pos & same_period & finite
     lo = torch.where(exact, torch.remainder(torch.nan_to_num(a.lo), c), torch.zeros_like(c))
     hi = torch.where(exact, torch.remainder(torch.nan_to_num(a.hi), c), c - 1)
-    inf = torch.tensor(math.inf, dtype=torch.float64)
+    inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
     bound = torch.maximum(b.lo.abs(), b.hi.abs())
     bound = torch.where(torch.isfinite(bound), bound, inf)
     positive, negative = b.lo > 0, b.hi < 0
@@ -305,7 +310,7 @@ def _float32_exact(e: ex.Expr) -> bool:
     value = float(e.value)
     if value != 0 and abs(value) < torch.finfo(torch.float32).tiny:  # (a denormal: the CPU kernels read it as 0)
         return False
-    return math.isinf(value) or float(torch.tensor(value, dtype=torch.float32)) == value
+    return math.isinf(value) or float(torch.tensor(value, dtype=torch.float32, device="cpu")) == value
 
 
 def _may_be_nan(x: Interval) -> torch.Tensor:
@@ -369,7 +374,7 @@ class IntervalEvaluator:
             return (
                 _point(float(e.value))
                 if e.ty != ex.BOOL
-                else Truth(torch.tensor(bool(e.value)), torch.tensor(not e.value))
+                else Truth(torch.tensor(bool(e.value), device="cpu"), torch.tensor(not e.value, device="cpu"))
             )
         if isinstance(e, ex.Var):
             value = self.env[e.name]
@@ -516,9 +521,9 @@ def _range_extreme(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, largest:
     hi = torch.maximum(hi.clamp(0, length - 1), lo)
     grid = torch.broadcast_shapes(x.shape[:4], lo.shape)
     idx = [
-        torch.arange(s).view([-1 if a == d else 1 for a in range(4)])
+        torch.arange(s, device="cpu").view([-1 if a == d else 1 for a in range(4)])
         if x.shape[d] > 1
-        else torch.zeros(1, dtype=torch.long).view(1, 1, 1, 1)
+        else torch.zeros(1, dtype=torch.long, device="cpu").view(1, 1, 1, 1)
         for d, s in enumerate(grid)
     ]
     if bool((lo == hi).all()):
@@ -654,7 +659,7 @@ def _position_axis(size: int, dim: int) -> torch.Tensor:
     decoding step's classes take the same B, H and N at every token."""
     shape = [1, 1, 1, 1]
     shape[dim] = size
-    return torch.arange(size).view(shape)
+    return torch.arange(size, device="cpu").view(shape)
 
 
 def _classes_by_position(
@@ -697,7 +702,7 @@ def _classes_by_position(
     counts = pad(counts, (0, tj * block_cols - M)).view(B, H, ti, tj, block_cols).sum(4)
     rows = [min(block_rows, N - first) for first in range(0, N, block_rows)]  # each tile's
     cols = [min(block_cols, M - first) for first in range(0, M, block_cols)]
-    positions = torch.tensor([[r * c for c in cols] for r in rows])
+    positions = torch.tensor([[r * c for c in cols] for r in rows], device="cpu")
     # EMPTY 0 where no position is visible, PARTIAL 1 where some are, FULL 2 where all are
     return (counts > 0).to(torch.uint8) + (counts == positions)
 
@@ -723,9 +728,9 @@ def classify_tiles(
             f"attncc maps ({TILE_CLASSES_MAX}); split the sequence (context parallelism) or the batch"
         )
     if info.predicate is None and lengths is None:
-        return torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8).expand(shape).contiguous()
+        return torch.full((1, 1, ti, tj), FULL, dtype=torch.uint8, device="cpu").expand(shape).contiguous()
     if 0 in shape:  # (an empty batch or no heads: no tile, and no row of the tensors to read)
-        return torch.empty(shape, dtype=torch.uint8)
+        return torch.empty(shape, dtype=torch.uint8, device="cpu")
     if lengths is None:
         exact = _classes_by_position(info.predicate, problem, scalars, tensors, shape, block_rows, block_cols)  # type: ignore[arg-type]
         if exact is not None:
@@ -756,24 +761,27 @@ def _interval_classes(
     intervals over each tile."""
     tj = shape[3]
     shape = (shape[0], shape[1], end_row - first_row, tj)
-    rows = torch.arange(first_row, end_row, dtype=torch.float64).view(1, 1, -1, 1) * block_rows
-    cols = torch.arange(tj, dtype=torch.float64).view(1, 1, 1, -1) * block_cols
+    rows = torch.arange(first_row, end_row, dtype=torch.float64, device="cpu").view(1, 1, -1, 1) * block_rows
+    cols = torch.arange(tj, dtype=torch.float64, device="cpu").view(1, 1, 1, -1) * block_cols
     last_row, last_col = float(problem.N - 1), float(problem.M - 1)
     if lengths is not None:
         n, m = (t.to(torch.float64).view(-1, 1, 1, 1) for t in lengths)
         last_row, last_col = n - 1, m - 1
     if info.predicate is None:
-        cls = torch.full((1, 1, end_row - first_row, tj), FULL, dtype=torch.uint8)
+        cls = torch.full((1, 1, end_row - first_row, tj), FULL, dtype=torch.uint8, device="cpu")
     else:
         env = problem.size_env()
         if lengths is not None:
             env["N"], env["M"] = _point(n), _point(m)
         env.update({name: _point(float(v)) for name, v in scalars.items()})
-        env["b"] = _point(torch.arange(shape[0], dtype=torch.float64).view(-1, 1, 1, 1))
-        env["h"] = _point(torch.arange(shape[1], dtype=torch.float64).view(1, -1, 1, 1))
+        env["b"] = _point(torch.arange(shape[0], dtype=torch.float64, device="cpu").view(-1, 1, 1, 1))
+        env["h"] = _point(torch.arange(shape[1], dtype=torch.float64, device="cpu").view(1, -1, 1, 1))
         # (float64 bounds, whatever torch's default dtype: a bf16 default rounded the last row or
         # key, from 257 on, and classified visible tiles empty, session 67's review)
-        last = [torch.as_tensor(x, dtype=torch.float64) for x in (last_row, last_col)]
+        last = [
+            x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64, device="cpu")
+            for x in (last_row, last_col)
+        ]
         env["i"] = Interval(rows, torch.minimum(rows + block_rows - 1, last[0]))
         env["j"] = Interval(cols, torch.minimum(cols + block_cols - 1, last[1]))
         truth = _as_truth(IntervalEvaluator(env, _reader(tensors))(info.predicate))
@@ -952,7 +960,10 @@ def _check_reads_and_divisors(
     env = problem.size_env()
     env.update({name: _point(float(v)) for name, v in scalars.items()})
     for name, size in (("b", problem.B), ("h", problem.H), ("i", problem.N), ("j", problem.M)):
-        env[name] = Interval(torch.tensor(0.0, dtype=torch.float64), torch.tensor(float(size - 1), dtype=torch.float64))
+        env[name] = Interval(
+            torch.tensor(0.0, dtype=torch.float64, device="cpu"),
+            torch.tensor(float(size - 1), dtype=torch.float64, device="cpu"),
+        )
     if lengths is not None:
         live = ((lengths[0] > 0) & (lengths[1] > 0)).nonzero().flatten()
         if live.numel() == 0:
@@ -960,7 +971,10 @@ def _check_reads_and_divisors(
         n, m = (t[live].to(torch.float64) for t in lengths)
         env["N"], env["M"], env["b"] = _point(n), _point(m), _point(live.to(torch.float64))
         env["i"], env["j"] = Interval(torch.zeros_like(n), n - 1), Interval(torch.zeros_like(m), m - 1)
-    env["s"] = Interval(torch.tensor(-math.inf, dtype=torch.float64), torch.tensor(math.inf, dtype=torch.float64))
+    env["s"] = Interval(
+        torch.tensor(-math.inf, dtype=torch.float64, device="cpu"),
+        torch.tensor(math.inf, dtype=torch.float64, device="cpu"),
+    )
     env["scale"] = env["s"]
     reader = _reader(tensors)
     evaluator = IntervalEvaluator(env, reader)

@@ -694,7 +694,8 @@ class Kernel:
         scalars = {d.name: runtime[d.name] for d in self.inputs if d.role == "scalar"}
         tensors = {d.name: runtime[d.name] for d in self.inputs if d.role == "tensor"}
         value = scale if scale is not None else evaluate(self.op.default_scale, sizes, {})
-        return sink_logits(self.op.sink, rows, sizes, value, scalars, tensors, dtype)  # type: ignore[arg-type]
+        device = next(iter(rows.values())).device  # (a constant sink is a 0-d host tensor: on the rows' device)
+        return sink_logits(self.op.sink, rows, sizes, value, scalars, tensors, dtype).to(device)  # type: ignore[arg-type]
 
     def _repeat_key(
         self,
@@ -873,8 +874,8 @@ class Kernel:
         launch prepared and packed once, run as the calls repeating it run it, then kept (the
         full path, then `_remember_repeat`, prepared and packed it twice: ~100 us of a decoding
         step's first call, where every token makes a new M)."""
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
-        lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
         launch = self._launch_to_keep(q, k, v, out, lse, scalars, scale, tensors=tensors)
         out, lse = launch(q, k, v, runtime=runtime)
         self._keep_repeat(key, launch)
@@ -1552,7 +1553,7 @@ class Kernel:
         scales = dict(descale or {})
         value_dim = v.shape[-1]
         # (packed: the rows the kernel writes through `out`)
-        rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=q.dtype)
+        rows_out = torch.empty((*q.shape[:-1], value_dim), dtype=q.dtype, device=q.device)
         if packed is not None:
             q, k, v = packed.as_batch(q, False), packed.as_batch(k, True), packed.as_batch(v, True)
             scales = {name: packed.as_batch(t, True) for name, t in scales.items()}
@@ -1575,7 +1576,7 @@ class Kernel:
             strides = PagedKeys.strides({"k": k, "v": v, **scales})
         call["offset"] = offset
         out = rows_out if packed is None else packed.as_batch(rows_out, False)
-        lse = torch.empty(rows_out.shape[:-1], dtype=acc_dtype(q.dtype))
+        lse = torch.empty(rows_out.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
         if out.numel() == 0:
             return rows_out, lse
         ptrs = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **scales}
@@ -1629,9 +1630,9 @@ class Kernel:
         dtype = _DTYPES[q.dtype]
         acc = acc_dtype(q.dtype)
         dq, dk, dv = (
-            torch.empty(q.shape, dtype=q.dtype),
-            torch.empty(k.shape, dtype=k.dtype),
-            torch.empty(v.shape, dtype=v.dtype),
+            torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device),
         )
         operands = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
         if packed is not None:  # (key-side operands: those of k's shape)
@@ -1649,15 +1650,17 @@ class Kernel:
         threads = self.backward_threads(sum(t.numel() for _, t in learnable) * grad_dtype.itemsize)
         for decl, t in learnable:
             slices = threads if threads * t.numel() * grad_dtype.itemsize <= PER_THREAD_GRAD_BUFFERS_MAX else 1
-            grads[decl.name] = torch.zeros((slices, *t.shape), dtype=grad_dtype)
+            grads[decl.name] = torch.zeros((slices, *t.shape), dtype=grad_dtype, device=q.device)
         call["threads"] = threads
         call["grad_slices"] = {self.abi.ident_of(n): g[0].numel() if len(g) > 1 else 0 for n, g in grads.items()}
         if q.numel() and k.numel():
             lse = lse.contiguous()
-            delta = torch.empty(lse.shape, dtype=acc)  # rowsum(dO * O), the first pass's (row_stat's layout, as lse)
+            delta = torch.empty(
+                lse.shape, dtype=acc, device=q.device
+            )  # rowsum(dO * O), the first pass's (row_stat's layout, as lse)
             ptrs = dict(operands, lse=lse, delta=delta)
             if all_keys:  # (the first pass's too)
-                ptrs["lse_residual"] = torch.empty(lse.shape, dtype=acc)
+                ptrs["lse_residual"] = torch.empty(lse.shape, dtype=acc, device=q.device)
             if sink is not None:
                 ptrs["sink"] = sink.detach().to(acc).contiguous()
             rope_ptrs, call["rope"] = self.rope_buffers(
@@ -1692,7 +1695,7 @@ class Kernel:
         ]
         if sink is not None:  # the rows' lse residuals, for the sink's gradient (`_input_gradients`)
             residual = ptrs.get("lse_residual") if q.numel() and k.numel() else None
-            grad_list.append(residual if residual is not None else torch.zeros(lse.shape, dtype=acc))
+            grad_list.append(residual if residual is not None else torch.zeros(lse.shape, dtype=acc, device=q.device))
         return dq, dk, dv, grad_list
 
     def backward_threads(self, grad_bytes: int) -> int:
@@ -1921,7 +1924,7 @@ class Kernel:
                 info, problem, scalar_map, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols, lengths
             )
         else:
-            classes = torch.zeros((1, 1, 0, 0), dtype=torch.uint8)
+            classes = torch.zeros((1, 1, 0, 0), dtype=torch.uint8, device="cpu")
         return {
             "classes": classes,
             "tensors": self._kernel_tensors(all_tensors, acc),

@@ -224,9 +224,11 @@ def offsets_plan(
     q = _tensor("q", q, 3, "[total_q, H, D]")
     k = _tensor("k", k, 3, "[total_k, Hkv, D]")
     offsets = _read_offsets(cu_seqlens_q, cu_seqlens_k, q.device)
+    # (a plan made under torch.inference_mode holds inference tensors, which a training call's
+    # autograd cannot save: its calls alone take it, session 67's review)
     key = (
         q.device, tuple(offsets[0].tolist()), tuple(offsets[1].tolist()), max_seqlen_q, max_seqlen_k,
-        q.shape[0], k.shape[0],
+        q.shape[0], k.shape[0], torch.is_inference_mode_enabled(),
     )  # fmt: skip
     plan = memo.get(key)
     if plan is not None:

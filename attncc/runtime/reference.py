@@ -48,7 +48,9 @@ def _t(x: Value) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     dtype = torch.bool if isinstance(x, bool) else torch.int64 if isinstance(x, int) else torch.float64
-    return torch.tensor(x, dtype=dtype)
+    # (a 0-d host tensor, which broadcasts with tensors on any device; on torch's default device
+    # a meta one made a constant sink or scale meta: the op ran its fake, unwritten, session 67)
+    return torch.tensor(x, dtype=dtype, device="cpu")
 
 
 def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -115,10 +117,10 @@ def _promote(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def index_env(B: int, H: int, N: int, M: int) -> dict[str, torch.Tensor]:
     return {
-        "b": torch.arange(B).view(-1, 1, 1, 1),
-        "h": torch.arange(H).view(1, -1, 1, 1),
-        "i": torch.arange(N).view(1, 1, -1, 1),
-        "j": torch.arange(M).view(1, 1, 1, -1),
+        "b": torch.arange(B, device="cpu").view(-1, 1, 1, 1),
+        "h": torch.arange(H, device="cpu").view(1, -1, 1, 1),
+        "i": torch.arange(N, device="cpu").view(1, 1, -1, 1),
+        "j": torch.arange(M, device="cpu").view(1, 1, 1, -1),
     }
 
 
