@@ -56,7 +56,15 @@ from attncc.passes.sparsity import (
 from attncc.passes.sparsity import runtime_tensors as with_layout_grids
 from attncc.runtime.amp import autocast_dtype, cast_operands
 from attncc.runtime.fp8 import is_fp8
-from attncc.runtime.kernel import Kernel, _resolved, checked_seed, checked_train, no_double_backward, seed_tensor
+from attncc.runtime.kernel import (
+    Kernel,
+    _resolved,
+    checked_flag,
+    checked_seed,
+    checked_train,
+    no_double_backward,
+    seed_tensor,
+)
 from attncc.runtime.merge import merge_states
 from attncc.runtime.reference import evaluate
 
@@ -643,6 +651,7 @@ def context_parallel(
             raise InputError(f"{name}: expected this rank's slice [B, heads, rows, D], a dense tensor, got {shape}")
         if is_fp8(t):
             raise InputError(f"{name}: fp8 K/V are forward-only serving inputs; context_parallel takes float q, k, v")
+    return_lse = checked_flag("return_lse", return_lse)  # (`return_lse="no"` returned the lse)
     lower = autocast_dtype(q)
     if lower is not None:  # (as the single-process call under torch.autocast: runtime/amp.py; it ran in fp32)
         with torch.autocast(q.device.type, enabled=False):

@@ -414,6 +414,16 @@ def test_captured_names_that_could_meet_the_programs_become_placeholders() -> No
     q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
     s = q @ q.transpose(-1, -2) / math.sqrt(8) + seed.double().view(1, 2, 1, 1)
     torch.testing.assert_close(flex_attention(q, q, q, lambda score, b, h, i, j: score + seed[h]), s.softmax(-1) @ q)
+    # a tensor named like another's dimension (`bias_size0` beside `bias`): a program the compiler
+    # refused (session 67's review), and a placeholder taken by a tensor of that name
+    bias, bias_size0, captured0 = torch.randn(2, 5), torch.randn(5), torch.randn(5)
+    program = flex_program(lambda score, b, h, i, j: score + bias[h, j] + bias_size0[j] + captured0[i])
+    assert "input bias: float[bias_size0, bias_size1]" in program.source
+    assert "input captured1: float[captured1_size0]" in program.source  # (bias_size0's)
+    assert "input captured0: float[captured0_size0]" in program.source
+    got = flex_attention(q, q, q, lambda score, b, h, i, j: score + bias[h, j] + bias_size0[j] + captured0[i])
+    extra = bias.double().view(1, 2, 1, 5) + bias_size0.double().view(1, 1, 1, 5) + captured0.double().view(1, 1, 5, 1)
+    torch.testing.assert_close(got, (q @ q.transpose(-1, -2) / math.sqrt(8) + extra).softmax(-1) @ q)
 
 
 @pytest.mark.parametrize(

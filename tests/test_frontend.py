@@ -154,6 +154,7 @@ def test_graph_printer_lists_statements_in_order() -> None:
         ("attention t\ninput w: bool[H]\ninput x: float[w]\n", 3, 16, "`w` is a tensor, not a dimension"),
         ("attention t\ninput x: float[w]\ninput w: bool\n", 3, 7, "`w` names a dimension before this (line 2)"),
         ("attention t\ninput x: float[L]\nL = 3\n", 3, 1, "`L` names a dimension (line 2) and cannot be assigned"),
+        ("attention t\nL = 3\ninput x: float[L]\n", 3, 16, "`L` is assigned before this, not a dimension"),
         # session 63's review: an input named as a call's own argument could never be given
         ("attention t\ninput seed: int\n", 2, 7, "an input cannot be named `seed`: the kernels' calls take"),
         ("attention t\ninput dtype: int[B]\n", 2, 7, "an input cannot be named `dtype`"),

@@ -120,6 +120,8 @@ def test_numpy_scalars_are_the_numbers_they_hold_and_train_is_a_bool() -> None:
     assert torch.equal(
         kern.varlen(packed, packed, packed, cu, cu, **as_numpy), kern.varlen(packed, packed, packed, cu, cu, **given)
     )
+    cache = q[0].transpose(0, 1).reshape(33, 1, 2, 16)  # (one key per page)
+    table, lengths = torch.arange(33, dtype=torch.int32).view(1, 33).expand(2, 33), torch.tensor([33, 33])
     for train in ("no", 1, None):
         with pytest.raises(InputError, match=f"train: expected True or False, got {train!r}"):
             kern(q, q, q, window=5, tau=0.25, on=True, train=train)
@@ -130,6 +132,8 @@ def test_numpy_scalars_are_the_numbers_they_hold_and_train_is_a_bool() -> None:
             kern(q, q, q, window=5, tau=0.25, on=True, return_lse=train)
         with pytest.raises(InputError, match="return_lse: expected True or False"):
             kern.varlen(packed, packed, packed, cu, cu, window=5, tau=0.25, on=True, return_lse=train)
+        with pytest.raises(InputError, match="return_lse: expected True or False"):
+            kern.paged(q[:, :, :1], cache, cache, table, lengths, window=5, tau=0.25, on=True, return_lse=train)
     assert len(kern(q, q, q, window=5, tau=0.25, on=True, return_lse=np.True_)) == 2
 
 
@@ -145,8 +149,9 @@ def test_tensors_of_other_layouts_and_unreadable_numbers_are_named() -> None:
         kern(q, q.to_mkldnn(), q, **given)
     with pytest.raises(InputError, match=r"^tau: a scalar on the meta device has no value; pass a number$"):
         kern(q, q, q, **{**given, "tau": torch.tensor(0.25, device="meta")})
-    with pytest.raises(InputError, match=r"^scale: expected a finite number, got 1000000000"):
-        kern(q, q, q, scale=10**400, **given)
+    for huge in (10**400, 10**5000):  # (float() raised OverflowError; the second's repr, ValueError)
+        with pytest.raises(InputError, match=r"^scale: expected a finite number, got an int beyond float's range$"):
+            kern(q, q, q, scale=huge, **given)
     slopes = attncc.compile(ROOT / "examples" / "alibi.attn")
     with pytest.raises(InputError, match=r"^slopes: expected a dense \(strided\) tensor float\[H\], got layout torch"):
         slopes(q, q, q, slopes=torch.ones(2).to_sparse())

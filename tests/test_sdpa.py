@@ -251,8 +251,10 @@ def test_what_sdpa_takes_beyond_the_plain_call() -> None:
     # no heads, head dims of 0: empty outputs in the graph, zero gradients, as torch's (session
     # 65's review: backward failed on an output without a graph, head dims of 0 were refused)
     for sizes in ((slice(None), slice(0, 0)), (Ellipsis, slice(0, 0)), None):
-        leaves = [t[sizes].detach().requires_grad_() for t in (q, k, v)] if sizes else [q, k, v[..., :0]]
-        leaves = [t.detach().requires_grad_() for t in leaves]  # (None: v's head dim alone 0, session 67)
+        # (None: v's head dim alone 0, refused until session 67)
+        leaves = [
+            t.detach().requires_grad_() for t in ((q[sizes], k[sizes], v[sizes]) if sizes else (q, k, v[..., :0]))
+        ]
         out = scaled_dot_product_attention(*leaves)
         want = torch.nn.functional.scaled_dot_product_attention(*(t.detach() for t in leaves))
         assert out.shape == want.shape and out.requires_grad

@@ -38,7 +38,7 @@ def classifier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 def brute_classes(pred: ex.Expr, problem: Problem, tensors: dict, scalars: dict, br: int, bc: int) -> torch.Tensor:
     """Per-tile (any visible, all visible) from the N x M predicate: the definition."""
-    env = dict(index_env(problem.B, problem.H, problem.N, problem.M))
+    env = dict(index_env(problem.B, problem.H, problem.N, problem.M, torch.device("cpu")))
     env.update(B=problem.B, H=problem.H, Hkv=problem.Hkv, N=problem.N, M=problem.M, D=problem.D, **scalars)
     vis = evaluate(pred, env, tensors).expand(problem.B, problem.H, problem.N, problem.M)
     ti, tj = -(-problem.N // br), -(-problem.M // bc)

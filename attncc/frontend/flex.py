@@ -28,6 +28,7 @@ index.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import traceback
@@ -52,6 +53,8 @@ TAKEN_NAMES = RESERVED | CALL_KEYWORDS | set().union(*CALL_ARGUMENTS.values()) |
     "rope", "float", "int", "bool",
 }  # fmt: skip
 DSL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: The dims of a captured tensor's declaration are named `NAME_sizeK` (`_Captures.declarations`).
+DIMENSION_NAME = re.compile(r"_size\d+\Z")
 #: The largest integer exponent `x ** n` expands into products.
 MAX_POWER = 16
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -76,8 +79,13 @@ class _Captures:
                 f"a captured tensor of dtype {tensor.dtype}: the DSL reads float, int and bool tensors"
             )
         name = self.known_names.get(id(tensor), "")
-        if not DSL_NAME.match(name) or name in TAKEN_NAMES or name.startswith("__") or name in self.tensors:
-            name = f"captured{len(self.tensors)}"
+        # (`NAME_sizeK` names the dims of the tensors' declarations: a tensor `bias_size0` beside
+        # `bias` made a program the compiler refuses, session 67's review)
+        taken = not DSL_NAME.match(name) or name in TAKEN_NAMES or name.startswith("__") or name in self.tensors
+        if taken or DIMENSION_NAME.search(name):
+            name = next(
+                f"captured{n}" for n in itertools.count(len(self.tensors)) if f"captured{n}" not in self.tensors
+            )
         self.names[id(tensor)] = name
         self.tensors[name] = tensor
         return name

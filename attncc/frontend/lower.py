@@ -172,6 +172,8 @@ def _dim(ctx: _Context, d: Ast) -> str | int:
         # expressions read the name as what it is: `float[i]`, `float[scale]`, session 67's review)
         if (d.value in RESERVED and d.value not in ex.SIZE_VARS) or d.value == ex.SCORE_VAR:
             raise DslError(f"`{d.value}` is a built-in name, not a dimension: {DIMENSIONS_ARE}", d.loc)
+        if known is not None and ctx.fixed.get(d.value) is None:  # (assigned before: expressions read the value)
+            raise DslError(f"`{d.value}` is assigned before this, not a dimension: {DIMENSIONS_ARE}", d.loc)
         if ctx.fixed.get(d.value) == "an input" and not (isinstance(known, ex.Var) and known.ty == ex.INT):
             what = "a tensor" if isinstance(known, TensorRef) else f"a {_input_kinds(known)} input"
             raise DslError(f"`{d.value}` is {what}, not a dimension: {DIMENSIONS_ARE}", d.loc)

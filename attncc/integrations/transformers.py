@@ -416,7 +416,7 @@ def offsets_from_starts(starts: torch.Tensor) -> torch.Tensor:
     """cu_seqlens (int64 [S + 1], on the host) of the rows' tokens flattened one row after another,
     from where sequences start [B, L] (bool, True at every row's first token)."""
     flat = starts.reshape(-1).cpu()
-    return torch.cat([flat.nonzero().flatten(), torch.tensor([flat.numel()], device=flat.device)])
+    return torch.cat([flat.nonzero().flatten(), torch.tensor([flat.numel()], device="cpu")])
 
 
 def reads_nothing(function: Callable) -> bool:
@@ -575,7 +575,6 @@ def attncc_attention_mask(
                 "use attn_implementation='eager' or 'sdpa'"
             )
     if torch.compiler.is_compiling() and not plain_mask_function(mask_function):
-        note_mask_window(kwargs.get("config"), True)  # (unread: it may hold a window)
         return dense_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     padding = None if attention_mask is None else attention_mask[:, -kv_length:]
     term = mask_term(mask_function, kv_offset, kv_length) if mask_function is not None else MaskTerm(None, {}, False)

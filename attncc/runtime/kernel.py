@@ -1655,9 +1655,8 @@ class Kernel:
         call["grad_slices"] = {self.abi.ident_of(n): g[0].numel() if len(g) > 1 else 0 for n, g in grads.items()}
         if q.numel() and k.numel():
             lse = lse.contiguous()
-            delta = torch.empty(
-                lse.shape, dtype=acc, device=q.device
-            )  # rowsum(dO * O), the first pass's (row_stat's layout, as lse)
+            # rowsum(dO * O), the first pass's (row_stat's layout, as lse)
+            delta = torch.empty(lse.shape, dtype=acc, device=q.device)
             ptrs = dict(operands, lse=lse, delta=delta)
             if all_keys:  # (the first pass's too)
                 ptrs["lse_residual"] = torch.empty(lse.shape, dtype=acc, device=q.device)
@@ -2240,7 +2239,7 @@ def checked_train(train: object) -> bool:
 
 
 def checked_flag(argument: str, value: object) -> bool:
-    """A call's bool option (a bool tensor's value too): `return_lse="no"` returned the lse."""
+    """A call's bool option (a numpy bool too): `return_lse="no"` returned the lse."""
     if value is True or value is False:
         return value
     value = python_number(value)
@@ -2317,7 +2316,10 @@ def checked_scale(scale: object, argument: str = "scale", drop_in: str | None = 
     except OverflowError:  # (an int beyond float's range, 10**400)
         value = math.inf
     if not math.isfinite(value):
-        shown = repr(scale) if len(repr(scale)) <= 40 else f"{repr(scale)[:40]}..."
+        # (an int's repr beyond 4300 digits raises ValueError: 10**5000)
+        huge = isinstance(scale, int) and scale.bit_length() > 1024
+        shown = "an int beyond float's range" if huge else repr(scale)
+        shown = shown if len(shown) <= 40 else f"{shown[:40]}..."
         raise InputError(f"{argument}: expected a finite number, got {shown}")
     return value
 

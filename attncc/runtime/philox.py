@@ -42,7 +42,8 @@ def keep_threshold(p: float) -> int:
 
 
 def dropout_mask(seed: int, offset: int, B: int, H: int, N: int, M: int, p: float) -> torch.Tensor:
-    """The [B, H, N, M] keep mask (True = kept) that attncc kernels apply for dropout p."""
+    """The [B, H, N, M] keep mask (True = kept) that attncc kernels apply for dropout p (a CPU
+    tensor)."""
     for name, value in (("seed", seed), ("offset", offset), ("B", B), ("H", H), ("N", N), ("M", M)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InputError(f"{name}: expected an int >= 0, got {value!r}")
@@ -50,12 +51,14 @@ def dropout_mask(seed: int, offset: int, B: int, H: int, N: int, M: int, p: floa
         raise InputError(f"seed: expected an int in [0, 2^63), got {seed!r}")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
         raise InputError(f"p: expected a dropout rate in [0, 1), got {p!r}")
-    b = torch.arange(B).view(-1, 1, 1, 1)
-    h = torch.arange(H).view(1, -1, 1, 1)
-    i = torch.arange(N).view(1, 1, -1, 1)
-    j = torch.arange(M).view(1, 1, 1, -1)
-    words = philox4x32_10((j >> 2, i, b * H + h, torch.tensor(offset)), (seed & _MASK32, (seed >> 32) & _MASK32))
-    word = torch.zeros(torch.broadcast_shapes(b.shape, h.shape, i.shape, j.shape), dtype=torch.int64)
+    # (on the host, whatever torch's default device: a meta mask has no bits)
+    b = torch.arange(B, device="cpu").view(-1, 1, 1, 1)
+    h = torch.arange(H, device="cpu").view(1, -1, 1, 1)
+    i = torch.arange(N, device="cpu").view(1, 1, -1, 1)
+    j = torch.arange(M, device="cpu").view(1, 1, 1, -1)
+    counter = torch.tensor(offset, device="cpu")
+    words = philox4x32_10((j >> 2, i, b * H + h, counter), (seed & _MASK32, (seed >> 32) & _MASK32))
+    word = torch.zeros(torch.broadcast_shapes(b.shape, h.shape, i.shape, j.shape), dtype=torch.int64, device="cpu")
     lane = (j & 3).expand_as(word)
     for w in range(4):
         word = torch.where(lane == w, words[w].expand_as(word), word)

@@ -115,12 +115,12 @@ def _promote(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return a.to(dtype), b.to(dtype)
 
 
-def index_env(B: int, H: int, N: int, M: int) -> dict[str, torch.Tensor]:
+def index_env(B: int, H: int, N: int, M: int, device: torch.device) -> dict[str, torch.Tensor]:
     return {
-        "b": torch.arange(B, device="cpu").view(-1, 1, 1, 1),
-        "h": torch.arange(H, device="cpu").view(1, -1, 1, 1),
-        "i": torch.arange(N, device="cpu").view(1, 1, -1, 1),
-        "j": torch.arange(M, device="cpu").view(1, 1, 1, -1),
+        "b": torch.arange(B, device=device).view(-1, 1, 1, 1),
+        "h": torch.arange(H, device=device).view(1, -1, 1, 1),
+        "i": torch.arange(N, device=device).view(1, 1, -1, 1),
+        "j": torch.arange(M, device=device).view(1, 1, 1, -1),
     }
 
 
@@ -150,7 +150,7 @@ def reference_attention(
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
     tensors = {n: (t.double() if t.is_floating_point() else t) for n, t in tensors.items()}
-    env: dict[str, Value] = dict(index_env(B, H, N, M))
+    env: dict[str, Value] = dict(index_env(B, H, N, M, q.device))
     env.update(B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, scale=scale_value)
     env.update(scalars)
     env["s"] = evaluate(op.scale, env, tensors) * (q @ k.transpose(-1, -2))
@@ -177,6 +177,6 @@ def reference_attention(
     p = p.to(dtype)
     rate = op.dropout if dropout is None else dropout
     if rate > 0:
-        keep = dropout_mask(seed, offset, B, H, N, M, rate)
+        keep = dropout_mask(seed, offset, B, H, N, M, rate).to(q.device)
         p = p * keep / (1.0 - rate)
     return p @ v, lse
