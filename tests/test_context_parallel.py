@@ -429,7 +429,7 @@ def test_bad_calls_are_named(one_rank: None) -> None:
         cp.context_parallel(
             attncc.compile(ROOT / "examples" / "document.attn"), q, q, q, doc=torch.zeros(1, 4, dtype=torch.int64)
         )
-    with pytest.raises(attncc.InputError, match="^return_lse: expected True or False, got 'no'$"):
+    with pytest.raises(attncc.InputError, match=r"^return_lse: expected True or False, got 'no'$"):
         cp.context_parallel(kern, q, q, q, return_lse="no")  # (it returned the lse: session 67's review)
 
 
