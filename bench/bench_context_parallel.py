@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import attncc  # noqa: E402
 from attncc import distributed as cp  # noqa: E402
+from bench.bench_cpu import cpu_meta  # noqa: E402
 
 PROGRAMS = ("causal", "sliding_window")
 
@@ -165,11 +166,10 @@ def main() -> None:
                 f"SDPA / this {base['sdpa'] / slowest:.2f}x), peak MiB per rank {memory}"
             )
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # (a missing folder failed after every measurement)
+        meta = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, **cpu_meta()}
         args.json.write_text(
-            json.dumps(
-                {"cpu": cpu, "cores": os.cpu_count(), "args": vars(args) | {"json": str(args.json)}, "rows": rows},
-                indent=1,
-            )
+            json.dumps({**meta, "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1)
         )
 
 

@@ -146,6 +146,26 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e3:8.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:8.1f} us"
 
 
+class SavedRows(list):
+    """The rows measured so far, written to the JSON file (when one is asked for) as each is
+    added: a run cut off by a time limit (gpu_session.sh's `cpu` mode on a lease host; session
+    64's grid stopped at its limit with no JSON) keeps what it measured."""
+
+    def __init__(self, path: Path | None, meta: dict) -> None:
+        super().__init__()
+        self.path, self.meta = path, meta
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, item: object) -> None:
+        super().append(item)
+        self.save()
+
+    def save(self) -> None:
+        if self.path is not None:
+            self.path.write_text(json.dumps({"meta": self.meta, "results": list(self)}, indent=1))
+
+
 def row(results: list, name: str, attncc_s: float, anchors: dict[str, float], extra: str = "") -> None:
     ratios = "  ".join(f"{k} {duration(v)} ({v / attncc_s:5.2f}x)" for k, v in anchors.items())
     line = f"{name:44s} attncc {duration(attncc_s)}  {ratios} {extra}"
@@ -221,8 +241,8 @@ def flex_api_cases(results: list, args, flex) -> None:
     flex_attention with the same functions and a BlockMask made once, SDPA with the mask as a
     dense bool [N, N] where there is no score function, and the traced program's kernel called
     directly (what the tracing costs per call). B=1 H=8 D=64, forward; fp32 and bf16."""
-    docs = torch.arange(args.long_n) * 4 // args.long_n  # four documents of equal length
     slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(8)])
+    docs = torch.zeros(0, dtype=torch.int64)  # four documents of equal length at the case's N (set below)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -244,6 +264,7 @@ def flex_api_cases(results: list, args, flex) -> None:
     for N, dtype, (label, score_mod, mask_mod) in itertools.product(
         (2048, args.long_n), (torch.float32, torch.bfloat16), cases
     ):
+        docs = torch.arange(N) * 4 // N  # (made at --long-n for both sizes: N=2048 read past it)
         seconds = flex_api_times(N, dtype, score_mod, mask_mod, flex, args.repeats)
         row(results, f"flex api {label} {str(dtype)[6:]} N={N}", seconds.pop("attncc-flex"), seconds)
 
@@ -1165,7 +1186,6 @@ def main() -> None:
             flex = Flex()
         except Exception as exc:  # report, do not hide: FlexAttention may be unavailable
             print(f"FlexAttention unavailable: {exc}")
-    results: list = []
     meta = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -1175,6 +1195,7 @@ def main() -> None:
     }
     rates, peaks = gemm_rates(args.repeats), peak_rates()
     meta["torch_mm_gflops"], meta["peak_gflops"] = rates, peaks
+    results = SavedRows(args.json, meta)
     print(
         f"{meta['cpu_model']} ({meta['cpu_family_model']}), attncc {meta['attncc_isa']}; "
         f"torch.mm GFLOP/s: {rates}; peak GFLOP/s (bench/peak_cpu.py): {peaks}"
@@ -1209,8 +1230,7 @@ def main() -> None:
             memory_cases(results, args)
         build_cases(results)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        results.save()  # (with the updates of the last rows)
         if args.grid and args.grid_part != "extra":
             plot_grid(results, args.json.with_suffix(".png"))
 

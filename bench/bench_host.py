@@ -245,6 +245,8 @@ def main() -> None:
         ("padded decode with key ranges B=8 M=4096", padded_with_ranges(1, 4096, device)),
         ("  one key more each call (a new step)", padded_with_ranges(1, 4096, device, growing=True)),
     ]
+    if args.profile is not None and not 0 <= args.profile < len(cases):  # (an IndexError after every timing)
+        parser.error(f"--profile {args.profile}: expected a case from 0 to {len(cases) - 1}")
     rows = []
     meta = {**cpu_meta(), "torch": torch.__version__, "device": torch.cuda.get_device_name() if args.cuda else "none"}
     print(
