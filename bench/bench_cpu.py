@@ -242,7 +242,6 @@ def flex_api_cases(results: list, args, flex) -> None:
     dense bool [N, N] where there is no score function, and the traced program's kernel called
     directly (what the tracing costs per call). B=1 H=8 D=64, forward; fp32 and bf16."""
     slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(8)])
-    docs = torch.zeros(0, dtype=torch.int64)  # four documents of equal length at the case's N (set below)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -264,7 +263,7 @@ def flex_api_cases(results: list, args, flex) -> None:
     for N, dtype, (label, score_mod, mask_mod) in itertools.product(
         (2048, args.long_n), (torch.float32, torch.bfloat16), cases
     ):
-        docs = torch.arange(N) * 4 // N  # (made at --long-n for both sizes: N=2048 read past it)
+        docs = torch.arange(N) * 4 // N  # four documents of equal length (at --long-n, N=2048 read past it)
         seconds = flex_api_times(N, dtype, score_mod, mask_mod, flex, args.repeats)
         row(results, f"flex api {label} {str(dtype)[6:]} N={N}", seconds.pop("attncc-flex"), seconds)
 

@@ -175,7 +175,7 @@ def _dim(ctx: _Context, d: Ast) -> str | int:
         if known is not None and ctx.fixed.get(d.value) is None:  # (assigned before: expressions read the value)
             raise DslError(f"`{d.value}` is assigned before this, not a dimension: {DIMENSIONS_ARE}", d.loc)
         if ctx.fixed.get(d.value) == "an input" and not (isinstance(known, ex.Var) and known.ty == ex.INT):
-            what = "a tensor" if isinstance(known, TensorRef) else f"a {_input_kinds(known)} input"
+            what = "a tensor" if isinstance(known, TensorRef) else f"a {known.ty} input"  # type: ignore[union-attr]
             raise DslError(f"`{d.value}` is {what}, not a dimension: {DIMENSIONS_ARE}", d.loc)
         ctx.dim_names.setdefault(d.value, d.loc)
     if d.value.isdigit():
@@ -194,10 +194,6 @@ def _dim(ctx: _Context, d: Ast) -> str | int:
 DIMENSIONS_ARE = (
     "a dimension is a size (B H Hkv N M D), a positive int, an int const or input, or a name the call binds"
 )
-
-
-def _input_kinds(value: object) -> str:
-    return "float" if isinstance(value, ex.Var) and value.ty == ex.FLOAT else "bool"
 
 
 def _scalar_type(dtype: str) -> str:

@@ -166,13 +166,18 @@ class Truth:
 Abstract = Interval | Truth
 
 
-def _point(x: torch.Tensor | float) -> Interval:
-    # (a number on the host, whatever torch's default device: the classes are made there)
-    t = (
+def _float64(x: torch.Tensor | float) -> torch.Tensor:
+    """x as a float64 tensor; a number on the host, whatever torch's default dtype and device
+    (a bf16 default rounded bounds from 257 on, a meta one had no values: session 67)."""
+    return (
         x.to(torch.float64)
         if isinstance(x, torch.Tensor)
         else torch.tensor(float(x), dtype=torch.float64, device="cpu")
     )
+
+
+def _point(x: torch.Tensor | float) -> Interval:
+    t = _float64(x)
     return Interval(t, t)
 
 
@@ -218,7 +223,7 @@ def _as_interval(v: Abstract) -> Interval:
 
 def _clean(lo: torch.Tensor, hi: torch.Tensor) -> Interval:
     bad = torch.isnan(lo) | torch.isnan(hi)
-    inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
+    inf = _float64(math.inf)
     return Interval(torch.where(bad, -inf, lo), torch.where(bad, inf, hi))
 
 
@@ -250,7 +255,7 @@ def _div(a: Interval, b: Interval, floor: bool) -> Interval:
     lo, hi = quots.amin(0), quots.amax(0)
     if floor:
         lo, hi = torch.floor(lo), torch.floor(hi)
-    inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
+    inf = _float64(math.inf)
     return _clean(torch.where(spans_zero, -inf, lo), torch.where(spans_zero, inf, hi))
 
 
@@ -264,7 +269,7 @@ def _mod(a: Interval, b: Interval) -> Interval:
     exact = const_pos & same_period & finite
     lo = torch.where(exact, torch.remainder(torch.nan_to_num(a.lo), c), torch.zeros_like(c))
     hi = torch.where(exact, torch.remainder(torch.nan_to_num(a.hi), c), c - 1)
-    inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
+    inf = _float64(math.inf)
     bound = torch.maximum(b.lo.abs(), b.hi.abs())
     bound = torch.where(torch.isfinite(bound), bound, inf)
     positive, negative = b.lo > 0, b.hi < 0
@@ -776,14 +781,10 @@ def _interval_classes(
         env.update({name: _point(float(v)) for name, v in scalars.items()})
         env["b"] = _point(torch.arange(shape[0], dtype=torch.float64, device="cpu").view(-1, 1, 1, 1))
         env["h"] = _point(torch.arange(shape[1], dtype=torch.float64, device="cpu").view(1, -1, 1, 1))
-        # (float64 bounds, whatever torch's default dtype: a bf16 default rounded the last row or
-        # key, from 257 on, and classified visible tiles empty, session 67's review)
-        last = [
-            x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64, device="cpu")
-            for x in (last_row, last_col)
-        ]
-        env["i"] = Interval(rows, torch.minimum(rows + block_rows - 1, last[0]))
-        env["j"] = Interval(cols, torch.minimum(cols + block_cols - 1, last[1]))
+        # (float64 bounds: under a bf16 default dtype the last row or key was rounded and visible
+        # tiles were classified empty, session 67's review)
+        env["i"] = Interval(rows, torch.minimum(rows + block_rows - 1, _float64(last_row)))
+        env["j"] = Interval(cols, torch.minimum(cols + block_cols - 1, _float64(last_col)))
         truth = _as_truth(IntervalEvaluator(env, _reader(tensors))(info.predicate))
         cls = torch.where(~truth.may_true, EMPTY, torch.where(~truth.may_false, FULL, PARTIAL)).to(torch.uint8)
     cls = cls.expand(shape)
@@ -960,10 +961,7 @@ def _check_reads_and_divisors(
     env = problem.size_env()
     env.update({name: _point(float(v)) for name, v in scalars.items()})
     for name, size in (("b", problem.B), ("h", problem.H), ("i", problem.N), ("j", problem.M)):
-        env[name] = Interval(
-            torch.tensor(0.0, dtype=torch.float64, device="cpu"),
-            torch.tensor(float(size - 1), dtype=torch.float64, device="cpu"),
-        )
+        env[name] = Interval(_float64(0.0), _float64(size - 1))
     if lengths is not None:
         live = ((lengths[0] > 0) & (lengths[1] > 0)).nonzero().flatten()
         if live.numel() == 0:
@@ -971,10 +969,7 @@ def _check_reads_and_divisors(
         n, m = (t[live].to(torch.float64) for t in lengths)
         env["N"], env["M"], env["b"] = _point(n), _point(m), _point(live.to(torch.float64))
         env["i"], env["j"] = Interval(torch.zeros_like(n), n - 1), Interval(torch.zeros_like(m), m - 1)
-    env["s"] = Interval(
-        torch.tensor(-math.inf, dtype=torch.float64, device="cpu"),
-        torch.tensor(math.inf, dtype=torch.float64, device="cpu"),
-    )
+    env["s"] = Interval(_float64(-math.inf), _float64(math.inf))
     env["scale"] = env["s"]
     reader = _reader(tensors)
     evaluator = IntervalEvaluator(env, reader)

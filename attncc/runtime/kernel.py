@@ -546,8 +546,7 @@ class Kernel:
         tensors ([B, H, j, D] as scaled_dot_product_attention takes them, or [B, j, H, D]): one
         packed call, out nested like q (runtime/nested.py).
         """
-        if return_lse is not False and return_lse is not True:
-            return_lse = checked_flag("return_lse", return_lse)
+        return_lse = checked_flag("return_lse", return_lse)
         # (two detours, each asked in ~0.2 us; the options dict is made on them only)
         nested, lower = any_nested(q, k, v), autocast_dtype(q)
         if nested or lower is not None:
