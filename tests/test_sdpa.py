@@ -201,8 +201,8 @@ def test_bad_calls_name_the_argument() -> None:
     with pytest.raises(InputError, match="pass enable_gqa=True"):  # (one key head broadcasts, two do not)
         scaled_dot_product_attention(q.repeat(1, 2, 1, 1), k, v)
     # (no advice to pass enable_gqa to a call that did, nor a ZeroDivisionError for key heads of 0)
-    with pytest.raises(InputError, match=r"got query \(1, 4\), key \(1, 2\), value \(1, 1\)$"):
-        scaled_dot_product_attention(q.repeat(1, 2, 1, 1), k, v[:, :1], enable_gqa=True)
+    with pytest.raises(InputError, match=r"got query \(1, 6\), key \(1, 2\), value \(1, 4\)$"):
+        scaled_dot_product_attention(q.repeat(1, 3, 1, 1), k, v.repeat(1, 2, 1, 1), enable_gqa=True)
     with pytest.raises(InputError, match="with enable_gqa the query heads are groups of the key heads"):
         scaled_dot_product_attention(q[:, :1], k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), enable_gqa=True)
     with pytest.raises(InputError, match=r"key \(1, 0\), value \(1, 0\)$"):
@@ -222,7 +222,7 @@ def test_bad_calls_name_the_argument() -> None:
         with pytest.raises(InputError, match=f"scale: expected a real number .*, got {shown}"):
             scaled_dot_product_attention(q, k, v, scale=scale)
     with pytest.raises(
-        InputError, match=r"dropout_p: expected a number in \[0, 1\), got tensor\(0.1000, requires_grad=True\)"
+        InputError, match=r"dropout_p: expected a number in \[0, 1\], got tensor\(0.1000, requires_grad=True\)"
     ):
         scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.1, requires_grad=True))
 
@@ -262,6 +262,26 @@ def test_what_sdpa_takes_beyond_the_plain_call() -> None:
         assert all(t.grad is not None and t.grad.shape == t.shape and not t.grad.any() for t in leaves)
     no_keys = scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0], attn_mask=torch.ones(5, 0, dtype=torch.bool))
     assert no_keys.shape == (2, 3, 5, 17) and not no_keys.any()
+
+
+def test_what_torch_takes_at_the_edges_of_sdpas_arguments() -> None:
+    """dropout_p = 1 (zeros, zero gradients), q and k of head dim 0 under a v of more (every
+    score 0, the mask's alone: means of v), and with enable_gqa a key and value of different
+    head counts (torch repeats each to the query's heads): as torch's SDPA, where they were
+    InputErrors until session 68."""
+    q, k, v = operands((2, 6), 5, 7, dim=9)
+    bias = torch.randn(5, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=1.0)
+    assert out.shape == (2, 6, 5, 9) and not out.any()
+    assert all(not g.any() for g in torch.autograd.grad(out.sum(), [q, k, v, bias]))
+    flat = [t[..., :0].detach().requires_grad_() for t in (q, k)]
+    check({}, *flat, v, [*flat, v])
+    check({"is_causal": True}, *flat, v, [*flat, v])
+    check({"attn_mask": bias, "scale": 0.7}, *flat, v, [*flat, v, bias])
+    for key_heads, value_heads in ((2, 3), (3, 1), (6, 2)):
+        grouped = [t[:, :heads].detach().requires_grad_() for t, heads in ((k, key_heads), (v, value_heads))]
+        check({"enable_gqa": True}, q, *grouped, [q, *grouped])
+        check({"enable_gqa": True, "is_causal": True}, q, *grouped, [q, *grouped])
 
 
 def test_nan_in_a_float_mask_gives_nan_rows_as_torch() -> None:

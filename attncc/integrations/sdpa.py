@@ -18,12 +18,15 @@ q [..., L, E], k [..., S, E], v [..., S, Ev]: the leading dims are (batch..., he
 inputs have one head), the same for q, k and v but the heads with `enable_gqa`; a mask
 broadcastable to [..., L, S] is read through a stride-0 view (never copied to full size), and
 a float mask that requires grad gets its gradient; rows that see no key give 0, as torch's
-(2.13). Differences from torch, by design: what is not SDPA's (nested tensors: call the
-kernel, which takes them) is an InputError naming the argument.
+(2.13). With enable_gqa, k and v may have head counts of their own (each divides q's), as in
+torch. Differences from torch, by design: what is not SDPA's (nested tensors: call the
+kernel, which takes them) and a scale of inf or NaN (torch's NaN rows) are InputErrors
+naming the argument.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from attncc.errors import InputError
 from attncc.integrations.made import MadeKernels, masked_softmax_output
@@ -84,6 +88,22 @@ def _number(value: object) -> float | None:
     return None
 
 
+def _heads_alike(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """key and value with one head count, the kernels' kv heads: with enable_gqa torch repeats
+    each to the query's heads on its own, so a key and a value of different head counts that
+    both divide the query's are repeated (each head in place) to their least common multiple,
+    which maps query head h to the heads torch gives it. Anything else unchanged."""
+    if not enable_gqa or min(t.dim() for t in (query, key, value)) < 3:
+        return key, value
+    heads, key_heads, value_heads = query.shape[-3], key.shape[-3], value.shape[-3]
+    if key_heads == value_heads or 0 in (key_heads, value_heads) or heads % key_heads or heads % value_heads:
+        return key, value
+    common = math.lcm(key_heads, value_heads)
+    return key.repeat_interleave(common // key_heads, -3), value.repeat_interleave(common // value_heads, -3)
+
+
 def _as_four_dims(name: str, t: torch.Tensor) -> torch.Tensor:
     """`t` [..., rows, E] as [batch, heads, rows, E] (a view: the batch dims flattened; two-
     and three-dim inputs have one batch element and one head)."""
@@ -108,6 +128,7 @@ def scaled_dot_product_attention(
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_nested:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) and not t.is_nested else type(t).__name__
             raise InputError(f"{name}: expected a dense tensor [..., rows, E] of 2 dims or more, got {shape}")
+    key, value = _heads_alike(query, key, value, enable_gqa)
     # q, k and v broadcast over each other's leading dims as SDPA's products do (stride 0: no
     # copy). The heads, dim -3, of a k and v alike are the kernels' GQA groups where they differ
     # from q's (with enable_gqa, or one head: torch broadcasts it), not broadcast copies.
@@ -145,6 +166,10 @@ def scaled_dot_product_attention(
         # and backward failed)
         return (query.sum() + key.sum() + value.sum()).mul(0).expand(*query.shape[:-1], value.shape[-1])
     # (a key and value of one head broadcast over the query heads, enable_gqa or not, as in torch)
+    if q.shape[3] == 0:
+        # q and k of head dim 0: every score 0 (+ the mask), as torch's: one zero column each,
+        # the scale then 1/sqrt(1) as any other (q and k keep their empty gradients)
+        q, k = F.pad(q, (0, 1)), F.pad(k, (0, 1))
     if q.shape[1] != k.shape[1] and k.shape[1] != 1 and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
         raise InputError(
             f"key: {k.shape[1]} heads for query's {q.shape[1]}: "
@@ -160,8 +185,8 @@ def scaled_dot_product_attention(
     # (while torch.compile traces, the kernel's call_scale takes a scale as given, symbolic
     # after a recompile for a new value: math.isfinite here failed on it)
     scale = drop_in_scale(scale, "scale", "scaled_dot_product_attention")
-    if dropout_p is None or not 0 <= dropout_p < 1:
-        raise InputError(f"dropout_p: expected a number in [0, 1), got {given_dropout!r}")
+    if dropout_p is None or not 0 <= dropout_p <= 1:
+        raise InputError(f"dropout_p: expected a number in [0, 1], got {given_dropout!r}")
     inputs: dict[str, torch.Tensor] = {}
     kind = None
     if attn_mask is not None:
@@ -196,6 +221,9 @@ def scaled_dot_product_attention(
         inputs["attn_mask" if kind == "bool" else "attn_bias"] = view[
             tuple(slice(None) if d in mask_dims else 0 for d in MASK_DIMS)
         ]
+    if dropout_p == 1:  # every weight dropped: zeros, as torch's, in the graph (zero gradients)
+        bias = attn_mask.sum() if kind == "float" else 0
+        return (query.sum() + key.sum() + value.sum() + bias).mul(0).expand(*query.shape[:-1], value.shape[-1])
     kern = _kernel(SdpaOptions(is_causal, kind, float(dropout_p), mask_dims if kind else ()), q.device)
     out = kern(q, k, v, scale=scale, **inputs)
     return out.reshape(*query.shape[:-1], v.shape[-1])
