@@ -55,6 +55,19 @@ def _shape(text: str) -> Shape:
 MAX_SIZE = 2**31 - 1
 
 
+def _adapted(shape: Shape, kern: attncc.Kernel, given: bool) -> Shape:
+    """`adapt`'s shape for `kern` (M = N where runtime inputs run along N or M), saying so on
+    stderr where it is not the --shape given (it ran another M silently)."""
+    adapted = adapt(shape, kern)
+    if given and adapted != shape:
+        print(
+            f"note: --shape M={shape.M} taken as M = N = {shape.N}: {kern.name}'s runtime inputs run along N or M, "
+            "and the generated inputs give them one length",
+            file=sys.stderr,
+        )
+    return adapted
+
+
 def _too_large(shape: Shape, error: Exception) -> AttnccError:
     """The error of a --shape whose tensors this machine cannot hold (`check`, `explain`)."""
     said = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -222,7 +235,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     kern = (
         attncc.Kernel(stages, "cpu") if args.target == "cpu" else attncc.Kernel(attncc.lower(args.file, "cpu"), "cpu")
     )
-    shape = adapt(shape, kern)
+    shape = _adapted(shape, kern, args.shape_given)
     try:
         q, k, _, runtime = make_inputs(kern, shape, requires_grad=False, operands=False)
         tiles, classes = kern.forward_classes(q, k, **runtime)
@@ -313,10 +326,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             )
     backward = not args.forward_only
     failures = 0
-    for shape in shapes:
+    for given in shapes:
+        shape = _adapted(given, kern, args.shape_given)
         for dtype in dtypes:
             try:
-                result = check(kern, adapt(shape, kern), DTYPES[dtype], backward=backward)
+                result = check(kern, shape, DTYPES[dtype], backward=backward)
             except (RuntimeError, MemoryError) as error:
                 if not _out_of_memory(error):
                     raise
@@ -324,7 +338,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(result.describe())
             failures += not result.ok
             if args.emulate:
-                failures += not _schedules_agree(kern, adapt(shape, kern), DTYPES[dtype])
+                failures += not _schedules_agree(kern, shape, DTYPES[dtype])
     print(f"{args.file}: {'all ok' if not failures else f'{failures} mismatch(es)'}")
     return 1 if failures else 0
 
@@ -489,7 +503,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             "(no GPU runs here)"
         )
     kern = attncc.compile(args.file, args.target, emulate=True)
-    shape = adapt(args.shape, kern)
+    shape = _adapted(args.shape, kern, args.shape_given)
     dtype = DTYPES[args.dtype]
     counts = profile(kern, shape, dtype, backward=not args.forward_only)
     if args.batch_heads:

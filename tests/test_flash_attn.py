@@ -255,8 +255,19 @@ def test_dropout_is_the_made_programs_under_torch_seed() -> None:
     again = flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
     assert torch.equal(first, again)
     assert (first - flash_attn_func(q, k, v, causal=True)).abs().max() > 0.05
-    text = flash_program(CallOptions(True, False, False, False, None, 0.3))
-    assert "p = dropout(p, 0.3)" in text and "mask j <= i + M - N" in text
+    text = flash_program(CallOptions(True, False, False, False, None, True))
+    assert "p = dropout(p, " in text and "mask j <= i + M - N" in text
+    # each call's rate, through v = identity (the output is the dropped weights): zeros at the
+    # rate, the kept weights softmax / (1 - p); one program for every rate (the call's dropout_p)
+    q, k = (torch.randn(1, 96, 4, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    eye = torch.eye(96, dtype=torch.float64).view(1, 96, 1, 96).expand(1, 96, 4, 96)
+    scores = torch.einsum("bnhd,bmhd->bhnm", q, k) / 4
+    weights = torch.softmax(scores.masked_fill(torch.ones(96, 96, dtype=torch.bool).triu(1), -math.inf), -1)
+    for rate in (0.3, 0.55):
+        dropped = flash_attn_func(q, k, eye, dropout_p=rate, causal=True).transpose(1, 2)
+        kept, visible = dropped != 0, weights != 0
+        assert abs(1 - kept.sum().item() / visible.sum().item() - rate) < 0.02, rate  # (18624 draws)
+        torch.testing.assert_close(dropped[kept], weights[kept] / (1 - rate), atol=1e-15, rtol=1e-13)
 
 
 def test_bad_calls_name_the_argument() -> None:

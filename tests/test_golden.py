@@ -21,7 +21,7 @@ from attncc.passes.tiling import (
 from attncc.runtime.check import check
 from attncc.runtime.inputs import AWKWARD_SHAPES, Shape, adapt, make_inputs
 from attncc.targets import cpu
-from tests.conftest import EXAMPLES, kernel
+from tests.conftest import EXAMPLES, ROOT, kernel
 
 LOW_PRECISION_SHAPES = (AWKWARD_SHAPES[1], AWKWARD_SHAPES[4])
 #: Long enough for every example's mask and layout to take effect: N, M >= 2x sliding_window's
@@ -476,6 +476,59 @@ def test_dropout_backward_matches_the_explicit_mask() -> None:
     ref.backward(g)
     for got, want in ((out.detach(), ref.detach()), (q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
         assert (got.double() - want).abs().max() < 1e-4
+
+
+def explicit_dropout_reference(q, k, v, keep: torch.Tensor, rate: float) -> torch.Tensor:
+    """Causal attention (N = M) in float64, the kept weights scaled by 1 / (1 - rate), GQA by
+    repeated heads."""
+    group = q.shape[1] // k.shape[1]
+    s = q @ k.transpose(-1, -2).repeat_interleave(group, 1) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return (torch.softmax(s, -1) * keep / (1 - rate)) @ v.repeat_interleave(group, 1)
+
+
+def test_a_calls_dropout_p_replaces_the_programs_rate() -> None:
+    """`dropout_p=` (FlashAttention's per-call rate) takes the place of the program's: padded
+    calls against the documented mask at that rate, forward and backward; packed calls each
+    sequence's; the emulated CUDA kernels bit for bit as a program written with that rate;
+    train=False still disables it; a program without dropout and a rate out of [0, 1) are
+    errors naming dropout_p."""
+    kern = kernel("gpt2")  # (written with 0.1)
+    q, k, v, _ = make_inputs(kern, Shape(1, 4, 2, 50, 50, 32), seed=5)
+    for rate in (0.35, 0.0):
+        out = kern(q, k, v, seed=21, dropout_p=rate)
+        keep = attncc.dropout_mask(21, 0, 1, 4, 50, 50, rate)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = explicit_dropout_reference(*leaves, keep, rate)
+        g = torch.randn_like(ref)
+        got = torch.autograd.grad(out, (q, k, v), g.float())
+        want = torch.autograd.grad(ref, leaves, g)
+        for a, b in ((out.detach(), ref.detach()), *zip(got, want)):
+            assert (a.double() - b).abs().max() < 1e-4, rate
+    assert torch.equal(kern(q, k, v, seed=3, dropout_p=0.35, train=False), kern(q, k, v, train=False))
+    # packed: sequence b keeps dropout_mask(seed, b, 1, H, N_b, M_b, p)
+    lengths = [17, 33]
+    cu = torch.tensor([0, 17, 50])
+    packed = [t.detach()[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+    out = kern.varlen(*packed, cu, cu, seed=8, dropout_p=0.35)
+    for b, (start, n) in enumerate(zip(cu.tolist(), lengths)):
+        rows = slice(start, start + n)
+        keep = attncc.dropout_mask(8, b, 1, 4, n, n, 0.35)
+        ref = explicit_dropout_reference(*(t[rows].transpose(0, 1)[None].double() for t in packed), keep, 0.35)
+        assert (out[rows].transpose(0, 1)[None].double() - ref).abs().max() < 1e-5
+    emulated = attncc.compile(ROOT / "examples" / "gpt2.attn", target="sm80", emulate=True)
+    written = attncc.compile(
+        (ROOT / "examples" / "gpt2.attn").read_text().replace("0.1)", "0.35)"), target="sm80", emulate=True
+    )
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    a, b = emulated(*low, seed=4, dropout_p=0.35), written(*low, seed=4)
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(a.sum(), low), torch.autograd.grad(b.sum(), low)))
+    with pytest.raises(attncc.InputError, match=r"dropout_p: causal has no dropout; write `p = dropout\(p, rate\)`"):
+        kernel("causal")(q, k, v, dropout_p=0.2)
+    for bad in (1.0, -0.1, "0.2", True, torch.tensor(0.2, requires_grad=True)):
+        with pytest.raises(attncc.InputError, match=r"dropout_p: expected a number in \[0, 1\)"):
+            kern(q, k, v, dropout_p=bad)
 
 
 # ---------------------------------------------------------------------------- torch integration

@@ -127,6 +127,19 @@ def test_jagged_calls_compile_to_one_graph() -> None:
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
 
 
+def test_a_compiled_call_takes_k_and_v_made_apart_and_checks_their_offsets_as_it_runs() -> None:
+    """k and v built apart (equal offsets, not one tensor) under torch.compile(fullgraph=True):
+    the offsets' comparison was a data-dependent read dynamo refused; it runs in the graph now,
+    and offsets that differ fail when the graph runs (session 68's review)."""
+    kern = kernel("causal")
+    rows = [torch.randn(12, 2, 16) for _ in range(3)]
+    q, k, v = (jagged(r, [5, 0, 7], "bhnd") for r in rows)
+    compiled = torch.compile(lambda a, b, c: kern(a, b, c), fullgraph=True)
+    assert torch.equal(packed(compiled(q, k, v), "bhnd"), packed(kern(q, k, v), "bhnd"))
+    with pytest.raises(RuntimeError, match="v: its sequences' lengths must be k's"):
+        compiled(q, k, jagged(rows[2], [6, 0, 6], "bhnd"))
+
+
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_a_jagged_view_with_rows_outside_its_sequences(layout: str) -> None:
     """A jagged tensor whose offsets start past row 0 and end before its last row (torch makes

@@ -308,6 +308,21 @@ def test_cli_refusals_of_session_60s_review(capsys) -> None:
     assert "H, Hkv, D and Dv >= 1" in capsys.readouterr().err
 
 
+def test_a_shape_whose_m_the_inputs_change_is_said(capsys) -> None:
+    """`check --shape` with M != N on a program whose runtime inputs run along N (a document
+    mask's ids) ran M = N and said nothing (session 68's review): a note on stderr now; a shape
+    kept as given, or the built-in shapes, say none."""
+    document = str(Path(CAUSAL).parent / "document.attn")
+    assert cli_main(["check", document, "--shape", "1,2,1,10,20,16", "--forward-only"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --shape M=20 taken as M = N = 10: document's runtime inputs run along N or M" in captured.err
+    assert "N=10 M=10" in captured.out
+    assert cli_main(["check", document, "--shape", "1,2,1,10,10,16", "--forward-only"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert cli_main(["explain", CAUSAL, "--shape", "1,2,1,10,20,16"]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_cli_refusals_of_session_61(tmp_path, capsys) -> None:
     """`profile --lines -2` was taken (and showed every line but the last two); `explain /dev/null`
     said "no such program file" of a file that exists; `prebuild -o FILE` said "[Errno 17] File

@@ -139,7 +139,27 @@ def test_rows_without_a_key_give_zero_and_dropout_follows_torch_seed() -> None:
     torch.manual_seed(3)
     assert torch.equal(first, scaled_dot_product_attention(q, k, v, dropout_p=0.3))
     assert (first - scaled_dot_product_attention(q, k, v)).abs().max() > 0.05
-    assert "p = dropout(p, 0.3)" in sdpa_program(SdpaOptions(False, None, 0.3))
+
+
+def test_every_dropout_rate_is_applied_by_one_program() -> None:
+    """Through v = identity the output is the dropped weights themselves: at each rate p the
+    share of zeros is p and the kept weights are softmax / (1 - p), exactly (float64); every
+    rate runs the one program with dropout (the kernels take the rate per call: each rate was
+    a program and a build of its own until session 68)."""
+    from attncc.integrations import sdpa
+
+    generator = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 4, 96, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    eye = torch.eye(96, dtype=torch.float64).expand(1, 4, 96, 96)
+    weights = torch.softmax(q @ k.transpose(-1, -2) / 4, dim=-1)
+    made = len(sdpa._kernel._kernels)
+    for rate in (0.3, 0.55, 0.1):
+        dropped = scaled_dot_product_attention(q, k, eye, dropout_p=rate)
+        kept = dropped != 0
+        assert abs(1 - kept.double().mean().item() - rate) < 0.015, rate  # (36864 draws: sd 0.0026)
+        torch.testing.assert_close(dropped[kept], weights[kept] / (1 - rate), atol=1e-15, rtol=1e-13)
+    assert len(sdpa._kernel._kernels) - made <= 1
+    assert "p = dropout(p, " in sdpa_program(SdpaOptions(False, None, True))
 
 
 def test_patched_replaces_the_functional_call_inside_the_block(monkeypatch: pytest.MonkeyPatch) -> None:

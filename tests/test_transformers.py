@@ -486,7 +486,7 @@ def test_packed_sequences_attend_each_within_itself(family: str, monkeypatch: py
 
 
 def test_programs_made_per_layer_say_bottom_right_causal() -> None:
-    needs = integration.LayerNeeds(causal=True, window=True, softcap=True, padding=True, dropout=0.0)
+    needs = integration.LayerNeeds(causal=True, window=True, softcap=True, padding=True, dropout=False)
     text = integration.model_program(needs)
     assert "mask j >= kv_start[b] and j < kv_end[b] and j <= i + M - N and i + M - N - j < window" in text
     assert "s = cap * tanh(s / cap)" in text
@@ -517,6 +517,41 @@ def test_a_given_program_runs_every_layer_and_must_declare_what_layers_need(monk
     windowed = transformers.AutoModelForCausalLM.from_config(config("mistral")[0], attn_implementation="attncc-given")
     with pytest.raises(AttnccError, match="the layer needs `window`"):
         windowed(ids, attention_mask=mask)
+
+
+def test_a_layers_attention_dropout_rate_is_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training layer's `attention_dropout` reaches its kernel call as the call's rate, made
+    program or given one (a given program's own rate was required to equal the layer's until
+    session 68); eval calls draw none; a given program without dropout is a clear error."""
+    from attncc.runtime.kernel import Kernel
+
+    rates: list[float] = []
+    call_dropout = Kernel.call_dropout
+    monkeypatch.setattr(
+        Kernel, "call_dropout", lambda self, *args: rates.append(call_dropout(self, *args)) or rates[-1]
+    )
+    cfg, _ = config("llama")
+    cfg.attention_dropout = 0.25
+    ids, mask = batch()
+    dropped = "p = softmax(s)\np = dropout(p, 0.1)\n"
+    program = (
+        "attention hf_dropped\ninput kv_start: int[B]\ninput kv_end: int[B]\ns = q @ k.T * scale\n"
+        f"mask j >= kv_start[b] and j < kv_end[b] and j <= i + M - N\n{dropped}o = p @ v\noutput o\n"
+    )
+    for name, text in ((NAME, None), ("attncc-dropped", program)):
+        if text is not None:
+            integration.register(name, text)
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name)
+        rates.clear()
+        model.train()(ids, attention_mask=mask)
+        assert rates == [0.25] * cfg.num_hidden_layers, name
+        rates.clear()
+        model.eval()(ids, attention_mask=mask)
+        assert rates == [0.0] * cfg.num_hidden_layers, name
+    integration.register("attncc-undropped", program.replace("p = dropout(p, 0.1)\n", ""))
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="attncc-undropped")
+    with pytest.raises(AttnccError, match="the layer asks for attention dropout, which program hf_dropped does not"):
+        model.train()(ids, attention_mask=mask)
 
 
 @pytest.mark.parametrize("pattern", ["chunks", "blocks", "blocks in a window"])

@@ -43,7 +43,7 @@ RESERVED = set(ex.INDEX_VARS + ex.SIZE_VARS) | {"q", "k", "v", "scale", "inf", "
 #: The keyword arguments of every kernel's call (`kern(...)`, and `kern.reference`'s `dtype`, which
 #: `attncc check` passes), beside which runtime inputs are passed by name: an input of one of these
 #: names could never be given (a "missing runtime input" error, or the call's argument read as it)
-CALL_KEYWORDS = frozenset({"return_lse", "train", "seed", "k_descale", "v_descale", "dtype", "self"})
+CALL_KEYWORDS = frozenset({"return_lse", "train", "seed", "dropout_p", "k_descale", "v_descale", "dtype", "self"})
 #: The further keyword arguments of the packed, paged and context-parallel calls: an input of such
 #: a name is a program's own choice (`input group: int`), refused by that call alone (`Kernel.
 #: check_inputs_named_apart`), where a refusal here broke programs that never make it

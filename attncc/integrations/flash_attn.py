@@ -53,7 +53,7 @@ class CallOptions:
     window_right: bool
     softcap: bool
     alibi: str | None  # the slopes' dims: "H" or "B, H"
-    dropout: float
+    dropout: bool  # (its rate is the call's `dropout_p`)
 
 
 def flash_program(options: CallOptions) -> str:
@@ -122,7 +122,9 @@ def _options_and_inputs(
     softcap: object,
     alibi_slopes: object,
 ) -> tuple[CallOptions, dict[str, object]]:
-    """The call's options and the runtime inputs they take, checked (each error names its argument)."""
+    """The call's options and the keyword arguments they take (runtime inputs, and `dropout_p`:
+    the kernels take the rate at run time, so the program says only that dropout is drawn),
+    checked (each error names its argument)."""
     if causal not in (True, False) or isinstance(causal, float):  # (numpy's bools and 0 / 1 too)
         raise InputError(f"causal: expected a bool, got {causal!r}")
     causal = bool(causal)
@@ -157,7 +159,9 @@ def _options_and_inputs(
         inputs["window_right"] = right
     if softcap > 0:
         inputs["softcap"] = float(softcap)
-    options = CallOptions(causal, left >= 0, right >= 0 and not causal, softcap > 0, alibi, float(dropout_p))
+    if dropout_p > 0:
+        inputs["dropout_p"] = float(dropout_p)
+    options = CallOptions(causal, left >= 0, right >= 0 and not causal, softcap > 0, alibi, dropout_p > 0)
     return options, inputs
 
 

@@ -60,7 +60,7 @@ class MadeKernels(Generic[Options]):
 
 def _concrete(value: object) -> object:
     """A traced number as the number it holds (a guard on its value: with dynamic=True dynamo
-    traces every float, a dropout rate of 0.0 too, and hands none to an untraced function);
+    traces every float and hands none to an untraced function);
     anything else as it is."""
     if isinstance(value, bool | int | float | torch.SymBool | torch.SymInt | torch.SymFloat):
         return guard_scalar(value)
@@ -87,12 +87,17 @@ def _made(index: int, fields: tuple, target: str) -> str:
 _made._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def masked_softmax_output(terms: list[str], dropout: float, sink: str | None = None) -> list[str]:
+#: The rate a made program with dropout is written with. Its calls give theirs (`dropout_p`: the
+#: kernels take the rate at run time), so one program serves every rate, where each rate was a
+#: program of its own (a build per rate of an annealed dropout) until session 68.
+WRITTEN_RATE = 0.5
+
+
+def masked_softmax_output(terms: list[str], dropout: bool, sink: str | None = None) -> list[str]:
     """A made program's last lines: its mask terms AND'ed, the softmax (with `sink`, a read of a
-    declared input, as its sink logit), dropout at `dropout` (formatted from the validated
-    float), the output."""
+    declared input, as its sink logit), dropout where `dropout` (at `WRITTEN_RATE`), the output."""
     lines = ["mask " + " and ".join(terms)] if terms else []
     lines.append(f"p = softmax(s, sink={sink})" if sink else "p = softmax(s)")
-    if dropout > 0:
-        lines.append(f"p = dropout(p, {float(dropout)!r})")
+    if dropout:
+        lines.append(f"p = dropout(p, {WRITTEN_RATE!r})")
     return [*lines, "o = p @ v", "output o"]

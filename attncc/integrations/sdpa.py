@@ -12,7 +12,8 @@ process and target, cached on disk):
     s = s + attn_bias[b, h, i, j]        # a float attn_mask (added)
     mask attn_mask[b, h, i, j]           # a bool attn_mask (True: takes part)
     mask j <= i                          # is_causal: top-left, as SDPA's tril(ones(L, S))
-    p = dropout(softmax(s), dropout_p)   # applied whenever dropout_p > 0, as SDPA does
+    p = dropout(softmax(s), dropout_p)   # applied whenever dropout_p > 0, as SDPA does (one
+                                         # program for every rate: the kernels take it per call)
 
 q [..., L, E], k [..., S, E], v [..., S, Ev]: the leading dims are (batch..., heads) (three-dim
 inputs have one head), the same for q, k and v but the heads with `enable_gqa`; a mask
@@ -48,7 +49,7 @@ class SdpaOptions:
 
     causal: bool
     mask: str | None  # "bool" or "float"
-    dropout: float
+    dropout: bool  # (its rate is the call's)
     mask_dims: tuple[str, ...] = ()  # the mask's dims among B, H, N, M that do not broadcast
 
 
@@ -224,8 +225,8 @@ def scaled_dot_product_attention(
     if dropout_p == 1:  # every weight dropped: zeros, as torch's, in the graph (zero gradients)
         bias = attn_mask.sum() if kind == "float" else 0
         return (query.sum() + key.sum() + value.sum() + bias).mul(0).expand(*query.shape[:-1], value.shape[-1])
-    kern = _kernel(SdpaOptions(is_causal, kind, float(dropout_p), mask_dims if kind else ()), q.device)
-    out = kern(q, k, v, scale=scale, **inputs)
+    kern = _kernel(SdpaOptions(is_causal, kind, dropout_p > 0, mask_dims if kind else ()), q.device)
+    out = kern(q, k, v, scale=scale, dropout_p=float(dropout_p) if dropout_p > 0 else None, **inputs)
     return out.reshape(*query.shape[:-1], v.shape[-1])
 
 

@@ -92,7 +92,7 @@ class LayerNeeds:
     window: bool
     softcap: bool
     padding: bool
-    dropout: float
+    dropout: bool  # (its rate is the call's `dropout_p`: one program for every rate)
     sinks: bool = False
     #: a mask pattern beyond causal and window (`ModelMask`): its predicate and inputs' declarations
     pattern: tuple[str, tuple[tuple[str, str], ...]] | None = None
@@ -721,7 +721,7 @@ def layer_needs(
         sliding_window is not None and "window" not in dict(declared),
         softcap is not None,
         padding,
-        float(dropout),
+        float(dropout) > 0,
         sinks is not None,
         (pattern.predicate, declared) if pattern else None,  # type: ignore[arg-type]
     )
@@ -940,7 +940,7 @@ class ModelAttention:
         )  # fmt: skip
         if "blocks" in runtime:  # (a static cache's slots past the mask cut off above)
             runtime["blocks"] = runtime["blocks"][:, :keys]  # type: ignore[index]
-        out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
+        out = kern(query, key, value, scale=scaling, **layer_dropout(dropout), **runtime)
         return out.transpose(1, 2).contiguous(), None
 
     def layer_call(
@@ -997,7 +997,7 @@ class ModelAttention:
         pattern = ModelMask(DENSE_TERM, {"kept": ("bool[B, N, M]", mask[:, 0, :, :keys].expand(batch, queries, keys))})
         needs = layer_needs(False, None, softcap, False, dropout, sinks, pattern)
         kern, runtime = self.layer_call(module, needs, query.device, lambda: (), None, softcap, sinks, pattern)  # type: ignore[arg-type, return-value]
-        out = kern(query, key, value, scale=scaling, train=dropout > 0, **runtime)
+        out = kern(query, key, value, scale=scaling, **layer_dropout(dropout), **runtime)
         return out.transpose(1, 2).contiguous(), None
 
     def packed(
@@ -1042,8 +1042,15 @@ class ModelAttention:
         # [B, H, N, D] -> the tokens row after row, [B N, H, D] (a view of the layer's projections)
         q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
         offsets = dict(cu_seqlens_q=plan.cu_q, cu_seqlens_k=plan.cu_k) if traced else dict(plan=plan)  # type: ignore[union-attr]
-        out = kern.varlen(q, k, v, **offsets, scale=scaling, train=dropout > 0, **runtime)
+        out = kern.varlen(q, k, v, **offsets, scale=scaling, **layer_dropout(dropout), **runtime)
         return out.view(batch, length, heads, out.shape[-1]), None
+
+
+def layer_dropout(dropout: float) -> dict[str, object]:
+    """A layer call's dropout options: its rate (`dropout_p`, traced: guarded on its value),
+    none with `train=False` where the layer asks for none (eval, or a config without it)."""
+    rate = float(dropout)
+    return {"train": True, "dropout_p": rate} if rate > 0 else {"train": False}
 
 
 def check_given_program(
@@ -1062,9 +1069,10 @@ def check_given_program(
         )
     for name in sorted(declared - runtime.keys()):
         raise AttnccError(f"program {kern.name}: input `{name}` ({FILLED_INPUTS[name]}), but layer {layer} has none")
-    if needs.dropout > 0 and kern.op.dropout != needs.dropout:
+    if needs.dropout and not kern.op.dropout:
         raise AttnccError(
-            f"{layer}: the layer asks for attention dropout {needs.dropout}, program {kern.name} has {kern.op.dropout}"
+            f"{layer}: the layer asks for attention dropout, which program {kern.name} does not draw (write "
+            "`p = dropout(p, rate)` in it: the layer's rate takes the place of its rate)"
         )
 
 

@@ -526,6 +526,7 @@ class Kernel:
         scale: float | None = None,
         train: bool = True,
         seed: int | None = None,
+        dropout_p: float | None = None,
         k_descale: object = None,
         v_descale: object = None,
         **runtime: object,
@@ -541,6 +542,8 @@ class Kernel:
         scale sets the name `scale` (default: the program's `scale = ...`, else 1/sqrt(D)): the
         q.k factor and every score expression using `scale` follow it; train=False disables dropout; seed fixes the
         dropout bits (default: drawn from torch's generator, so torch.manual_seed applies);
+        dropout_p, for a program with dropout, is this call's rate in place of the program's
+        (the kernels take it at run time: one program serves every rate, as FlashAttention's);
         runtime inputs are passed by their declared names. Returns out (and lse [B, H, N] in
         float32, float64 for float64 inputs, when return_lse). q, k and v may be jagged nested
         tensors ([B, H, j, D] as scaled_dot_product_attention takes them, or [B, j, H, D]): one
@@ -550,14 +553,16 @@ class Kernel:
         # (two detours, each asked in ~0.2 us; the options dict is made on them only)
         nested, lower = any_nested(q, k, v), autocast_dtype(q)
         if nested or lower is not None:
-            options = dict(scale=scale, train=train, seed=seed, k_descale=k_descale, v_descale=v_descale)
+            options = dict(
+                scale=scale, train=train, seed=seed, dropout_p=dropout_p, k_descale=k_descale, v_descale=v_descale
+            )
             if nested:  # (jagged: one packed call, runtime/nested.py)
                 return nested_attention(self, q, k, v, return_lse, options, runtime)
             with torch.autocast(q.device.type, enabled=False):  # (as SDPA under torch.autocast: runtime/amp.py)
                 return self(*cast_operands(lower, q, k, v), return_lse=return_lse, **options, **runtime)  # type: ignore[arg-type]
         # (descale factors: fp8 K/V's, which never repeat; given with other K/V, the full path's error)
         repeat_key = None
-        if k_descale is None and v_descale is None:
+        if k_descale is None and v_descale is None and dropout_p is None:
             repeat_key = self._repeat_key(q, k, v, runtime, scale, train, seed, tensors_too=True)
         repeat = self._repeats.get(repeat_key) if repeat_key is not None else None
         if repeat is not None:
@@ -574,7 +579,7 @@ class Kernel:
         self.validate(q, k, v, runtime)
         tensors: list[torch.Tensor] = [runtime[d.name] for d in self.inputs if d.role == "tensor"]  # type: ignore[misc]
         scalars = [float(runtime[d.name]) for d in self.inputs if d.role == "scalar"]  # type: ignore[arg-type]
-        dropout = self.op.dropout if checked_train(train) else 0.0
+        dropout = self.call_dropout(train, dropout_p)
         seed_value = seed_tensor(seed, dropout)
         scale = self.call_scale(scale)
         # scale None: the op computes the program's default from the sizes (symbolic under
@@ -615,6 +620,32 @@ class Kernel:
         if repeat_key is not None and out.numel():
             self._remember_repeat(repeat_key, q, k, v, out, lse, scalars, scale, tensors=tensors)
         return (out, lse) if return_lse else out
+
+    def call_dropout(self, train: object, dropout_p: object = None) -> float:
+        """A call's dropout rate: the program's, or `dropout_p` in its place (a number in [0, 1)),
+        0 with train=False. The kernels take the rate at run time (the program's constant says
+        that they draw dropout bits at all), so one program serves every rate; a program without
+        dropout refuses dropout_p, as its kernels draw none."""
+        train = checked_train(train)
+        if dropout_p is None:
+            return self.op.dropout if train else 0.0
+        rate = python_number(dropout_p)
+        if isinstance(rate, torch.SymFloat | torch.SymInt):  # (traced: a guard on its value)
+            from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+            rate = guard_scalar(rate)
+        elif (
+            isinstance(rate, torch.Tensor) and rate.numel() == 1 and rate.is_floating_point() and not rate.requires_grad
+        ):
+            rate = float(rate)
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
+            raise InputError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+        if not self.op.dropout:
+            raise InputError(
+                f"dropout_p: {self.name} has no dropout; write `p = dropout(p, rate)` in the program "
+                "(a call's dropout_p then takes the place of its rate)"
+            )
+        return float(rate) if train else 0.0
 
     def rope_applied(
         self, q: torch.Tensor, k: torch.Tensor, runtime: Mapping[str, object]
@@ -956,6 +987,7 @@ class Kernel:
         scale: float | None = None,
         train: bool = True,
         seed: int | None = None,
+        dropout_p: float | None = None,
         k_descale: object = None,
         v_descale: object = None,
         **runtime: object,
@@ -985,8 +1017,8 @@ class Kernel:
             with torch.autocast(q.device.type, enabled=False):
                 return self.varlen(
                     *cast_operands(lower, q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan=plan,
-                    return_lse=return_lse, scale=scale, train=train, seed=seed, k_descale=k_descale,
-                    v_descale=v_descale, **runtime,
+                    return_lse=return_lse, scale=scale, train=train, seed=seed, dropout_p=dropout_p,
+                    k_descale=k_descale, v_descale=v_descale, **runtime,
                 )  # fmt: skip
         if plan is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not values_unreadable(q):
             if all(type(t) is torch.Tensor for t in (q, k, v)) and not _untransformed(q, k, v):
@@ -1006,6 +1038,7 @@ class Kernel:
             and max_seqlen_k is None
             and k_descale is None
             and v_descale is None
+            and dropout_p is None
         ):
             repeat_key = self._repeat_key(q, k, v, runtime, scale, train, seed)
             if repeat_key is not None:
@@ -1025,7 +1058,7 @@ class Kernel:
         q, k, v = _resolved(q, k, v)
         out, lse = varlen_attention(
             self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            return_lse=True, scale=scale, train=train, seed=seed, runtime=runtime,
+            return_lse=True, scale=scale, train=train, seed=seed, dropout_p=dropout_p, runtime=runtime,
             k_descale=k_descale, v_descale=v_descale, plan=plan,
         )  # fmt: skip
         # (a call with a repeat key ran forward_impl, directly or through _EagerVarlen: see __call__)
@@ -1186,6 +1219,7 @@ class Kernel:
         scale: float | None = None,
         train: bool = True,
         seed: int = 0,
+        dropout_p: float | None = None,
         dtype: torch.dtype = torch.float64,
         k_descale: object = None,
         v_descale: object = None,
@@ -1204,7 +1238,7 @@ class Kernel:
         problem = _problem(q, k, v.shape[3])
         tensors = runtime_tensors(self.op.sparsity, problem, tensors, scalars)  # type: ignore[arg-type]
         scale_value = float(scale) if scale is not None else self.default_scale(q, k)
-        dropout = self.op.dropout if checked_train(train) else 0.0
+        dropout = self.call_dropout(train, dropout_p)
         return reference_attention(self.op, q, k, v, scale_value, scalars, tensors, seed, 0, dropout, dtype)  # type: ignore[arg-type]
 
     def tile_classes(self, q: torch.Tensor, k: torch.Tensor, **runtime: object) -> torch.Tensor:

@@ -79,8 +79,14 @@ def nested_attention(
     batch = {"q": q_offsets.numel() - 1, "k": k_offsets.numel() - 1, "v": v_offsets.numel() - 1}
     if len(set(batch.values())) != 1:
         raise InputError(f"q, k, v: one batch size expected, got {', '.join(f'{n} B={b}' for n, b in batch.items())}")
-    if v_offsets is not k_offsets and not torch.equal(v_offsets, k_offsets.to(v_offsets.device)):
-        raise InputError("v: its sequences' lengths must be k's (offsets differ)")
+    if v_offsets is not k_offsets:
+        differ = "v: its sequences' lengths must be k's (offsets differ)"
+        if values_unreadable(v_offsets) or values_unreadable(k_offsets):
+            # traced (k and v made apart): checked as the graph runs, where a read here is a
+            # data-dependent guard that fullgraph refused
+            torch._assert_async(torch.eq(v_offsets, k_offsets.to(v_offsets.device)).all(), differ)
+        elif not torch.equal(v_offsets, k_offsets.to(v_offsets.device)):
+            raise InputError(differ)
     # A jagged view may hold rows before its first sequence and after its last (offsets [4, 7,
     # 14] of 20 rows: torch makes and accepts one; the varlen call's offsets must run from 0 to
     # its rows, an error naming cu_seqlens_q before): the call takes the sequences' rows, and

@@ -381,6 +381,7 @@ def varlen_attention(
     train: bool,
     seed: int | None,
     runtime: Mapping[str, object],
+    dropout_p: float | None = None,
     k_descale: object = None,
     v_descale: object = None,
     plan: VarlenPlan | None = None,
@@ -392,7 +393,6 @@ def varlen_attention(
         _eager_autograd,
         _EagerVarlen,
         _plain_call,
-        checked_train,
         seed_tensor,
     )
 
@@ -422,7 +422,7 @@ def varlen_attention(
         )
     # (untraced, a call given its offsets comes with the kernel's plan of them: `Kernel.varlen`)
     scale = kern.call_scale(scale)
-    dropout = kern.op.dropout if checked_train(train) else 0.0
+    dropout = kern.call_dropout(train, dropout_p)
     tensors: list[torch.Tensor] = [runtime[d.name] for d in kern.inputs if d.role == "tensor"]  # type: ignore[misc]
     scalars = [float(runtime[d.name]) for d in kern.inputs if d.role == "scalar"]  # type: ignore[arg-type]
     descale = kv_descales(k, v, k_descale, v_descale, "packed")
