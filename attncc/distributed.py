@@ -631,6 +631,7 @@ def context_parallel(
     scale: float | None = None,
     train: bool = True,
     seed: int | None = None,
+    dropout_p: float | None = None,
     **inputs: object,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of `kern`'s attention over a sequence split across `group` (default:
@@ -639,7 +640,8 @@ def context_parallel(
     document-id tensor [B, N], not a slice), the same on every rank. Returns out [B, H, N/P, Dv]
     (and lse [B, H, N/P]), equal to the rows of the single-process call `kern(q, k, v)` on the
     whole tensors; differentiable (q, k, v and learnable inputs; module docstring). Every rank
-    of the group must call it with the same sizes, layout and inputs."""
+    of the group must call it with the same sizes, layout, inputs and dropout options
+    (`train`, `seed`, `dropout_p`: the rate in place of the program's, as `kern`'s call)."""
     kern.check_inputs_named_apart("context_parallel")
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("context_parallel: torch.distributed is not initialised (call init_process_group first)")
@@ -657,7 +659,7 @@ def context_parallel(
         with torch.autocast(q.device.type, enabled=False):
             return context_parallel(
                 kern, *cast_operands(lower, q, k, v), group=group, layout=layout, return_lse=return_lse, scale=scale,
-                train=train, seed=seed, **inputs,
+                train=train, seed=seed, dropout_p=dropout_p, **inputs,
             )  # fmt: skip
     if v.shape[:3] != k.shape[:3]:  # (the checks below see each chunk: v's extra rows were ignored)
         raise InputError(
@@ -667,7 +669,7 @@ def context_parallel(
     q, k, v = _resolved(q, k, v)  # (a negative-bit view's values: the ring's kernels read storage)
     # (dropout's draws: a seed given on one rank alone hung the others in its broadcast; a seed per
     # rank gave rows of no single call, silently)
-    draws = _draws_summary(train, seed) if kern.op.dropout else None
+    draws = _draws_summary(train, seed, dropout_p) if kern.op.dropout or dropout_p is not None else None
     _check_same_call(group, world_size, rank, layout, (q, k, v), scale, draws, inputs)
     per_rank = chunks_per_rank(layout)
     B, H, N_local, D = q.shape
@@ -678,7 +680,7 @@ def context_parallel(
     globalized = kern.at_global_positions()
     first = {**inputs, **pair_positions(layout, world_size, problem, chunk_rows, chunk_cols, rank, 0, rank, 0)}
     globalized.validate(q.narrow(2, 0, chunk_rows), k.narrow(2, 0, chunk_cols), v.narrow(2, 0, chunk_cols), first)
-    dropout = kern.op.dropout if checked_train(train) else 0.0
+    dropout = kern.call_dropout(train, dropout_p)  # (after the same-call check: every rank errs alike)
     if dropout and chunk_cols % 4:
         raise InputError(
             f"k: with dropout, key chunks must be multiples of 4 rows (the dropout draws cover aligned quads of "
@@ -723,22 +725,23 @@ def _merge_sink(
     return merge_states([out, torch.zeros_like(out)], [lse, sink])
 
 
-def _draws_summary(train: object, seed: object) -> str:
-    """What ranks compare of dropout's `train` and `seed`: their values (np.int64(5) is 5), the
-    seed only where dropout draws (train=False reads none); a value the call refuses as given,
-    so that every rank giving it reaches that error after the check rather than alone before it
-    (the others hung in the check's all-gather)."""
+def _draws_summary(train: object, seed: object, dropout_p: object = None) -> str:
+    """What ranks compare of dropout's `train`, `seed` and `dropout_p`: their values (np.int64(5)
+    is 5), the seed only where dropout draws (train=False reads none); a value the call refuses
+    as given, so that every rank giving it reaches that error after the check rather than alone
+    before it (the others hung in the check's all-gather)."""
+    rate = "" if dropout_p is None else f" dropout_p={_input_summary(dropout_p)!r}"
     try:
         train = checked_train(train)
     except InputError:
-        return f"train={train!r} seed={seed!r}"
+        return f"train={train!r} seed={seed!r}{rate}"
     if not train:
-        return "train=False"
+        return f"train=False{rate}"
     try:
         seed = None if seed is None else checked_seed(seed)
     except InputError:
         pass
-    return f"train=True seed={seed!r}"
+    return f"train=True seed={seed!r}{rate}"
 
 
 def _input_summary(value: object) -> object:

@@ -394,6 +394,11 @@ def test_one_rank_is_the_plain_call(one_rank: None) -> None:
     want, want_lse = kern(x["q"], x["k"], x["v"], return_lse=True, seed=9, **x["inputs"])
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
+    # a call's own rate (`dropout_p`, session 68), as the plain call's
+    out = cp.context_parallel(kern, x["q"], x["k"], x["v"], seed=9, dropout_p=0.45, **x["inputs"])
+    want = kern(x["q"], x["k"], x["v"], seed=9, dropout_p=0.45, **x["inputs"])
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    assert (out - kern(x["q"], x["k"], x["v"], seed=9, **x["inputs"])).abs().max() > 0.01
 
 
 def test_one_rank_under_torch_s_default_device_meta_is_the_plain_call(one_rank: None) -> None:
@@ -530,13 +535,16 @@ def test_ranks_differing_in_dropout_seed_or_in_a_table_s_bytes_are_an_error(
         (dict(seed=5), dict(seed=6), True),
         ({}, dict(train=False), True),
         (dict(seed=5), dict(seed=np.int64(5)), False),  # (the same call: each rank's summary compared whole)
+        (dict(seed=5, dropout_p=0.3), dict(seed=5), True),  # (a call's own rate: session 68)
+        (dict(seed=5, dropout_p=0.3), dict(seed=5, dropout_p=np.float64(0.3)), False),
     )
     for mine, theirs, differ in calls:
 
         def another_ranks(everyone: list, given: object, group: object = None, theirs: dict = theirs) -> None:
             gather(everyone, given, group=group)
             (layout, (scale, _, inputs)) = everyone[0]
-            everyone.append((layout, (scale, cp._draws_summary(theirs.get("train", True), theirs.get("seed")), inputs)))
+            drawn = cp._draws_summary(theirs.get("train", True), theirs.get("seed"), theirs.get("dropout_p"))
+            everyone.append((layout, (scale, drawn, inputs)))
 
         monkeypatch.setattr(cp.dist, "all_gather_object", another_ranks)
         if differ:
