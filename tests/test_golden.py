@@ -526,6 +526,16 @@ def test_a_calls_dropout_p_replaces_the_programs_rate() -> None:
     assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(a.sum(), low), torch.autograd.grad(b.sum(), low)))
     with pytest.raises(attncc.InputError, match=r"dropout_p: causal has no dropout; write `p = dropout\(p, rate\)`"):
         kernel("causal")(q, k, v, dropout_p=0.2)
+    # (0 on a program without dropout is no dropout: `dropout_p=p if training else 0.0`)
+    assert torch.equal(kernel("causal")(q, k, v, dropout_p=0.0), kernel("causal")(q, k, v))
+    assert torch.equal(kern(q, k, v, seed=2, dropout_p=torch.tensor(0.35)), kern(q, k, v, seed=2, dropout_p=0.35))
+    compiled = torch.compile(lambda q, rate: kern(q, q, q, dropout_p=rate * 0.5), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"dropout_p: a tensor under torch\.compile; pass a Python number"):
+        compiled(q, torch.tensor(0.6))
+    pages = torch.randn(4, 16, 2, 32)
+    with pytest.raises(attncc.InputError, match=r"dropout_p: paged calls are inference and apply no dropout"):
+        kern.paged(q[:, :, :1].transpose(1, 2), pages, pages, torch.arange(4).view(1, 4).int(), torch.tensor([20]),
+                   train=False, dropout_p=0.0)  # fmt: skip
     for bad in (1.0, -0.1, "0.2", True, torch.tensor(0.2, requires_grad=True)):
         with pytest.raises(attncc.InputError, match=r"dropout_p: expected a number in \[0, 1\)"):
             kern(q, k, v, dropout_p=bad)

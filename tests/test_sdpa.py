@@ -294,6 +294,14 @@ def test_what_torch_takes_at_the_edges_of_sdpas_arguments() -> None:
     out = scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=1.0)
     assert out.shape == (2, 6, 5, 9) and not out.any()
     assert all(not g.any() for g in torch.autograd.grad(out.sum(), [q, k, v, bias]))
+    # (an additive -inf mask, and fp16 operands whose sums overflow: zeros still, not NaN, as
+    # torch's; a first version made the zeros from the operands' sums times 0)
+    causal = torch.zeros(5, 7, dtype=torch.float64).masked_fill(torch.ones(5, 7, dtype=torch.bool).triu(3), -math.inf)
+    assert not scaled_dot_product_attention(q, k, v, attn_mask=causal, dropout_p=1.0).isnan().any()
+    wide = [(t.detach() + 2).half().repeat(1, 1, 800, 1).requires_grad_() for t in (q, k, v)]
+    out = scaled_dot_product_attention(*wide, dropout_p=1.0)
+    assert torch.equal(out, F.scaled_dot_product_attention(*(t.detach() for t in wide), dropout_p=1.0))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in torch.autograd.grad(out.sum(), wide))
     flat = [t[..., :0].detach().requires_grad_() for t in (q, k)]
     check({}, *flat, v, [*flat, v])
     check({"is_causal": True}, *flat, v, [*flat, v])

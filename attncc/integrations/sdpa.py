@@ -222,11 +222,11 @@ def scaled_dot_product_attention(
         inputs["attn_mask" if kind == "bool" else "attn_bias"] = view[
             tuple(slice(None) if d in mask_dims else 0 for d in MASK_DIMS)
         ]
-    if dropout_p == 1:  # every weight dropped: zeros, as torch's, in the graph (zero gradients)
-        bias = attn_mask.sum() if kind == "float" else 0
-        return (query.sum() + key.sum() + value.sum() + bias).mul(0).expand(*query.shape[:-1], value.shape[-1])
-    kern = _kernel(SdpaOptions(is_causal, kind, dropout_p > 0, mask_dims if kind else ()), q.device)
-    out = kern(q, k, v, scale=scale, dropout_p=float(dropout_p) if dropout_p > 0 else None, **inputs)
+    drawn = 0 < dropout_p < 1
+    kern = _kernel(SdpaOptions(is_causal, kind, drawn, mask_dims if kind else ()), q.device)
+    out = kern(q, k, v, scale=scale, dropout_p=float(dropout_p) if drawn else None, **inputs)
+    if dropout_p == 1:  # every weight dropped: the attention times 0, as torch's (NaN where its rows are)
+        out = out * 0
     return out.reshape(*query.shape[:-1], v.shape[-1])
 
 

@@ -625,7 +625,8 @@ class Kernel:
         """A call's dropout rate: the program's, or `dropout_p` in its place (a number in [0, 1)),
         0 with train=False. The kernels take the rate at run time (the program's constant says
         that they draw dropout bits at all), so one program serves every rate; a program without
-        dropout refuses dropout_p, as its kernels draw none."""
+        dropout refuses a rate above 0, as its kernels draw no bits (0 is taken: FlashAttention
+        code passes `dropout_p=p if training else 0.0`)."""
         train = checked_train(train)
         if dropout_p is None:
             return self.op.dropout if train else 0.0
@@ -634,13 +635,14 @@ class Kernel:
             from torch.fx.experimental.symbolic_shapes import guard_scalar
 
             rate = guard_scalar(rate)
-        elif (
-            isinstance(rate, torch.Tensor) and rate.numel() == 1 and rate.is_floating_point() and not rate.requires_grad
-        ):
-            rate = float(rate)
+        elif isinstance(rate, torch.Tensor):
+            if torch.compiler.is_compiling():
+                raise traced_tensor_number("dropout_p")
+            if rate.numel() == 1 and not rate.requires_grad and not rate.is_complex() and rate.dtype != torch.bool:
+                rate = rate.item()
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
             raise InputError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
-        if not self.op.dropout:
+        if not self.op.dropout and rate:
             raise InputError(
                 f"dropout_p: {self.name} has no dropout; write `p = dropout(p, rate)` in the program "
                 "(a call's dropout_p then takes the place of its rate)"
@@ -1120,6 +1122,8 @@ class Kernel:
                 f"{self.name}: paged calls are inference and apply no dropout; pass train=False (a program's "
                 f"dropout p = {self.op.dropout} runs in padded and packed calls)"
             )
+        if "dropout_p" in runtime:  # (a call keyword of the others: not an unknown runtime input)
+            raise InputError("dropout_p: paged calls are inference and apply no dropout; give none")
         key = planned_call_key(
             self, plan, q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, layout, scale, runtime,
             k_descale, v_descale,
