@@ -140,7 +140,7 @@ def padded_with_ranges(
     view; new ranges): the full path, its tile classes anew."""
     from attncc.integrations.transformers import LayerNeeds, model_program
 
-    program = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=0.0))
+    program = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=False))
     kern = host_path_kernel(program, device)
     B, steps = 8, 1000 if growing else 0
     q = torch.randn(B, 32, N, 128, dtype=torch.bfloat16, device=device)

@@ -120,7 +120,7 @@ def lease_builds() -> list[Callable[[], object]]:
         prebuild(kern, [bf16], [128], paged=True)
     from attncc.integrations.transformers import LayerNeeds, model_program  # bench_host.py's padded prefill
 
-    padded = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=0.0))
+    padded = model_program(LayerNeeds(causal=True, window=False, softcap=False, padding=True, dropout=False))
     for kern in decoding_variants(kernel(padded)):  # (and its decoding step: built on the device before)
         prebuild(kern, [bf16], [128])
     for job in GPU_CONTEXT_PARALLEL_JOBS:  # the ring on one GPU: each chunk pair's kernel, and the whole call's
