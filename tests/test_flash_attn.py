@@ -435,3 +435,39 @@ def test_numpy_numbers_are_numbers() -> None:
     want = flash_attn_func(q, k, v, causal=True, softcap=30.0, dropout_p=0.0)
     got = flash_attn_func(q, k, v, causal=True, softcap=np.float32(30.0), dropout_p=np.float32(0.0))
     assert torch.equal(got, want)
+
+
+def test_a_zero_window_a_paged_table_without_lengths_and_compiled_rows_past_the_offsets() -> None:
+    """window_size=(0, 0): each query sees its own key alone (out = v), where `left > 0` for
+    `>= 0` made it an error; a paged cache without cache_seqlens is every page of the table
+    full (one page's rows taken for the whole: 1.26 off); a compiled non-causal packed call
+    zeroes the rows past the last offset (`<=` there left one: 1.86 off); each against float64
+    written here."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(flash_attn_func(q, k, v, window_size=(0, 0)), v, atol=1e-12, rtol=0)
+
+    k_cache, v_cache = (torch.randn(6, 4, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    table = torch.tensor([[3, 1, 5]], dtype=torch.int32)
+    query = torch.randn(1, 1, 2, 16, generator=gen, dtype=torch.float64)
+    keys, values = (c[table[0].long()].flatten(0, 1) for c in (k_cache, v_cache))  # [12, 2, 16]
+    weights = torch.softmax(torch.einsum("hd,mhd->hm", query[0, 0], keys) / 4, -1)
+    want = torch.einsum("hm,mhd->hd", weights, values)
+    got = flash_attn_with_kvcache(query, k_cache, v_cache, block_table=table)
+    torch.testing.assert_close(got[0, 0], want, atol=1e-12, rtol=0)
+
+    cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    q = torch.randn(13, 4, 16, generator=gen, dtype=torch.float64)  # rows 10-12: no sequence's
+    k, v = (torch.randn(11, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, causal=False)
+
+    compiled = torch.compile(call, fullgraph=True, backend="eager")(q, k, v, cu_q, cu_k)
+    want = torch.zeros(13, 4, 16, dtype=torch.float64)
+    for b in range(2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        kb, vb = (t[keys].repeat_interleave(2, 1) for t in (k, v))
+        weights = torch.softmax(torch.einsum("nhd,mhd->hnm", q[rows], kb) / 4, -1)
+        want[rows] = torch.einsum("hnm,mhd->nhd", weights, vb)
+    torch.testing.assert_close(compiled, want, atol=1e-12, rtol=0)

@@ -468,6 +468,27 @@ def _operands(fmt: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, tor
     return torch.randn(1, 2, 5, 16), torch.randn(1, 1, 7, 16).to(fmt), torch.randn(1, 1, 7, 16).to(fmt)
 
 
+def test_the_reference_dequantises_fp8_operands_and_factors_are_read_by_value() -> None:
+    """`Kernel.reference` (what `attncc check` compares with) reads fp8 k and v times their
+    factors, as the kernels do, against causal attention written here in float64; a factor
+    given as a negative-bit view (`torch._neg_view`) is read by its value (a review's mutants
+    dropped each: the reference 2.25 off, the view's sign 9.0)."""
+    kern = kernel("causal")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 17, 32, generator=gen)
+    k8, v8 = (torch.randn(1, 2, 17, 32, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+    k_descale, v_descale = torch.full((1, 2, 1), 0.3), torch.full((1, 2, 1), 2.0)
+    s = q.double() @ (k8.double() * 0.3).transpose(-1, -2) / math.sqrt(32)
+    s = s.masked_fill(~torch.ones(17, 17, dtype=torch.bool).tril(), -math.inf)
+    want = torch.softmax(s, -1) @ (v8.double() * 2.0)
+    with torch.no_grad():
+        out = kern(q, k8, v8, k_descale=k_descale, v_descale=v_descale)
+        reference, _ = kern.reference(q, k8, v8, k_descale=k_descale, v_descale=v_descale)
+        negated = kern(q, k8, v8, k_descale=k_descale, v_descale=torch._neg_view(torch.full((1, 2, 1), -2.0)))
+    assert (out.double() - want).abs().max() < 1e-5 and (reference - want).abs().max() < 1e-5
+    assert torch.equal(negated, out)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -147,6 +147,20 @@ def test_a_part_that_weighs_nothing_adds_nothing_even_nan() -> None:
     assert not merged.isnan().any()
 
 
+def test_bf16_parts_merge_in_float32() -> None:
+    """bf16 outs and lses (a bf16 producer's) merge in float32 and give an lse in float32, as
+    documented: within bf16's own rounding of the inputs (a review's mutant merged in bf16:
+    lse 0.49 off at lse ~200)."""
+    gen = torch.Generator().manual_seed(0)
+    outs = torch.randn(8, 4, 64, generator=gen).bfloat16()
+    lses = (torch.randn(8, 4, generator=gen) * 3 + 200).bfloat16()
+    out, lse = attncc.merge_states(outs, lses)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want = (torch.softmax(lses.double(), 0).unsqueeze(-1) * outs.double()).sum(0)
+    assert (lse.double() - torch.logsumexp(lses.double(), 0)).abs().max() < 1e-4
+    assert (out.double() - want).abs().max() < 2e-2
+
+
 def test_an_empty_stack_of_parts_is_a_clear_error() -> None:
     with pytest.raises(InputError, match="outs: expected at least one partial result, got none"):
         attncc.merge_states(torch.zeros(0, 2, 3), torch.zeros(0, 2))

@@ -110,6 +110,11 @@ def test_forward_and_backward_against_the_formulas(label, q_args, k_args, option
     want = [ref_out, ref_lse, *torch.autograd.grad(ref_out, exact, dout.double())]
     for name, g, w, tol in zip(("out", "lse", "dq", "dk", "dv"), got, want, (FWD_TOL, FWD_TOL, *[BWD_TOL] * 3)):
         assert _error(g, w) <= tol, f"{name}: {_error(g, w):.2e}"
+    # `Kernel.reference` (what `attncc check` compares with) rotates as the formulas do too (a
+    # review's mutants of runtime/rope.py's halves, sign and pairing passed every test)
+    with torch.no_grad():
+        ref_out, ref_lse = kern.reference(q, k, v, start=start)
+    assert _error(ref_out, want[0]) <= FWD_TOL and _error(ref_lse, want[1]) <= FWD_TOL
     # the rotation takes effect: without it (theta huge: every angle ~0) the result differs
     plain = attncc.compile(program(label + "_flat", "theta=1e300, position=i", "theta=1e300, position=j"))
     assert (plain(q, k, v, start=start) - out).abs().max() > 100 * FWD_TOL

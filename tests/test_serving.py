@@ -1087,6 +1087,10 @@ def paged_call(**change: object) -> dict:
             "block_table[0, 1]: page 9 is outside the cache's 4 pages",
         ),
         ({"block_table": torch.tensor([[0, 9], [1, 2]])}, None),  # page 9 unused (3 keys): ignored
+        (  # (its one key in the last page: a page count rounded one short let page 9 through)
+            {"block_table": torch.tensor([[0, 9], [1, 2]]), "cache_seqlens": torch.tensor([9, 9])},
+            "block_table[0, 1]: page 9 is outside the cache's 4 pages",
+        ),
         ({"cache_seqlens": torch.tensor([3, 17])}, "cache_seqlens: sequence 1 holds 17 keys, beyond 0..16"),
         ({"cache_seqlens": torch.tensor([3, -1])}, "cache_seqlens: sequence 1 holds -1 keys"),
         ({"block_table": torch.tensor([[0, 1]])}, "block_table, cache_seqlens: expected 2 sequences"),

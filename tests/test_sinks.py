@@ -129,6 +129,62 @@ def test_fully_masked_rows_give_the_sink_all_the_weight() -> None:
     torch.testing.assert_close(dsinks, dlse.sum(dim=(0, 2)))
 
 
+def test_a_minus_infinity_sink_on_rows_that_see_no_key_has_no_gradient() -> None:
+    """window 0 and a -inf sink: the row's lse is -inf, its weights none, so its sink's gradient
+    is 0 (exp(-inf - -inf) gave NaN where the shift was taken unguarded: a review's mutant)."""
+    q, k, v, _, _ = leaves(1, 2, 1, 5, 8, 16, seed=10)
+    sinks = torch.tensor([-math.inf, 1.0], requires_grad=True)
+    out, lse = kernel("gpt_oss")(q, k, v, sinks=sinks, window=0, return_lse=True)
+    assert (out == 0).all() and lse[0, 0].isneginf().all()
+    (dsinks,) = torch.autograd.grad(out.sum() + lse.nan_to_num(0, 0, 0).sum(), [sinks])
+    torch.testing.assert_close(dsinks, torch.tensor([0.0, 5.0]))
+
+
+#: A sink of the sequence's own sizes: packed and paged calls must give each sequence its N and M
+SIZES_SINK = """
+attention sizes_sink
+s = q @ k.T * scale
+mask j <= i + (M - N)
+p = softmax(s, sink=0.3 * N - 0.2 * M + 1.0)
+o = p @ v
+output o
+"""
+
+
+def test_a_sink_of_n_and_m_takes_each_sequences_sizes_in_packed_and_paged_calls() -> None:
+    """The sink `0.3 N - 0.2 M + 1`: in a packed batch each sequence's N and M (a review's
+    mutant took N from the key offsets: 0.36 off), in a paged call M counts the appended keys
+    (0.034 off without them), and a paged batch where no sequence has a key gives lse = the
+    sink (it gave -inf); against the hand-written float64 reference."""
+    kern = attncc.compile(SIZES_SINK)
+    gen = torch.Generator().manual_seed(11)
+    H, D, lens = 2, 16, [(3, 7), (5, 5), (1, 2)]
+    q, k, v = (torch.randn(sum(n[side] for n in lens), H, D, generator=gen) for side in (0, 1, 1))
+    cq, ck = (torch.tensor([0, *torch.tensor([n[side] for n in lens]).cumsum(0).tolist()]) for side in (0, 1))
+    out, lse = kern.varlen(q, k, v, cq, ck, return_lse=True)
+    for b, (n, m) in enumerate(lens):
+        rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        parts = (t.transpose(0, 1).unsqueeze(0).double() for t in (q[rows], k[keys], v[keys]))
+        want, want_lse = hand_written(
+            *parts, torch.tensor(0.3 * n - 0.2 * m + 1.0, dtype=torch.float64), bottom_right(n, m)
+        )
+        assert _error(out[rows].transpose(0, 1).unsqueeze(0), want) <= FWD_TOL, b
+        assert _error(lse[rows].transpose(0, 1).unsqueeze(0), want_lse) <= FWD_TOL, b
+    k_cache, v_cache = (torch.randn(4, 4, H, D, generator=gen) for _ in range(2))
+    table, held = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
+    q, k_new, v_new = (torch.randn(1, 2, H, D, generator=gen) for _ in range(3))
+    keys = [torch.cat([c[2], c[0]])[:6] for c in (k_cache, v_cache)]  # (before the call appends)
+    out, lse = kern.paged(q, k_cache, v_cache, table, held, k_new=k_new, v_new=v_new, return_lse=True)
+    full = [torch.cat([kept, new[0]]).transpose(0, 1).unsqueeze(0).double() for kept, new in zip(keys, (k_new, v_new))]
+    sink = torch.tensor(0.3 * 2 - 0.2 * 8 + 1.0, dtype=torch.float64)
+    want, want_lse = hand_written(q.transpose(1, 2).double(), *full, sink, bottom_right(2, 8))
+    assert _error(out.transpose(1, 2), want) <= FWD_TOL and _error(lse.transpose(1, 2), want_lse) <= FWD_TOL
+    out, lse = kern.paged(
+        q, k_cache, v_cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([0]), return_lse=True
+    )
+    assert (out == 0).all() and torch.allclose(lse, torch.full_like(lse, 0.3 * 2 + 1.0))
+
+
 def test_minus_infinity_sinks_are_plain_softmax() -> None:
     """A head whose sink is -inf gets exactly the program without a sink (and finite gradients)."""
     q, k, v, dout, _ = leaves(1, 4, 2, 70, 70, 32, seed=5)
