@@ -571,3 +571,42 @@ def test_under_torch_compile() -> None:
     kern = attncc.compile(program.source)
     whole = torch.compile(lambda q: kern(q, q, q, **program.inputs)[:, :, :, :3], fullgraph=True)
     assert torch.equal(whole(q), want)
+
+
+def test_traced_operations_a_mutation_sweep_found_untested() -> None:
+    """Score and mask functions whose traced forms a review's planted mistakes changed unseen:
+    sign at 0, a negative constant index into a captured tensor, == of two bools, log2,
+    softplus where beta < 1 moves the threshold, where() between two masks; against the same
+    expressions evaluated by torch in float64."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(3, 8, generator=gen, dtype=torch.float64) * 3
+    i, j = torch.arange(8, dtype=torch.float64)[:, None], torch.arange(8, dtype=torch.float64)[None]
+    scores = q @ k.transpose(-1, -2) / 4
+    softplus = torch.nn.functional.softplus
+    cases = [
+        (lambda s, b, h, qi, ki: s + torch.sign(qi - ki) * 2.0, torch.sign(i - j) * 2.0),
+        (lambda s, b, h, qi, ki: s + table[-1, ki], table[-1][None].expand(8, 8)),
+        (
+            lambda s, b, h, qi, ki: torch.where((qi < 4) == (ki < 4), s, s - 5.0),
+            torch.where((i < 4) == (j < 4), 0.0, -5.0),
+        ),
+        (lambda s, b, h, qi, ki: s + torch.log2(ki + 1.0), torch.log2(j + 1.0).expand(8, 8)),
+        (
+            lambda s, b, h, qi, ki: s + softplus((qi - ki) * 0.5, beta=0.5, threshold=1.0),
+            softplus((i - j) * 0.5, beta=0.5, threshold=1.0),
+        ),
+    ]
+    for number, (score_mod, extra) in enumerate(cases):
+        want = torch.softmax(scores + extra, -1) @ v
+        torch.testing.assert_close(
+            flex_attention(q, k, v, score_mod=score_mod), want, atol=1e-12, rtol=0, msg=str(number)
+        )
+
+    def chosen(b, h, q_idx, kv_idx):  # (a where between two masks)
+        return torch.where(q_idx < 4, kv_idx <= q_idx, kv_idx >= q_idx)
+
+    block_mask = flex.create_block_mask(chosen, None, None, 8, 8, device="cpu")
+    keep = torch.where(i < 4, j <= i, j >= i)
+    want = torch.softmax(scores.masked_fill(~keep, -math.inf), -1) @ v
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask), want, atol=1e-12, rtol=0)

@@ -950,3 +950,22 @@ def test_training_under_autocast_matches_sdpa() -> None:
     expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
     got = torch.cat([p.grad.flatten() for p in ours.parameters()])
     assert (got - expected).norm() / expected.norm() < 3e-2
+
+
+def test_a_dense_masks_scaling_and_a_padding_mask_longer_than_the_keys() -> None:
+    """A layer given a 4-D bool mask runs at its `scaling` (a review's mutant dropped it: 1.06
+    off), and a padding mask longer than the call's keys (a sliding-window cache) is read over
+    its last `keys` columns; against torch's SDPA and the ranges written here."""
+    attention = integration.ModelAttention()
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    out, _ = attention(layer, q, k, v, mask, scaling=0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5).transpose(1, 2)
+    assert (out - want).abs().max() < 1e-5
+    start, end = integration.key_ranges(torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]), 2, 4)
+    assert start.tolist() == [0, 0] and end.tolist() == [4, 4]
+    start, end = integration.key_ranges(torch.tensor([[0, 1, 1, 1, 1, 0], [1] * 6]), 2, 4)
+    assert start.tolist() == [0, 0] and end.tolist() == [3, 4]
