@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,9 +31,11 @@ from tests.conftest import ROOT
 @pytest.fixture(autouse=True, params=["by_position", "intervals"])
 def classifier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here twice: small problems classified by position (a decoding step's path)
-    and every problem by intervals (CLASSES_BY_POSITION_MAX 0), so both stay covered."""
+    and every problem by intervals (CLASSES_BY_POSITION_MAX and _ONE_ROW_MAX 0), so both stay
+    covered."""
     if request.param == "intervals":
         monkeypatch.setattr(sparsity, "CLASSES_BY_POSITION_MAX", 0)
+        monkeypatch.setattr(sparsity, "CLASSES_BY_POSITION_ONE_ROW_MAX", 0)
     return request.param
 
 
@@ -159,9 +162,10 @@ def test_float_predicates_and_large_problems_are_classified_by_intervals(
 ) -> None:
     """A predicate that computes with floats keeps tiles partial where the kernels' own
     rounding decides (`x * 0.1 < 1.0` at x = 10 is 1.0000000000000002 in float64, 1.0 in
-    float32); problems above CLASSES_BY_POSITION_MAX (65536) are classified by intervals."""
+    float32); problems above CLASSES_BY_POSITION_MAX (65536) are classified by intervals, those of
+    one query tile above CLASSES_BY_POSITION_ONE_ROW_MAX."""
     evaluated: list[int] = []
-    monkeypatch.setattr(sparsity, "evaluate", lambda *args: evaluated.append(1) or evaluate(*args))
+    monkeypatch.setattr(sparsity, "evaluate", lambda *args, **kw: evaluated.append(1) or evaluate(*args, **kw))
     tenth = ex.Binary("lt", ex.Binary("mul", ex.Var("j", ex.INT), ex.const(0.1)), ex.const(1.0))
     classify_tiles(info_for(tenth), Problem(1, 1, 1, 1, 64, 64), {}, {}, 1, 32)
     causal = bin_("le", VJ, VI)
@@ -169,6 +173,17 @@ def test_float_predicates_and_large_problems_are_classified_by_intervals(
     assert evaluated == []
     classify_tiles(info_for(causal), Problem(1, 1, 1, 256, 256, 64), {}, {}, 64, 128)
     assert evaluated == ([1] if classifier == "by_position" else [])
+    # one query tile (a decoding step's rows): by position up to CLASSES_BY_POSITION_ONE_ROW_MAX
+    # (2^19) positions, exactly; intervals above
+    padding = bin_("and", causal, bin_("ge", VJ, ex.Read("starts", (B_,), ex.INT)))
+    starts = {"starts": torch.tensor([5000, 0])}
+    step = Problem(2, 3, 1, 4, 1 << 16, 64)
+    got = classify_tiles(info_for(padding), step, {}, starts, 16, 96)
+    assert evaluated == ([1, 1] if classifier == "by_position" else [])
+    want = brute_classes(padding, step, starts, {}, 16, 96)
+    assert torch.equal(got.expand_as(want), want)
+    classify_tiles(info_for(padding), replace(step, M=(1 << 16) + 1), {}, starts, 16, 96)
+    assert evaluated == ([1, 1] if classifier == "by_position" else [])
 
 
 AFFINE = [

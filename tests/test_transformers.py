@@ -7,6 +7,7 @@ with q and k 24 wide and v 12: v has a head dim of its own)."""
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from pathlib import Path
 
@@ -804,6 +805,39 @@ def test_padding_with_holes_is_a_clear_error() -> None:
         integration.key_ranges(holes, 1, 5)
     start, end = integration.key_ranges(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]]), 3, 5)
     assert start.tolist() == [2, 0, 0] and end.tolist() == [5, 3, 0]
+
+
+def test_key_ranges_eager_and_in_a_graph_are_each_rows_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row's first real key and one past its last, (0, 0) for a row without one, from the
+    mask's last `keys` columns, in eager calls (read from the mask's bytes) and in a graph
+    (torch ops, `torch.compiler.is_compiling`): both against a plain loop over the rows, on
+    left, right and no padding, int, bool and uint8 masks."""
+    rng = random.Random(3)
+    for _ in range(60):
+        batch, length = rng.randint(1, 6), rng.randint(1, 40)
+        keys = rng.randint(1, length)
+        rows = []
+        for _ in range(batch):
+            first = rng.randint(0, length)
+            end = rng.randint(first, length)
+            rows.append([int(first <= column < end) for column in range(length)])
+        dtype = rng.choice([torch.int64, torch.bool, torch.uint8])
+        mask = torch.tensor(rows).to(dtype)
+        want_start, want_end = [], []
+        for row in rows:
+            real = [column for column, value in enumerate(row[length - keys :]) if value]
+            if real and real[-1] - real[0] + 1 != len(real):  # (a run cut by the last `keys` columns stays one)
+                raise AssertionError("not a run")
+            want_start.append(real[0] if real else 0)
+            want_end.append(real[-1] + 1 if real else 0)
+        for in_graph in (False, True):
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda in_graph=in_graph: in_graph)
+            start, end = integration.key_ranges(mask, batch, keys)
+            assert start.dtype == end.dtype == torch.int64
+            assert (start.tolist(), end.tolist()) == (want_start, want_end), (rows, keys, in_graph)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with pytest.raises(AttnccError, match=r"rows \[1\] have padding between"):
+        integration.key_ranges(torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=torch.uint8), 2, 3)
 
 
 def test_key_ranges_are_computed_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:

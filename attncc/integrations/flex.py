@@ -37,7 +37,7 @@ import torch
 from attncc.errors import DslError, FlexTraceError, InputError
 from attncc.frontend.flex import FlexProgram, flex_program, too_large
 from attncc.integrations.made import MadeKernels
-from attncc.passes.sparsity import EMPTY, FULL, Problem, classify_tiles, runtime_tensors
+from attncc.passes.sparsity import EMPTY, FULL, Problem, check_reads_and_divisors, classify_tiles, runtime_tensors
 from attncc.runtime.kernel import Kernel, drop_in_scale
 from attncc.runtime.locks import module_lock
 from attncc.runtime.reference import values_unreadable
@@ -216,6 +216,8 @@ def _lists_implied(
     B, H, N, D = query.shape
     problem = Problem(B, H, key.shape[1], N, key.shape[2], D, D)
     tensors = runtime_tensors(info, problem, {name: t.detach().cpu() for name, t in mask_program.inputs.items()})
+    if info.predicate is not None:  # (classification reads the mask's tensors where this proves it may)
+        check_reads_and_divisors([info.predicate], problem, {}, tensors)
     classes = classify_tiles(info, problem, {}, tensors, *block)
     if classes.shape[2:] != listed.shape[2:]:  # (lists of another block count than the sizes have)
         return False

@@ -644,6 +644,13 @@ def runtime_tensors(
 #: every token (M grows): 43 against 670 us for the transformers integration's key ranges at
 #: B=4 M=264 (Zen 4), most of a new step's host time.
 CLASSES_BY_POSITION_MAX = 1 << 16
+#: The same for problems of one query tile (a decoding step's, GQA's group folded into its rows
+#: included), whose positions are counted without padding rows to whole tiles: by position up to
+#: this many, where the intervals' ~100 small tensor ops cost more (B=8 M=4096 with 32/8 heads
+#: folded, 131K positions: 241 against 721 us; at 1M positions 936 against 726 us; Zen 4, one
+#: thread). Above CLASSES_BY_POSITION_MAX with several query tiles, the intervals win: 2.6 ms
+#: against 1.1 ms at N = M = 512.
+CLASSES_BY_POSITION_ONE_ROW_MAX = 1 << 19
 #: Tiles classified at once by intervals (`classify_tiles`): their temporaries' size
 CLASSIFIED_TILES_PER_BAND = 1 << 20
 #: The most tile classes one call's plan holds (a byte each)
@@ -679,12 +686,15 @@ def _classes_by_position(
     """Tile classes [shape] from `predicate` evaluated at every position of a padded problem
     by the eager reference's evaluator (the program's meaning): EMPTY where no position is
     visible, FULL where all are. None where the problem has more than CLASSES_BY_POSITION_MAX
-    positions or the predicate computes with floats (the kernels round those in their own
-    precision: an interval keeps such a tile partial, so that they decide each position)."""
+    positions (CLASSES_BY_POSITION_ONE_ROW_MAX in one query tile) or the predicate computes
+    with floats (the kernels round those in their own precision: an interval keeps such a tile
+    partial, so that they decide each position). The caller has checked the predicate's reads
+    and divisors (`check_reads_and_divisors`)."""
     B, H, ti, tj = shape
     N, M = problem.N, problem.M
     computes_floats, kinds = _predicate_types(predicate)
-    if B * H * N * M > CLASSES_BY_POSITION_MAX or computes_floats:
+    most = CLASSES_BY_POSITION_ONE_ROW_MAX if ti == 1 else CLASSES_BY_POSITION_MAX
+    if B * H * N * M > most or computes_floats:
         return None
     as_type = {ex.INT: int, ex.BOOL: bool, ex.FLOAT: float}
     env: dict[str, object] = {name: int(getattr(problem, name)) for name in ex.SIZE_VARS}
@@ -695,7 +705,7 @@ def _classes_by_position(
         name: t if t.is_floating_point() or t.dtype == torch.bool else t.to(torch.int64) for name, t in tensors.items()
     }
     env.update(b=_position_axis(B, 0), h=_position_axis(H, 1), i=_position_axis(N, 2), j=_position_axis(M, 3))
-    visible = evaluate(predicate, env, tensors).expand(B, H, N, M)  # type: ignore[arg-type]
+    visible = evaluate(predicate, env, tensors, checked=True).expand(B, H, N, M)  # type: ignore[arg-type]
     # visible positions per tile: summed over each tile's rows (one query tile: a decoding
     # step's row as it is, where padding it to Br took 3.3 ms at B=8 M=4096 Br=64), then over
     # its columns, padded to whole tiles. Few operations: a decoding step classifies anew for

@@ -53,18 +53,27 @@ def _t(x: Value) -> torch.Tensor:
     return torch.tensor(x, dtype=dtype, device="cpu")
 
 
-def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Evaluate `e` elementwise with torch broadcasting (ints int64, floats float64)."""
+def evaluate(
+    e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.Tensor], *, checked: bool = False
+) -> torch.Tensor:
+    """Evaluate `e` elementwise with torch broadcasting (ints int64, floats float64).
+    `checked`: the caller has proven every read in range and every integer divisor nonzero
+    (passes/sparsity.py check_reads_and_divisors), so their checks here are skipped (~20 us of
+    a decoding step's tile classes)."""
+
+    def sub(x: ex.Expr) -> torch.Tensor:
+        return evaluate(x, env, tensors, checked=checked)
+
     if isinstance(e, ex.Const):
         return _t(e.value)
     if isinstance(e, ex.Var):
         return _t(env[e.name])
     if isinstance(e, ex.Read):
-        index = tuple(evaluate(i, env, tensors).long() for i in e.index)
+        index = tuple(sub(i).long() for i in e.index)
         t = tensors[e.tensor]
         # (torch reads t[-1] as the last: a clear error instead; traced, fake and device calls meet
         # the op's own check of the same reads, passes/sparsity.py check_reads_and_divisors)
-        for d, i in enumerate(() if values_unreadable(t) else index):
+        for d, i in enumerate(() if values_unreadable(t) or checked else index):
             if i.device.type == "cpu" and i.numel() and (int(i.min()) < 0 or int(i.max()) >= t.shape[d]):
                 raise InputError(
                     f"{ex.render(e)}: index {d} ({ex.render(e.index[d])}) ranges over [{int(i.min())}, "
@@ -72,7 +81,7 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
                 )
         return t[index] != 0 if e.ty == ex.BOOL and t.dtype != torch.bool else t[index]
     if isinstance(e, ex.Unary):
-        x = evaluate(e.x, env, tensors)
+        x = sub(e.x)
         if e.op == "neg":
             return -x
         if e.op == "not":
@@ -83,7 +92,7 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
             return _saturated_int64(_ROUNDING[e.op](x.double()))
         return _UNARY[e.op](x.double())
     if isinstance(e, ex.Binary):
-        a, b = evaluate(e.a, env, tensors), evaluate(e.b, env, tensors)
+        a, b = sub(e.a), sub(e.b)
         if e.op == "div":
             return a.double() / b.double()
         if e.op in ("floordiv", "mod"):
@@ -94,7 +103,12 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
                 # (passes/sparsity.py check_reads_and_divisors, which a device call meets before
                 # its kernels run: no synchronisation here), at every position, whatever `where`
                 # surrounds it: the vectorised kernels compute both branches.
-                if b.device.type == "cpu" and not torch.compiler.is_compiling() and bool((b == 0).any()):
+                if (
+                    not checked
+                    and b.device.type == "cpu"
+                    and not torch.compiler.is_compiling()
+                    and bool((b == 0).any())
+                ):
                     raise InputError(f"`{ex.render(e)}`: the divisor `{ex.render(e.b)}` is 0 at these sizes and inputs")
                 b = torch.where(b == 0, 1, b)  # (a device's: refused by that check, not torch's garbage)
             return torch.div(a, b, rounding_mode="floor") if e.op == "floordiv" else torch.remainder(a, b)
@@ -104,8 +118,8 @@ def evaluate(e: ex.Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.T
             return torch.maximum(*torch.broadcast_tensors(*_promote(a, b)))
         return _BINARY[e.op](a, b)
     if isinstance(e, ex.Where):
-        c = evaluate(e.cond, env, tensors)
-        a, b = _promote(evaluate(e.a, env, tensors), evaluate(e.b, env, tensors))
+        c = sub(e.cond)
+        a, b = _promote(sub(e.a), sub(e.b))
         return torch.where(c, a, b)
     raise TypeError(e)
 
