@@ -265,6 +265,28 @@ def test_the_same_call_as_torch_flex_attention_with_a_block_mask() -> None:
         )
 
 
+def test_a_given_scale_reaches_every_return_form() -> None:
+    """scale= (0.0 too: every key alike, as torch's Flex takes it; 0.0 is no "not given") is
+    the call's whatever it returns: out alone, with return_lse, with return_aux of the lse or of
+    nothing; against float64 torch."""
+    q, k, v = (t.detach() for t in leaves(torch.float64))
+    for scale in (0.3, 0.0):
+        want, want_lse = reference(q, k, v, softcap, None, scale=scale)
+        out = flex_attention(q, k, v, softcap, scale=scale, enable_gqa=True)
+        with_lse, lse = flex_attention(q, k, v, softcap, scale=scale, enable_gqa=True, return_lse=True)
+        with_aux, aux = flex_attention(
+            q, k, v, softcap, scale=scale, enable_gqa=True, return_aux=flex.AuxRequest(lse=True)
+        )
+        bare, nothing = flex_attention(
+            q, k, v, softcap, scale=scale, enable_gqa=True, return_aux=flex.AuxRequest(lse=False)
+        )
+        assert nothing.lse is None
+        for got in (out, with_lse, with_aux, bare):
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=0, msg=str(scale))
+        for got in (lse, aux.lse):
+            torch.testing.assert_close(got, want_lse, atol=1e-12, rtol=0, msg=str(scale))
+
+
 def test_a_block_mask_made_for_other_batch_or_heads_is_a_clear_error() -> None:
     """A BlockMask of create_block_mask(B=2, H=2) given a call of 3 sequences or 4 heads: the
     argument and both sizes named (a broadcast RuntimeError from inside until session 58)."""
@@ -314,6 +336,44 @@ def test_a_block_masks_lists_are_the_blocks_attended(monkeypatch) -> None:
     got = torch.autograd.grad(out.square().sum(), (q, k, v))
     for g, w in zip(got, torch.autograd.grad(want.square().sum(), (q, k, v))):
         assert torch.allclose(g, w, atol=1e-10)
+
+
+@pytest.mark.parametrize("lists", ["diagonal_full", "every_block", "rectangular"])
+def test_full_blocks_the_mask_does_not_fill_are_attended_whole(lists: str) -> None:
+    """A BlockMask whose full blocks are not full under its mask_mod (causal), so its lists are
+    no consequence of the mask: keys of a full block are all attended, those of a partial block
+    where the mask keeps them, none elsewhere, as compiled Flex runs it. The diagonal blocks full
+    and the others below partial; every block listed (the diagonal full); BLOCK_SIZE (16, 8)
+    with per-sequence and per-head lists. Against float64 torch."""
+    q, k, v = (t.detach() for t in leaves(torch.float64))
+    rows, cols = (16, 8) if lists == "rectangular" else (16, 16)
+    query_blocks, key_blocks = -(-N // rows), -(-M // cols)
+    below = torch.arange(query_blocks).view(-1, 1) > torch.arange(key_blocks).view(1, -1)
+    diagonal = torch.arange(query_blocks).view(-1, 1) == torch.arange(key_blocks).view(1, -1)
+    if lists == "rectangular":
+        gen = torch.Generator().manual_seed(6)
+        chance = torch.rand(B, H, query_blocks, key_blocks, generator=gen)
+        partial, full = chance < 0.4, chance > 0.7
+    else:
+        partial = (below | ~diagonal) if lists == "every_block" else below
+        partial, full = partial.expand(B, H, -1, -1), diagonal.expand(B, H, -1, -1)
+
+    def block_lists(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = dense.sum(-1).to(torch.int32)
+        return counts, dense.to(torch.int32).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+    block_mask = flex.BlockMask.from_kv_blocks(
+        *block_lists(partial),
+        *block_lists(full),
+        BLOCK_SIZE=(rows, cols),
+        mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+        seq_lengths=(N, M),
+    )
+    i, j = torch.arange(N).view(-1, 1), torch.arange(M).view(1, -1)
+    keep = (partial[:, :, i // rows, j // cols] & (i >= j)) | full[:, :, i // rows, j // cols]
+    want = reference(q, k, v, None, lambda b, h, q_idx, kv_idx: keep[b, h, q_idx, kv_idx])[0]
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
 
 
 def test_an_exported_call_reads_the_block_lists_it_is_given() -> None:

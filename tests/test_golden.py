@@ -462,6 +462,30 @@ def test_dropout_is_reproducible_and_train_false_disables_it() -> None:
     assert torch.allclose(no_dropout, kernel("causal")(q, k, v), atol=1e-6)
 
 
+def test_a_training_call_without_a_seed_drops_weights() -> None:
+    """train on, no seed (the bits drawn from torch's generator): with v = identity each call's
+    output is the causal softmax of float64 torch, every weight kept and scaled by 1 / (1 - 0.1)
+    or dropped to 0, about a tenth dropped, and each call draws its own bits (the plain calls
+    that repeat a launch must not take one kept without dropout)."""
+    kern = kernel("gpt2")
+    B, H, N = 2, 3, 48
+    gen = torch.Generator().manual_seed(8)
+    q, k = (torch.randn(B, H, N, N, generator=gen) for _ in range(2))
+    v = torch.eye(N).expand(B, H, N, N).contiguous()
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    s = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(N)).masked_fill(~causal, -math.inf)
+    probs = torch.softmax(s, -1)
+    torch.manual_seed(0)
+    calls = [kern(q, k, v) for _ in range(3)]
+    for out in calls:
+        kept = out != 0
+        assert not (kept & ~causal).any()
+        torch.testing.assert_close(out.double()[kept], probs[kept] / 0.9, atol=1e-6, rtol=1e-5)
+        dropped = (causal & ~kept).sum().item() / (B * H * causal.sum().item())
+        assert 0.05 < dropped < 0.15, dropped
+    assert not torch.equal(calls[1], calls[2])
+
+
 def test_dropout_backward_matches_the_explicit_mask() -> None:
     kern = kernel("gpt2")
     q, k, v, _ = make_inputs(kern, Shape(1, 2, 1, 50, 60, 32), seed=4)

@@ -8,6 +8,7 @@ queries, cross attention (N != M) and GQA, in SDPA's [B, H, j, D] layout and in 
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import replace
 
@@ -146,8 +147,6 @@ def test_a_jagged_view_with_rows_outside_its_sequences(layout: str) -> None:
     and takes one) was refused by the packed call's checks under an argument of its own
     ("cu_seqlens_q: expected a first entry 0"; session 64's review): the sequences' rows are
     attended, the others get out 0 and lse -inf, gradients flow to the sequences' rows alone."""
-    import math
-
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(20, 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     bounds = torch.tensor([4, 7, 8, 14])
@@ -166,3 +165,33 @@ def test_a_jagged_view_with_rows_outside_its_sequences(layout: str) -> None:
     assert not rows[outside].any() and bool(row_lse[outside].isneginf().all())
     (grad,) = torch.autograd.grad(rows.pow(2).sum(), values)
     assert not grad[outside].any() and bool(grad[4:14].abs().sum() > 0)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_queries_and_keys_whose_views_start_at_different_rows(layout: str) -> None:
+    """q's jagged view starts at row 4 of its values, k's and v's at row 1 of theirs (cross
+    attention: each operand its own offsets, rows outside the sequences on both sides): every
+    sequence attends its own keys, as SDPA on the rows alone in float64."""
+    gen = torch.Generator().manual_seed(5)
+    q_rows = torch.randn(20, 2, 16, generator=gen, dtype=torch.float64)
+    k_rows, v_rows = (torch.randn(15, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    q_bounds, k_bounds = torch.tensor([4, 7, 8, 14]), torch.tensor([1, 6, 13, 14])
+    q, k, v = (
+        torch.nested.nested_tensor_from_jagged(rows, bounds)
+        for rows, bounds in ((q_rows, q_bounds), (k_rows, k_bounds), (v_rows, k_bounds))
+    )
+    if layout == "bhnd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out, lse = kernel("vanilla")(q, k, v, return_lse=True)
+    if layout == "bhnd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    rows, row_lse = out.values(), lse.values()
+    for (q0, q1), (k0, k1) in zip(
+        zip(q_bounds[:-1].tolist(), q_bounds[1:].tolist()), zip(k_bounds[:-1].tolist(), k_bounds[1:].tolist())
+    ):
+        x, y, z = q_rows[q0:q1].transpose(0, 1), k_rows[k0:k1].transpose(0, 1), v_rows[k0:k1].transpose(0, 1)
+        s = x @ y.transpose(-1, -2) / math.sqrt(16)
+        torch.testing.assert_close(rows[q0:q1], (torch.softmax(s, -1) @ z).transpose(0, 1), atol=1e-12, rtol=0)
+        torch.testing.assert_close(row_lse[q0:q1], torch.logsumexp(s, -1).transpose(0, 1), atol=1e-12, rtol=0)
+    outside = torch.cat([torch.arange(4), torch.arange(14, 20)])
+    assert not rows[outside].any() and bool(row_lse[outside].isneginf().all())

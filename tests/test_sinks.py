@@ -331,3 +331,33 @@ def test_explain_shows_the_sinks_derived_backward(capsys: pytest.CaptureFixture[
     text = capsys.readouterr().out
     assert "sink=sinks[h]" in text
     assert "dsink = -exp(sink - lse) * (rowsum(dO * O) - dlse); dsinks[h] += dsink * (1.0)" in text
+
+
+#: A sink that reads `scale`: a call's scale= is the sink's scale too
+SCALE_SINK = """
+attention scale_sink
+input sinks: float[H]
+s = q @ k.T * scale
+p = softmax(s, sink=sinks[h] * scale)
+o = p @ v
+output o
+"""
+
+
+def test_a_sink_that_reads_the_scale_takes_the_calls_scale() -> None:
+    """`sink = sinks[h] * scale` with scale= given and without (the program's 1/sqrt(D)):
+    the scores and the sink take the same scale, against softmax over [q k^T, sink] in float64."""
+    B, H, Hkv, N, M, D = 2, 2, 1, 9, 13, 16
+    q, k, v, _, _ = leaves(B, H, Hkv, N, M, D, seed=6)
+    sinks = torch.tensor([6.0, -2.0])
+    kern = attncc.compile(SCALE_SINK)
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    k64, v64 = k64.repeat_interleave(H // Hkv, 1), v64.repeat_interleave(H // Hkv, 1)
+    for scale in (None, 0.7):
+        value = 1 / math.sqrt(D) if scale is None else scale
+        out, lse = kern(q, k, v, sinks=sinks, scale=scale, return_lse=True)
+        s = q64 @ k64.transpose(-1, -2) * value
+        sink = (sinks.double() * value).view(1, H, 1, 1).expand(B, H, N, 1)
+        logits = torch.cat([s, sink], -1)
+        want = torch.softmax(logits, -1)[..., :-1] @ v64
+        assert _error(out, want) <= FWD_TOL and _error(lse, torch.logsumexp(logits, -1)) <= FWD_TOL, scale

@@ -397,3 +397,31 @@ def test_a_remainder_by_a_positive_variable_stays_within_it() -> None:
     torch.testing.assert_close(
         kern(q, k, v, tbl=tbl), _attention(q, k, v, keep, tbl[i % (j + 1)]), atol=1e-12, rtol=1e-12
     )
+
+
+PACKED = [
+    bin_("le", VJ, bin_("add", VI, bin_("sub", ex.var("M"), ex.var("N")))),  # bottom-right causal
+    bin_("le", bin_("sub", VI, VJ), c(20)),  # window: true for keys past a sequence's end
+    bin_("ge", VJ, VI),
+]
+
+
+@pytest.mark.parametrize("pred", PACKED, ids=str)
+def test_packed_sequences_are_classified_at_their_own_lengths_exactly(pred: ex.Expr) -> None:
+    """With `lengths` (a packed batch) each sequence's tiles are classified at its own N and M,
+    and tiles past its last query or key are EMPTY: the classes of each sequence alone, padded
+    to the longest (a sequence whose last key or query begins a tile, lengths of 0 and 1 and
+    N != M, where `M - N` is the sequence's own)."""
+    n = torch.tensor([65, 40, 0, 1, 64, 130])
+    m = torch.tensor([33, 97, 9, 1, 128, 70])
+    problem = Problem(6, 2, 1, int(n.max()), int(m.max()), 64)
+    for br, bc in ((16, 32), (64, 32), (8, 64)):
+        got = classify_tiles(info_for(pred), problem, {}, {}, br, bc, (n, m)).expand(6, 2, -1, -1)
+        ti, tj = -(-problem.N // br), -(-problem.M // bc)
+        want = torch.full((6, 2, ti, tj), EMPTY, dtype=torch.uint8)
+        for b, (rows, cols) in enumerate(zip(n.tolist(), m.tolist())):
+            alone = Problem(1, 2, 1, rows, cols, 64)
+            if rows and cols:
+                classes = brute_classes(pred, alone, {}, {}, br, bc)[0]
+                want[b, :, : classes.shape[1], : classes.shape[2]] = classes
+        assert torch.equal(got, want), (str(pred), br, bc)

@@ -513,6 +513,21 @@ def test_repeated_plain_calls_reuse_the_checked_launch(monkeypatch: pytest.Monke
         torch.func.vmap(lambda x: kern(x, k, v, n=5))(q.unsqueeze(0))
 
 
+def test_a_repeat_follows_v_s_strides_apart_from_k_s() -> None:
+    """The same q, k and v's values, v alone in another layout ([B, M, H, D] memory, k's
+    unchanged): each call reads v by its own strides, whichever launch it repeats; against
+    float64 torch."""
+    kern = kernel("vanilla")
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 37, 24, generator=g) for _ in range(3))
+    moved = v.transpose(1, 2).contiguous().transpose(1, 2)  # (the same values, other strides)
+    assert moved.stride() != v.stride() and k.stride() == v.stride()
+    s = q.double() @ k.double().transpose(-1, -2) / 24**0.5
+    want = torch.softmax(s, -1) @ v.double()
+    for values in (v, moved, moved, v):
+        torch.testing.assert_close(kern(q, k, values).double(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("target", ["cpu", "sm80"])
 def test_repeated_calls_with_runtime_tensors_reuse_the_checked_launch(
     monkeypatch: pytest.MonkeyPatch, target: str
