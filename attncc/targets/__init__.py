@@ -1,8 +1,8 @@
 """Targets as data: the hardware facts the tiling pass and the cost model read.
 
 Adding a GPU is adding a table row. `cpu()` reads the cache sizes and the instruction-set
-features of the machine it runs on, and picks the best CPU kernel ISA the machine has (or the
-one `ATTNCC_CPU_ISA` forces, which may only be lower).
+features of the machine it runs on, and picks the fastest CPU kernel ISA the machine runs (or the
+one `ATTNCC_CPU_ISA` forces, any level the machine runs).
 """
 
 from __future__ import annotations
@@ -107,35 +107,66 @@ NATIVE_FLAGS = ("-march=native",)  # for code built for no particular level (off
 
 def cpu_features() -> frozenset[str]:
     """The instruction-set flags of cpu0 (/proc/cpuinfo); empty where it cannot be read."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """cpu0's vendor_id (/proc/cpuinfo: "GenuineIntel", "AuthenticAMD"); empty where unknown."""
+    return _cpuinfo_field("vendor_id").strip()
+
+
+def _cpuinfo_field(name: str) -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+        return ""
+    line = next((line for line in text.splitlines() if line.split(":")[0].strip() == name), "")
+    return line.partition(":")[2]
 
 
-def best_cpu_isa(features: frozenset[str], machine: str | None = None) -> str:
-    """The first level of CPU_ISAS whose requirements the machine meets (x86-64 only: elsewhere
-    the portable level, compiled for the host's own -march)."""
+# vdpbf16ps FLOPs per cycle over fp32 FMA FLOPs per cycle, by vendor (bench/peak_cpu.py, every
+# core issuing independent instructions): AMD's Zen 4 runs it at twice the FMAs' rate (466 vs
+# 234 GFLOP/s on 2 cores, session 68), Intel's cores at half of it (Emerald Rapids 6/207 with
+# AMX hidden by its VM: 172 vs 352 GFLOP/s, session 70), where the bf16 kernels widened to
+# fp32 ran 1.6-1.9x faster than on vdpbf16ps. A vendor not listed keeps the dot products.
+DPBF16_RATE_OVER_FMA = {"AuthenticAMD": 2.0, "GenuineIntel": 0.5}
+AMX_FEATURES = frozenset({"amx_tile", "amx_bf16", "amx_fp16", "amx_int8"})
+
+
+def _pays(isa: CpuIsa, vendor: str) -> bool:
+    """Whether a level's bf16 unit beats the fp32 FMAs the level below widens bf16 onto."""
+    return isa.bf16_products != "dpbf16" or DPBF16_RATE_OVER_FMA.get(vendor, 2.0) > 1.0
+
+
+def runs_cpu_isa(name: str, features: frozenset[str], machine: str | None = None) -> bool:
+    """Whether a machine with these flags runs the level's instructions (off x86, the portable
+    level alone)."""
     if (machine or platform.machine()) not in ("x86_64", "AMD64"):
-        return "generic"
-    return next(name for name, isa in CPU_ISAS.items() if isa.requires <= features)
+        return name == "generic"
+    return CPU_ISAS[name].requires <= features
 
 
-def select_cpu_isa(features: frozenset[str], forced: str | None) -> str:
+def best_cpu_isa(features: frozenset[str], machine: str | None = None, vendor: str | None = None) -> str:
+    """The fastest level the machine runs: the first of CPU_ISAS whose requirements it meets and
+    whose bf16 unit is faster there than the fp32 FMAs (`DPBF16_RATE_OVER_FMA`, by `vendor`,
+    default the machine's); x86-64 only: elsewhere the portable level, compiled for the host's
+    own -march."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    return next(name for name, isa in CPU_ISAS.items() if runs_cpu_isa(name, features, machine) and _pays(isa, vendor))
+
+
+def select_cpu_isa(features: frozenset[str], forced: str | None, vendor: str | None = None) -> str:
     """The machine's best level, or `forced` (ATTNCC_CPU_ISA) when it names a level the machine
-    runs; a level above the machine's best or an unknown name is an error, not a silent fallback."""
-    best = best_cpu_isa(features)
+    runs (a slower one included, to test or measure it); a level the machine cannot run or an
+    unknown name is an error, not a silent fallback."""
+    best = best_cpu_isa(features, vendor=vendor)
     if not forced:
         return best
     if forced not in CPU_ISAS:
         raise AttnccError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(CPU_ISAS)}")
-    order = list(CPU_ISAS)
-    if order.index(forced) < order.index(best):
-        raise AttnccError(
-            f"{ISA_ENV}={forced!r}: this machine's best CPU kernel ISA is {best}; a level can only be forced lower"
-        )
+    if not runs_cpu_isa(forced, features):
+        missing = ", ".join(sorted(CPU_ISAS[forced].requires - features)) or "x86-64"
+        raise AttnccError(f"{ISA_ENV}={forced!r}: this machine lacks {missing}; its best CPU kernel ISA is {best}")
     return forced
 
 
@@ -157,14 +188,16 @@ def _cpu_target(isa_name: str) -> Target:
 
 def cpu() -> Target:
     """The host CPU: L1d and L2 per core read from the machine (defaults 32 KiB / 1 MiB), and the
-    kernel ISA: the best the machine has, or the lower one ATTNCC_CPU_ISA names. Every x86 server
-    core of the families we run on (Zen 3/4, Sapphire Rapids) issues two vector FMAs per cycle."""
-    name = select_cpu_isa(cpu_features(), os.environ.get(ISA_ENV, "").strip() or None)
+    kernel ISA: the fastest the machine runs, or the one ATTNCC_CPU_ISA names. Every x86 server
+    core of the families we run on (Zen 3/4/5, Sapphire and Emerald Rapids) issues two vector
+    FMAs per cycle."""
+    features = cpu_features()
+    name = select_cpu_isa(features, os.environ.get(ISA_ENV, "").strip() or None)
     if CPU_ISAS[name].bf16_products == "amx" and not amx_permitted():
+        name = best_cpu_isa(features - AMX_FEATURES)
         warnings.warn(
-            "attncc: Linux refused this process AMX tile data (arch_prctl); CPU kernels use avx512bf16", stacklevel=2
+            f"attncc: Linux refused this process AMX tile data (arch_prctl); CPU kernels use {name}", stacklevel=2
         )
-        name = "avx512bf16"
     return _cpu_target(name)
 
 
