@@ -48,10 +48,10 @@ def recorded_problems(kern: attncc.Kernel, monkeypatch: pytest.MonkeyPatch) -> l
     problems: list[tuple[int, int, int]] = []
     run = type(kern)._run
 
-    def recorded(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
+    def recorded(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> tuple:
         problem = args[1].problem  # type: ignore[attr-defined]
         problems.append((problem.H, problem.Hkv, problem.N))
-        run(self, entry, *args, **kwargs)
+        return run(self, entry, *args, **kwargs)
 
     monkeypatch.setattr(type(kern), "_run", recorded)
     return problems

@@ -354,7 +354,7 @@ def count_runs(monkeypatch: pytest.MonkeyPatch, kern: attncc.Kernel) -> list[str
     runs: list[str] = []
     run = type(kern)._run
 
-    def counted(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> None:
+    def counted(self: attncc.Kernel, entry: str, *args: object, **kwargs: object) -> tuple:
         runs.append(entry)
         return run(self, entry, *args, **kwargs)
 

@@ -414,12 +414,12 @@ class EmulatedKernel(Kernel):
                 dtype += FP8_MMA_SUFFIX
             if paged is not None:  # its own forward, which reads K/V through the block table
                 dtype += PAGED_SUFFIX
-            kern._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
+            packed_args = kern._run("attncc_emulated_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
             # kept only where the kernel reads the caller's q, k and v in place: a folded q that
             # reshape had to copy (a transposed q with N > 1) would leave the copy's strides in it
             in_place = all(ptrs[n].data_ptr() == t.data_ptr() for n, t in (("q", q), ("k", k), ("v", v)))
-            if launch_key is not None and launches is not None and in_place:  # (packed again: once per key)
-                pointers, ints, reals = kern.pack(plan, call, ptrs, dropout, seed, strides)
+            if launch_key is not None and launches is not None and in_place:
+                pointers, ints, reals = packed_args
                 library = kern.emulated_library(dtype, plan.problem.D, plan.problem.Dv)
                 names = kern._slot_names.pointers
                 partials = (ptrs["o_partial"].shape, ptrs["lse_partial"].shape) if plan.kv_splits > 1 else None

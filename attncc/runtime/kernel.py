@@ -82,7 +82,7 @@ from attncc.runtime.ragged import (
 from attncc.runtime.reference import evaluate, reference_attention, values_unreadable
 from attncc.runtime.rope import rope_tables, rotate_padded
 from attncc.runtime.sinks import padded_rows, sink_gradient, sink_logits
-from attncc.targets import ISA_ENV
+from attncc.targets import AMX_FEATURES, ISA_ENV, best_cpu_isa, cpu_features
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # call_key -> kernel, weakly: a kernel nobody holds is freed (autograd contexts hold theirs)
@@ -2003,11 +2003,14 @@ class Kernel:
         seed: int,
         *extra: object,
         strides: Mapping[str, tuple[int, ...]] | None = None,
-    ) -> None:
+    ) -> tuple:
         """Packs a call (`pack`; `extra`: arguments after the packed ones) and runs entry point
-        `entry` of the library for `dtype` and the plan's head dims."""
+        `entry` of the library for `dtype` and the plan's head dims; the packed arrays, for a
+        launch kept to repeat the call (the kernels read them, never write)."""
         lib = self._library_for(dtype, plan)
-        self._launch(lib, self._entry(lib, entry), (*self.pack(plan, call, ptrs, dropout, seed, strides), *extra))
+        packed = self.pack(plan, call, ptrs, dropout, seed, strides)
+        self._launch(lib, self._entry(lib, entry), (*packed, *extra))
+        return packed
 
     def _library_for(self, dtype: str, plan: CallPlan) -> ctypes.CDLL:
         """The library a call runs in: the CPU's serves every head dim."""
@@ -2085,7 +2088,8 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
     if status == AMX_REFUSED:
         raise AttnccError(
             f"attncc kernel {entry} of {kernel}: Linux refused this process the AMX tile state "
-            f"(arch_prctl ARCH_REQ_XCOMP_PERM); set {ISA_ENV}=avx512bf16 to run without AMX"
+            f"(arch_prctl ARCH_REQ_XCOMP_PERM); set {ISA_ENV}={best_cpu_isa(cpu_features() - AMX_FEATURES)} "
+            "to run without AMX"
         )
     if status == OUT_OF_MEMORY:
         raise MemoryError(f"attncc kernel {entry} of {kernel}: a buffer could not be allocated")
