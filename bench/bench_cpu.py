@@ -28,7 +28,7 @@ subprocess.
                                               # fp16 inputs: the forward on the bf16 unit as bf16 terms
 
 The JSON's meta records the CPU model, its ISA features and the kernel ISA attncc chose (set
-ATTNCC_CPU_ISA to measure a lower level).
+ATTNCC_CPU_ISA to measure another level the machine runs).
 """
 
 from __future__ import annotations

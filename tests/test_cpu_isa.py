@@ -1,6 +1,6 @@
-"""CPU kernel ISAs: the level chosen from the machine's features, forced lower levels, the
+"""CPU kernel ISAs: the level chosen from the machine's features and vendor, forced levels, the
 micro-kernel's register blocks, K/V panel batches, and golden tests on every level this machine
-runs (ATTNCC_CPU_ISA forces each one below the best)."""
+runs (ATTNCC_CPU_ISA forces each one besides the best)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,49 @@ def test_forcing_any_level_the_machine_runs() -> None:
         select_cpu_isa(ZEN4, "amx", "AuthenticAMD")
     with pytest.raises(AttnccError, match=r"'sse9': expected one of amx, avx512bf16, avx512, avx2, generic"):
         select_cpu_isa(ZEN3, "sse9", "AuthenticAMD")
+
+
+INTEL_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 207
+flags\t\t: fpu sse2 avx2 fma f16c bmi2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_fp16
+vmx flags\t: vnmi ept
+"""
+
+
+def test_the_vendor_and_flags_read_from_cpuinfo_choose_the_level(monkeypatch) -> None:
+    """/proc/cpuinfo's vendor_id and flags, as Linux writes them (tabs before the colon, a `vmx
+    flags` line after `flags`): an Intel machine without AMX widens bf16 (avx512), the same flags
+    from AMD multiply on vdpbf16ps."""
+    import attncc.targets as targets
+
+    assert targets.cpu_vendor(INTEL_CPUINFO) == "GenuineIntel"
+    features = targets.cpu_features(INTEL_CPUINFO)
+    assert {"avx512_bf16", "avx512_fp16"} <= features and "ept" not in features
+    assert best_cpu_isa(features, "x86_64", targets.cpu_vendor(INTEL_CPUINFO)) == "avx512"
+    amd = INTEL_CPUINFO.replace("GenuineIntel", "AuthenticAMD")
+    assert best_cpu_isa(targets.cpu_features(amd), "x86_64", targets.cpu_vendor(amd)) == "avx512bf16"
+    monkeypatch.setattr(targets.platform, "machine", lambda: "aarch64")
+    with pytest.raises(AttnccError, match=r"'avx2': this machine is not x86-64; its only CPU kernel ISA is generic"):
+        select_cpu_isa(features, "avx2", "GenuineIntel")
+    assert select_cpu_isa(features, "generic", "GenuineIntel") == "generic"
+
+
+def test_a_kernel_refused_amx_names_the_level_to_force(monkeypatch) -> None:
+    """A library built for AMX whose process Linux refused the tile state: the error names
+    ATTNCC_CPU_ISA's level without AMX, by vendor (widened bf16 on Intel)."""
+    import attncc.targets as targets
+    from attncc.runtime.kernel import AMX_REFUSED, _check_status
+
+    monkeypatch.setattr(targets, "cpu_features", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setattr(targets.platform, "machine", lambda: "x86_64")
+    for vendor, level in (("GenuineIntel", "avx512"), ("AuthenticAMD", "avx512bf16")):
+        monkeypatch.setattr(targets, "cpu_vendor", lambda vendor=vendor: vendor)
+        with pytest.raises(
+            AttnccError, match=f"refused this process the AMX tile state .*; set ATTNCC_CPU_ISA={level} to"
+        ):
+            _check_status(AMX_REFUSED, "attncc_forward", "causal")
 
 
 def test_the_default_kernel_runs_on_the_best_level_the_machine_has(monkeypatch) -> None:

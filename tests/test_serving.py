@@ -1529,6 +1529,7 @@ def test_repeated_device_forwards_reuse_their_packed_launch(monkeypatch: pytest.
     assert len(launches) == 1 and launches[0].partial_shapes is not None  # split-KV's partials
     assert launches[0].kernel is not kern  # the folded variant's
     first = len(packed)
+    assert first == 1  # the first call packs once: its run's arrays are the kept launch's
     validated: list[object] = []
     validate = EmulatedKernel.validate
     monkeypatch.setattr(

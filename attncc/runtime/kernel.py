@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from attncc import targets
 from attncc.codegen.abi import OPERANDS, ROPE_CONTROL, KernelAbi, kernel_abi
 from attncc.codegen.cpu import BF16_PRODUCTS, bf16_backward, bf16_products, generate_cpu
 from attncc.errors import AttnccError, InputError
@@ -82,7 +83,7 @@ from attncc.runtime.ragged import (
 from attncc.runtime.reference import evaluate, reference_attention, values_unreadable
 from attncc.runtime.rope import rope_tables, rotate_padded
 from attncc.runtime.sinks import padded_rows, sink_gradient, sink_logits
-from attncc.targets import AMX_FEATURES, ISA_ENV, best_cpu_isa, cpu_features
+from attncc.targets import ISA_ENV
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # call_key -> kernel, weakly: a kernel nobody holds is freed (autograd contexts hold theirs)
@@ -2088,7 +2089,7 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
     if status == AMX_REFUSED:
         raise AttnccError(
             f"attncc kernel {entry} of {kernel}: Linux refused this process the AMX tile state "
-            f"(arch_prctl ARCH_REQ_XCOMP_PERM); set {ISA_ENV}={best_cpu_isa(cpu_features() - AMX_FEATURES)} "
+            f"(arch_prctl ARCH_REQ_XCOMP_PERM); set {ISA_ENV}={targets.best_cpu_isa(targets.cpu_features() - targets.AMX_FEATURES)} "
             "to run without AMX"
         )
     if status == OUT_OF_MEMORY:

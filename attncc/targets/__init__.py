@@ -105,21 +105,26 @@ ISA_ENV = "ATTNCC_CPU_ISA"
 NATIVE_FLAGS = ("-march=native",)  # for code built for no particular level (off x86, test harnesses)
 
 
-def cpu_features() -> frozenset[str]:
-    """The instruction-set flags of cpu0 (/proc/cpuinfo); empty where it cannot be read."""
-    return frozenset(_cpuinfo_field("flags").split())
+def cpu_features(cpuinfo: str | None = None) -> frozenset[str]:
+    """The instruction-set flags of cpu0 (/proc/cpuinfo, or `cpuinfo` text); empty where it
+    cannot be read."""
+    return frozenset(_cpuinfo_field("flags", cpuinfo).split())
 
 
-def cpu_vendor() -> str:
-    """cpu0's vendor_id (/proc/cpuinfo: "GenuineIntel", "AuthenticAMD"); empty where unknown."""
-    return _cpuinfo_field("vendor_id").strip()
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """cpu0's vendor_id (/proc/cpuinfo, or `cpuinfo` text: "GenuineIntel", "AuthenticAMD");
+    empty where unknown."""
+    return _cpuinfo_field("vendor_id", cpuinfo).strip()
 
 
-def _cpuinfo_field(name: str) -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
+def _cpuinfo_field(name: str, text: str | None = None) -> str:
+    """The value of cpu0's field `name` in /proc/cpuinfo (or `text` in its format): the first
+    line whose key is exactly `name` ("flags", not "vmx flags")."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
     line = next((line for line in text.splitlines() if line.split(":")[0].strip() == name), "")
     return line.partition(":")[2]
 
@@ -165,7 +170,9 @@ def select_cpu_isa(features: frozenset[str], forced: str | None, vendor: str | N
     if forced not in CPU_ISAS:
         raise AttnccError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(CPU_ISAS)}")
     if not runs_cpu_isa(forced, features):
-        missing = ", ".join(sorted(CPU_ISAS[forced].requires - features)) or "x86-64"
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise AttnccError(f"{ISA_ENV}={forced!r}: this machine is not x86-64; its only CPU kernel ISA is generic")
+        missing = ", ".join(sorted(CPU_ISAS[forced].requires - features))
         raise AttnccError(f"{ISA_ENV}={forced!r}: this machine lacks {missing}; its best CPU kernel ISA is {best}")
     return forced
 
