@@ -822,6 +822,17 @@ def test_a_sinks_or_scales_zero_divisor_and_a_non_finite_program_scale_are_clear
     assert torch.allclose(kern(q7, k7, v7).double(), want, atol=1e-5)
 
 
+def test_a_plan_given_a_tensor_as_its_scale_is_a_clear_error() -> None:
+    """`Kernel.plan(q, k, scale)` (the benchmarks' and `attncc explain`'s entry) given v as its
+    scale raised a ValueError from math.isfinite deep in the scale's evaluation; a one-element
+    tensor is its value, as a call's scale= is."""
+    q, k, v = (t.float() for t in qkv(5, 6, 8))
+    kern = attncc.compile(program("s = q @ k.T * scale\n", "plan_scale"))
+    with pytest.raises(InputError, match=r"scale: expected a real number .* got a torch\.float32 tensor of shape"):
+        kern.plan(q, k, v)
+    assert kern.plan(q, k, torch.tensor(0.5)).scale == kern.plan(q, k, 0.5).scale == 0.5
+
+
 @pytest.mark.parametrize("init", [(0.0, 0.0), (0.3, -0.2), (-0.3, 0.2)], ids=["ties", "a_above", "b_above"])
 def test_gradients_at_ties_and_at_abs_zero_follow_torch(init: tuple[float, float]) -> None:
     """`max(a, b)` at a tie gave a all the gradient and abs'(0) was 1, where torch.maximum /

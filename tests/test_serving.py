@@ -1606,6 +1606,7 @@ def test_a_repeated_planned_paged_call_skips_its_checks(monkeypatch: pytest.Monk
     since session 45: `Kernel._keep_paged_launch`). Another layout, scale or k_new dtype and a
     table given beside the plan take the full path and its errors."""
     from attncc.runtime import ragged
+    from attncc.runtime.kernel import Kernel
 
     gen = torch.Generator().manual_seed(8)
     B, H, Hkv, D, page_size, held = 2, 8, 2, 32, 16, [40, 7]
@@ -1628,10 +1629,15 @@ def test_a_repeated_planned_paged_call_skips_its_checks(monkeypatch: pytest.Monk
     monkeypatch.setattr(
         "attncc.runtime.kernel.paged_attention", lambda *a, **kw: (full.append(a[0]), paged_attention(*a, **kw))[1]
     )
+    packs: list[bool] = []  # one per packing of a launch; True while `kern` (not `fresh`) runs
+    counted = [False]
+    pack = Kernel.pack  # (the emulated kernels' too)
+    monkeypatch.setattr(Kernel, "pack", lambda self, *a, **kw: (packs.append(counted[0]), pack(self, *a, **kw))[1])
     for target in ("sm80", "cpu"):
         kern = attncc.compile(BOTTOM_RIGHT_CAUSAL, target=target, emulate=target != "cpu")
         plan = attncc.plan_paged(layer()[1], table, torch.tensor(held), new_tokens=1)
         full.clear()
+        packs.clear()
         for _ in range(3):
             q, k_cache, v_cache, k_new, v_new = layer()
             caches = [k_cache.clone(), v_cache.clone()]
@@ -1639,10 +1645,13 @@ def test_a_repeated_planned_paged_call_skips_its_checks(monkeypatch: pytest.Monk
             want, want_lse = fresh.paged(
                 q, *caches, table, torch.tensor(held), k_new=k_new, v_new=v_new, return_lse=True
             )
+            counted[0] = True
             got, lse = kern.paged(q, k_cache, v_cache, plan=plan, k_new=k_new, v_new=v_new, return_lse=True)
+            counted[0] = False
             assert torch.equal(got, want) and torch.equal(lse, want_lse)
             assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
         assert full.count(kern) == 1, target  # the checks ran once
+        assert packs.count(True) == 1, target  # packed once: its run's arrays are the kept launch's
         q, k_cache, v_cache, k_new, v_new = layer()
         for call in (dict(layout="bhnd", q=q.transpose(1, 2)), dict(scale=0.5)):
             fresh = attncc.compile(BOTTOM_RIGHT_CAUSAL, target=target, emulate=target != "cpu")

@@ -941,10 +941,12 @@ class Kernel:
     def _forward_launch(
         self, plan: CallPlan, call: dict, ptrs: dict[str, torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
         kept: object, strides: Mapping[str, tuple[int, ...]] | None = None, packed: PackedSequences | None = None,
+        packed_args: tuple | None = None,
     ) -> KeptLaunch:  # fmt: skip
         """The CPU forward's `KeptLaunch` of a call packed from `ptrs` (out and lse as the forward
-        returns them; `kept`: what its pointers point into besides the operands)."""
-        pointers, ints, reals = self.pack(plan, call, ptrs, 0.0, 0, strides)
+        returns them; `kept`: what its pointers point into besides the operands; `packed_args`:
+        the arrays `_run` packed for the call's own run without dropout, reused)."""
+        pointers, ints, reals = packed_args or self.pack(plan, call, ptrs, 0.0, 0, strides)
         library = self.library(_DTYPES[out.dtype])
         names = self._slot_names.pointers
         return KeptLaunch(
@@ -1180,13 +1182,13 @@ class Kernel:
 
     def _keep_paged_launch(
         self, key: tuple, paged: PagedKeys, plan: CallPlan, call: dict, ptrs: dict[str, torch.Tensor],
-        strides: Mapping[str, tuple[int, ...]], out: torch.Tensor, lse: torch.Tensor,
+        strides: Mapping[str, tuple[int, ...]], out: torch.Tensor, lse: torch.Tensor, packed_args: tuple,
     ) -> None:  # fmt: skip
         """Keep a planned paged call's packed launch in its plan's memo under `key`
         (`_paged_launch_key`), for the calls repeating it (`CheckedPagedCall`): the next layers of
         a decoding step. Before, each planned paged CPU call took the full path: B=1 H=8 M=256
         D=64 fp32 decoding 129 us a call, where a padded call repeating a kept launch took 17."""
-        launch = self._forward_launch(plan, call, ptrs, out, lse, (call, paged), strides)
+        launch = self._forward_launch(plan, call, ptrs, out, lse, (call, paged), strides, packed_args=packed_args)
         with self._lock:
             keep_bounded(paged.prepared, key, launch, PLAN_MEMO_KEPT)  # type: ignore[arg-type]
 
@@ -1270,6 +1272,8 @@ class Kernel:
         """The call's sizes (v's head dim `value_dim`, default k's), tiles (the backward kernels'
         with `backward`) and scale factors; kept per (sizes, dtype, scale), since evaluating the
         scale expressions takes ~20 us."""
+        if not isinstance(scale, float | int | None) and not torch.compiler.is_compiling():
+            scale = checked_scale(scale)  # (a tensor given as the scale: v by mistake)
         problem = _problem(q, k, value_dim)
         key = (problem, q.dtype, signed_zeros((scale,)), backward)  # (-0.0 == 0.0, but 1 / scale differs)
         plan = self._plans.get(key)
@@ -1629,11 +1633,11 @@ class Kernel:
             ptrs.update(packed.buffers())
         if sink is not None:
             ptrs["sink"] = sink.detach().to(lse.dtype).contiguous()
-        self._run("attncc_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
+        packed_args = self._run("attncc_forward", dtype, plan, call, ptrs, dropout, seed, strides=strides)
         if paged is not None and paged.prepared is not None and not tensors and not scales and sink is None:
             key = self._paged_launch_key(q, k, v, scalars, scale)  # (a planned call: the plan's memo)
             if key is not None and key not in paged.prepared and dropout == 0:
-                self._keep_paged_launch(key, paged, plan, call, ptrs, strides, rows_out, lse)
+                self._keep_paged_launch(key, paged, plan, call, ptrs, strides, rows_out, lse, packed_args)
         return rows_out, lse
 
     def backward_impl(
