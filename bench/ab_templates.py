@@ -12,6 +12,7 @@ tree: only template differences are compared.
     python bench/ab_templates.py --backward --n 2048 /tmp/base/templates templates   # forward + backward
     python bench/ab_templates.py --n 1 --keys 16384 --heads 32 --kv-heads 8 --batch 8 /tmp/base/templates templates
     python bench/ab_templates.py --n 16 --keys 4096 --heads 32 --kv-heads 8 --batch 8 --kv-side-by-side /tmp/base/templates templates
+    python bench/ab_templates.py --n 1 --keys 4096 --caches 16 /tmp/base/templates templates   # layers in turn
 
 A tree may carry `:Br,Bc` to force those tiles (Kernel tiles=).
 """
@@ -70,6 +71,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.05, help="per batch of calls")
     parser.add_argument("--backward", action="store_true", help="time forward + backward (q, k, v gradients)")
     parser.add_argument(
+        "--caches",
+        type=int,
+        default=1,
+        help="K/V pairs called in turn (a model's layers: each read from memory, not from the last call's cache)",
+    )
+    parser.add_argument(
         "--kv-side-by-side",
         action="store_true",
         help="K and V as [B, M, Hkv, D] memory (a paged cache's rows), viewed as [B, Hkv, M, D]",
@@ -79,19 +86,29 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     keys, kv_heads = args.keys or args.n, args.kv_heads or args.heads
     q = torch.randn(args.batch, args.heads, args.n, args.d, dtype=dtype, requires_grad=args.backward)
-    if args.kv_side_by_side:
-        k, v = (
-            torch.randn(args.batch, keys, kv_heads, args.d, dtype=dtype).transpose(1, 2).requires_grad_(args.backward)
-            for _ in range(2)
-        )
-    else:
-        k, v = (
+
+    def keys_and_values() -> list[torch.Tensor]:
+        if args.kv_side_by_side:
+            return [
+                torch.randn(args.batch, keys, kv_heads, args.d, dtype=dtype)
+                .transpose(1, 2)
+                .requires_grad_(args.backward)
+                for _ in range(2)
+            ]
+        return [
             torch.randn(args.batch, kv_heads, keys, args.d, dtype=dtype, requires_grad=args.backward) for _ in range(2)
-        )
+        ]
+
+    caches = [keys_and_values() for _ in range(args.caches)]
+    k, v = caches[0]
+    turn = [0]  # the cache the next call reads
     dout = torch.randn(args.batch, args.heads, args.n, args.d, dtype=dtype)
     runtime = EXAMPLE_INPUTS.get(args.program, lambda B, H, N: {})(args.batch, args.heads, args.n)
 
-    def run(kernel: attncc.Kernel) -> torch.Tensor:
+    def run(kernel: attncc.Kernel, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        if k is None or v is None:  # (timed calls: the caches in turn)
+            k, v = caches[turn[0]]
+            turn[0] = (turn[0] + 1) % len(caches)
         if not args.backward:
             with torch.no_grad():
                 return kernel(q, k, v, **runtime).float()
@@ -99,9 +116,9 @@ def main() -> None:
         return torch.cat([g.float().flatten() for g in torch.autograd.grad(out, (q, k, v), dout)])
 
     kernels = [kernel_from(tree, EXAMPLES / f"{args.program}.attn", (q, k, v), runtime) for tree in args.trees]
-    baseline = run(kernels[0])
+    baseline = run(kernels[0], k, v)
     for tree, kernel in zip(args.trees[1:], kernels[1:]):
-        difference = (run(kernel) - baseline).abs().max().item()
+        difference = (run(kernel, k, v) - baseline).abs().max().item()
         if difference > 2e-2 * max(1.0, baseline.abs().max().item()):
             raise SystemExit(f"{tree}: results differ from {args.trees[0]}'s by {difference:.3g}")
     start = time.perf_counter()
@@ -119,6 +136,7 @@ def main() -> None:
     print(
         f"{args.program} {what} {args.dtype} B={args.batch} H={args.heads} Hkv={kv_heads} N={args.n} M={keys} "
         f"D={args.d}, {args.rounds} x {calls} calls each"
+        + (f", {args.caches} K/V caches in turn" if args.caches > 1 else "")
     )
     for tree, kept in zip(args.trees, times):
         median = statistics.median(kept)
