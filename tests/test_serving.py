@@ -884,7 +884,17 @@ BOTTOM_RIGHT_CAUSAL = (
 
 @pytest.mark.parametrize(
     ("page_size", "queries", "D"),
-    [(16, 1, 64), (64, 1, 40), (64, 7, 64), (96, 40, 40), (16, 40, 64), (5, 7, 40), (16, 16, 40)],
+    [
+        (16, 1, 64),
+        (64, 1, 40),
+        (64, 7, 64),
+        (96, 40, 40),
+        (16, 40, 64),
+        (5, 7, 40),
+        (16, 16, 40),
+        (16, 200, 40),
+        (5, 200, 64),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.usefixtures("two_threads")
@@ -895,8 +905,10 @@ def test_paged_keys_are_read_in_place_through_the_block_table(
     lengths and no gathered copy: decoding and chunked prefill, GQA 6/2, bottom-right causal,
     lengths that end inside a page, against float64 code. A key tile is one page's rows where a
     tile size divides the page; else (pages of 16 under panels of 128-256 keys, pages of 5) a
-    tile's rows are copied page by page as the kernel packs or reads them. 16 queries: 48 rows a
-    kv head, both kv heads' segments in a task (fp32 K^T tiles; bf16 packed tiles on vdpbf16ps)."""
+    tile's rows are packed or read page by page where they lie (fp32 tiles; since session 71, which
+    copied them together first), or copied page by page (bf16 panels). 16 queries: 48 rows a
+    kv head, both kv heads' segments in a task (fp32 K^T tiles; bf16 packed tiles on vdpbf16ps);
+    200 queries: 600 rows a kv head, on panels."""
     check_pages_read_in_place(attncc.compile(BOTTOM_RIGHT_CAUSAL), page_size, queries, D, dtype, monkeypatch)
 
 
