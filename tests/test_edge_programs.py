@@ -830,6 +830,8 @@ def test_a_plan_given_a_tensor_as_its_scale_is_a_clear_error() -> None:
     kern = attncc.compile(program("s = q @ k.T * scale\n", "plan_scale"))
     with pytest.raises(InputError, match=r"scale: expected a real number .* got a torch\.float32 tensor of shape"):
         kern.plan(q, k, v)
+    with pytest.raises(InputError, match="scale: expected a real number"):
+        kern.plan(q, k, True)  # type: ignore[arg-type]
     assert kern.plan(q, k, torch.tensor(0.5)).scale == kern.plan(q, k, 0.5).scale == 0.5
 
 

@@ -892,6 +892,7 @@ BOTTOM_RIGHT_CAUSAL = (
         (16, 40, 64),
         (5, 7, 40),
         (16, 16, 40),
+        (5, 16, 40),
         (16, 200, 40),
         (5, 200, 64),
     ],
@@ -908,7 +909,8 @@ def test_paged_keys_are_read_in_place_through_the_block_table(
     tile's rows are packed or read page by page where they lie (fp32 tiles; since session 71, which
     copied them together first), or copied page by page (bf16 panels). 16 queries: 48 rows a
     kv head, both kv heads' segments in a task (fp32 K^T tiles; bf16 packed tiles on vdpbf16ps);
-    200 queries: 600 rows a kv head, on panels."""
+    200 queries: 600 rows a kv head, on panels; pages of 5 under 16 queries: K^T's pieces cross
+    its strips' edges."""
     check_pages_read_in_place(attncc.compile(BOTTOM_RIGHT_CAUSAL), page_size, queries, D, dtype, monkeypatch)
 
 

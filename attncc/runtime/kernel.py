@@ -1272,7 +1272,7 @@ class Kernel:
         """The call's sizes (v's head dim `value_dim`, default k's), tiles (the backward kernels'
         with `backward`) and scale factors; kept per (sizes, dtype, scale), since evaluating the
         scale expressions takes ~20 us."""
-        if not isinstance(scale, float | int | None) and not torch.compiler.is_compiling():
+        if (isinstance(scale, bool) or not isinstance(scale, float | int | None)) and not torch.compiler.is_compiling():
             scale = checked_scale(scale)  # (a tensor given as the scale: v by mistake)
         problem = _problem(q, k, value_dim)
         key = (problem, q.dtype, signed_zeros((scale,)), backward)  # (-0.0 == 0.0, but 1 / scale differs)
