@@ -1044,6 +1044,31 @@ def check_pages_read_in_place(
         assert _error(lse[b].transpose(0, 1), want_lse) <= FWD_TOL, b
 
 
+@pytest.mark.parametrize(("page_size", "queries"), [(5, 1), (5, 16), (16, 16), (16, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_caches_of_strided_head_dims_are_read_where_they_lie(
+    page_size: int, queries: int, dtype: torch.dtype
+) -> None:
+    """Caches whose head dims are not adjacent (every second element of a wider buffer, K's
+    even and V's odd ones) over pages shorter than the key tiles: decoding's dot products,
+    16 queries' K^T tiles and 200 queries' panels load each page's rows at the caches' strides
+    (session 71: the tiles are loaded page by page, no copy between), against float64 code."""
+    gen = torch.Generator().manual_seed(12)
+    B, H, Hkv, D, held = 2, 4, 2, 40, [237, 123]
+    pages_per_seq = -(-max(held) // page_size) + 1
+    num_pages = B * pages_per_seq
+    wide_k, wide_v = (torch.randn(num_pages, page_size, Hkv, 2 * D, generator=gen).to(dtype) for _ in range(2))
+    k_cache, v_cache = wide_k[..., ::2], wide_v[..., 1::2]
+    table = torch.randperm(num_pages, generator=gen).view(B, pages_per_seq).int()
+    q = torch.randn(B, queries, H, D, generator=gen).to(dtype)
+    out = kernel("vanilla").paged(q, k_cache, v_cache, table, torch.tensor(held))
+    for b, m in enumerate(held):
+        k, v = (c[table[b].long()].flatten(0, 1)[:m].transpose(0, 1).double() for c in (k_cache, v_cache))
+        k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
+        want = torch.softmax(q[b].transpose(0, 1).double() @ k.transpose(1, 2) / math.sqrt(D), -1) @ v
+        assert _error(out[b].transpose(0, 1), want) <= (FWD_TOL if dtype == torch.float32 else 1e-2), b
+
+
 def test_paged_consecutive_pages_equal_the_contiguous_call() -> None:
     """Pages in order (keys a view of the cache) give the padded call's result bit for bit."""
     gen = torch.Generator().manual_seed(8)
