@@ -2093,7 +2093,7 @@ def _check_status(status: int, entry: str, kernel: str) -> None:
     if status == AMX_REFUSED:
         raise AttnccError(
             f"attncc kernel {entry} of {kernel}: Linux refused this process the AMX tile state "
-            f"(arch_prctl ARCH_REQ_XCOMP_PERM); set {ISA_ENV}={targets.best_cpu_isa(targets.cpu_features() - targets.AMX_FEATURES)} "
+            f"(arch_prctl ARCH_REQ_XCOMP_PERM); set {ISA_ENV}={targets.best_cpu_isa_without_amx(targets.cpu_features())} "
             "to run without AMX"
         )
     if status == OUT_OF_MEMORY:

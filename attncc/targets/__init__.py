@@ -160,6 +160,11 @@ def best_cpu_isa(features: frozenset[str], machine: str | None = None, vendor: s
     return next(name for name, isa in CPU_ISAS.items() if runs_cpu_isa(name, features, machine) and _pays(isa, vendor))
 
 
+def best_cpu_isa_without_amx(features: frozenset[str]) -> str:
+    """The fastest level the machine runs where Linux refuses this process AMX tile data."""
+    return best_cpu_isa(features - AMX_FEATURES)
+
+
 def select_cpu_isa(features: frozenset[str], forced: str | None, vendor: str | None = None) -> str:
     """The machine's best level, or `forced` (ATTNCC_CPU_ISA) when it names a level the machine
     runs (a slower one included, to test or measure it); a level the machine cannot run or an
@@ -201,7 +206,7 @@ def cpu() -> Target:
     features = cpu_features()
     name = select_cpu_isa(features, os.environ.get(ISA_ENV, "").strip() or None)
     if CPU_ISAS[name].bf16_products == "amx" and not amx_permitted():
-        name = best_cpu_isa(features - AMX_FEATURES)
+        name = best_cpu_isa_without_amx(features)
         warnings.warn(
             f"attncc: Linux refused this process AMX tile data (arch_prctl); CPU kernels use {name}", stacklevel=2
         )
