@@ -6,6 +6,7 @@ import ctypes
 import errno
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -749,6 +750,61 @@ def test_a_shared_preamble_is_precompiled_from_its_second_kernel_on(tmp_path, mo
     with pytest.warns(UserWarning, match="precompiled preamble .* is unreadable; deleting it"):
         sixth = build("strided", shared)
     assert (sixth / "kernel.so").exists() and not header.exists()
+
+
+def _gemm_blocks(obj: Path, defined: bool) -> set[str]:
+    """The gemm_block instances an object or library defines (or, `defined` False, leaves undefined)."""
+    listing = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+    symbols = re.findall(r"^\s*(?:[0-9a-f]+\s+)?([A-Za-z])\s+(.*gemm_block<.*)$", listing, re.MULTILINE)
+    return {name for kind, name in symbols if kind in ("TtWw" if defined else "U")}
+
+
+def _causal_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Top-left causal attention (examples/causal.attn: j <= i) in float64, from its meaning."""
+    s = (q.double() @ k.double().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    n, m = s.shape[-2:]
+    s = s.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v.double()
+
+
+def test_kernels_of_a_preamble_link_its_shared_instances_object(tmp_path, monkeypatch) -> None:
+    """A preamble's first CPU kernel compiles gemm's register blocks (cpu/primitives.h) beside
+    its two parts and leaves them to the preamble's directory; the next kernels' parts declare
+    them only and their libraries link that object (its copy, removed after the link), forward
+    and backward right against float64 at shapes whose tails reach every row count of the
+    blocks; a damaged object is deleted with a warning, the kernel builds its own and shares it.
+    A source written alone (`attncc compile -o`) still holds them (test_cli_compile_...)."""
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    first = attncc.compile(ROOT / "examples" / "vanilla.attn").library_path("float32").parent
+    (shared,) = (tmp_path / PRECOMPILED_DIR).glob("*/instances.o")
+    assert "compile_instances" in (first / "build.ninja").read_text() and not (first / "instances.o").exists()
+    blocks = _gemm_blocks(shared, defined=True)
+    assert len(blocks) >= 3 * 3 * 2 and blocks <= _gemm_blocks(first / "kernel.so", defined=True)
+    causal = attncc.compile(ROOT / "examples" / "causal.attn")
+    second = causal.library_path("float32").parent
+    assert "compile_instances" not in (second / "build.ninja").read_text()
+    assert " instances.o" in (second / "build.ninja").read_text() and not (second / "instances.o").exists()
+    for part in ("part1.o", "part2.o"):
+        assert not _gemm_blocks(second / part, defined=True) and _gemm_blocks(second / part, defined=False) <= blocks
+    assert _gemm_blocks(second / "part2.o", defined=False)  # (the backward's products call them)
+    for n, d in ((1, 16), (13, 48), (77, 80)):  # row tails 1..5 of a 6-row block, 1 and 2 vector widths
+        q, k, v = (torch.randn(2, 3, n, d, dtype=torch.float32, requires_grad=True) for _ in range(3))
+        out = causal(q, k, v)
+        expected = _causal_float64(*(t.detach().double().requires_grad_() for t in (q, k, v)))
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        reference = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        wanted = torch.autograd.grad(_causal_float64(*reference), reference, torch.ones_like(expected))
+        for got, want in zip(grads, wanted):
+            torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
+    damaged = bytearray(shared.read_bytes())
+    for at in random.Random(5).sample(range(64, len(damaged)), 50):
+        damaged[at] ^= 0x5A
+    shared.write_bytes(bytes(damaged))
+    with pytest.warns(UserWarning, match="shared instances object .* is damaged; deleting it"):
+        third = attncc.compile(ROOT / "examples" / "softcap.attn").library_path("float32").parent
+    assert "compile_instances" in (third / "build.ninja").read_text()
+    assert shared.exists() and _gemm_blocks(shared, defined=True) == blocks  # (the third kernel's, shared)
 
 
 @pytest.mark.skipif(not _compiler_is_gcc(), reason="precompiled preambles are given to GCC only")

@@ -11,7 +11,9 @@ Sources are rewritten only when they change, so ninja's own up-to-date check hol
 A source whose first lines end with codegen.PREAMBLE_END has a preamble (macro definitions and
 includes only): from the second kernel with the same preamble, flags and compiler on, GCC reads
 it from a precompiled header kept in the cache (`_precompiled_preamble`); a kernel built with it
-is the same code as one built without.
+is the same code as one built without. A CPU kernel's gemm register blocks, the same for every
+kernel of a preamble, are compiled once into the preamble's instances object, which each
+library links (`_shared_instances`).
 
 Prebuilt libraries (`attncc prebuild`, for servers that ship kernels and have no compiler) are
 found first, in the read-only directories ATTNCC_PREBUILT_DIR lists, by a key without the
@@ -86,6 +88,16 @@ LIBRARY_NAME_CHARS = 120
 # a 1.6 s emulator object (GCC 12, -O2 / -O1, AMX machine). The shared headers live here, in the
 # cache directory.
 PRECOMPILED_DIR = ".preambles"
+#: The preamble line of a CPU kernel's source: its objects are compiled with SHARED_INSTANCES,
+#: so that they declare gemm's register blocks only (cpu/primitives.h), and its library links
+#: them from the instances object compiled once per preamble and flags (`_shared_instances`)
+#: rather than in each kernel's two objects (~30% of a CPU kernel's cold build: 2.6 -> 1.8 s
+#: on two cores). The source itself stays whole: built alone (`attncc compile -o`), it holds them.
+CPU_PRIMITIVES = '#include "attncc/cpu/primitives.h"'
+SHARED_INSTANCES = "-DATTNCC_SHARED_INSTANCES"
+#: The instances object (in a preamble's directory, and in a kernel's while it builds) and its
+#: source, the preamble after ATTNCC_INSTANCES_SOURCE (cpu/primitives.h)
+INSTANCES_OBJECT, INSTANCES_SOURCE = "instances.o", "instances.cpp"
 _LOADED: dict[Path, ctypes.CDLL] = {}
 #: How to write a cached library's sources and build it again, for the last REBUILDS_KEPT
 #: libraries this process asked build_library for: load_library's rebuild of a damaged library
@@ -275,14 +287,14 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
     does not wait for it: 1.4 s), None before that or where it cannot be built."""
     if not _compiler_is_gcc():
         return None
-    directory = cache_dir() / PRECOMPILED_DIR / cache_key(f"{preamble}\n//--flags {flags}\n//--include {INCLUDE_DIR}")
+    directory = _preamble_directory(preamble, flags)
     header, precompiled = directory / "preamble.h", directory / "preamble.h.gch"
-    if precompiled.exists() and _intact(precompiled):
+    if precompiled.exists() and _intact_shared(precompiled):
         _mark_used(directory)
         return precompiled
     with _file_lock(directory / ".lock"):  # (which makes the folder)
         if precompiled.exists():
-            if _intact(precompiled):
+            if _intact_shared(precompiled):
                 return precompiled
             # (GCC crashed on a bit-flipped one, and on another looped for over 20 minutes: a
             # damaged header never reaches the compiler; the preamble's next kernel builds it again)
@@ -313,31 +325,81 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
 _INTACT: dict[tuple[str, int, int], bool] = {}
 
 
-def _intact(precompiled: Path) -> bool:
-    """Whether a precompiled preamble holds the bytes recorded when it was built (its digest
-    beside it; one without, from before digests were kept, is rebuilt once). Checked once per
-    process for a file of unchanged size and time (~0.1 s for its ~60 MB)."""
+def _intact_shared(shared: Path) -> bool:
+    """Whether a file of a preamble's directory (its precompiled header, its instances object)
+    holds the bytes recorded when it was built (its digest beside it; a header without one, from
+    before digests were kept, is rebuilt once). Checked once per process for a file of unchanged
+    size and time: ~0.1 s for a header's ~60 MB, which every kernel build hashed again while a
+    later function of the same name (`_intact`, a library's check) stood in for this one."""
     try:
-        info = precompiled.stat()
-        key = (str(precompiled), info.st_mtime_ns, info.st_size)
+        info = shared.stat()
+        key = (str(shared), info.st_mtime_ns, info.st_size)
         if key not in _INTACT:
-            recorded = _digest_path(precompiled)
-            _INTACT[key] = recorded.exists() and recorded.read_text().strip() == _digest(precompiled)
+            recorded = _digest_path(shared)
+            _INTACT[key] = recorded.exists() and recorded.read_text().strip() == _digest(shared)
         return _INTACT[key]
     except OSError:
         return False
 
 
-def _preamble_flag(directory: Path, source: str, flags: str) -> str:
-    """The compile flag that reads `source`'s preamble (codegen.PREAMBLE_END) precompiled, or "".
+def _preamble_of(source: str) -> str:
+    """`source`'s preamble (codegen.PREAMBLE_END), its directives alone (comment lines, the
+    variant's name, would part kernels that share it); "" where it has none."""
+    before, end, _ = source.partition(PREAMBLE_END)
+    if not end:
+        return ""
+    return "".join(line for line in before.splitlines(keepends=True) if not line.startswith("//")) + end + "\n"
+
+
+def _preamble_directory(preamble: str, flags: str) -> Path:
+    """Where what every kernel of `preamble` compiled with `flags` shares lives: its precompiled
+    header and its instances object (`_shared_instances`)."""
+    return cache_dir() / PRECOMPILED_DIR / cache_key(f"{preamble}\n//--flags {flags}\n//--include {INCLUDE_DIR}")
+
+
+def _shared_instances(preamble: str, flags: str) -> Path | None:
+    """The instances object of `preamble` compiled with `flags` (cpu/primitives.h: the gemm
+    register blocks that a CPU kernel's objects, compiled with SHARED_INSTANCES, declare only), kept in the
+    preamble's directory by the first kernel that built one (`_share_instances`); None before
+    that. A damaged one is deleted with a warning (its next kernel builds and shares another):
+    linked into a library, its bytes would be that library's code."""
+    directory = _preamble_directory(preamble, flags)
+    shared = directory / INSTANCES_OBJECT
+    if not shared.exists():
+        return None
+    if _intact_shared(shared):
+        _mark_used(directory)
+        return shared
+    with _file_lock(directory / ".lock"):
+        if shared.exists() and not _intact_shared(shared):
+            warnings.warn(f"attncc: shared instances object {shared} is damaged; deleting it", stacklevel=5)
+            shared.unlink(missing_ok=True)
+            _digest_path(shared).unlink(missing_ok=True)
+    return None
+
+
+def _share_instances(built: Path, preamble: str, flags: str) -> None:
+    """Keep a kernel's own instances object `built` as its preamble's (`_shared_instances`),
+    where that has none; its digest is recorded before it takes its name, so it is never there
+    without one. Only a saving: a cache that cannot take it keeps building its own."""
+    directory = _preamble_directory(preamble, flags)
+    with suppress(OSError), _file_lock(directory / ".lock"):
+        shared = directory / INSTANCES_OBJECT
+        if shared.exists() and _intact_shared(shared):
+            return
+        unfinished = directory / f"{INSTANCES_OBJECT}.tmp{os.getpid()}"
+        shutil.copyfile(built, unfinished)
+        _write_if_changed(_digest_path(shared), _digest(unfinished))
+        unfinished.replace(shared)
+
+
+def _preamble_flag(directory: Path, preamble: str, flags: str) -> str:
+    """The compile flag that reads a source's `preamble` (`_preamble_of`) precompiled, or "".
     The kernel's directory gets the preamble's text and, for this build (build_library removes
     it after), a link to the shared precompiled header beside it: without the link (a rebuild)
     or where the header does not fit, GCC reads the text, which the source repeats (identical
     macros, headers included once)."""
-    before, end, _ = source.partition(PREAMBLE_END)
-    # its directives alone: comment lines (the variant's name) would part kernels that share it
-    preamble = "".join(line for line in before.splitlines(keepends=True) if not line.startswith("//")) + end + "\n"
-    precompiled = _precompiled_preamble(preamble, flags) if end else None
+    precompiled = _precompiled_preamble(preamble, flags) if preamble else None
     if precompiled is None:
         return ""
     _write_if_changed(directory / "preamble.h", preamble)
@@ -618,20 +680,23 @@ def _build_in(
     before_build: Callable[[], None] | None,
 ) -> None:
     """Write the sources and build.ninja into `directory` (its lock held) and build kernel.so.
-    A kernel whose build with the precompiled preamble fails is built again without it; where
-    the compiler named the header or crashed (PREAMBLE_FAILURES: truncated, from another
-    compiler, damaged: GCC crashed on a bit-flipped one) the preamble is deleted, with a
-    one-line warning: every later build of its dtype and ISA failed on it before."""
+    A kernel whose build with the precompiled preamble or the shared instances object fails is
+    built again without them (its own instances object, compiled beside its parts); where the
+    compiler named the header or crashed (PREAMBLE_FAILURES: truncated, from another compiler,
+    damaged: GCC crashed on a bit-flipped one) the preamble is deleted, with a one-line
+    warning: every later build of its dtype and ISA failed on it before. A kernel that built
+    its own instances object leaves it to its preamble's next kernels (`_share_instances`)."""
     source_name = "kernel.cu" if cuda_arch else "kernel.cpp"
     # A library without its digest (written after a complete build) is unfinished or damaged:
     # ninja took a truncated one as up to date, its digest was recorded, and dlopen died of SIGBUS.
-    for built in (directory / "kernel.so", *directory.glob("part*.o")):
+    for built in (directory / "kernel.so", directory / INSTANCES_OBJECT, *directory.glob("part*.o")):
         built.unlink(missing_ok=True)
     _write_if_changed(directory / source_name, source)
     for file_name, text in includes.items():
         _write_if_changed(directory / file_name, text)
     include = _command_word(INCLUDE_DIR)
-    cxx = object_flags = preamble_flag = ""
+    cxx = object_flags = preamble_flag = preamble = ""
+    shares_instances = False
     if cuda_arch:
         from attncc.runtime.nvcc import NVCC_FLAGS, find_nvcc
 
@@ -639,16 +704,34 @@ def _build_in(
         command = f"{_command_word(find_nvcc())} -arch={sm} {' '.join(NVCC_FLAGS)} -shared -Xcompiler -fPIC -I{include} -I. $in -o $out.tmp"
     else:
         cxx = _command_word(compiler())
+        preamble = _preamble_of(source)
+        shares_instances = CPU_PRIMITIVES in preamble
         object_flags = " ".join(f for f in host_flags if f != "-shared") + f" -I{include} -I."
-        preamble_flag = _preamble_flag(directory, source, object_flags)
+        object_flags += f" {SHARED_INSTANCES}" if shares_instances else ""
+        preamble_flag = _preamble_flag(directory, preamble, object_flags)
+    instances = directory / INSTANCES_OBJECT
+    shared_instances = None
+    if shares_instances:
+        _write_if_changed(directory / INSTANCES_SOURCE, "#define ATTNCC_INSTANCES_SOURCE 1\n" + preamble)
+        shared_instances = _shared_instances(preamble, object_flags)
+        if shared_instances is not None:  # (a copy, linked like the parts: the link reads no other directory)
+            shutil.copyfile(shared_instances, instances)
 
-    def ninja_file(preamble: str) -> str:
+    def ninja_file(preamble_flag: str, own_instances: bool) -> str:
         text = "ninja_required_version = 1.3\n"
+        linked = f" {INSTANCES_OBJECT}" if shares_instances else ""
+        if own_instances:
+            text += (
+                "rule compile_instances\n"
+                f"  command = {cxx} {object_flags} -c $in -o $out\n"
+                "  description = attncc: compiling $out\n"
+                f"build {INSTANCES_OBJECT}: compile_instances {INSTANCES_SOURCE}\n"
+            )
         if parts > 1 and not cuda_arch:
-            objects = " ".join(f"part{n}.o" for n in range(1, parts + 1))
+            objects = " ".join(f"part{n}.o" for n in range(1, parts + 1)) + linked
             text += (
                 "rule compile_part\n"
-                f"  command = {cxx} {object_flags} {preamble}-DATTNCC_PART=$part -c $in -o $out\n"
+                f"  command = {cxx} {object_flags} {preamble_flag}-DATTNCC_PART=$part -c $in -o $out\n"
                 "  description = attncc: compiling $out\n"
                 "rule link_shared\n"
                 f"  command = {cxx} {' '.join(host_flags)} $in -o $out.tmp && mv $out.tmp $out\n"
@@ -657,33 +740,42 @@ def _build_in(
                 + f"build kernel.so: link_shared {objects}\n"
             )
         else:
-            shared = command if cuda_arch else f"{cxx} {' '.join(host_flags)} {preamble}-I{include} -I. $in -o $out.tmp"
+            whole = (
+                command if cuda_arch else f"{cxx} {' '.join(host_flags)} {preamble_flag}-I{include} -I. $in -o $out.tmp"
+            )
             text += (
                 "rule compile_shared\n"
-                f"  command = {shared} && mv $out.tmp $out\n"
+                f"  command = {whole} && mv $out.tmp $out\n"
                 "  description = attncc: compiling $out\n"
-                f"build kernel.so: compile_shared {source_name}\n"
+                f"build kernel.so: compile_shared {source_name}{linked}\n"
             )
         return text + "default kernel.so\n"
 
-    _write_if_changed(directory / "build.ninja", ninja_file(preamble_flag))
+    own_instances = shares_instances and shared_instances is None
+    _write_if_changed(directory / "build.ninja", ninja_file(preamble_flag, own_instances))
     if before_build is not None:
         before_build()
     link = directory / "preamble.h.gch"
     try:
         _run_ninja(directory, name)
     except BuildError as error:
-        if not preamble_flag:
+        if not preamble_flag and not shared_instances:
             raise
-        shared_header = link.resolve()
+        shared_header = link.resolve() if preamble_flag else None
         link.unlink(missing_ok=True)
-        _write_if_changed(directory / "build.ninja", ninja_file(""))
+        instances.unlink(missing_ok=True)
+        own_instances = shares_instances
+        _write_if_changed(directory / "build.ninja", ninja_file("", own_instances))
         _run_ninja(directory, name)  # (its error where the kernel itself does not build)
-        if PREAMBLE_FAILURES.search(str(error)):  # (not a build killed for memory or interrupted: kept)
+        # (not a build killed for memory or interrupted: kept)
+        if shared_header is not None and PREAMBLE_FAILURES.search(str(error)):
             warnings.warn(f"attncc: precompiled preamble {shared_header} is unreadable; deleting it", stacklevel=4)
             shared_header.unlink(missing_ok=True)
     finally:  # no link into the cache stays (prebuilt directories are shipped)
         link.unlink(missing_ok=True)
+    if own_instances:
+        _share_instances(instances, preamble, object_flags)
+    instances.unlink(missing_ok=True)  # (linked into kernel.so; the preamble's directory keeps one)
 
 
 #: What a build's output says where its precompiled preamble is at fault: GCC's complaint about the

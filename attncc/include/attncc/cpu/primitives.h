@@ -644,10 +644,18 @@ inline bool any_lane_above(vec_t v, acc_t t) {
 // registers around them sent copies of the accumulators to the stack and the rows' offsets to
 // memory, reloaded in the k loop (avx2, d = 128: fwd+bwd fp32 N = 2048 1.055-1.085x with the
 // block a function of its own, bench/ab_templates.py). Hidden: called directly, not through the
-// kernel library's PLT.
+// kernel library's PLT. Objects compiled with ATTNCC_SHARED_INSTANCES (runtime/build.py: a
+// generated kernel's) declare it only: its instances are compiled once per preamble (the end of
+// this file) into the object every kernel library of that preamble links (`_shared_instances`),
+// which took a kernel's own forward / backward objects from 2.1 / 2.6 to 1.7 / 1.8 s (fp32
+// causal, GCC 12, a precompiled preamble): they had compiled the same 36 and 54 instances each.
 template <bool Accumulate, bool TransA, int Rows, int Vecs, typename BT>
 [[gnu::noinline, gnu::visibility("hidden")]] void gemm_block(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
-                       const BT* __restrict B, int64_t ldb, int K) {
+                       const BT* __restrict B, int64_t ldb, int K)
+#if defined(ATTNCC_SHARED_INSTANCES) && !defined(ATTNCC_INSTANCES_SOURCE)
+    ;
+#else
+{
   vec_t acc[Rows][Vecs];
 #pragma GCC unroll 16
   for (int x = 0; x < Rows; ++x)
@@ -669,6 +677,7 @@ template <bool Accumulate, bool TransA, int Rows, int Vecs, typename BT>
 #pragma GCC unroll 4
     for (int y = 0; y < Vecs; ++y) vstore(C + x * ldc + y * VL, acc[x][y]);
 }
+#endif
 
 // Row tails (R % ATTNCC_GEMM_ROWS rows) of one column block: each count is its own register block.
 template <bool Accumulate, bool TransA, int Vecs, int Rows = ATTNCC_GEMM_ROWS - 1, typename BT>
@@ -1390,5 +1399,34 @@ inline void dropout_keep_row(uint8_t* out, int n, uint64_t seed, uint64_t offset
     for (int w = 0; w < 4 && c + w < n; ++w) out[c + w] = r.x[w] < threshold;
   }
 }
+
+
+// ---------------------------------------------------------------------------------- shared instances
+// The shared instances object's source (runtime/build.py `_shared_instances`: the kernel's preamble
+// after ATTNCC_INSTANCES_SOURCE): every gemm_block the kernel template's gemm calls can reach with
+// this preamble's register block (gemm_columns' widths ATTNCC_GEMM_VECS, 2 and 1, each row count
+// of gemm_tail): S = Q K^T and O = P V (accumulating or not), the backward's transposed products
+// (dV += P^T dO, dK += dS^T Q) and decoding's O += P V on V rows as stored (B of the storage
+// type, widened as it loads). A form missing here fails the kernel's link, never its results.
+#ifdef ATTNCC_INSTANCES_SOURCE
+template <bool Accumulate, bool TransA, typename BT, int Vecs, int... Rows>
+[[gnu::used]] void* const* gemm_block_rows(std::integer_sequence<int, Rows...>) {
+  static void* const blocks[] = {reinterpret_cast<void*>(&gemm_block<Accumulate, TransA, Rows + 1, Vecs, BT>)...};
+  return blocks;
+}
+template <bool Accumulate, bool TransA, typename BT>
+void gemm_block_widths() {
+  constexpr auto rows = std::make_integer_sequence<int, ATTNCC_GEMM_ROWS>{};
+  gemm_block_rows<Accumulate, TransA, BT, ATTNCC_GEMM_VECS>(rows);
+  if constexpr (ATTNCC_GEMM_VECS > 2) gemm_block_rows<Accumulate, TransA, BT, 2>(rows);
+  gemm_block_rows<Accumulate, TransA, BT, 1>(rows);
+}
+[[gnu::used, gnu::visibility("hidden")]] void gemm_block_instances() {
+  gemm_block_widths<false, false, acc_t>();
+  gemm_block_widths<true, false, acc_t>();
+  gemm_block_widths<true, true, acc_t>();
+  gemm_block_widths<true, false, storage_t>();
+}
+#endif
 
 }  // namespace attncc
