@@ -4,6 +4,7 @@ before (or, without a compiler, a clear error); a damaged entry is skipped with 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -104,6 +105,54 @@ def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_directory(tmp
     finally:
         for path in [prebuilt, *prebuilt.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_a_prebuild_builds_in_the_kernel_cache_and_copies_from_it(tmp_path, monkeypatch, capsys) -> None:
+    """A prebuild's library is the kernel cache's, built there where it is not and copied (the
+    library with its digest and sources, no objects or locks): a second prebuild and the JIT's
+    calls compile nothing. A cache that cannot be written leaves the prebuild building in its
+    own directory, as before (without the cache's precompiled preamble)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(cache))
+    source = tmp_path / "copied.attn"
+    source.write_text(
+        "attention prebuild_copy_test\ns = q @ k.T * scale\ns = s * 0.5\np = softmax(s)\no = p @ v\noutput o\n"
+    )
+    assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(tmp_path / "first")]) == 0
+    (built,) = cache.glob("prebuild_copy_test-float32-*/kernel.so")
+    (first,) = (tmp_path / "first").glob("*/kernel.so")
+    assert first.read_bytes() == built.read_bytes() and first.parent.name != built.parent.name
+    copied = {f.name for f in first.parent.iterdir()}
+    assert {"kernel.so", "kernel.so.sha256", "kernel.cpp", "build.ninja", build.PREBUILT_MANIFEST} <= copied
+    assert not any(name.endswith((".o", ".gch", ".ninja_log")) for name in copied), copied  # (.lock: its own)
+    run_ninja = build._run_ninja
+
+    def no_compiler(directory: Path, name: str) -> None:
+        raise AssertionError(f"{name} was built again")
+
+    monkeypatch.setattr(build, "_run_ninja", no_compiler)
+    assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(tmp_path / "second")]) == 0
+    (second,) = (tmp_path / "second").glob("*/kernel.so")
+    assert second.read_bytes() == built.read_bytes() and build._intact(second)
+    kern = attncc.compile(source)
+    assert kern.library_path("float32") == built
+    q = torch.randn(1, 2, 5, 16)
+    assert torch.allclose(kern(q, q, q), torch.softmax(q @ q.transpose(-1, -2) * 0.5 / 4, -1) @ q, atol=1e-5)
+    monkeypatch.setattr(build, "_run_ninja", run_ninja)
+    make_folder = Path.mkdir
+
+    def read_only_cache(self: Path, *args: object, **kwargs: object) -> None:
+        if self == cache or cache in self.parents:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        make_folder(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only_cache)
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(cache / "elsewhere"))  # (nothing there to copy)
+    assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(tmp_path / "third")]) == 0
+    (third,) = (tmp_path / "third").glob("*/kernel.so")
+    assert build._intact(third) and (third.parent / "part1.o").exists()  # (built there)
+    assert not (cache / "elsewhere").exists()
+    capsys.readouterr()
 
 
 def test_a_directory_prebuilt_for_another_isa_says_so_and_a_missing_one_is_named(tmp_path, monkeypatch) -> None:

@@ -38,7 +38,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from functools import cache, partial
 from pathlib import Path
 
@@ -370,7 +370,7 @@ def _shared_instances(preamble: str, flags: str) -> Path | None:
     if _intact_shared(shared):
         _mark_used(directory)
         return shared
-    with _file_lock(directory / ".lock"):
+    with suppress(OSError), _file_lock(directory / ".lock"):  # (a cache that cannot be written: left there)
         if shared.exists() and not _intact_shared(shared):
             warnings.warn(f"attncc: shared instances object {shared} is damaged; deleting it", stacklevel=5)
             shared.unlink(missing_ok=True)
@@ -399,7 +399,10 @@ def _preamble_flag(directory: Path, preamble: str, flags: str) -> str:
     it after), a link to the shared precompiled header beside it: without the link (a rebuild)
     or where the header does not fit, GCC reads the text, which the source repeats (identical
     macros, headers included once)."""
-    precompiled = _precompiled_preamble(preamble, flags) if preamble else None
+    try:  # (a prebuild's beside a kernel cache that cannot be written: built without it)
+        precompiled = _precompiled_preamble(preamble, flags) if preamble else None
+    except OSError:
+        precompiled = None
     if precompiled is None:
         return ""
     _write_if_changed(directory / "preamble.h", preamble)
@@ -632,9 +635,17 @@ def build_library(
 
     needs_build = not built()
     if needs_build:
+        # (a prebuild's library: the kernel cache's, built there where it is not, copied; so one
+        # build serves this machine's calls and every prebuild of it: a prebuild built each
+        # library again, ~3 s of nvcc each, the test suite's 8 in every run)
+        cached = None
+        if _PREBUILDING_INTO:
+            cached = _built_in_cache(
+                partial(build_library, source, name, includes, cuda_arch, isa_flags, optimized, before_build, parts)
+            )
         with _writing_into_cache(directory, name):  # (the folder and the lock: `_file_lock`; the sources)
             with _file_lock(directory / ".lock"):
-                if not built():
+                if not built() and not (cached is not None and _copied(cached.parent, directory)):
                     _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
     if _PREBUILDING_INTO:  # (also where prebuilt before, by an attncc that wrote no manifest, or it was lost)
         with _writing_into_cache(directory, name):
@@ -642,6 +653,45 @@ def build_library(
     elif needs_build and limit is not None:
         trim_cache(limit)
     return library
+
+
+class UnwritableCache(BuildError):
+    """The kernel cache or a prebuild directory cannot be written: read-only, full, forbidden."""
+
+
+def _built_in_cache(build: Callable[[], Path]) -> Path | None:
+    """`build()` (a build_library call) as outside `prebuilding_into`: the library in the kernel
+    cache (or a prebuilt directory), built there where it is not; None where the cache cannot
+    be written, for a prebuild to build in its own directory."""
+    prebuilding = list(_PREBUILDING_INTO)
+    _PREBUILDING_INTO.clear()
+    try:
+        return build()
+    except UnwritableCache:
+        return None
+    finally:
+        _PREBUILDING_INTO[:] = prebuilding
+
+
+#: What a prebuilt library's directory takes of the cache's (`_copied`): the library and its
+#: digest, and what it was built from (the source, its includes, the ninja file); not objects,
+#: locks, ninja's logs or links.
+COPIED_SUFFIXES = (".so", ".sha256", ".cpp", ".cu", ".h", ".cuh", ".ninja")
+
+
+def _copied(built: Path, directory: Path) -> bool:
+    """Whether the library in the cache directory `built` (its lock taken: no process repairs it
+    meanwhile; a prebuilt directory's is read as it is) was intact and is now copied into the
+    prebuild `directory` (its lock held), the digest last: an interrupted copy is no library."""
+    with _file_lock(built / ".lock") if built.parent == cache_dir() else nullcontext():
+        if not _intact(built / "kernel.so"):
+            return False
+        for file in sorted(built.iterdir(), key=lambda f: f.name == "kernel.so.sha256"):
+            if file.is_file() and not file.is_symlink() and file.suffix in COPIED_SUFFIXES:
+                unfinished = directory / f"{file.name}.tmp{os.getpid()}"
+                shutil.copyfile(file, unfinished)
+                unfinished.replace(directory / file.name)
+    return True
 
 
 #: What writing into a cache that is not ours to write fails with: read-only, not permitted, full.
@@ -658,11 +708,11 @@ def _writing_into_cache(directory: Path, name: str):  # noqa: ANN202 - context m
         if error.errno not in UNWRITABLE:
             raise
         if _PREBUILDING_INTO:
-            raise BuildError(
+            raise UnwritableCache(
                 f"kernel {name}: cannot write to the prebuild directory {directory.parent} ({error.strerror or error}): "
                 "give `attncc prebuild -o` a writable directory"
             ) from None
-        raise BuildError(
+        raise UnwritableCache(
             f"kernel {name}: cannot write to the kernel cache {directory.parent} ({error.strerror or error}): set "
             f"ATTNCC_CACHE_DIR to a writable directory, or ship the kernels prebuilt ({PREBUILT_ENV}, "
             "`attncc prebuild`)"
