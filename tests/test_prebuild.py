@@ -147,6 +147,11 @@ def test_a_prebuild_builds_in_the_kernel_cache_and_copies_from_it(tmp_path, monk
         make_folder(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", read_only_cache)
+    monkeypatch.setattr(build, "_run_ninja", no_compiler)  # (read, not locked: the prebuild failed on its lock)
+    assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(tmp_path / "from-read-only")]) == 0
+    (from_read_only,) = (tmp_path / "from-read-only").glob("*/kernel.so")
+    assert from_read_only.read_bytes() == built.read_bytes() and build._intact(from_read_only)
+    monkeypatch.setattr(build, "_run_ninja", run_ninja)
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(cache / "elsewhere"))  # (nothing there to copy)
     assert cli_main(["prebuild", str(source), "--dtypes", "float32", "-o", str(tmp_path / "third")]) == 0
     (third,) = (tmp_path / "third").glob("*/kernel.so")

@@ -777,13 +777,12 @@ def test_kernels_of_a_preamble_link_its_shared_instances_object(tmp_path, monkey
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     first = attncc.compile(ROOT / "examples" / "vanilla.attn").library_path("float32").parent
     (shared,) = (tmp_path / PRECOMPILED_DIR).glob("*/instances.o")
-    assert "compile_instances" in (first / "build.ninja").read_text() and not (first / "instances.o").exists()
+    assert "instances.o" in (first / ".ninja_log").read_text() and not (first / "instances.o").exists()
     blocks = _gemm_blocks(shared, defined=True)
     assert len(blocks) >= 3 * 3 * 2 and blocks <= _gemm_blocks(first / "kernel.so", defined=True)
     causal = attncc.compile(ROOT / "examples" / "causal.attn")
     second = causal.library_path("float32").parent
-    assert "compile_instances" not in (second / "build.ninja").read_text()
-    assert " instances.o" in (second / "build.ninja").read_text() and not (second / "instances.o").exists()
+    assert "instances.o" not in (second / ".ninja_log").read_text() and not (second / "instances.o").exists()
     for part in ("part1.o", "part2.o"):
         assert not _gemm_blocks(second / part, defined=True) and _gemm_blocks(second / part, defined=False) <= blocks
     assert _gemm_blocks(second / "part2.o", defined=False)  # (the backward's products call them)
@@ -803,8 +802,51 @@ def test_kernels_of_a_preamble_link_its_shared_instances_object(tmp_path, monkey
     shared.write_bytes(bytes(damaged))
     with pytest.warns(UserWarning, match="shared instances object .* is damaged; deleting it"):
         third = attncc.compile(ROOT / "examples" / "softcap.attn").library_path("float32").parent
-    assert "compile_instances" in (third / "build.ninja").read_text()
+    assert "instances.o" in (third / ".ninja_log").read_text()
     assert shared.exists() and _gemm_blocks(shared, defined=True) == blocks  # (the third kernel's, shared)
+    # a damaged library rebuilt by `ninja -C` alone (no sources given in this process) builds its
+    # own instances object: the copy it was linked with is gone (review of session 72)
+    library = second / "kernel.so"
+    library.write_bytes(library.read_bytes()[:1000])
+    rebuild = (
+        f"from attncc.runtime.build import load_library; load_library(__import__('pathlib').Path({str(library)!r}))"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT_FIRST_PYTHONPATH}
+    proc = subprocess.run([sys.executable, "-c", rebuild], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "rebuilding it" in proc.stderr, proc.stderr
+    assert "instances.o" in (second / ".ninja_log").read_text() and not _gemm_blocks(second / "part1.o", defined=True)
+    assert build._intact(library)
+
+
+def test_a_shared_file_is_intact_once_its_digest_is_there_and_a_vanished_one_is_built_again(
+    tmp_path, monkeypatch
+) -> None:
+    """A preamble's file found without its digest (another process about to record it) is not
+    intact, and that is not kept: once the digest is there it is (a kept False made the check
+    under the lock delete a sound precompiled header, session 72's review). A shared instances
+    object removed between its check and its copy (`attncc cache --clear` in another process)
+    leaves the kernel building its own, where it raised a FileNotFoundError."""
+    shared = tmp_path / "instances.o"
+    shared.write_bytes(b"object")
+    assert not build._intact_shared(shared)
+    build._digest_path(shared).write_text(build._digest(shared))
+    assert build._intact_shared(shared)
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path / "cache"))
+    attncc.compile(ROOT / "examples" / "vanilla.attn").library_path("float32")  # (shares its instances)
+    copy = shutil.copyfile
+
+    def cleared_meanwhile(source: object, target: object) -> object:
+        if Path(str(source)).name == "instances.o":
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(source))
+        return copy(source, target)
+
+    monkeypatch.setattr(build.shutil, "copyfile", cleared_meanwhile)
+    kern = attncc.compile(ROOT / "examples" / "causal.attn")
+    directory = kern.library_path("float32").parent
+    assert "instances.o" in (directory / ".ninja_log").read_text()  # (its own)
+    q = torch.randn(1, 2, 9, 16)
+    expected = _causal_float64(q, q, q)
+    torch.testing.assert_close(kern(q, q, q).double(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(not _compiler_is_gcc(), reason="precompiled preambles are given to GCC only")

@@ -38,7 +38,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from functools import cache, partial
 from pathlib import Path
 
@@ -317,12 +317,13 @@ def _precompiled_preamble(preamble: str, flags: str) -> Path | None:
         if subprocess.run(command, cwd=directory, capture_output=True, check=False).returncode != 0:
             unfinished.unlink(missing_ok=True)
             return None  # the kernel's own compile reports what is wrong
+        # (its digest first: the header never has its name without one)
+        _write_if_changed(_digest_path(precompiled), _digest(unfinished))
         unfinished.replace(precompiled)
-        _write_if_changed(_digest_path(precompiled), _digest(precompiled))
         return precompiled
 
 
-_INTACT: dict[tuple[str, int, int], bool] = {}
+_INTACT: dict[tuple[str, int, int], bool] = {}  # (files found intact)
 
 
 def _intact_shared(shared: Path) -> bool:
@@ -336,8 +337,12 @@ def _intact_shared(shared: Path) -> bool:
         key = (str(shared), info.st_mtime_ns, info.st_size)
         if key not in _INTACT:
             recorded = _digest_path(shared)
-            _INTACT[key] = recorded.exists() and recorded.read_text().strip() == _digest(shared)
-        return _INTACT[key]
+            if not (recorded.exists() and recorded.read_text().strip() == _digest(shared)):
+                # (not kept: another process may be about to record its digest, and a kept False
+                # made the check under the lock delete a sound header, session 72's review)
+                return False
+            _INTACT[key] = True
+        return True
     except OSError:
         return False
 
@@ -387,6 +392,8 @@ def _share_instances(built: Path, preamble: str, flags: str) -> None:
         shared = directory / INSTANCES_OBJECT
         if shared.exists() and _intact_shared(shared):
             return
+        for stale in directory.glob(f"{INSTANCES_OBJECT}.tmp*"):  # (left by killed builds: none is live)
+            stale.unlink(missing_ok=True)
         unfinished = directory / f"{INSTANCES_OBJECT}.tmp{os.getpid()}"
         shutil.copyfile(built, unfinished)
         _write_if_changed(_digest_path(shared), _digest(unfinished))
@@ -680,18 +687,24 @@ COPIED_SUFFIXES = (".so", ".sha256", ".cpp", ".cu", ".h", ".cuh", ".ninja")
 
 
 def _copied(built: Path, directory: Path) -> bool:
-    """Whether the library in the cache directory `built` (its lock taken: no process repairs it
-    meanwhile; a prebuilt directory's is read as it is) was intact and is now copied into the
-    prebuild `directory` (its lock held), the digest last: an interrupted copy is no library."""
-    with _file_lock(built / ".lock") if built.parent == cache_dir() else nullcontext():
-        if not _intact(built / "kernel.so"):
-            return False
+    """Whether the library in the cache directory `built` is now copied, intact, into the
+    prebuild `directory` (its lock held), with its digest and sources. Read without the cache
+    entry's lock (a read-only cache refused it, and the prebuild failed, session 72's review):
+    the copy's digest is checked instead, so a library repaired meanwhile, or one that cannot
+    be read, is no copy (the prebuild then builds it in `directory`)."""
+    library = directory / "kernel.so"
+    try:
         for file in sorted(built.iterdir(), key=lambda f: f.name == "kernel.so.sha256"):
             if file.is_file() and not file.is_symlink() and file.suffix in COPIED_SUFFIXES:
                 unfinished = directory / f"{file.name}.tmp{os.getpid()}"
                 shutil.copyfile(file, unfinished)
                 unfinished.replace(directory / file.name)
-    return True
+    except OSError:
+        pass
+    if _intact(library):
+        return True
+    _digest_path(library).unlink(missing_ok=True)
+    return False
 
 
 #: What writing into a cache that is not ours to write fails with: read-only, not permitted, full.
@@ -765,7 +778,12 @@ def _build_in(
         _write_if_changed(directory / INSTANCES_SOURCE, "#define ATTNCC_INSTANCES_SOURCE 1\n" + preamble)
         shared_instances = _shared_instances(preamble, object_flags)
         if shared_instances is not None:  # (a copy, linked like the parts: the link reads no other directory)
-            shutil.copyfile(shared_instances, instances)
+            try:  # (under its lock: `attncc cache --clear` or a trim may remove it meanwhile)
+                with _file_lock(shared_instances.parent / ".lock"):
+                    shutil.copyfile(shared_instances, instances)
+            except OSError:
+                instances.unlink(missing_ok=True)
+                shared_instances = None
 
     def ninja_file(preamble_flag: str, own_instances: bool) -> str:
         text = "ninja_required_version = 1.3\n"
@@ -814,7 +832,7 @@ def _build_in(
         shared_header = link.resolve() if preamble_flag else None
         link.unlink(missing_ok=True)
         instances.unlink(missing_ok=True)
-        own_instances = shares_instances
+        own_instances, preamble_flag = shares_instances, ""
         _write_if_changed(directory / "build.ninja", ninja_file("", own_instances))
         _run_ninja(directory, name)  # (its error where the kernel itself does not build)
         # (not a build killed for memory or interrupted: kept)
@@ -825,7 +843,12 @@ def _build_in(
         link.unlink(missing_ok=True)
     if own_instances:
         _share_instances(instances, preamble, object_flags)
-    instances.unlink(missing_ok=True)  # (linked into kernel.so; the preamble's directory keeps one)
+    if shares_instances:  # (linked into kernel.so; the preamble's directory keeps one)
+        instances.unlink(missing_ok=True)
+        # what `ninja -C` of the directory runs to build the library again (load_library's rebuild
+        # where this process has not its sources, the reproduce line of a BuildError): its own
+        # instances object too (one linked from the preamble's copy had no rule: review of session 72)
+        _write_if_changed(directory / "build.ninja", ninja_file(preamble_flag, True))
 
 
 #: What a build's output says where its precompiled preamble is at fault: GCC's complaint about the
@@ -907,7 +930,7 @@ def load_library(path: Path, required_symbol: str | None = None) -> ctypes.CDLL:
                 warnings.warn(f"attncc: cached kernel {path} failed to load ({reason}); rebuilding it", stacklevel=2)
                 with _writing_into_cache(directory, directory.name), _file_lock(directory / ".lock"):
                     # (its objects too: a damaged part*.o beside it was relinked as it was)
-                    for built in (path, _digest_path(path), *directory.glob("part*.o")):
+                    for built in (path, _digest_path(path), directory / INSTANCES_OBJECT, *directory.glob("part*.o")):
                         built.unlink(missing_ok=True)
                     _REBUILDS.get(path, partial(_run_ninja, directory, directory.name))()
                 try:
