@@ -1,5 +1,6 @@
 """Greedy generation through the transformers integration beside sdpa, in one process: a small
-random-init Llama (hidden 256, GQA 8/2 heads of d=32, `--layers` layers) on a left-padded batch
+random-init Llama (hidden 256, GQA 8/2 heads of d=32, `--layers` layers; `--hidden`, `--heads`,
+`--kv-heads`, `--head-dim` for larger ones) on a left-padded batch
 of `--batch` prompts of `--prompt` tokens, `--new` tokens each; both models hold the same
 weights and must produce the same tokens. Prints milliseconds per generated token (medians of
 `--repeats` alternating runs) and sdpa / attncc. What it shows is the host time of decoding
@@ -10,6 +11,7 @@ With `--compile` both models run transformers' recipe for fast generation: a sta
 `torch.compile(model.forward, fullgraph=True)` (compiled before the timed runs).
 
     python bench/bench_generate.py [--layers 8 --batch 4 --prompt 200 --new 64 --repeats 5] [--compile] [--json FILE]
+        [--hidden 256 --heads 8 --kv-heads 2 --head-dim 32]
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=200)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (the MLP's is twice it)")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--compile", action="store_true", help="static caches, forwards compiled with fullgraph=True")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -48,8 +54,9 @@ def main() -> None:
     integration.register(NAME)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=args.prompt + args.new + 8,
+        vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        max_position_embeddings=args.prompt + args.new + 8,
     )  # fmt: skip
     models = {
         name: transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name).eval()

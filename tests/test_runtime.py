@@ -807,7 +807,11 @@ def test_kernels_of_a_preamble_link_its_shared_instances_object(tmp_path, monkey
     # a damaged library rebuilt by `ninja -C` alone (no sources given in this process) builds its
     # own instances object: the copy it was linked with is gone (review of session 72)
     library = second / "kernel.so"
-    library.write_bytes(library.read_bytes()[:1000])
+    # (a new file: this process has the library mapped, and truncating it in place made the
+    # process die of SIGBUS at exit)
+    damaged = library.read_bytes()[:1000]
+    library.unlink()
+    library.write_bytes(damaged)
     rebuild = (
         f"from attncc.runtime.build import load_library; load_library(__import__('pathlib').Path({str(library)!r}))"
     )
