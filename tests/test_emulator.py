@@ -7,11 +7,16 @@ bench/probe_primitives.cu, the same text bench/probe_primitives.py runs and diff
 from __future__ import annotations
 
 import ctypes
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from attncc.runtime.build import build_library, load_library
+import attncc
+from attncc.codegen import PREAMBLE_END
+from attncc.runtime.build import PRECOMPILED_DIR, SHARED_INSTANCES, build_library, cache_dir, load_library
 from tests.conftest import ROOT
 
 HARNESS = r"""
@@ -163,14 +168,41 @@ extern "C" int race_case(int which, const f16* src, float* out, int s) {
 """
 
 
-@pytest.fixture(scope="module", params=["asm", "ucontext"])
+#: The emulated kernels' preamble (templates/cuda/emulator.cpp.jinja): a source that starts with
+#: one is built with the emulator's runtime declared only, linked from its preamble's instances object
+SHARED_RUNTIME_PREAMBLE = f"""#define ATTNCC_EMULATE 1
+#include <string>
+#include "attncc/cuda/primitives.cuh"
+{PREAMBLE_END}
+"""
+
+
+@pytest.fixture(scope="module", params=["asm", "ucontext", "shared-runtime"])
 def emu(request: pytest.FixtureRequest) -> ctypes.CDLL:
-    """The harness on both context switches: x86-64 assembly and the portable ucontext."""
+    """The harness on both context switches, x86-64 assembly and the portable ucontext, each
+    object with the emulator's runtime inline; and as generated kernels are built, the runtime
+    in the instances object that the library links once (runtime/build.py SHARED_INSTANCES)."""
     probe = (ROOT / "bench" / "probe_primitives.cu").read_text()
-    source = ("#define ATTNCC_EMULATE_UCONTEXT 1\n" if request.param == "ucontext" else "") + HARNESS
-    lib = load_library(build_library(source, f"emulator-test-{request.param}", {"probe_primitives.cu": probe}))
+    first = {"ucontext": "#define ATTNCC_EMULATE_UCONTEXT 1\n", "shared-runtime": SHARED_RUNTIME_PREAMBLE}
+    source = first.get(request.param, "") + HARNESS
+    path = build_library(source, f"emulator-test-{request.param}", {"probe_primitives.cu": probe})
+    runtime = {"attncc_emu::launch_blocks", "attncc_emu::warp_collective", "attncc_emu::record"}
+    if request.param == "shared-runtime":  # (the source declares the runtime; the library holds the object's, hidden)
+        assert SHARED_INSTANCES in (path.parent / "build.ninja").read_text()
+        assert _runtime_symbols(path, "t") >= runtime and not _runtime_symbols(path, "W")
+    else:
+        assert _runtime_symbols(path, "W") >= runtime
+    lib = load_library(path)
     lib.last_error.restype = ctypes.c_char_p
     return lib
+
+
+def _runtime_symbols(obj: Path, kind: str) -> set[str]:
+    """The emulator runtime's functions (namespace attncc_emu, by name without arguments) that
+    `obj` lists in `nm` with symbol type `kind` (T defined, W defined inline, t local, U undefined)."""
+    listing = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+    symbols = re.findall(r"^\s*(?:[0-9a-f]+\s+)?([A-Za-z])\s+(attncc_emu::\w+)\(", listing, re.MULTILINE)
+    return {name for letter, name in symbols if letter == kind}
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +214,29 @@ def turing() -> ctypes.CDLL:
     )
     lib.last_error.restype = ctypes.c_char_p
     return lib
+
+
+def test_a_generated_kernels_objects_leave_the_emulator_runtime_to_its_preamble_instances_object() -> None:
+    """An emulated kernel's two objects call the runtime (scheduling, collectives, the race check,
+    counters: two thirds of an object's code, 1.6-1.9 -> 0.6 s a part) and define none of it; its
+    library links it once, from the instances object its preamble's first kernel compiled."""
+    kern = attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True)
+    library = Path(kern.emulated_library("float16", 64)._name)
+    inline = {
+        "attncc_emu::" + name for name in ("thread_idx", "thread_index", "lane_id", "profile_on", "current_schedule")
+    }
+    for part in ("part1.o", "part2.o"):  # (the one-per-process statics and tiny accessors stay inline)
+        assert (
+            not _runtime_symbols(library.parent / part, "T") and _runtime_symbols(library.parent / part, "W") <= inline
+        )
+        assert _runtime_symbols(library.parent / part, "U") >= {"attncc_emu::launch_blocks", "attncc_emu::record"}
+    assert _runtime_symbols(library, "t") >= {"attncc_emu::launch_blocks", "attncc_emu::warp_collective"}
+    shared = [
+        obj
+        for obj in (cache_dir() / PRECOMPILED_DIR).glob("*/instances.o")
+        if "attncc_emu::warp_collective" in _runtime_symbols(obj, "T")
+    ]
+    assert shared, "no preamble's instances object defines the emulator runtime"
 
 
 def p(t: torch.Tensor) -> ctypes.c_void_p:

@@ -11,9 +11,9 @@ Sources are rewritten only when they change, so ninja's own up-to-date check hol
 A source whose first lines end with codegen.PREAMBLE_END has a preamble (macro definitions and
 includes only): from the second kernel with the same preamble, flags and compiler on, GCC reads
 it from a precompiled header kept in the cache (`_precompiled_preamble`); a kernel built with it
-is the same code as one built without. A CPU kernel's gemm register blocks, the same for every
-kernel of a preamble, are compiled once into the preamble's instances object, which each
-library links (`_shared_instances`).
+is the same code as one built without. A CPU kernel's gemm register blocks and an emulated
+kernel's emulator runtime, the same for every kernel of a preamble, are compiled once into the
+preamble's instances object, which each library links (`_shared_instances`).
 
 Prebuilt libraries (`attncc prebuild`, for servers that ship kernels and have no compiler) are
 found first, in the read-only directories ATTNCC_PREBUILT_DIR lists, by a key without the
@@ -88,15 +88,19 @@ LIBRARY_NAME_CHARS = 120
 # a 1.6 s emulator object (GCC 12, -O2 / -O1, AMX machine). The shared headers live here, in the
 # cache directory.
 PRECOMPILED_DIR = ".preambles"
-#: The preamble line of a CPU kernel's source: its objects are compiled with SHARED_INSTANCES,
-#: so that they declare gemm's register blocks only (cpu/primitives.h), and its library links
-#: them from the instances object compiled once per preamble and flags (`_shared_instances`)
-#: rather than in each kernel's two objects (~30% of a CPU kernel's cold build: 2.6 -> 1.8 s
-#: on two cores). The source itself stays whole: built alone (`attncc compile -o`), it holds them.
+#: The preamble lines of a CPU kernel's and of an emulated CUDA kernel's source: their objects
+#: are compiled with SHARED_INSTANCES, so that they declare only what is the same in every
+#: kernel of the preamble, and the library links it from the instances object compiled once per
+#: preamble and flags (`_shared_instances`) rather than in each kernel's two objects: gemm's
+#: register blocks (cpu/primitives.h; ~30% of a CPU kernel's cold build, 2.6 -> 1.8 s on two
+#: cores) and the emulator's runtime (cuda/emulator_runtime.h: scheduling, collectives, the race
+#: check, counters; two thirds of an emulated kernel's object, 1.6-1.9 -> 0.6 s a part). The
+#: source itself stays whole: built alone (`attncc compile -o`), it holds them.
 CPU_PRIMITIVES = '#include "attncc/cpu/primitives.h"'
+EMULATED_PRIMITIVES = '#include "attncc/cuda/primitives.cuh"'
 SHARED_INSTANCES = "-DATTNCC_SHARED_INSTANCES"
 #: The instances object (in a preamble's directory, and in a kernel's while it builds) and its
-#: source, the preamble after ATTNCC_INSTANCES_SOURCE (cpu/primitives.h)
+#: source, the preamble after ATTNCC_INSTANCES_SOURCE (cpu/primitives.h, cuda/emulator.h)
 INSTANCES_OBJECT, INSTANCES_SOURCE = "instances.o", "instances.cpp"
 _LOADED: dict[Path, ctypes.CDLL] = {}
 #: How to write a cached library's sources and build it again, for the last REBUILDS_KEPT
@@ -363,8 +367,9 @@ def _preamble_directory(preamble: str, flags: str) -> Path:
 
 
 def _shared_instances(preamble: str, flags: str) -> Path | None:
-    """The instances object of `preamble` compiled with `flags` (cpu/primitives.h: the gemm
-    register blocks that a CPU kernel's objects, compiled with SHARED_INSTANCES, declare only), kept in the
+    """The instances object of `preamble` compiled with `flags` (what a kernel's objects, compiled
+    with SHARED_INSTANCES, declare only: cpu/primitives.h's gemm register blocks, cuda/emulator.h's
+    runtime), kept in the
     preamble's directory by the first kernel that built one (`_share_instances`); None before
     that. A damaged one is deleted with a warning (its next kernel builds and shares another):
     linked into a library, its bytes would be that library's code."""
@@ -768,7 +773,7 @@ def _build_in(
     else:
         cxx = _command_word(compiler())
         preamble = _preamble_of(source)
-        shares_instances = CPU_PRIMITIVES in preamble
+        shares_instances = CPU_PRIMITIVES in preamble or EMULATED_PRIMITIVES in preamble
         object_flags = " ".join(f for f in host_flags if f != "-shared") + f" -I{include} -I."
         object_flags += f" {SHARED_INSTANCES}" if shares_instances else ""
         preamble_flag = _preamble_flag(directory, preamble, object_flags)
@@ -808,8 +813,12 @@ def _build_in(
                 + f"build kernel.so: link_shared {objects}\n"
             )
         else:
+            # (with the instances object linked, the source declares what it defines: else both define it)
+            sharing = f"{SHARED_INSTANCES} " if shares_instances else ""
             whole = (
-                command if cuda_arch else f"{cxx} {' '.join(host_flags)} {preamble_flag}-I{include} -I. $in -o $out.tmp"
+                command
+                if cuda_arch
+                else f"{cxx} {' '.join(host_flags)} {sharing}{preamble_flag}-I{include} -I. $in -o $out.tmp"
             )
             text += (
                 "rule compile_shared\n"
