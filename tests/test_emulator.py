@@ -186,23 +186,37 @@ def emu(request: pytest.FixtureRequest) -> ctypes.CDLL:
     first = {"ucontext": "#define ATTNCC_EMULATE_UCONTEXT 1\n", "shared-runtime": SHARED_RUNTIME_PREAMBLE}
     source = first.get(request.param, "") + HARNESS
     path = build_library(source, f"emulator-test-{request.param}", {"probe_primitives.cu": probe})
-    runtime = {"attncc_emu::launch_blocks", "attncc_emu::warp_collective", "attncc_emu::record"}
     if request.param == "shared-runtime":  # (the source declares the runtime; the library holds the object's, hidden)
-        assert SHARED_INSTANCES in (path.parent / "build.ninja").read_text()
-        assert _runtime_symbols(path, "t") >= runtime and not _runtime_symbols(path, "W")
+        ninja = (path.parent / "build.ninja").read_text()
+        assert re.search(rf"rule compile_shared\n  command = [^\n]*{SHARED_INSTANCES}", ninja)
+        assert _runtime_symbols(path, "t") == RUNTIME and not _runtime_symbols(path, "W") & RUNTIME
     else:
-        assert _runtime_symbols(path, "W") >= runtime
+        assert _runtime_symbols(path, "W") >= {"attncc_emu::launch_blocks", "attncc_emu::warp_collective"}
     lib = load_library(path)
     lib.last_error.restype = ctypes.c_char_p
     return lib
 
 
 def _runtime_symbols(obj: Path, kind: str) -> set[str]:
-    """The emulator runtime's functions (namespace attncc_emu, by name without arguments) that
-    `obj` lists in `nm` with symbol type `kind` (T defined, W defined inline, t local, U undefined)."""
+    """The emulator's functions (namespace attncc_emu, by name without arguments or ABI tags)
+    that `obj` lists in `nm` with symbol type `kind` (T defined, W defined inline, t local, U undefined)."""
     listing = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
-    symbols = re.findall(r"^\s*(?:[0-9a-f]+\s+)?([A-Za-z])\s+(attncc_emu::\w+)\(", listing, re.MULTILINE)
+    symbols = re.findall(
+        r"^\s*(?:[0-9a-f]+\s+)?([A-Za-z])\s+(attncc_emu::\w+)(?:\[abi:\w+\])*\(", listing, re.MULTILINE
+    )
     return {name for letter, name in symbols if letter == kind}
+
+
+#: The runtime's functions: those emulator_runtime.h defines (ATTNCC_EMU_RUNTIME), by name
+RUNTIME = {
+    "attncc_emu::" + name
+    for name in re.findall(
+        r"^(?:extern \"C\" )?ATTNCC_EMU_RUNTIME [\w:<>*& ]+?\b(\w+)\(",
+        (ROOT / "attncc" / "include" / "attncc" / "cuda" / "emulator_runtime.h").read_text(),
+        re.MULTILINE,
+    )
+    if name != "attncc_emu_entry"  # (extern "C": outside the namespace's names)
+}
 
 
 @pytest.fixture(scope="module")
@@ -222,21 +236,16 @@ def test_a_generated_kernels_objects_leave_the_emulator_runtime_to_its_preamble_
     library links it once, from the instances object its preamble's first kernel compiled."""
     kern = attncc.compile(ROOT / "examples" / "causal.attn", target="sm80", emulate=True)
     library = Path(kern.emulated_library("float16", 64)._name)
-    inline = {
-        "attncc_emu::" + name for name in ("thread_idx", "thread_index", "lane_id", "profile_on", "current_schedule")
-    }
-    for part in ("part1.o", "part2.o"):  # (the one-per-process statics and tiny accessors stay inline)
-        assert (
-            not _runtime_symbols(library.parent / part, "T") and _runtime_symbols(library.parent / part, "W") <= inline
-        )
+    assert len(RUNTIME) >= 20 and {"attncc_emu::run_block", "attncc_emu::counters_json"} <= RUNTIME
+    for part in ("part1.o", "part2.o"):
+        defined = _runtime_symbols(library.parent / part, "T") | _runtime_symbols(library.parent / part, "W")
+        assert not defined & RUNTIME
         assert _runtime_symbols(library.parent / part, "U") >= {"attncc_emu::launch_blocks", "attncc_emu::record"}
-    assert _runtime_symbols(library, "t") >= {"attncc_emu::launch_blocks", "attncc_emu::warp_collective"}
-    shared = [
-        obj
-        for obj in (cache_dir() / PRECOMPILED_DIR).glob("*/instances.o")
-        if "attncc_emu::warp_collective" in _runtime_symbols(obj, "T")
-    ]
-    assert shared, "no preamble's instances object defines the emulator runtime"
+    assert "attncc_emu::counters_json" in _runtime_symbols(library.parent / "part1.o", "U")
+    assert _runtime_symbols(library, "t") == RUNTIME
+    preamble = (library.parent / "instances.cpp").read_text().removeprefix("#define ATTNCC_INSTANCES_SOURCE 1\n")
+    own = [d for d in (cache_dir() / PRECOMPILED_DIR).glob("*/") if (d / "preamble.h").read_text() == preamble]
+    assert any(_runtime_symbols(d / "instances.o", "T") == RUNTIME for d in own if (d / "instances.o").exists())
 
 
 def p(t: torch.Tensor) -> ctypes.c_void_p:

@@ -222,7 +222,7 @@ inline thread_local ucontext_t scheduler_context;  // (ucontext's switch: the sc
 // Scheduling, collectives, cp.async, the race check and the counters are the same code in every
 // emulated kernel: objects compiled with ATTNCC_SHARED_INSTANCES (runtime/build.py) declare
 // them only and link the instances object compiled once per preamble, which defines them
-// (ATTNCC_INSTANCES_SOURCE); without it (`attncc compile -o`'s source built by hand) each
+// (ATTNCC_INSTANCES_SOURCE); without it (a source built by hand, a test harness) each
 // object defines them inline (emulator_runtime.h). Variables and statics that must be one per
 // process (tls_block, current_schedule, active_profile) stay inline here: the dynamic linker
 // makes each one object for every library loaded.
@@ -255,3 +255,4 @@ void launch(const char* name, dim3 grid, dim3 block, size_t smem_bytes, Kernel k
 #if !defined(ATTNCC_SHARED_INSTANCES) || defined(ATTNCC_INSTANCES_SOURCE)
 #include "attncc/cuda/emulator_runtime.h"
 #endif
+#undef ATTNCC_EMU_RUNTIME

@@ -112,8 +112,9 @@ ATTNCC_EMU_RUNTIME std::string counters_json() {
 
 // ------------------------------------------------------------------------ context switch
 #if defined(ATTNCC_EMU_ASM_SWITCH)
-// Weak: every object that includes this header defines it (a kernel's forward and backward are
-// two objects of one library), and the linker keeps one, as for an inline function.
+// Weak: with the runtime inline every object that includes this header defines it (a kernel's
+// forward and backward are two objects of one library), and the linker keeps one, as for an
+// inline function; shared, only the instances object does.
 extern "C" void attncc_emu_switch(void** save_sp, void* load_sp);
 asm(R"(
 .text
