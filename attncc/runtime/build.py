@@ -370,9 +370,8 @@ def _shared_instances(preamble: str, flags: str) -> Path | None:
     """The instances object of `preamble` compiled with `flags` (what a kernel's objects, compiled
     with SHARED_INSTANCES, declare only: cpu/primitives.h's gemm register blocks, cuda/emulator.h's
     runtime), kept in the preamble's directory by the first kernel that built one
-    (`_share_instances`); None before
-    that. A damaged one is deleted with a warning (its next kernel builds and shares another):
-    linked into a library, its bytes would be that library's code."""
+    (`_share_instances`); None before that. A damaged one is deleted with a warning (its next
+    kernel builds and shares another): linked into a library, its bytes would be that library's code."""
     directory = _preamble_directory(preamble, flags)
     shared = directory / INSTANCES_OBJECT
     if not shared.exists():
