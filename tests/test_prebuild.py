@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -424,3 +425,37 @@ def test_fp8_forwards_prebuild_and_load_from_the_directory(tmp_path, monkeypatch
     q, k = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
     out = kern(q, k.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), k_descale=1.0, v_descale=1.0)
     assert torch.allclose(out, kern(q, k.to(torch.float8_e4m3fn).float(), k.to(torch.float8_e4m3fn).float()), atol=1e-5)
+
+
+def test_a_prebuild_in_one_thread_leaves_other_threads_kernels_to_the_cache(tmp_path, monkeypatch) -> None:
+    """`prebuilding_into` holds for its own thread: a kernel that another thread builds meanwhile
+    goes to the kernel cache (a list for the whole process sent it into the prebuild
+    directory), and the prebuild's own kernel to the prebuild directory."""
+    cache, prebuilt = tmp_path / "cache", tmp_path / "prebuilt"
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(cache))
+    program = "attention thread_{name}\ns = q @ k.T * scale\ns = s * {factor}\np = softmax(s)\no = p @ v\noutput o\n"
+    inside, go = threading.Event(), threading.Event()
+    found: dict[str, Path | BaseException] = {}
+
+    def prebuild() -> None:
+        try:
+            with build.prebuilding_into(prebuilt):
+                inside.set()
+                assert go.wait(600)
+                found["prebuild"] = attncc.compile(program.format(name="prebuilt", factor=0.5)).library_path("float32")
+        except BaseException as error:  # (the assertion below names it)
+            found["prebuild"] = error
+        finally:
+            inside.set()
+
+    thread = threading.Thread(target=prebuild)
+    thread.start()
+    try:
+        assert inside.wait(600)
+        jit = attncc.compile(program.format(name="jit", factor=0.25)).library_path("float32")
+    finally:
+        go.set()
+        thread.join(600)
+    assert jit.parent.parent == cache and build._intact(jit)
+    assert isinstance(found["prebuild"], Path), found["prebuild"]
+    assert found["prebuild"].parent.parent == prebuilt and build._intact(found["prebuild"])

@@ -752,11 +752,24 @@ def test_a_shared_preamble_is_precompiled_from_its_second_kernel_on(tmp_path, mo
     assert (sixth / "kernel.so").exists() and not header.exists()
 
 
+def _symbols(obj: Path, kinds: str, name: str) -> set[str]:
+    """The symbols of an object or library whose nm kind is one of `kinds` and whose demangled name
+    contains `name`."""
+    listing = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+    symbols = re.findall(rf"^\s*(?:[0-9a-f]+\s+)?([A-Za-z])\s+(.*{re.escape(name)}.*)$", listing, re.MULTILINE)
+    return {symbol for kind, symbol in symbols if kind in kinds}
+
+
 def _gemm_blocks(obj: Path, defined: bool) -> set[str]:
     """The gemm_block instances an object or library defines (or, `defined` False, leaves undefined)."""
-    listing = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
-    symbols = re.findall(r"^\s*(?:[0-9a-f]+\s+)?([A-Za-z])\s+(.*gemm_block<.*)$", listing, re.MULTILINE)
-    return {name for kind, name in symbols if kind in ("TtWw" if defined else "U")}
+    return _symbols(obj, "TtWw" if defined else "U", "gemm_block<")
+
+
+#: The buffer pool's functions that primitives.h compiles once per preamble, beside gemm's blocks
+POOL_FUNCTIONS = {
+    "attncc::BlockPool::take(unsigned long, unsigned long&)",
+    "attncc::BlockPool::give(void*, unsigned long)",
+}
 
 
 def _causal_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -785,7 +798,15 @@ def test_kernels_of_a_preamble_link_its_shared_instances_object(tmp_path, monkey
     assert "instances.o" not in (second / ".ninja_log").read_text() and not (second / "instances.o").exists()
     for part in ("part1.o", "part2.o"):
         assert not _gemm_blocks(second / part, defined=True) and _gemm_blocks(second / part, defined=False) <= blocks
+        # the buffers' pool: called, not compiled (nor inlined) into the part
+        assert _symbols(second / part, "U", "BlockPool::") == POOL_FUNCTIONS
+        assert not _symbols(second / part, "TtWw", "BlockPool::") & POOL_FUNCTIONS
     assert _gemm_blocks(second / "part2.o", defined=False)  # (the backward's products call them)
+    assert _symbols(shared, "T", "BlockPool::") == POOL_FUNCTIONS
+    # in the library: its own, called directly (local); the free lists' thread_local one per
+    # process (a GNU unique symbol), as when each library inlined the pool
+    assert _symbols(second / "kernel.so", "t", "BlockPool::") >= POOL_FUNCTIONS
+    assert _symbols(second / "kernel.so", "u", "BlockPool::free_list()::f")
     for n, d in ((1, 16), (13, 48), (77, 80)):  # row tails 1..5 of a 6-row block, 1 and 2 vector widths
         q, k, v = (torch.randn(2, 3, n, d, dtype=torch.float32, requires_grad=True) for _ in range(3))
         out = causal(q, k, v)

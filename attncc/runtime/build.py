@@ -34,6 +34,7 @@ import shlex
 import shutil
 import stat
 import subprocess
+import threading
 import time
 import warnings
 from collections import OrderedDict
@@ -92,8 +93,9 @@ PRECOMPILED_DIR = ".preambles"
 #: are compiled with SHARED_INSTANCES, so that they declare only what is the same in every
 #: kernel of the preamble, and the library links it from the instances object compiled once per
 #: preamble and flags (`_shared_instances`) rather than in each kernel's two objects: gemm's
-#: register blocks (cpu/primitives.h; ~30% of a CPU kernel's cold build, 2.6 -> 1.8 s on two
-#: cores) and the emulator's runtime (cuda/emulator_runtime.h: scheduling, collectives, the race
+#: register blocks and the buffer pool's take and give (cpu/primitives.h; ~30% of a CPU kernel's
+#: cold build, 2.6 -> 1.8 s on two cores, then the pool a backward object's 69 -> 43 KB of code)
+#: and the emulator's runtime (cuda/emulator_runtime.h: scheduling, collectives, the race
 #: check, counters; two thirds of an emulated kernel's object, 1.6-1.9 -> 0.6 s a part). The
 #: source itself stays whole: built alone (`attncc compile -o`), it holds them.
 CPU_PRIMITIVES = '#include "attncc/cpu/primitives.h"'
@@ -110,7 +112,18 @@ _LOADED: dict[Path, ctypes.CDLL] = {}
 #: runs right after build_library.
 _REBUILDS: OrderedDict[Path, Callable[[], None]] = OrderedDict()
 REBUILDS_KEPT = 32
-_PREBUILDING_INTO: list[Path] = []  # innermost `prebuilding_into` directory last
+
+
+class _PrebuildTargets(threading.local):
+    """This thread's `prebuilding_into` directories, innermost last. One list for the whole process
+    sent the kernels that another thread built meanwhile into the prebuild directory, and
+    `_built_in_cache`, clearing it for a moment, sent another thread's prebuild into the cache."""
+
+    def __init__(self) -> None:
+        self.directories: list[Path] = []
+
+
+_PREBUILD_TARGETS = _PrebuildTargets()
 _DAMAGED_PREBUILT: set[Path] = set()  # warned about once per process
 _MISSING_PREBUILT_DIRS: set[Path] = set()  # warned about once per process
 PREBUILT_MANIFEST = "prebuilt.txt"  # what a prebuilt library was built for (`_prebuilt_facts`)
@@ -368,8 +381,8 @@ def _preamble_directory(preamble: str, flags: str) -> Path:
 
 def _shared_instances(preamble: str, flags: str) -> Path | None:
     """The instances object of `preamble` compiled with `flags` (what a kernel's objects, compiled
-    with SHARED_INSTANCES, declare only: cpu/primitives.h's gemm register blocks, cuda/emulator.h's
-    runtime), kept in the preamble's directory by the first kernel that built one
+    with SHARED_INSTANCES, declare only: cpu/primitives.h's gemm register blocks and buffer pool,
+    cuda/emulator.h's runtime), kept in the preamble's directory by the first kernel that built one
     (`_share_instances`); None before that. A damaged one is deleted with a warning (its next
     kernel builds and shares another): linked into a library, its bytes would be that library's code."""
     directory = _preamble_directory(preamble, flags)
@@ -491,11 +504,11 @@ def _why_not_prebuilt(name: str, host_flags: tuple[str, ...]) -> str:
 @contextmanager
 def prebuilding_into(directory: Path):  # noqa: ANN201 - context manager
     """Within it, build_library builds into `directory` under portable keys (`attncc prebuild`)."""
-    _PREBUILDING_INTO.append(Path(directory))
+    _PREBUILD_TARGETS.directories.append(Path(directory))
     try:
         yield
     finally:
-        _PREBUILDING_INTO.pop()
+        _PREBUILD_TARGETS.directories.pop()
 
 
 def _find_prebuilt(name: str, key: str) -> Path | None:
@@ -609,8 +622,9 @@ def build_library(
         from attncc.runtime.nvcc import NVCC_FLAGS
 
         key_text += "\n//--nvcc-flags " + " ".join(NVCC_FLAGS)
-    if _PREBUILDING_INTO:
-        directory = _PREBUILDING_INTO[-1] / f"{name}-{portable_key(key_text, gpu=bool(cuda_arch))}"
+    prebuilding = _PREBUILD_TARGETS.directories  # (this thread's; `_built_in_cache` empties it a while)
+    if prebuilding:
+        directory = prebuilding[-1] / f"{name}-{portable_key(key_text, gpu=bool(cuda_arch))}"
     else:
         prebuilt = _find_prebuilt(name, portable_key(key_text, gpu=bool(cuda_arch)))
         if prebuilt is not None:
@@ -630,7 +644,7 @@ def build_library(
             key_text += "\n//--nvcc\n" + nvcc_fingerprint()
         directory = cache_dir() / f"{name}-{cache_key(key_text)}"
     library = directory / "kernel.so"
-    if not _PREBUILDING_INTO:
+    if not prebuilding:
         with _LOAD_LOCK:
             _REBUILDS[library] = partial(
                 _build_in, directory, name, source, includes, cuda_arch, host_flags, parts, before_build
@@ -642,7 +656,7 @@ def build_library(
     # (the digest is written after the library: complete; a prebuild also repairs a damaged one,
     # which the runtime refuses, telling the user to prebuild again)
     def built() -> bool:
-        return _intact(library) if _PREBUILDING_INTO else _digest_path(library).exists()
+        return _intact(library) if prebuilding else _digest_path(library).exists()
 
     needs_build = not built()
     if needs_build:
@@ -650,7 +664,7 @@ def build_library(
         # build serves this machine's calls and every prebuild of it: a prebuild built each
         # library again, ~3 s of nvcc each, the test suite's 8 in every run)
         cached = None
-        if _PREBUILDING_INTO:
+        if prebuilding:
             cached = _built_in_cache(
                 partial(build_library, source, name, includes, cuda_arch, isa_flags, optimized, before_build, parts)
             )
@@ -658,7 +672,7 @@ def build_library(
             with _file_lock(directory / ".lock"):
                 if not built() and not (cached is not None and _copied(cached.parent, directory)):
                     _build_in(directory, name, source, includes, cuda_arch, host_flags, parts, before_build)
-    if _PREBUILDING_INTO:  # (also where prebuilt before, by an attncc that wrote no manifest, or it was lost)
+    if prebuilding:  # (also where prebuilt before, by an attncc that wrote no manifest, or it was lost)
         with _writing_into_cache(directory, name):
             _write_if_changed(directory / PREBUILT_MANIFEST, _prebuilt_facts(host_flags, cuda_arch))
     elif needs_build and limit is not None:
@@ -674,14 +688,15 @@ def _built_in_cache(build: Callable[[], Path]) -> Path | None:
     """`build()` (a build_library call) as outside `prebuilding_into`: the library in the kernel
     cache (or a prebuilt directory), built there where it is not; None where the cache cannot
     be written, for a prebuild to build in its own directory."""
-    prebuilding = list(_PREBUILDING_INTO)
-    _PREBUILDING_INTO.clear()
+    targets = _PREBUILD_TARGETS.directories
+    prebuilding = list(targets)
+    targets.clear()
     try:
         return build()
     except UnwritableCache:
         return None
     finally:
-        _PREBUILDING_INTO[:] = prebuilding
+        targets[:] = prebuilding
 
 
 #: What a prebuilt library's directory takes of the cache's (`_copied`): the library and its
@@ -724,7 +739,7 @@ def _writing_into_cache(directory: Path, name: str):  # noqa: ANN202 - context m
     except OSError as error:
         if error.errno not in UNWRITABLE:
             raise
-        if _PREBUILDING_INTO:
+        if _PREBUILD_TARGETS.directories:
             raise UnwritableCache(
                 f"kernel {name}: cannot write to the prebuild directory {directory.parent} ({error.strerror or error}): "
                 "give `attncc prebuild -o` a writable directory"

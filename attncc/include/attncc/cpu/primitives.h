@@ -185,6 +185,17 @@ inline double pymod(double a, double b) { double r = std::fmod(a, b); return (r 
 // that took a large block left the large buffer after it to fault in a fresh one (the fused
 // backward's four key-tile workspaces, 17 buffers each, took the 2 MiB query-side blocks when
 // the pool held 32 blocks: +14 MiB of page faults per call at N = 8K).
+// The pool's take and give are compiled once per preamble: in the shared instances object
+// (runtime/build.py `_shared_instances`) where the object is a generated kernel's
+// (ATTNCC_SHARED_INSTANCES), each library's own and called directly (hidden); inline in every other
+// includer. Inlined, the buffers of a backward's workspaces were 19 KB of its object's 69 KB of
+// code, and ~20% of its compile time. The free lists stay one per thread and process: free_list()
+// is inline, so the dynamic linker makes its thread_local one object for every library.
+#if defined(ATTNCC_SHARED_INSTANCES)
+#define ATTNCC_CPU_RUNTIME __attribute__((visibility("hidden")))
+#else
+#define ATTNCC_CPU_RUNTIME inline
+#endif
 class BlockPool {
  public:
   static constexpr int kPoolBlocks = 128;
@@ -193,33 +204,8 @@ class BlockPool {
 
   // A 64-byte aligned block of at least `bytes` (give it back on this thread); `capacity`
   // receives its size.
-  static void* take(size_t bytes, size_t& capacity) {
-    bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
-    Free& f = free_list();
-    int best = -1;
-    for (int i = 0; i < f.count; ++i)  // the smallest block that fits, up to kPoolSlack x bytes
-      if (f.sizes[i] >= bytes && f.sizes[i] <= kPoolSlack * bytes && (best < 0 || f.sizes[i] < f.sizes[best])) best = i;
-    if (best < 0) {
-      capacity = bytes;
-      return std::aligned_alloc(64, bytes);
-    }
-    void* block = f.blocks[best];
-    capacity = f.sizes[best];
-    f.bytes -= capacity;
-    --f.count;
-    f.blocks[best] = f.blocks[f.count];
-    f.sizes[best] = f.sizes[f.count];
-    return block;
-  }
-
-  static void give(void* block, size_t capacity) {
-    Free& f = free_list();
-    if (f.count == kPoolBlocks || f.bytes + capacity > kPoolBytes) return std::free(block);
-    f.blocks[f.count] = block;
-    f.sizes[f.count] = capacity;
-    ++f.count;
-    f.bytes += capacity;
-  }
+  ATTNCC_CPU_RUNTIME static void* take(size_t bytes, size_t& capacity);
+  ATTNCC_CPU_RUNTIME static void give(void* block, size_t capacity);
 
  private:
   struct Free {
@@ -236,6 +222,36 @@ class BlockPool {
     return f;
   }
 };
+
+#if !defined(ATTNCC_SHARED_INSTANCES) || defined(ATTNCC_INSTANCES_SOURCE)
+ATTNCC_CPU_RUNTIME void* BlockPool::take(size_t bytes, size_t& capacity) {
+  bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+  Free& f = free_list();
+  int best = -1;
+  for (int i = 0; i < f.count; ++i)  // the smallest block that fits, up to kPoolSlack x bytes
+    if (f.sizes[i] >= bytes && f.sizes[i] <= kPoolSlack * bytes && (best < 0 || f.sizes[i] < f.sizes[best])) best = i;
+  if (best < 0) {
+    capacity = bytes;
+    return std::aligned_alloc(64, bytes);
+  }
+  void* block = f.blocks[best];
+  capacity = f.sizes[best];
+  f.bytes -= capacity;
+  --f.count;
+  f.blocks[best] = f.blocks[f.count];
+  f.sizes[best] = f.sizes[f.count];
+  return block;
+}
+
+ATTNCC_CPU_RUNTIME void BlockPool::give(void* block, size_t capacity) {
+  Free& f = free_list();
+  if (f.count == kPoolBlocks || f.bytes + capacity > kPoolBytes) return std::free(block);
+  f.blocks[f.count] = block;
+  f.sizes[f.count] = capacity;
+  ++f.count;
+  f.bytes += capacity;
+}
+#endif
 
 // A block the calling thread keeps from one kernel call to its next (grow-only), for buffers too
 // large for the BlockPool that a call fills before reading (the fused backward's per-chunk dQ
