@@ -843,6 +843,39 @@ def test_kernels_of_a_preamble_link_its_shared_instances_object(tmp_path, monkey
     assert build._intact(library)
 
 
+@pytest.mark.skipif(
+    not targets.runs_cpu_isa("avx512bf16", targets.cpu_features()),
+    reason="the vdpbf16ps register blocks need a machine with avx512_bf16",
+)
+def test_bf16_kernels_link_the_vdpbf16ps_blocks_from_the_shared_instances_object(tmp_path, monkeypatch) -> None:
+    """On the avx512bf16 level a bf16 kernel's forward and backward products (gemm_dpbf16) call
+    register blocks that their objects declare only: the preamble's instances object defines
+    every row count and width they reach, in the forward's and the backward's forms; forward and
+    backward right against float64 at shapes whose row tails reach every block."""
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(targets.ISA_ENV, "avx512bf16")
+    attncc.compile(ROOT / "examples" / "vanilla.attn").library_path("bfloat16")  # (builds and shares the instances)
+    (shared,) = (tmp_path / PRECOMPILED_DIR).glob("*/instances.o")
+    blocks = _symbols(shared, "TtWw", "gemm_dpbf16_wide_block<")
+    assert len(blocks) >= 3 * 6, blocks  # (forms x rows)
+    causal = attncc.compile(ROOT / "examples" / "causal.attn")
+    directory = causal.library_path("bfloat16").parent
+    for part in ("part1.o", "part2.o"):
+        assert not _symbols(directory / part, "TtWw", "gemm_dpbf16_wide_block<")
+        assert _symbols(directory / part, "U", "gemm_dpbf16_wide_block<") <= blocks
+        assert _symbols(directory / part, "U", "gemm_dpbf16_wide_block<")  # (both halves' products call them)
+    for n, d in ((1, 16), (13, 48), (77, 80)):
+        q, k, v = (torch.randn(2, 3, n, d).bfloat16().requires_grad_() for _ in range(3))
+        out = causal(q, k, v)
+        expected = _causal_float64(*(t.detach().double().requires_grad_() for t in (q, k, v)))
+        torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        reference = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        wanted = torch.autograd.grad(_causal_float64(*reference), reference, torch.ones_like(expected))
+        for got, want in zip(grads, wanted):
+            torch.testing.assert_close(got.double(), want, atol=6e-2, rtol=6e-2)
+
+
 def test_a_shared_file_is_intact_once_its_digest_is_there_and_a_vanished_one_is_built_again(
     tmp_path, monkeypatch
 ) -> None:

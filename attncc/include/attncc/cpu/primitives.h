@@ -726,6 +726,8 @@ inline void gemm_columns(acc_t* __restrict C, int64_t ldc, const acc_t* __restri
 // apart, which at ldb = 64 or 128 floats fall in 16 or 8 of L1's 64 sets and evict each other
 // (the forward's K^T and V panels at d = 128: 256 and 512 B rows).
 // Register-blocked ATTNCC_GEMM_ROWS rows x ATTNCC_GEMM_VECS vectors, column blocks outermost.
+// Stays inline, not among the shared instances: compiled there and called, it took the fp32
+// forward at d = 64, N = 512 to 1.05x the time (Zen 5, three alternating runs in one process).
 template <bool Accumulate, bool TransA = false, typename BT>
 inline void gemm(acc_t* __restrict C, int64_t ldc, const acc_t* __restrict A, int64_t lda,
                  const BT* __restrict B, int64_t ldb, int R, int Cn, int K, int strip = 0) {
@@ -1342,6 +1344,21 @@ inline void gemm_dpbf16_block(float* C, int64_t ldc, const uint16_t* A, int64_t 
 #pragma GCC unroll 4
     for (int y = 0; y < Vecs; ++y) _mm512_storeu_ps(C + x * ldc + 16 * y, acc[x][y]);
 }
+// The full-width blocks (ATTNCC_GEMM_VECS vectors), never inlined, hidden and compiled once per
+// preamble, as gemm_block: each of a bf16 kernel's two objects compiled them before (with the
+// one-vector tails, 14 instances, ~7 KB). The one-vector tails stay inline: shared too, the bf16
+// fwd+bwd at d = 64, N = 256 took 1.025x the time (Zen 5, alternating runs in one process).
+template <bool Accumulate, bool TransA, int Rows>
+[[gnu::noinline, gnu::visibility("hidden")]] void gemm_dpbf16_wide_block(float* C, int64_t ldc, const uint16_t* A,
+                                                                        int64_t lda, const uint16_t* B, int64_t ldb,
+                                                                        int K)
+#if defined(ATTNCC_SHARED_INSTANCES) && !defined(ATTNCC_INSTANCES_SOURCE)
+    ;
+#else
+{
+  gemm_dpbf16_block<Accumulate, TransA, Rows, ATTNCC_GEMM_VECS>(C, ldc, A, lda, B, ldb, K);
+}
+#endif
 
 // The rows of one column block: blocks of ATTNCC_GEMM_ROWS, then the tail's own block size.
 template <bool Accumulate, bool TransA, int Vecs, int Rows = ATTNCC_GEMM_ROWS>
@@ -1349,7 +1366,8 @@ inline void gemm_dpbf16_rows(int rows, float* C, int64_t ldc, const uint16_t* A,
                              int64_t ldb, int K) {
   if constexpr (Rows > 0) {
     for (; rows >= Rows; rows -= Rows, C += Rows * ldc, A += TransA ? 2 * Rows : Rows * lda)
-      gemm_dpbf16_block<Accumulate, TransA, Rows, Vecs>(C, ldc, A, lda, B, ldb, K);
+      if constexpr (Vecs == ATTNCC_GEMM_VECS) gemm_dpbf16_wide_block<Accumulate, TransA, Rows>(C, ldc, A, lda, B, ldb, K);
+      else gemm_dpbf16_block<Accumulate, TransA, Rows, Vecs>(C, ldc, A, lda, B, ldb, K);
     if (rows > 0) gemm_dpbf16_rows<Accumulate, TransA, Vecs, Rows - 1>(rows, C, ldc, A, lda, B, ldb, K);
   }
 }
@@ -1423,7 +1441,8 @@ inline void dropout_keep_row(uint8_t* out, int n, uint64_t seed, uint64_t offset
 // this preamble's register block (gemm_columns' widths ATTNCC_GEMM_VECS, 2 and 1, each row count
 // of gemm_tail): S = Q K^T and O = P V (accumulating or not), the backward's transposed products
 // (dV += P^T dO, dK += dS^T Q) and decoding's O += P V on V rows as stored (B of the storage
-// type, widened as it loads). A form missing here fails the kernel's link, never its results.
+// type, widened as it loads); on the bf16 levels the full-width vdpbf16ps blocks; and (above) the buffer
+// pool's take and give. A form missing here fails the kernel's link, never its results.
 #ifdef ATTNCC_INSTANCES_SOURCE
 template <bool Accumulate, bool TransA, typename BT, int Vecs, int... Rows>
 [[gnu::used]] void* const* gemm_block_rows(std::integer_sequence<int, Rows...>) {
@@ -1443,6 +1462,22 @@ void gemm_block_widths() {
   gemm_block_widths<true, true, acc_t>();
   gemm_block_widths<true, false, storage_t>();
 }
+#if ATTNCC_BF16_PRODUCTS
+// The full-width vdpbf16ps blocks gemm_dpbf16 can reach: each row count of gemm_dpbf16_rows, in
+// the forward's (accumulating or not) and the backward's transposed forms.
+template <bool Accumulate, bool TransA, int... Rows>
+[[gnu::used]] void* const* gemm_dpbf16_wide_block_rows(std::integer_sequence<int, Rows...>) {
+  static void* const blocks[] = {reinterpret_cast<void*>(&gemm_dpbf16_wide_block<Accumulate, TransA, Rows + 1>)...};
+  return blocks;
+}
+[[gnu::used, gnu::visibility("hidden")]] void gemm_dpbf16_wide_block_instances() {
+  constexpr auto rows = std::make_integer_sequence<int, ATTNCC_GEMM_ROWS>{};
+  gemm_dpbf16_wide_block_rows<false, false>(rows);
+  gemm_dpbf16_wide_block_rows<true, false>(rows);
+  gemm_dpbf16_wide_block_rows<true, true>(rows);
+  gemm_dpbf16_wide_block_rows<false, true>(rows);
+}
+#endif
 #endif
 
 }  // namespace attncc
