@@ -780,6 +780,21 @@ def _causal_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return s.softmax(-1) @ v.double()
 
 
+def _check_causal_at_row_tails(causal: attncc.Kernel, dtype: torch.dtype, out_tol: float, grad_tol: float) -> None:
+    """examples/causal.attn's forward and q, k, v gradients against float64 at N = 1, 13, 77 and
+    D = 16, 48, 80: row tails 1..5 of a 6-row register block, one and two vector widths."""
+    for n, d in ((1, 16), (13, 48), (77, 80)):
+        q, k, v = (torch.randn(2, 3, n, d).to(dtype).requires_grad_() for _ in range(3))
+        out = causal(q, k, v)
+        expected = _causal_float64(*(t.detach().double().requires_grad_() for t in (q, k, v)))
+        torch.testing.assert_close(out.double(), expected, atol=out_tol, rtol=out_tol)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        reference = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        wanted = torch.autograd.grad(_causal_float64(*reference), reference, torch.ones_like(expected))
+        for got, want in zip(grads, wanted):
+            torch.testing.assert_close(got.double(), want, atol=grad_tol, rtol=grad_tol)
+
+
 def test_kernels_of_a_preamble_link_its_shared_instances_object(tmp_path, monkeypatch) -> None:
     """A preamble's first CPU kernel compiles gemm's register blocks (cpu/primitives.h) beside
     its two parts and leaves them to the preamble's directory; the next kernels' parts declare
@@ -807,16 +822,7 @@ def test_kernels_of_a_preamble_link_its_shared_instances_object(tmp_path, monkey
     # process (a GNU unique symbol), as when each library inlined the pool
     assert _symbols(second / "kernel.so", "t", "BlockPool::") >= POOL_FUNCTIONS
     assert _symbols(second / "kernel.so", "u", "BlockPool::free_list()::f")
-    for n, d in ((1, 16), (13, 48), (77, 80)):  # row tails 1..5 of a 6-row block, 1 and 2 vector widths
-        q, k, v = (torch.randn(2, 3, n, d, dtype=torch.float32, requires_grad=True) for _ in range(3))
-        out = causal(q, k, v)
-        expected = _causal_float64(*(t.detach().double().requires_grad_() for t in (q, k, v)))
-        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
-        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-        reference = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        wanted = torch.autograd.grad(_causal_float64(*reference), reference, torch.ones_like(expected))
-        for got, want in zip(grads, wanted):
-            torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
+    _check_causal_at_row_tails(causal, torch.float32, out_tol=2e-5, grad_tol=2e-4)
     damaged = bytearray(shared.read_bytes())
     for at in random.Random(5).sample(range(64, len(damaged)), 50):
         damaged[at] ^= 0x5A
@@ -864,16 +870,7 @@ def test_bf16_kernels_link_the_vdpbf16ps_blocks_from_the_shared_instances_object
         assert not _symbols(directory / part, "TtWw", "gemm_dpbf16_wide_block<")
         assert _symbols(directory / part, "U", "gemm_dpbf16_wide_block<") <= blocks
         assert _symbols(directory / part, "U", "gemm_dpbf16_wide_block<")  # (both halves' products call them)
-    for n, d in ((1, 16), (13, 48), (77, 80)):
-        q, k, v = (torch.randn(2, 3, n, d).bfloat16().requires_grad_() for _ in range(3))
-        out = causal(q, k, v)
-        expected = _causal_float64(*(t.detach().double().requires_grad_() for t in (q, k, v)))
-        torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
-        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-        reference = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        wanted = torch.autograd.grad(_causal_float64(*reference), reference, torch.ones_like(expected))
-        for got, want in zip(grads, wanted):
-            torch.testing.assert_close(got.double(), want, atol=6e-2, rtol=6e-2)
+    _check_causal_at_row_tails(causal, torch.bfloat16, out_tol=2e-2, grad_tol=6e-2)
 
 
 def test_a_shared_file_is_intact_once_its_digest_is_there_and_a_vanished_one_is_built_again(
