@@ -93,8 +93,9 @@ PRECOMPILED_DIR = ".preambles"
 #: are compiled with SHARED_INSTANCES, so that they declare only what is the same in every
 #: kernel of the preamble, and the library links it from the instances object compiled once per
 #: preamble and flags (`_shared_instances`) rather than in each kernel's two objects: gemm's
-#: register blocks and the buffer pool's take and give (cpu/primitives.h; ~30% of a CPU kernel's
-#: cold build, 2.6 -> 1.8 s on two cores, then the pool a backward object's 69 -> 43 KB of code)
+#: register blocks, the bf16 levels' vdpbf16ps blocks and the buffer pool's take and give
+#: (cpu/primitives.h; ~30% of a CPU kernel's cold build, 2.6 -> 1.8 s on two cores, then the pool
+#: a backward object's 69 -> 43 KB of code)
 #: and the emulator's runtime (cuda/emulator_runtime.h: scheduling, collectives, the race
 #: check, counters; two thirds of an emulated kernel's object, 1.6-1.9 -> 0.6 s a part). The
 #: source itself stays whole: built alone (`attncc compile -o`), it holds them.
@@ -381,7 +382,7 @@ def _preamble_directory(preamble: str, flags: str) -> Path:
 
 def _shared_instances(preamble: str, flags: str) -> Path | None:
     """The instances object of `preamble` compiled with `flags` (what a kernel's objects, compiled
-    with SHARED_INSTANCES, declare only: cpu/primitives.h's gemm register blocks and buffer pool,
+    with SHARED_INSTANCES, declare only: cpu/primitives.h's register blocks and buffer pool,
     cuda/emulator.h's runtime), kept in the preamble's directory by the first kernel that built one
     (`_share_instances`); None before that. A damaged one is deleted with a warning (its next
     kernel builds and shares another): linked into a library, its bytes would be that library's code."""
