@@ -144,8 +144,13 @@ def main() -> None:
         if args.update and args.output.exists():  # (a library whose digest is there is not built again)
             with tarfile.open(args.output) as archive:
                 archive.extractall(directory, filter="data")
-        with prebuilding_into(directory), ThreadPoolExecutor(args.jobs) as pool:
-            built = list(pool.map(lambda build: build(), lease_builds()))
+
+        def built_into_directory(build: Callable[[], object]) -> object:
+            with prebuilding_into(directory):  # (it holds for its own thread: each worker enters it)
+                return build()
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            built = list(pool.map(built_into_directory, lease_builds()))
         # (with --update, the archive's libraries that no build asks for any more stay out)
         wanted = {path.parent.name for result in built for path in (result if isinstance(result, list) else [result])}
         libraries = sorted(p.relative_to(directory) for p in directory.glob("*/kernel.so*") if p.parent.name in wanted)

@@ -504,7 +504,8 @@ def _why_not_prebuilt(name: str, host_flags: tuple[str, ...]) -> str:
 
 @contextmanager
 def prebuilding_into(directory: Path):  # noqa: ANN201 - context manager
-    """Within it, build_library builds into `directory` under portable keys (`attncc prebuild`)."""
+    """Within it, build_library builds into `directory` under portable keys (`attncc prebuild`);
+    in this thread only (a pool's workers each enter it: bench/gpu_prebuild.py)."""
     _PREBUILD_TARGETS.directories.append(Path(directory))
     try:
         yield
