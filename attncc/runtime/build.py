@@ -93,11 +93,11 @@ PRECOMPILED_DIR = ".preambles"
 #: are compiled with SHARED_INSTANCES, so that they declare only what is the same in every
 #: kernel of the preamble, and the library links it from the instances object compiled once per
 #: preamble and flags (`_shared_instances`) rather than in each kernel's two objects: gemm's
-#: register blocks, the bf16 levels' vdpbf16ps blocks and the buffer pool's take and give
-#: (cpu/primitives.h; ~30% of a CPU kernel's cold build, 2.6 -> 1.8 s on two cores, then the pool
-#: a backward object's 69 -> 43 KB of code)
-#: and the emulator's runtime (cuda/emulator_runtime.h: scheduling, collectives, the race
-#: check, counters; two thirds of an emulated kernel's object, 1.6-1.9 -> 0.6 s a part). The
+#: register blocks (cpu/primitives.h; ~30% of a CPU kernel's cold build, 2.6 -> 1.8 s on two
+#: cores), the bf16 levels' vdpbf16ps blocks and the buffer pool's take and give (a backward
+#: object's code 69 -> 43 KB), and the emulator's runtime (cuda/emulator_runtime.h: scheduling,
+#: collectives, the race check, counters; two thirds of an emulated kernel's object, 1.6-1.9 ->
+#: 0.6 s a part). The
 #: source itself stays whole: built alone (`attncc compile -o`), it holds them.
 CPU_PRIMITIVES = '#include "attncc/cpu/primitives.h"'
 EMULATED_PRIMITIVES = '#include "attncc/cuda/primitives.cuh"'
