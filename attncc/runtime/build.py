@@ -97,8 +97,7 @@ PRECOMPILED_DIR = ".preambles"
 #: cores), the bf16 levels' vdpbf16ps blocks and the buffer pool's take and give (a backward
 #: object's code 69 -> 43 KB), and the emulator's runtime (cuda/emulator_runtime.h: scheduling,
 #: collectives, the race check, counters; two thirds of an emulated kernel's object, 1.6-1.9 ->
-#: 0.6 s a part). The
-#: source itself stays whole: built alone (`attncc compile -o`), it holds them.
+#: 0.6 s a part). The source itself stays whole: built alone (`attncc compile -o`), it holds them.
 CPU_PRIMITIVES = '#include "attncc/cpu/primitives.h"'
 EMULATED_PRIMITIVES = '#include "attncc/cuda/primitives.cuh"'
 SHARED_INSTANCES = "-DATTNCC_SHARED_INSTANCES"
