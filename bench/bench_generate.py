@@ -3,9 +3,11 @@ random-init Llama (hidden 256, GQA 8/2 heads of d=32, `--layers` layers; `--hidd
 `--kv-heads`, `--head-dim` for larger ones) on a left-padded batch
 of `--batch` prompts of `--prompt` tokens, `--new` tokens each; both models hold the same
 weights and must produce the same tokens. Prints milliseconds per generated token (medians of
-`--repeats` alternating runs) and sdpa / attncc. What it shows is the host time of decoding
-steps: every layer's call with the padding's key ranges (`kv_start`, `kv_end`) and a key more
-each step, at sizes where the kernels take tens of microseconds.
+`--repeats` alternating runs) and sdpa / attncc, then the prefill (the prompt's forward) and a
+decoding step (the median step) timed apart by a streamer's timestamps, so that a long
+prompt's prefill does not pass for decoding speed. What the default sizes show is
+the host time of decoding steps: every layer's call with the padding's key ranges (`kv_start`,
+`kv_end`) and a key more each step, at sizes where the kernels take tens of microseconds.
 
 With `--compile` both models run transformers' recipe for fast generation: a static cache and
 `torch.compile(model.forward, fullgraph=True)` (compiled before the timed runs).
@@ -33,6 +35,23 @@ from attncc.integrations import transformers as integration  # noqa: E402
 from bench.bench_cpu import cpu_meta  # noqa: E402
 
 NAME = "attncc-bench"
+
+
+class TokenClock:
+    """A `generate` streamer that notes when each batch of tokens comes: the prompt's (before the
+    prefill), then each generated token's, so the prefill and every decoding step are timed
+    apart (the difference of two runs, one of a single token, was drowned by the prefill's own
+    noise at long prompts)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        del value
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def main() -> None:
@@ -75,23 +94,36 @@ def main() -> None:
         for model in models.values():
             model.forward = torch.compile(model.forward, fullgraph=True)
     times: dict[str, list[float]] = {name: [] for name in models}
+    prefills: dict[str, list[float]] = {name: [] for name in models}
+    steps: dict[str, list[float]] = {name: [] for name in models}
     with torch.inference_mode():
         tokens = {name: model.generate(ids, **options) for name, model in models.items()}  # (and warm)
         if not torch.equal(tokens["sdpa"], tokens[NAME]):
             raise SystemExit("attncc's tokens differ from sdpa's")
         for _ in range(args.repeats):
             for name, model in models.items():
+                clock = TokenClock()
                 began = time.perf_counter()
-                model.generate(ids, **options)
+                model.generate(ids, streamer=clock, **options)
                 times[name].append((time.perf_counter() - began) / args.new * 1e3)
+                prefills[name].append((clock.stamps[1] - clock.stamps[0]) * 1e3)
+                steps[name].append(statistics.median(b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])) * 1e3)
     ms = {name: statistics.median(values) for name, values in times.items()}
+    prefill_ms = {name: statistics.median(values) for name, values in prefills.items()}
+    step_ms = {name: statistics.median(values) for name, values in steps.items()}
     meta = {**cpu_meta(), "torch": torch.__version__, "transformers": transformers.__version__, **vars(args)}
     meta.pop("json")
     print(f"{meta['cpu_model']} ({meta['cpu_family_model']}), torch {torch.__version__}: ms per generated token")
     print(f"sdpa {ms['sdpa']:.2f}  attncc {ms[NAME]:.2f}  sdpa / attncc {ms['sdpa'] / ms[NAME]:.2f}")
+    print(
+        f"prefill: sdpa {prefill_ms['sdpa']:.2f}  attncc {prefill_ms[NAME]:.2f} ms ({prefill_ms['sdpa'] / prefill_ms[NAME]:.2f}); "
+        f"a decoding step: sdpa {step_ms['sdpa']:.2f}  attncc {step_ms[NAME]:.2f} ms ({step_ms['sdpa'] / step_ms[NAME]:.2f})"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "ms_per_token": ms, "runs": times}, indent=1))
+        result = {"ms_per_token": ms, "prefill_ms": prefill_ms, "ms_per_step": step_ms}
+        runs = {"per_token": times, "prefill": prefills, "per_step": steps}
+        args.json.write_text(json.dumps({"meta": meta, **result, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
