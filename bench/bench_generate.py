@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="static caches, forwards compiled with fullgraph=True")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.new < 2:  # (a decoding step is the time between two generated tokens)
+        parser.error(f"--new: at least 2 tokens, to time a decoding step; got {args.new}")
     import transformers
 
     integration.register(NAME)
