@@ -1082,6 +1082,51 @@ def test_paged_consecutive_pages_equal_the_contiguous_call() -> None:
         assert torch.equal(out[b : b + 1].transpose(1, 2), want)
 
 
+@pytest.mark.parametrize(
+    ("backend", "dtype", "page_size"),
+    [("cpu", torch.float32, 16), ("cpu", torch.bfloat16, 5), ("sm80-emulated", torch.bfloat16, 16)],
+)
+@pytest.mark.parametrize("queries", [1, 3])
+def test_cache_slots_past_each_sequences_keys_are_never_read(
+    backend: str, dtype: torch.dtype, page_size: int, queries: int
+) -> None:
+    """A serving cache's slots past a sequence's keys hold whatever was there (torch.empty,
+    another sequence's stale pages): NaN keys and infinite values there change no bit of the
+    result, paged (appending new keys first) or contiguous (`flash_attn_with_kvcache` with
+    cache_seqlens), as FlashAttention's kernels never read them. A kernel multiplying a masked
+    column's P = 0 by such a value gives NaN."""
+    from attncc.integrations.flash_attn import flash_attn_with_kvcache
+
+    program = "attention causal\ns = q @ k.T * scale\nmask j <= i + (M - N)\np = softmax(s)\no = p @ v\noutput o\n"
+    kern = attncc.compile(program) if backend == "cpu" else attncc.compile(program, target="sm80", emulate=True)
+    gen = torch.Generator().manual_seed(21)
+    B, H, Hkv, D, pages_each = 3, 4, 2, 32, 5
+    lengths = torch.tensor([0, page_size + 2, 3 * page_size - 1], dtype=torch.int32)
+    table = torch.randperm(B * pages_each + 2, generator=gen)[: B * pages_each].view(B, pages_each).int()
+    k_cache, v_cache = (torch.randn(B * pages_each + 2, page_size, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    k_new, v_new = (torch.randn(B, queries, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(B, queries, H, D, generator=gen).to(dtype)
+    past = torch.zeros(B * pages_each + 2, page_size, dtype=torch.bool)  # slots past each sequence's keys
+    for b in range(B):
+        for slot in range(pages_each * page_size):
+            past[table[b, slot // page_size], slot % page_size] = slot >= lengths[b] + queries
+    poisoned = [c.clone() for c in (k_cache, v_cache)]
+    poisoned[0][past], poisoned[1][past] = float("nan"), float("inf")
+    results = []
+    for keys, values in ((k_cache, v_cache), poisoned):
+        results.append(kern.paged(q, keys.clone(), values.clone(), table, lengths, k_new=k_new, v_new=v_new))
+    assert torch.equal(results[0], results[1]) and not results[0].isnan().any()
+    if backend != "cpu":
+        return
+    contiguous = [torch.randn(B, 3 * page_size + 7, Hkv, D, generator=gen).to(dtype) for _ in range(2)]
+    poisoned, seqlens = [c.clone() for c in contiguous], lengths + 1
+    for b in range(B):
+        poisoned[0][b, int(seqlens[b]) :], poisoned[1][b, int(seqlens[b]) :] = float("nan"), float("inf")
+    with_lengths = dict(cache_seqlens=seqlens, causal=True)
+    got, want = (flash_attn_with_kvcache(q, keys, values, **with_lengths) for keys, values in (poisoned, contiguous))
+    assert torch.equal(got, want) and not got.isnan().any()
+
+
 @pytest.mark.parametrize("planned", [False, True])
 def test_a_block_table_of_any_strides_is_read_by_its_values(planned: bool) -> None:
     """A table whose entries are not adjacent in memory (the transpose of a transposed copy,
