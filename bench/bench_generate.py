@@ -5,7 +5,9 @@ of `--batch` prompts of `--prompt` tokens, `--new` tokens each; both models hold
 weights and must produce the same tokens. Prints milliseconds per generated token (medians of
 `--repeats` alternating runs) and sdpa / attncc, then the prefill (the prompt's forward) and a
 decoding step (the median step) timed apart by a streamer's timestamps, so that a long
-prompt's prefill does not pass for decoding speed. What the default sizes show is
+prompt's prefill does not pass for decoding speed, and the time of each layer's attention call in
+the decoding steps (medians; the step's first layer call apart from the others: it takes a new
+key count), which is steadier than the steps' on a noisy machine. What the default sizes show is
 the host time of decoding steps: every layer's call with the padding's key ranges (`kv_start`,
 `kv_end`) and a key more each step, at sizes where the kernels take tens of microseconds.
 
@@ -24,7 +26,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,6 +56,47 @@ class TokenClock:
 
     def end(self) -> None:
         pass
+
+
+class CallClock:
+    """Times every decoding call (a query of one token) of the attention functions of `names`
+    in transformers' registry, wrapped in place: the step's first layer call apart from the
+    others (`layers` calls a step; `restart` before each generation)."""
+
+    def __init__(self, names: tuple[str, ...], layers: int) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.layers, self.current, self.count = layers, "", 0
+        self.times: dict[tuple[str, bool], list[float]] = {
+            (name, first): [] for name in names for first in (True, False)
+        }
+        for name in names:
+            ALL_ATTENTION_FUNCTIONS[name] = self._timed(name, ALL_ATTENTION_FUNCTIONS[name])
+
+    def _timed(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if args[1].shape[2] != 1 or self.current != name:  # (query [B, H, N, D]: the prefill's, or untimed)
+                return function(*args, **kwargs)
+            first = self.count % self.layers == 0
+            self.count += 1
+            began = time.perf_counter()
+            result = function(*args, **kwargs)
+            self.times[(name, first)].append(time.perf_counter() - began)
+            return result
+
+        return timed
+
+    def restart(self, name: str) -> None:
+        """Time `name`'s calls from the next generation's first step on."""
+        self.current, self.count = name, 0
+
+    def medians_us(self) -> dict[str, dict[str, float]]:
+        """Per name, the medians in microseconds of the steps' first calls and of the others."""
+        names = dict.fromkeys(name for name, _ in self.times)
+        return {
+            name: {kind: statistics.median(self.times[(name, kind == "first")]) * 1e6 for kind in ("first", "others")}
+            for name in names
+        }
 
 
 def main() -> None:
@@ -98,6 +143,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in models}
     prefills: dict[str, list[float]] = {name: [] for name in models}
     steps: dict[str, list[float]] = {name: [] for name in models}
+    calls = CallClock(tuple(models), args.layers)
     with torch.inference_mode():
         tokens = {name: model.generate(ids, **options) for name, model in models.items()}  # (and warm)
         if not torch.equal(tokens["sdpa"], tokens[NAME]):
@@ -105,11 +151,13 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, model in models.items():
                 clock = TokenClock()
+                calls.restart(name)
                 began = time.perf_counter()
                 model.generate(ids, streamer=clock, **options)
                 times[name].append((time.perf_counter() - began) / args.new * 1e3)
                 prefills[name].append((clock.stamps[1] - clock.stamps[0]) * 1e3)
                 steps[name].append(statistics.median(b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])) * 1e3)
+        calls.restart("")
     ms = {name: statistics.median(values) for name, values in times.items()}
     prefill_ms = {name: statistics.median(values) for name, values in prefills.items()}
     step_ms = {name: statistics.median(values) for name, values in steps.items()}
@@ -121,9 +169,15 @@ def main() -> None:
         f"prefill: sdpa {prefill_ms['sdpa']:.2f}  attncc {prefill_ms[NAME]:.2f} ms ({prefill_ms['sdpa'] / prefill_ms[NAME]:.2f}); "
         f"a decoding step: sdpa {step_ms['sdpa']:.2f}  attncc {step_ms[NAME]:.2f} ms ({step_ms['sdpa'] / step_ms[NAME]:.2f})"
     )
+    call_us = calls.medians_us()
+    print(
+        "attention per layer call in decoding steps (medians): the step's first "
+        f"sdpa {call_us['sdpa']['first']:.0f}  attncc {call_us[NAME]['first']:.0f} us, the others "
+        f"sdpa {call_us['sdpa']['others']:.0f}  attncc {call_us[NAME]['others']:.0f} us"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        result = {"ms_per_token": ms, "prefill_ms": prefill_ms, "ms_per_step": step_ms}
+        result = {"ms_per_token": ms, "prefill_ms": prefill_ms, "ms_per_step": step_ms, "us_per_layer_call": call_us}
         runs = {"per_token": times, "prefill": prefills, "per_step": steps}
         args.json.write_text(json.dumps({"meta": meta, **result, "runs": runs}, indent=1))
 

@@ -967,6 +967,28 @@ def test_the_training_example_runs_and_learns() -> None:
     assert len(losses) == 3 and losses[-1] < 0.9 * losses[0], run.stdout
 
 
+def test_the_generation_benchmark_runs_and_times_each_part(tmp_path: Path) -> None:
+    """`bench/bench_generate.py` at tiny sizes (a smoke test of the script, not a timing): both
+    models give the same tokens (it exits otherwise) and its JSON holds every figure, the layer
+    calls' times of the step's first call and of the others included."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_generate.py"
+    sizes = ["--layers", "2", "--batch", "2", "--prompt", "40", "--new", "3", "--repeats", "1"]
+    out = tmp_path / "generate.json"
+    run = subprocess.run(
+        [sys.executable, str(script), *sizes, "--json", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for figure in ("ms_per_token", "prefill_ms", "ms_per_step"):
+        assert set(result[figure]) == {"sdpa", "attncc-bench"} and min(result[figure].values()) > 0, figure
+    calls = result["us_per_layer_call"]
+    assert all(calls[name][kind] > 0 for name in ("sdpa", "attncc-bench") for kind in ("first", "others")), calls
+
+
 def test_training_under_autocast_matches_sdpa() -> None:
     """The AMP recipe (fp32 weights, `torch.autocast("cpu", torch.bfloat16)` around the
     forward): Llama's rotary embedding hands attention float32 q and k beside a bfloat16 v,
