@@ -1269,6 +1269,30 @@ def compare_with_oracle(
     return problems
 
 
+def compare_decoding_with_oracle(kern: attncc.Kernel, prog: Program, shape: tuple, recipe: frozenset[str]) -> list[str]:
+    """Inference calls of 1 and 3 queries (decoding steps: one query tile) over the case's keys,
+    fp32, each twice (the call keeping its launch, then one repeating it): their launches leave
+    small caches' tiles unclassified (`UNCLASSIFIED_KV_BYTES_MAX`), so the kernel tests the
+    program's mask at every score. Out and lse against the oracle; returns the problems found."""
+    B, H, Hkv, _, M, D, _ = shape
+    problems = []
+    for queries in (1, 3):
+        gen = torch.Generator().manual_seed(prog.seed + queries)
+        q = torch.randn(B, H, queries, D, generator=gen)
+        k, v = (torch.randn(B, Hkv, M, D, generator=gen) for _ in range(2))
+        runtime = runtime_inputs(prog, B, H, M, gen, torch.float32, requires_grad=False)
+        scale_kw = {"scale": 0.2} if "call_scale" in recipe else {}
+        mine = oracle_attention(prog.text, q.double(), k.double(), v.double(), runtime, scale_kw.get("scale"))
+        with torch.no_grad():
+            for call in ("first", "repeated"):
+                out, lse = kern(q, k, v, return_lse=True, **scale_kw, **runtime)
+                for name, got, ref in (("out", out, mine.out), ("lse", lse, mine.lse)):
+                    err, where = relative_error(got, ref)
+                    if not err <= KERNEL_LIMITS.of(name):
+                        problems.append(f"{name} ({call} call of {queries} queries): error {err:.3g} ({where})")
+    return problems
+
+
 def check_cpu_kernel_program(n: int) -> None:
     """The n-th kernel program built as an fp32 CPU kernel (the n-th of the auto, two-pass and
     fused backward), forward and backward within KERNEL_LIMITS of the oracle."""
@@ -1276,6 +1300,7 @@ def check_cpu_kernel_program(n: int) -> None:
     kern = attncc.compile(prog.text, tiles=shape[-1])
     kern.backward = ("auto", "two-pass", "fused")[n % 3]
     problems = compare_with_oracle(kern, prog, shape, recipe, torch.float32, KERNEL_LIMITS)
+    problems += compare_decoding_with_oracle(kern, prog, shape, recipe)
     context = f"shape {shape[:-1]} (B H Hkv N M D), tiles {shape[-1]}, backward {kern.backward}"
     assert not problems, describe(prog, "kernel differs from the oracle: " + "; ".join(problems) + f"\n{context}")
 
