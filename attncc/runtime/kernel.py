@@ -209,11 +209,11 @@ PREPARED_VALUES_MAX = 4096
 #: A kept launch of one query tile (a decoding step's: each step's first layer call keeps a new
 #: one, as the key count grows) whose K and V hold at most this many bytes leaves its tiles
 #: unclassified: every tile PARTIAL, the kernel testing the mask at each score and skipping no
-#: empty tile. Classifying them cost ~0.4 ms of host time of every step's first layer call in a
-#: toy Llama's greedy decoding (B=4, 8/2 heads, M ~265, d=32, 0.54 MB of fp32 K/V: 1296 -> 883
-#: us, Zen 4, `bench/bench_generate.py`'s model); reading this much K/V takes the kernel ~45 us
-#: at the most (~24 us the toy's), which the calls repeating the launch pay only where the mask
-#: would have emptied tiles.
+#: empty tile. Classifying them cost 0.4-0.5 ms of host time of every step's first layer call in
+#: a toy Llama's greedy decoding (B=4, 8/2 heads, M ~265, d=32, 0.54 MB of fp32 K/V: 1240-1600 ->
+#: 860-1100 us in-process A/Bs, Zen 4, `bench/bench_generate.py`'s model); the kernel pays
+#: 7.5 us more per call there (33 -> 41 us), 13 us where most keys are padding, so a step of up
+#: to ~30 such layers gains.
 UNCLASSIFIED_KV_BYTES_MAX = 2**20
 #: Entry-point status of an AMX kernel that Linux refused the tile state (templates/cpu kAmxRefused).
 AMX_REFUSED = 3
