@@ -1270,10 +1270,9 @@ def compare_with_oracle(
 
 
 def compare_decoding_with_oracle(kern: attncc.Kernel, prog: Program, shape: tuple, recipe: frozenset[str]) -> list[str]:
-    """Inference calls of 1 and 3 queries (decoding steps: one query tile) over the case's keys,
-    fp32, each twice (the call keeping its launch, then one repeating it): their launches leave
-    small caches' tiles unclassified (`UNCLASSIFIED_KV_BYTES_MAX`), so the kernel tests the
-    program's mask at every score. Out and lse against the oracle; returns the problems found."""
+    """Inference calls of 1 and 3 queries (decoding steps: one query tile, the decoding forward)
+    over the case's keys, fp32, each twice (the call keeping its launch, then one repeating it).
+    Out and lse against the oracle; returns the problems found."""
     B, H, Hkv, _, M, D, _ = shape
     problems = []
     for queries in (1, 3):

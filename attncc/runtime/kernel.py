@@ -40,7 +40,6 @@ from attncc.ir.ops import Input
 from attncc.passes import Stage, with_rows, with_tiles
 from attncc.passes.positions import GLOBAL_SIZES
 from attncc.passes.sparsity import (
-    PARTIAL,
     Problem,
     check_reads_and_divisors,
     classify_tiles,
@@ -206,15 +205,6 @@ def keep_bounded(memo: dict, key: object, value: object, kept: int = PREPARED_CA
 #: most elements of host-read runtime tensors whose values key a prepared call.
 PREPARED_LENGTHS_BYTES = 2**20
 PREPARED_VALUES_MAX = 4096
-#: A kept launch of one query tile (a decoding step's: each step's first layer call keeps a new
-#: one, as the key count grows) whose K and V hold at most this many bytes leaves its tiles
-#: unclassified: every tile PARTIAL, the kernel testing the mask at each score and skipping no
-#: empty tile. Classifying them cost 0.4-0.5 ms of host time of every step's first layer call in
-#: a toy Llama's greedy decoding (B=4, 8/2 heads, M ~265, d=32, 0.54 MB of fp32 K/V: 1240-1600 ->
-#: 860-1100 us in-process A/Bs, Zen 4, `bench/bench_generate.py`'s model); the kernel pays
-#: 7.5 us more per call there (33 -> 41 us), 13 us where most keys are padding, so a step of up
-#: to ~30 such layers gains.
-UNCLASSIFIED_KV_BYTES_MAX = 2**20
 #: Entry-point status of an AMX kernel that Linux refused the tile state (templates/cpu kAmxRefused).
 AMX_REFUSED = 3
 #: The status a CPU kernel entry point returns where a buffer could not be allocated.
@@ -938,9 +928,8 @@ class Kernel:
             operands = {name: packed.as_batch(t, name in ("k", "v")) for name, t in operands.items()}
             lengths = packed.lengths
         plan, call = self._forward_call(
-            operands["q"], operands["k"], scale, list(tensors), scalars, lengths=lengths, value_dim=value_dim,
-            unclassified_kv_bytes=UNCLASSIFIED_KV_BYTES_MAX,
-        )  # fmt: skip
+            operands["q"], operands["k"], scale, list(tensors), scalars, lengths=lengths, value_dim=value_dim
+        )
         call["offset"] = 0
         operands["lse"] = lse
         ptrs = operands if packed is None else {**operands, **packed.buffers()}
@@ -1819,16 +1808,13 @@ class Kernel:
         lengths: Lengths | None = None,
         value_dim: int | None = None,
         memo: dict | None = None,
-        unclassified_kv_bytes: int = 0,
     ) -> tuple[CallPlan, dict[str, object]]:
         """The forward's plan and prepared call. Where many of the visible tiles are partial the
         AMX forward's wide key tiles narrow (TilePlan.for_partial_tiles); where a query tile sees
         enough keys that a kv head's K/V panels outgrow L2, a task takes more query rows
         (TilePlan.for_keys). Both count from the tile classes, so a sliding window's few visible
         tiles keep the L2-sized tasks at any M (taking 192 rows there cost 1.8x at N = 8192 on
-        Zen 4). `value_dim`: v's head dim (default k's). A padded problem of one query tile whose K
-        and V hold at most `unclassified_kv_bytes` (`UNCLASSIFIED_KV_BYTES_MAX`: kept launches) is
-        left unclassified, every tile partial."""
+        Zen 4). `value_dim`: v's head dim (default k's)."""
         plan = self.plan(q, k, scale, value_dim=value_dim)
         problem = plan.problem
         group = problem.H // max(problem.Hkv, 1)
@@ -1841,26 +1827,16 @@ class Kernel:
         side_by_side = page_size is not None or k.stride(1) < k.stride(2)  # kv heads within each key row
         if dot_products and problem.Hkv > 1 and side_by_side:
             plan = replace(plan, tiles=plan.tiles.for_side_by_side_decoding())
-        # (retiling only narrows Bc or widens Br: one query tile stays one)
-        unclassified = (
-            lengths is None
-            and page_size is None
-            and self.op.sparsity is not None
-            and self.op.sparsity.predicate is not None
-            and problem.N <= plan.tiles.block_rows
-            and problem.B * problem.Hkv * problem.M * (problem.D + problem.Dv) * k.element_size()
-            <= unclassified_kv_bytes
-        )
-        call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo, unclassified)
+        call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
         narrowed = plan.tiles.for_partial_tiles(call["partial_fraction"])  # type: ignore[arg-type]
         if narrowed is not plan.tiles:
             plan = replace(plan, tiles=narrowed)
-            call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo, unclassified)
+            call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
         visible = call["visible_keys"]
         streamed = plan.tiles.for_keys(visible)
         if streamed is not plan.tiles:
             plan = replace(plan, tiles=streamed)
-            call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo, unclassified)
+            call = self._prepare(plan, q.dtype, tensors, scalars, lengths, memo)
         call["by_rows"] = int(by_rows)  # (retiling only widens Br: the rows still fit one query tile)
         return plan, call
 
@@ -1885,7 +1861,6 @@ class Kernel:
         scalars: list[float],
         lengths: Lengths | None = None,
         memo: dict | None = None,
-        unclassified: bool = False,
     ) -> dict[str, object]:
         """`_prepare_call`'s result, placed on the kernel's device. The tile classes and read
         checks depend only on the sizes, scalars and tensor shapes, and on the values of the
@@ -1901,8 +1876,7 @@ class Kernel:
         holds a paged call's under this kernel's key instead. Host-read tensors given on the CPU
         to a GPU kernel (the transformers integration's key ranges) are copied to the device
         with the classes, once per key: no call reads them back from the GPU (a synchronisation
-        per layer) nor copies them there. `unclassified`: passed on (`_forward_call`), part of the
-        key."""
+        per layer) nor copies them there."""
         names = self.tensor_names
         given, values = tensors, ()
         on_host = frozenset(
@@ -1912,13 +1886,13 @@ class Kernel:
             tensors = [self._on_host(t) if n in self._host_reads else t for n, t in zip(names, tensors)]
             read = [t for n, t in zip(names, tensors) if n in self._host_reads]
             if sum(t.numel() for t in read) > PREPARED_VALUES_MAX:
-                return self._to_device(self._prepare_call(plan, dtype, tensors, scalars, lengths, unclassified))
+                return self._to_device(self._prepare_call(plan, dtype, tensors, scalars, lengths))
             values = (on_host, *(values_key(t) for t in read))
         tiles = (plan.tiles.block_rows, plan.tiles.block_cols)
         shapes = tuple(tuple(t.shape) for t in tensors)
         key: tuple = (
             plan.problem, tiles, dtype, signed_zeros((plan.scale_value,)), signed_zeros(scalars), shapes,
-            self._device_index(), unclassified,
+            self._device_index(),
         )  # fmt: skip
         calls = self._calls
         if lengths is not None and memo is not None and not values:
@@ -1930,7 +1904,7 @@ class Kernel:
         with self._lock:
             call = calls.get(key)
         if call is None:
-            call = self._to_device(self._prepare_call(plan, dtype, tensors, scalars, lengths, unclassified))
+            call = self._to_device(self._prepare_call(plan, dtype, tensors, scalars, lengths))
             per_call = {slot.ident for slot in self.abi.tensors if slot.name in names and slot.name not in on_host}
             call["tensors"] = {
                 ident: t for ident, t in call["tensors"].items() if ident not in per_call
@@ -1972,11 +1946,9 @@ class Kernel:
         tensors: list[torch.Tensor],
         scalars: list[float],
         lengths: Lengths | None = None,
-        unclassified: bool = False,
     ) -> dict[str, object]:
         """Kernel-ready runtime tensors (converted, contiguous), layout grids and tile classes
-        (with `lengths`, per sequence: tiles past a sequence's end are empty; `unclassified`, a
-        padded problem's tiles all partial: the kernel tests the mask at each score)."""
+        (with `lengths`, per sequence: tiles past a sequence's end are empty)."""
         acc = acc_dtype(dtype)
         names = [d for d in self.inputs if d.role == "tensor"]
         given = {d.name: t for d, t in zip(names, tensors)}
@@ -1987,26 +1959,21 @@ class Kernel:
         problem = plan.problem
         all_tensors = runtime_tensors(info, problem, given, scalar_map)
         exprs = self.op.per_score_expressions
-        block_rows, block_cols = plan.tiles.block_rows, plan.tiles.block_cols
         if problem.N and problem.M:
-            # (the reads checked at every position all the same: the kernel tests the mask at each)
             check_reads_and_divisors(exprs, problem, scalar_map, all_tensors, lengths)
-            if unclassified:
-                shape = (1, 1, -(-problem.N // block_rows), -(-problem.M // block_cols))
-                classes = torch.full(shape, PARTIAL, dtype=torch.uint8, device="cpu")
-            else:
-                classes = classify_tiles(info, problem, scalar_map, all_tensors, block_rows, block_cols, lengths)
+            classes = classify_tiles(
+                info, problem, scalar_map, all_tensors, plan.tiles.block_rows, plan.tiles.block_cols, lengths
+            )
         else:
             classes = torch.zeros((1, 1, 0, 0), dtype=torch.uint8, device="cpu")
-        unclassified = unclassified and classes.numel() > 0
         return {
             "classes": classes,
             "tensors": self._kernel_tensors(all_tensors, acc),
             "scalars": scalar_map,
             # (what `_forward_call` retiles by, counted with the classes, so once per prepared key:
             # ~30 us of a masked decoding call's host time when counted per call)
-            "partial_fraction": 1.0 if unclassified else partial_fraction(classes),
-            "visible_keys": problem.M if unclassified else visible_keys(classes, block_cols, problem.M),
+            "partial_fraction": partial_fraction(classes),
+            "visible_keys": visible_keys(classes, plan.tiles.block_cols, problem.M),
         }
 
     def _kernel_tensors(self, tensors: Mapping[str, torch.Tensor], acc: torch.dtype) -> dict[str, torch.Tensor]:
