@@ -907,13 +907,12 @@ def values_key(t: torch.Tensor) -> tuple:
     mask were ~60 us as a tuple of Python numbers); a negative-bit view by its values. (Not
     through numpy, which attncc does not require: without it every call whose host reads a
     runtime tensor raised "Numpy is not available" until session 58.)"""
-    if type(t) is torch.Tensor and t.device.type == "cpu" and not t.is_neg() and t.is_contiguous():
-        size = t.numel() * t.element_size()  # (as it is: a decoding call's key ranges are keyed on every call)
-        return (t.dtype, tuple(t.shape), ctypes.string_at(t.data_ptr(), size) if size else b"")
-    t = t.detach().resolve_neg()
-    t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
-    if type(t) is not torch.Tensor:  # (a subclass's memory may not be where data_ptr says: its bytes as numbers)
-        return (t.dtype, tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).tolist()))
+    # (a plain contiguous CPU tensor as it is: a decoding call's key ranges are keyed on every call)
+    if not (type(t) is torch.Tensor and t.device.type == "cpu" and not t.is_neg() and t.is_contiguous()):
+        t = t.detach().resolve_neg()
+        t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
+        if type(t) is not torch.Tensor:  # (a subclass's memory may not be where data_ptr says: its bytes as numbers)
+            return (t.dtype, tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).tolist()))
     size = t.numel() * t.element_size()
     return (t.dtype, tuple(t.shape), ctypes.string_at(t.data_ptr(), size) if size else b"")
 

@@ -1991,10 +1991,8 @@ class Kernel:
             # unnegated until session 57)
             t = t.detach().resolve_neg()
             t = (
-                t.to(acc)
-                if slot.ctype == "acc_t"
-                else t.to(torch.int64)
-                if slot.ctype == "int64_t"
+                t.to(want)
+                if want is not None
                 else t.contiguous().view(torch.uint8)  # (bool's bytes are 0 and 1: no pass over it)
                 if t.dtype == torch.bool
                 else (t != 0).to(torch.uint8)  # bool: any nonzero is true (256 must not wrap to 0)
